@@ -1,0 +1,27 @@
+"""The one exception hierarchy of cachetier.
+
+Callers catch :class:`CacheTierError` to handle anything the cache raises on purpose.
+Bad arguments from a caller are plain ``ValueError`` / ``TypeError``; a miss is ``None``.
+"""
+
+from __future__ import annotations
+
+
+class CacheTierError(Exception):
+    """Base class of every error cachetier raises on purpose."""
+
+
+class CorruptBlockError(CacheTierError):
+    """A stored record failed a check (magic, version, length, checksum, key or fingerprint).
+
+    Tiers turn this into a miss, delete the record and count it; it only reaches callers of
+    the low-level record decoder.
+    """
+
+
+class TierUnavailableError(CacheTierError):
+    """A tier's backing service (Redis, the sidecar, the disk) cannot be reached right now."""
+
+
+class CapacityError(CacheTierError):
+    """A block can never fit in a tier (it is larger than the tier's whole capacity)."""

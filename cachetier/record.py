@@ -1,0 +1,244 @@
+"""The self-describing binary record every tier stores a block as.
+
+Layout (little-endian)::
+
+    magic "CTKV" | version u16 | compression u8 | dtype u8 | ndim u8 | pad u8 | num_tokens u32
+    key 32B | namespace fingerprint 32B | aux_len u32 | payload_len u64 | raw_len u64
+    shape ndim x u64 | checksum u64 | aux (aux_len B) | payload (payload_len B)
+
+The checksum (xxh3-64) covers every byte of the record but itself, so a torn write, a flipped
+bit or a truncated file is always caught. The key and the fingerprint are checked against what
+the caller asked for, so a record can never be served under another key or another model.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import lz4.block
+import xxhash
+
+from cachetier.errors import CorruptBlockError
+from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
+
+MAGIC = b"CTKV"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+
+_FIXED = struct.Struct("<4sHBBBBI32s32sIQQ")
+_KEY_OFFSET = struct.calcsize("<4sHBBBBI")
+_DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(sorted(DTYPE_BYTES), 1)}
+_DTYPE_NAMES: dict[int, str] = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+class Compression(IntEnum):
+    """How a record's payload is stored."""
+
+    NONE = 0
+    LZ4 = 1
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlock:
+    """One full block of KV as the tiers see it: raw bytes plus what they claim to be.
+
+    Args:
+        key: the block's key (``cachetier.keys``).
+        fingerprint: the namespace fingerprint the key was computed under.
+        dtype: element type name of ``data``.
+        shape: shape of ``data`` in elements; its product times the dtype size is its length.
+        num_tokens: tokens the block covers (the layout's block size for a full block).
+        data: the raw payload. May be a read-only buffer shared with a tier: copy it before
+            writing to it.
+        aux: small side data that travels with the payload (e.g. fp8 scales), ``b""`` if none.
+    """
+
+    key: BlockHash
+    fingerprint: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    num_tokens: int
+    data: Buffer
+    aux: Buffer = b""
+
+    def __post_init__(self) -> None:
+        if len(self.key) != HASH_BYTES or len(self.fingerprint) != HASH_BYTES:
+            raise ValueError(f"key and fingerprint must be {HASH_BYTES} bytes each")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if not 0 < len(self.shape) <= MAX_NDIM or any(d < 0 for d in self.shape):
+            raise ValueError(f"shape {self.shape} must have 1..{MAX_NDIM} non-negative dims")
+        expected = math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        if memoryview(self.data).nbytes != expected:
+            raise ValueError(
+                f"data has {memoryview(self.data).nbytes} bytes, shape {self.shape} of "
+                f"{self.dtype} needs {expected}"
+            )
+        if self.num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {self.num_tokens}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload and side data (what capacities count for in-memory tiers)."""
+        return memoryview(self.data).nbytes + len(self.aux)
+
+
+def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) -> list[Buffer]:
+    """Encode ``block`` as a list of buffers whose concatenation is its record.
+
+    Returning parts lets a file or a socket take them with one vectored write instead of a
+    join that copies the payload.
+
+    Args:
+        block: the block to encode.
+        compression: ``LZ4`` compresses the payload unless that does not make it smaller.
+
+    Returns:
+        ``[header, aux, payload]``.
+    """
+    raw = memoryview(block.data).cast("B")
+    payload: Buffer = raw
+    used = Compression.NONE
+    if compression == Compression.LZ4 and raw.nbytes:
+        packed = lz4.block.compress(raw, store_size=False)
+        if len(packed) < raw.nbytes:
+            payload, used = packed, Compression.LZ4
+    shape = struct.pack(f"<{len(block.shape)}Q", *block.shape)
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        int(used),
+        _DTYPE_CODES[block.dtype],
+        len(block.shape),
+        0,
+        block.num_tokens,
+        block.key,
+        block.fingerprint,
+        len(block.aux),
+        len(payload),
+        raw.nbytes,
+    )
+    head = fixed + shape
+    digest = xxhash.xxh3_64(head)
+    digest.update(block.aux)
+    digest.update(payload)
+    return [head + digest.digest(), block.aux, payload]
+
+
+def encode_record(block: KVBlock, compression: Compression = Compression.NONE) -> bytes:
+    """Encode ``block`` as one record (see the module docstring for the layout).
+
+    Args:
+        block: the block to encode.
+        compression: payload compression; falls back to none if it does not help.
+
+    Returns:
+        The record bytes.
+    """
+    return b"".join(encode_parts(block, compression))
+
+
+def peek_key(record: Buffer) -> BlockHash | None:
+    """The key a record claims, without checking it (``None`` if it is too short to say)."""
+    view = memoryview(record)
+    if view.nbytes < _FIXED.size or bytes(view[:4]) != MAGIC:
+        return None
+    return BlockHash(bytes(view[_KEY_OFFSET : _KEY_OFFSET + HASH_BYTES]))
+
+
+def decode_record(
+    record: Buffer,
+    *,
+    key: bytes | None = None,
+    fingerprint: bytes | None = None,
+) -> KVBlock:
+    """Decode and check a record.
+
+    Args:
+        record: the record bytes; an uncompressed payload is returned as a view into it.
+        key: the key the caller asked for; a record naming another key is rejected.
+        fingerprint: the namespace fingerprint the caller expects, if it knows one.
+
+    Returns:
+        The block.
+
+    Raises:
+        CorruptBlockError: truncated or oversized record, bad magic, unknown version, dtype or
+            compression, inconsistent sizes, bad checksum, or another key / fingerprint.
+    """
+    view = memoryview(record).cast("B") if not isinstance(record, bytes) else memoryview(record)
+    total = view.nbytes
+    if total < _FIXED.size:
+        raise CorruptBlockError(f"record of {total} bytes is shorter than its header")
+    (
+        magic,
+        version,
+        comp,
+        dtype_code,
+        ndim,
+        _pad,
+        num_tokens,
+        rec_key,
+        rec_fp,
+        aux_len,
+        payload_len,
+        raw_len,
+    ) = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError("record has a bad magic number")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"record format version {version} is not {FORMAT_VERSION}")
+    if not 0 < ndim <= MAX_NDIM:
+        raise CorruptBlockError(f"record claims {ndim} dimensions")
+    head_len = _FIXED.size + 8 * ndim
+    if total != head_len + 8 + aux_len + payload_len:
+        raise CorruptBlockError(
+            f"record is {total} bytes, its header claims {head_len + 8 + aux_len + payload_len}"
+        )
+    digest = xxhash.xxh3_64(view[:head_len])
+    digest.update(view[head_len + 8 :])
+    if digest.digest() != bytes(view[head_len : head_len + 8]):
+        raise CorruptBlockError("record checksum does not match its contents")
+    # From here the bytes are as written; what remains is whether they are what was asked for.
+    if key is not None and rec_key != key:
+        raise CorruptBlockError("record belongs to another key")
+    if fingerprint is not None and rec_fp != fingerprint:
+        raise CorruptBlockError("record belongs to another namespace (model, layout or tenant)")
+    dtype = _DTYPE_NAMES.get(dtype_code)
+    if dtype is None:
+        raise CorruptBlockError(f"record has an unknown dtype code {dtype_code}")
+    shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
+    if math.prod(shape) * DTYPE_BYTES[dtype] != raw_len:
+        raise CorruptBlockError(f"record shape {shape} of {dtype} does not match {raw_len} bytes")
+    body = head_len + 8
+    aux = bytes(view[body : body + aux_len])
+    stored = view[body + aux_len :]
+    if comp == Compression.NONE:
+        if payload_len != raw_len:
+            raise CorruptBlockError("uncompressed record has a payload of the wrong size")
+        data: Buffer = stored
+    elif comp == Compression.LZ4:
+        try:
+            data = lz4.block.decompress(stored, uncompressed_size=raw_len)
+        except lz4.block.LZ4BlockError as exc:
+            raise CorruptBlockError(f"lz4 payload does not decompress: {exc}") from None
+        if len(data) != raw_len:
+            raise CorruptBlockError("lz4 payload decompressed to the wrong size")
+    else:
+        raise CorruptBlockError(f"record has an unknown compression code {comp}")
+    try:
+        return KVBlock(BlockHash(rec_key), rec_fp, dtype, tuple(shape), num_tokens, data, aux)
+    except ValueError as exc:
+        raise CorruptBlockError(f"record does not describe a valid block: {exc}") from None
+
+
+def record_nbytes(parts: Sequence[Buffer]) -> int:
+    """Total length of a record given as parts."""
+    return sum(memoryview(p).nbytes for p in parts)

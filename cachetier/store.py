@@ -1,0 +1,314 @@
+"""``TieredStore``: an ordered stack of tiers (e.g. CPU -> disk -> Redis) behind one interface.
+
+- A lookup finds the longest prefix of keys present in *any* tier (block i may sit in CPU and
+  block i+1 on disk).
+- A hit in a lower tier is promoted: written to the first tier at once and to the tiers in
+  between in the background.
+- A put goes to the first tier at once and is written through to the lower tiers by one
+  background writer per tier, each with a bounded queue; what does not fit in a queue is
+  dropped and counted, so a slow Redis never stalls the serving loop. With write-through the
+  lower tiers already hold what an upper tier evicts, so nothing needs to spill on eviction.
+- ``flush()`` waits until every queued write has been applied.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cachetier.keys import BlockHash
+from cachetier.record import KVBlock
+from cachetier.stats import TierStats
+from cachetier.tiers.base import Tier, check_namespace
+
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Where the leading stored blocks of a key list are.
+
+    Args:
+        num_blocks: length of the leading run present in some tier.
+        spans: ``(tier index, start, end)`` ranges covering ``[0, num_blocks)`` in order.
+        tier_names: names of the store's tiers, indexed like ``spans``.
+    """
+
+    num_blocks: int
+    spans: tuple[tuple[int, int, int], ...]
+    tier_names: tuple[str, ...]
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        """How many of the leading blocks each tier holds (tiers with none are left out)."""
+        out: dict[str, int] = {}
+        for tier, start, end in self.spans:
+            name = self.tier_names[tier]
+            out[name] = out.get(name, 0) + end - start
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredPrefix:
+    """Blocks restored for the leading keys, and which tier each came from."""
+
+    blocks: tuple[KVBlock, ...]
+    sources: tuple[str, ...]
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.sources:
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+class _Writer:
+    """One background thread applying queued puts to one lower tier."""
+
+    def __init__(self, tier: Tier, max_blocks: int, stats: TierStats) -> None:
+        self.tier = tier
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._max_blocks = max_blocks
+        self._pending_blocks = 0
+        self._lock = threading.Lock()
+        self._stats = stats
+        self._thread = threading.Thread(
+            target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
+        with self._lock:
+            if self._pending_blocks + len(blocks) > self._max_blocks:
+                self._stats.add(rejected=len(blocks))
+                return False
+            self._pending_blocks += len(blocks)
+        self._queue.put((namespace, blocks))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                namespace, blocks = item
+                try:
+                    self.tier.put_many(namespace, blocks)
+                except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
+                    self._stats.add(errors=len(blocks))
+                with self._lock:
+                    self._pending_blocks -= len(blocks)
+            finally:
+                self._queue.task_done()
+
+    def pending_blocks(self) -> int:
+        with self._lock:
+            return self._pending_blocks
+
+    def join(self, deadline: float | None) -> bool:
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+
+
+class TieredStore(Tier):
+    """Tiers searched in order, written to the first at once and to the rest in the background.
+
+    Args:
+        tiers: the tiers, fastest first. The store owns them and closes them on ``close()``.
+        write_queue_blocks: most blocks queued per lower tier before puts are dropped.
+        promote: copy hits from lower tiers into the tiers above them.
+    """
+
+    name = "tiered"
+
+    def __init__(
+        self, tiers: Sequence[Tier], *, write_queue_blocks: int = 4096, promote: bool = True
+    ) -> None:
+        super().__init__()
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        if write_queue_blocks <= 0:
+            raise ValueError(f"write_queue_blocks must be positive, got {write_queue_blocks}")
+        self._tiers = list(tiers)
+        self._promote = promote
+        self._names = tuple(tier.name for tier in self._tiers)
+        self._writers = [_Writer(t, write_queue_blocks, self._stats) for t in self._tiers[1:]]
+        self._closed = False
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(self._tiers)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        caps = [tier.capacity_bytes for tier in self._tiers]
+        return None if any(c is None for c in caps) else sum(c for c in caps if c is not None)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(tier.used_bytes for tier in self._tiers)
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        check_namespace(namespace)
+        if not blocks:
+            return 0
+        blocks = list(blocks)
+        stored = self._tiers[0].put_many(namespace, blocks)
+        for writer in self._writers:
+            writer.submit(namespace, blocks)
+        self._stats.add(puts=len(blocks))
+        return stored
+
+    def lookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+        """Find the leading run of ``keys`` stored in any tier, without reading blocks.
+
+        Args:
+            namespace: storage namespace.
+            keys: block keys in sequence order.
+
+        Returns:
+            The run's length and which tier holds which part of it.
+        """
+        check_namespace(namespace)
+        spans: list[tuple[int, int, int]] = []
+        pos = 0
+        while pos < len(keys):
+            for index, tier in enumerate(self._tiers):
+                found = tier.contains_prefix(namespace, keys[pos:])
+                if found:
+                    spans.append((index, pos, pos + found))
+                    pos += found
+                    break
+            else:
+                break
+        return PrefixHit(pos, tuple(spans), self._names)
+
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        return self.lookup(namespace, keys).num_blocks
+
+    def restore_prefix(
+        self, namespace: str, keys: Sequence[BlockHash], *, fingerprint: bytes | None = None
+    ) -> RestoredPrefix:
+        """Fetch the leading run of stored blocks for ``keys``.
+
+        Args:
+            namespace: storage namespace.
+            keys: block keys in sequence order.
+            fingerprint: namespace fingerprint the blocks must carry; others count as misses.
+
+        Returns:
+            The blocks of the longest leading run that could actually be read (a block that
+            vanished or failed its checks between lookup and read ends the run there).
+        """
+        hit = self.lookup(namespace, keys)
+        return self._read(namespace, keys[: hit.num_blocks], fingerprint, stop_at_miss=True)
+
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        check_namespace(namespace)
+        found, _ = self._fetch(namespace, keys, None)
+        return found
+
+    def _read(
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        fingerprint: bytes | None,
+        *,
+        stop_at_miss: bool,
+    ) -> RestoredPrefix:
+        found, sources = self._fetch(namespace, keys, fingerprint)
+        blocks: list[KVBlock] = []
+        names: list[str] = []
+        for block, source in zip(found, sources):
+            if block is None:
+                if stop_at_miss:
+                    break
+                continue
+            blocks.append(block)
+            names.append(self._names[source])
+        return RestoredPrefix(tuple(blocks), tuple(names))
+
+    def _fetch(
+        self, namespace: str, keys: Sequence[BlockHash], fingerprint: bytes | None
+    ) -> tuple[list[KVBlock | None], list[int]]:
+        start = time.perf_counter()
+        found: list[KVBlock | None] = [None] * len(keys)
+        sources = [-1] * len(keys)
+        missing = list(range(len(keys)))
+        foreign = 0
+        for index, tier in enumerate(self._tiers):
+            if not missing:
+                break
+            got = tier.get_many(namespace, [keys[i] for i in missing])
+            still: list[int] = []
+            promoted: list[KVBlock] = []
+            for i, block in zip(missing, got):
+                if block is None:
+                    still.append(i)
+                elif block.key != keys[i] or (
+                    fingerprint is not None and block.fingerprint != fingerprint
+                ):
+                    foreign += 1
+                    still.append(i)
+                else:
+                    found[i] = block
+                    sources[i] = index
+                    promoted.append(block)
+            if promoted and index > 0 and self._promote:
+                self._tiers[0].put_many(namespace, promoted)
+                for writer in self._writers[: index - 1]:
+                    writer.submit(namespace, promoted)
+            missing = still
+        hits = len(keys) - len(missing)
+        self._stats.add(hits=hits, misses=len(missing), corrupt=foreign)
+        self._stats.observe(time.perf_counter() - start)
+        return found, sources
+
+    def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        self.flush()
+        return max((tier.delete(namespace, keys) for tier in self._tiers), default=0)
+
+    def clear(self, namespace: str) -> int:
+        self.flush()
+        return max((tier.clear(namespace) for tier in self._tiers), default=0)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued background write has been applied.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` waits as long as it takes.
+
+        Returns:
+            ``True`` if everything was written, ``False`` on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(writer.join(deadline) for writer in self._writers)
+
+    def stats(self) -> dict[str, Any]:
+        """Store-level counters (``rejected`` = blocks dropped from full write queues), queue
+        depths, and each tier's own stats under ``tiers``."""
+        out = super().stats()
+        out["pending_writes"] = {w.tier.name: w.pending_blocks() for w in self._writers}
+        out["tiers"] = {tier.name: tier.stats() for tier in self._tiers}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout=30)
+        for writer in self._writers:
+            writer.stop()
+        for tier in self._tiers:
+            tier.close()

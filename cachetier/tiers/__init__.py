@@ -1,0 +1,1 @@
+"""Tier implementations behind the one ``Tier`` interface."""

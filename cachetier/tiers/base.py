@@ -1,0 +1,135 @@
+"""The interface every tier implements, and what the implementations share."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cachetier.keys import BlockHash
+from cachetier.record import KVBlock
+from cachetier.stats import TierStats
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+EvictCallback = Callable[[str, KVBlock], None]
+"""Called with (namespace, block) for each block a tier evicts, so a store can spill it down."""
+
+
+def check_namespace(namespace: str) -> str:
+    """Validate a storage namespace (it becomes a folder name and a Redis key prefix).
+
+    Args:
+        namespace: 1-128 characters of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_``
+            or ``-``; ``Namespace.id`` always qualifies.
+
+    Returns:
+        ``namespace`` unchanged.
+    """
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise ValueError(
+            f"namespace {namespace!r} must be 1-128 characters of [A-Za-z0-9._-] starting "
+            "with a letter or digit"
+        )
+    return namespace
+
+
+class Tier(ABC):
+    """A store of KV blocks under (namespace, key), with a byte capacity.
+
+    Every method is batched and thread-safe. A miss is ``None``; a backing service that fails
+    is a miss plus a counted error, never an exception (bad arguments still raise).
+    """
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self._stats = TierStats()
+
+    @abstractmethod
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        """Store blocks (overwriting any under the same key).
+
+        Args:
+            namespace: storage namespace (see ``check_namespace``).
+            blocks: the blocks; each is stored under its own ``key``.
+
+        Returns:
+            How many were stored.
+        """
+
+    @abstractmethod
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        """Fetch blocks.
+
+        Args:
+            namespace: storage namespace.
+            keys: keys to fetch.
+
+        Returns:
+            One entry per key: the checked block, or ``None`` on a miss.
+        """
+
+    @abstractmethod
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """How many leading keys are stored (without reading the blocks).
+
+        Args:
+            namespace: storage namespace.
+            keys: keys in sequence order.
+
+        Returns:
+            Length of the leading run of stored keys.
+        """
+
+    @abstractmethod
+    def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Remove blocks.
+
+        Returns:
+            How many were present and removed.
+        """
+
+    @abstractmethod
+    def clear(self, namespace: str) -> int:
+        """Remove every block of one namespace.
+
+        Returns:
+            How many were removed (best effort for shared remote stores).
+        """
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Capacity in bytes, ``None`` where the backing service enforces its own."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes this tier accounts for now."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and latency of this tier (see ``TierStats``), plus capacity and use."""
+        out = self._stats.snapshot()
+        out["tier"] = self.name
+        out["capacity_bytes"] = self.capacity_bytes
+        out["used_bytes"] = self.used_bytes
+        return out
+
+    def close(self) -> None:
+        """Release resources; the tier must not be used afterwards."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def first_miss(found: Sequence[Any]) -> int:
+    """Index of the first ``None`` in ``found``, or its length."""
+    for i, item in enumerate(found):
+        if item is None:
+            return i
+    return len(found)

@@ -1,0 +1,155 @@
+"""In-process tier: blocks in host memory under a byte capacity."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachetier.eviction import make_policy
+from cachetier.keys import BlockHash
+from cachetier.record import KVBlock
+from cachetier.tiers.base import EvictCallback, Tier, check_namespace
+
+
+@dataclass(frozen=True, slots=True)
+class CPUTierConfig:
+    """Args:
+    capacity_bytes: most payload bytes held at once.
+    policy: eviction policy name (``cachetier.eviction.POLICIES``).
+    """
+
+    capacity_bytes: int
+    policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+
+
+class CPUTier(Tier):
+    """Blocks kept as immutable ``bytes`` in this process.
+
+    A get hands back the stored block itself (no copy): its ``data`` is immutable ``bytes``, so
+    the caller may keep it as long as it likes and copies it where it needs it (e.g. into a
+    paged KV pool). A put copies a mutable payload once so the tier owns what it holds.
+    Records are not re-checked on a get: the bytes never left this process's memory.
+    """
+
+    name = "cpu"
+
+    def __init__(self, config: CPUTierConfig, on_evict: EvictCallback | None = None) -> None:
+        super().__init__()
+        self._config = config
+        self._blocks: dict[tuple[str, bytes], KVBlock] = {}
+        self._policy = make_policy(config.policy)
+        self._used = 0
+        self._lock = threading.Lock()
+        self._on_evict = on_evict
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._config.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        check_namespace(namespace)
+        start = time.perf_counter()
+        owned = [_owned(block) for block in blocks]
+        evicted: list[tuple[str, KVBlock]] = []
+        stored = rejected = nbytes = 0
+        with self._lock:
+            for block in owned:
+                size = block.nbytes
+                if size > self._config.capacity_bytes:
+                    rejected += 1
+                    continue
+                slot = (namespace, block.key)
+                old = self._blocks.get(slot)
+                if old is not None:
+                    self._used -= old.nbytes
+                    self._policy.touch(slot)
+                else:
+                    self._policy.insert(slot)
+                self._blocks[slot] = block
+                self._used += size
+                stored += 1
+                nbytes += size
+                while self._used > self._config.capacity_bytes:
+                    victim = self._policy.pop_victim()
+                    assert victim is not None, "capacity exceeded with nothing left to evict"
+                    gone = self._blocks.pop(victim)  # type: ignore[call-overload]
+                    self._used -= gone.nbytes
+                    evicted.append((victim[0], gone))  # type: ignore[index]
+        self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, evictions=len(evicted))
+        self._stats.observe(time.perf_counter() - start)
+        if self._on_evict is not None:
+            # Outside the lock: the callback may block on a bounded queue.
+            for ns, block in evicted:
+                self._on_evict(ns, block)
+        return stored
+
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        check_namespace(namespace)
+        start = time.perf_counter()
+        out: list[KVBlock | None] = []
+        hits = nbytes = 0
+        with self._lock:
+            for key in keys:
+                slot = (namespace, key)
+                block = self._blocks.get(slot)
+                if block is not None:
+                    self._policy.touch(slot)
+                    hits += 1
+                    nbytes += block.nbytes
+                out.append(block)
+        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes)
+        self._stats.observe(time.perf_counter() - start)
+        return out
+
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        count = 0
+        with self._lock:
+            for key in keys:
+                if (namespace, key) not in self._blocks:
+                    break
+                count += 1
+        return count
+
+    def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        removed = 0
+        with self._lock:
+            for key in keys:
+                block = self._blocks.pop((namespace, key), None)
+                if block is not None:
+                    self._policy.remove((namespace, key))
+                    self._used -= block.nbytes
+                    removed += 1
+        return removed
+
+    def clear(self, namespace: str) -> int:
+        check_namespace(namespace)
+        with self._lock:
+            slots = [slot for slot in self._blocks if slot[0] == namespace]
+        return self.delete(namespace, [BlockHash(slot[1]) for slot in slots])
+
+
+def _owned(block: KVBlock) -> KVBlock:
+    """The block with an immutable payload the tier can hold on to."""
+    if isinstance(block.data, bytes) and isinstance(block.aux, bytes):
+        return block
+    return KVBlock(
+        block.key,
+        block.fingerprint,
+        block.dtype,
+        block.shape,
+        block.num_tokens,
+        bytes(block.data),
+        bytes(block.aux),
+    )

