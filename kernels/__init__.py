@@ -1,0 +1,33 @@
+"""KV-cache kernels for the paged engine: plain-torch references and Triton kernels.
+
+The pool layout is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (see
+``kernels.layout``). Every public function takes ``backend="auto" | "torch" | "triton"``;
+``"auto"`` runs Triton on GPU tensors and plain torch otherwise. Importing this package never
+imports Triton: the Triton modules load on the first call that needs them.
+"""
+
+from kernels.backend import BACKENDS, resolve_backend
+from kernels.cache_ops import (
+    gather_blocks,
+    gather_blocks_ref,
+    scatter_blocks,
+    scatter_blocks_ref,
+    store_kvcache,
+    store_kvcache_ref,
+)
+from kernels.layout import KVCacheLayout
+from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+
+__all__ = [
+    "BACKENDS",
+    "KVCacheLayout",
+    "gather_blocks",
+    "gather_blocks_ref",
+    "paged_attention_decode",
+    "paged_attention_decode_ref",
+    "resolve_backend",
+    "scatter_blocks",
+    "scatter_blocks_ref",
+    "store_kvcache",
+    "store_kvcache_ref",
+]

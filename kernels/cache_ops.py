@@ -1,0 +1,196 @@
+"""Writing tokens into the paged KV pool, and copying whole blocks out of it and back.
+
+Each operation has a plain-torch ``*_ref`` (the CPU path and the tests' oracle) and a Triton
+kernel in ``kernels.triton_cache_ops``; the public function checks its inputs and dispatches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import resolve_backend
+from kernels.layout import (
+    INDEX_DTYPES,
+    KV_DTYPES,
+    KVCacheLayout,
+    check_index_range,
+    check_same_dtype,
+    check_tensor,
+)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Writes one layer's K and V of each token into its slot of the pool, in place.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]``, the pool's dtype.
+        value: same shape and dtype as ``key``.
+        kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        layer: which layer's K/V to write.
+        slot_mapping: ``[num_tokens]`` int64 (or int32); slot = ``block_id * block_size +
+            offset``, and ``-1`` skips the token (padding). Slots must be distinct.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, or a slot out of range.
+    """
+    layout = KVCacheLayout.from_cache(kv_cache)
+    layout.check_layer(layer)
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(name, t, ndim=3, dtypes=KV_DTYPES)
+        check_same_dtype(name, t, kv_cache)
+    expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise ValueError(
+            f"key and value must both be [num_tokens, num_kv_heads, head_dim] = {expected}, "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
+        )
+    check_index_range("slot_mapping", slot_mapping, -1, layout.num_slots)
+
+    if resolve_backend(backend, key, value, kv_cache, slot_mapping) == "triton":
+        from kernels.triton_cache_ops import store_kvcache_triton
+
+        store_kvcache_triton(key, value, kv_cache, layer, slot_mapping, layout)
+    else:
+        store_kvcache_ref(key, value, kv_cache, layer, slot_mapping)
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch ``store_kvcache`` (no input checks)."""
+    block_size = kv_cache.shape[3]
+    written = slot_mapping >= 0  # [num_tokens] bool
+    slots = slot_mapping[written].long()
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    # Indexing [block, layer, kv, offset] leaves [n, num_kv_heads, head_dim] per side.
+    kv_cache[block_ids, layer, 0, offsets] = key[written]
+    kv_cache[block_ids, layer, 1, offsets] = value[written]
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Copies whole blocks (all layers, K and V) out of the pool into a staging buffer.
+
+    Args:
+        kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        block_ids: ``[n]`` int32/int64 pool block ids; repeats are allowed.
+        out: optional contiguous buffer ``[n, num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` of the pool's dtype and device to write into.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+
+    Returns:
+        ``out`` (or a new contiguous tensor of that shape) with ``out[i] = kv_cache[block_ids[i]]``.
+
+    Raises:
+        ValueError: a bad shape, dtype or device, or a block id out of range.
+    """
+    layout = _check_block_ids(kv_cache, block_ids)
+    shape = (block_ids.shape[0], *kv_cache.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    else:
+        _check_staging("out", out, shape, kv_cache, contiguous=True)
+
+    if resolve_backend(backend, kv_cache, block_ids, out) == "triton":
+        from kernels.triton_cache_ops import copy_blocks_triton
+
+        copy_blocks_triton(kv_cache, out, block_ids, layout, gather=True)
+    else:
+        gather_blocks_ref(kv_cache, block_ids, out)
+    return out
+
+
+def gather_blocks_ref(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Plain-torch ``gather_blocks`` into ``out`` (no input checks)."""
+    return torch.index_select(kv_cache, 0, block_ids, out=out)
+
+
+def scatter_blocks(
+    staging: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Copies whole blocks from a staging buffer into the pool, in place (inverse of gather).
+
+    Args:
+        staging: ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``, the pool's dtype.
+        kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        block_ids: ``[n]`` int32/int64 distinct pool block ids; ``kv_cache[block_ids[i]] =
+            staging[i]``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+
+    Raises:
+        ValueError: a bad shape, dtype or device, a block id out of range, or a repeated id
+            (two writes to one block would race).
+    """
+    layout = _check_block_ids(kv_cache, block_ids)
+    shape = (block_ids.shape[0], *kv_cache.shape[1:])
+    _check_staging("staging", staging, shape, kv_cache, contiguous=False)
+    if torch.unique(block_ids).numel() != block_ids.numel():
+        raise ValueError("block_ids passed to scatter_blocks must be distinct")
+
+    if resolve_backend(backend, staging, kv_cache, block_ids) == "triton":
+        from kernels.triton_cache_ops import copy_blocks_triton
+
+        # The kernel reads each staged block as one flat row.
+        copy_blocks_triton(staging.contiguous(), kv_cache, block_ids, layout, gather=False)
+    else:
+        scatter_blocks_ref(staging, kv_cache, block_ids)
+
+
+def scatter_blocks_ref(
+    staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor
+) -> None:
+    """Plain-torch ``scatter_blocks`` (no input checks)."""
+    kv_cache.index_copy_(0, block_ids.long(), staging)
+
+
+def _check_block_ids(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> KVCacheLayout:
+    layout = KVCacheLayout.from_cache(kv_cache)
+    check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES)
+    check_index_range("block_ids", block_ids, 0, layout.num_blocks)
+    return layout
+
+
+def _check_staging(
+    name: str,
+    staging: torch.Tensor,
+    shape: tuple[int, ...],
+    kv_cache: torch.Tensor,
+    *,
+    contiguous: bool,
+) -> None:
+    check_tensor(name, staging, ndim=6, dtypes=KV_DTYPES)
+    check_same_dtype(name, staging, kv_cache)
+    if tuple(staging.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(staging.shape)}")
+    if contiguous and not staging.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
