@@ -33,7 +33,8 @@ class CPUTier(Tier):
 
     A get hands back the stored block itself (no copy): its ``data`` is immutable ``bytes``, so
     the caller may keep it as long as it likes and copies it where it needs it (e.g. into a
-    paged KV pool). A put copies a mutable payload once so the tier owns what it holds.
+    paged KV pool). A put copies a mutable payload once so the tier owns what it holds; bytes
+    and read-only memoryviews are kept as they are.
     Records are not re-checked on a get: the bytes never left this process's memory.
     """
 
@@ -140,9 +141,15 @@ class CPUTier(Tier):
         return self.delete(namespace, [BlockHash(slot[1]) for slot in slots])
 
 
+def _immutable(buf: object) -> bool:
+    # A read-only memoryview is taken as a hand-over: the caller gives up the memory under it
+    # (the engine passes views of a staging buffer it never touches again), saving a copy.
+    return isinstance(buf, bytes) or (isinstance(buf, memoryview) and buf.readonly)
+
+
 def _owned(block: KVBlock) -> KVBlock:
     """The block with an immutable payload the tier can hold on to."""
-    if isinstance(block.data, bytes) and isinstance(block.aux, bytes):
+    if _immutable(block.data) and _immutable(block.aux):
         return block
     return KVBlock(
         block.key,

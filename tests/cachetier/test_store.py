@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from cachetier.config import StoreConfig, build_store
+from cachetier.keys import Namespace
+from cachetier.record import KVBlock
+from cachetier.store import TieredStore
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from tests.support import SMALL_LAYOUT, make_blocks
+
+BIG = 1 << 30
+
+
+def _stack(tmp_path: Path, cpu_bytes: int = BIG) -> TieredStore:
+    return TieredStore(
+        [
+            CPUTier(CPUTierConfig(cpu_bytes)),
+            DiskTier(DiskTierConfig(str(tmp_path / "disk"), BIG, fsync=False)),
+        ]
+    )
+
+
+def test_put_writes_through_to_lower_tiers(tmp_path: Path, namespace: Namespace) -> None:
+    store = _stack(tmp_path)
+    blocks = make_blocks(namespace, 3)
+    store.put_many(namespace.id, blocks)
+    assert store.flush(timeout=10)
+    disk = store.tiers[1]
+    assert disk.contains_prefix(namespace.id, [b.key for b in blocks]) == 3
+    store.close()
+
+
+def test_lookup_spans_tiers_and_restores_the_leading_run(tmp_path: Path, namespace: Namespace) -> None:
+    store = _stack(tmp_path)
+    cpu, disk = store.tiers
+    blocks = make_blocks(namespace, 6)
+    keys = [b.key for b in blocks]
+    cpu.put_many(namespace.id, blocks[:2])
+    disk.put_many(namespace.id, blocks[2:4])
+    cpu.put_many(namespace.id, [blocks[5]])  # after a gap: not part of the prefix
+    hit = store.lookup(namespace.id, keys)
+    assert hit.num_blocks == 4
+    assert hit.spans == ((0, 0, 2), (1, 2, 4))
+    assert hit.blocks_per_tier() == {"cpu": 2, "disk": 2}
+    restored = store.restore_prefix(namespace.id, keys, fingerprint=namespace.fingerprint)
+    assert [b.key for b in restored.blocks] == keys[:4]
+    assert restored.sources == ("cpu", "cpu", "disk", "disk")
+    # The disk hits were promoted to the CPU tier.
+    assert cpu.contains_prefix(namespace.id, keys) == 4
+    store.close()
+
+
+def test_blocks_of_another_namespace_fingerprint_are_misses(tmp_path: Path, namespace: Namespace) -> None:
+    store = _stack(tmp_path)
+    blocks = make_blocks(namespace, 2)
+    store.put_many(namespace.id, blocks)
+    other = Namespace("other", SMALL_LAYOUT)
+    restored = store.restore_prefix(
+        namespace.id, [b.key for b in blocks], fingerprint=other.fingerprint
+    )
+    assert restored.blocks == ()
+    assert store.stats()["corrupt"] == 2
+    store.close()
+
+
+def test_a_read_that_fails_after_lookup_ends_the_prefix(tmp_path: Path, namespace: Namespace) -> None:
+    store = _stack(tmp_path)
+    blocks = make_blocks(namespace, 4)
+    store.put_many(namespace.id, blocks)
+    store.flush()
+    disk = store.tiers[1]
+    assert isinstance(disk, DiskTier)
+    store.tiers[0].delete(namespace.id, [blocks[1].key])
+    disk.path_of(namespace.id, blocks[1].key).write_bytes(b"torn")
+    restored = store.restore_prefix(namespace.id, [b.key for b in blocks])
+    assert [b.key for b in restored.blocks] == [blocks[0].key]
+    store.close()
+
+
+def test_restart_of_the_stack_finds_blocks_on_disk(tmp_path: Path, namespace: Namespace) -> None:
+    blocks = make_blocks(namespace, 5)
+    keys = [b.key for b in blocks]
+    with _stack(tmp_path) as store:
+        store.put_many(namespace.id, blocks)
+    with _stack(tmp_path) as store:  # close() flushed the background writes
+        restored = store.restore_prefix(namespace.id, keys)
+        assert [bytes(b.data) for b in restored.blocks] == [bytes(b.data) for b in blocks]
+        assert set(restored.sources) == {"disk"}
+
+
+class _SlowTier(CPUTier):
+    """A lower tier that blocks until released: stands in for a stalled Redis."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        super().__init__(CPUTierConfig(BIG))
+        self.release = threading.Event()
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        self.release.wait(timeout=30)
+        return super().put_many(namespace, blocks)
+
+
+def test_a_stalled_lower_tier_never_blocks_puts_and_overflow_is_counted(namespace: Namespace) -> None:
+    slow = _SlowTier()
+    store = TieredStore([CPUTier(CPUTierConfig(BIG)), slow], write_queue_blocks=4)
+    blocks = make_blocks(namespace, 10)
+    for block in blocks:  # each returns at once although the lower tier is stuck
+        assert store.put_many(namespace.id, [block]) == 1
+    assert store.flush(timeout=0.05) is False
+    assert store.stats()["rejected"] >= 5
+    slow.release.set()
+    assert store.flush(timeout=10)
+    assert store.stats()["pending_writes"] == {"slow": 0}
+    store.close()
+
+
+def test_config_builds_the_embedded_default(tmp_path: Path, namespace: Namespace) -> None:
+    config = StoreConfig.from_env(
+        {"CACHETIER_CPU_BYTES": "1000000", "CACHETIER_DISK_PATH": str(tmp_path / "d")}
+    )
+    assert config.cpu_bytes == 1_000_000 and config.redis_url is None
+    with build_store(config) as store:
+        assert [t.name for t in store.tiers] == ["cpu", "disk"]
+        store.put_many(namespace.id, make_blocks(namespace, 1))
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="at least one tier"):
+        StoreConfig(cpu_bytes=0)
+    with pytest.raises(ValueError, match="compression"):
+        StoreConfig(compression="zstd")
+    with pytest.raises(ValueError, match="not a number"):
+        StoreConfig.from_env({"CACHETIER_CPU_BYTES": "lots"})
+
+
+def test_empty_store_is_refused() -> None:
+    with pytest.raises(ValueError):
+        TieredStore([])
+
+
