@@ -109,6 +109,15 @@ class CircuitBreaker:
         with self._lock:
             return self._state
 
+    @property
+    def is_open(self) -> bool:
+        """Whether ``allow()`` would refuse now; a peek that never takes the trial.
+
+        Lets a caller skip costly preparation (encoding a batch) for a call it cannot make.
+        """
+        with self._lock:
+            return self._state is BreakerState.OPEN and self._clock() < self._retry_at
+
     def allow(self) -> bool:
         """Whether the caller may call the service now.
 

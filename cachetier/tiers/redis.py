@@ -225,8 +225,10 @@ def make_client(config: RedisTierConfig) -> redis.Redis:
 
     Returns:
         A client over a blocking pool of ``max_connections`` connections. redis-py's own
-        retries are off: the tier's circuit breaker is the one retry policy, so a call never
-        waits longer than one connect plus one socket timeout.
+        retries are off: the tier's circuit breaker is the one retry policy. So a call to a
+        Redis that is down or silent fails after at most a wait for a free connection
+        (``socket_timeout_s``), a connect (``connect_timeout_s``) and one unanswered read or
+        write (``socket_timeout_s``).
     """
     pool = redis.BlockingConnectionPool.from_url(
         config.url,
@@ -318,16 +320,18 @@ class RedisTier(Tier):
         for block in blocks:
             if not isinstance(block, KVBlock):
                 raise TypeError(f"blocks must be KVBlock, got {type(block).__name__}")
+        skeys_all = self._storage_keys(namespace, [b.key for b in blocks])
         if not blocks:
+            return 0
+        if self._breaker.is_open:  # the call would be skipped: do not encode for nothing
+            self._count_skipped()
             return 0
         start = time.perf_counter()
         capacity = self._config.capacity_bytes
         skeys: list[str] = []
         records: list[bytes] = []
         rejected = 0
-        for skey, block in zip(
-            self._storage_keys(namespace, [b.key for b in blocks]), blocks, strict=True
-        ):
+        for skey, block in zip(skeys_all, blocks, strict=True):
             record = encode_record(block, self._compression)
             if capacity is not None and len(record) > capacity:
                 rejected += 1
@@ -392,6 +396,8 @@ class RedisTier(Tier):
             hits += 1
             nbytes += len(raw)
         if corrupt:
+            # A good record put by another process between our read and this delete is lost
+            # with it: rare, and it only costs a later miss.
             self._call(lambda client: self._forget(client, corrupt))
         self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=len(corrupt))
         self._stats.observe(time.perf_counter() - start)
@@ -449,8 +455,7 @@ class RedisTier(Tier):
     def _call(self, op: Callable[[redis.Redis], _T]) -> _T | None:
         """Run ``op`` unless the breaker is open; ``None`` if it was skipped or failed."""
         if not self._breaker.allow():
-            with self._lock:
-                self._num_skipped += 1
+            self._count_skipped()
             return None
         try:
             result = op(self._client)
@@ -468,6 +473,10 @@ class RedisTier(Tier):
             raise
         self._breaker.record_success()
         return result
+
+    def _count_skipped(self) -> None:
+        with self._lock:
+            self._num_skipped += 1
 
     def stats(self) -> dict[str, Any]:
         """``Tier.stats`` plus ``skipped`` (calls not made because the breaker was open) and

@@ -36,7 +36,9 @@ def test_round_trip(namespace: Namespace, compression: Compression) -> None:
 
 def test_lz4_shrinks_compressible_data_and_falls_back_when_it_cannot(namespace: Namespace) -> None:
     block = make_blocks(namespace, 1)[0]
-    zeros = KVBlock(block.key, block.fingerprint, block.dtype, block.shape, 16, bytes(len(block.data)))
+    zeros = KVBlock(
+        block.key, block.fingerprint, block.dtype, block.shape, 16, bytes(len(block.data))
+    )
     assert len(encode_record(zeros, Compression.LZ4)) < len(block.data) // 10
     noise = np.random.default_rng(1).integers(0, 256, len(block.data), dtype=np.uint8).tobytes()
     random_block = KVBlock(block.key, block.fingerprint, "float16", block.shape, 16, noise)

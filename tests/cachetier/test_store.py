@@ -36,7 +36,9 @@ def test_put_writes_through_to_lower_tiers(tmp_path: Path, namespace: Namespace)
     store.close()
 
 
-def test_lookup_spans_tiers_and_restores_the_leading_run(tmp_path: Path, namespace: Namespace) -> None:
+def test_lookup_spans_tiers_and_restores_the_leading_run(
+    tmp_path: Path, namespace: Namespace
+) -> None:
     store = _stack(tmp_path)
     cpu, disk = store.tiers
     blocks = make_blocks(namespace, 6)
@@ -56,7 +58,9 @@ def test_lookup_spans_tiers_and_restores_the_leading_run(tmp_path: Path, namespa
     store.close()
 
 
-def test_blocks_of_another_namespace_fingerprint_are_misses(tmp_path: Path, namespace: Namespace) -> None:
+def test_blocks_of_another_namespace_fingerprint_are_misses(
+    tmp_path: Path, namespace: Namespace
+) -> None:
     store = _stack(tmp_path)
     blocks = make_blocks(namespace, 2)
     store.put_many(namespace.id, blocks)
@@ -69,7 +73,9 @@ def test_blocks_of_another_namespace_fingerprint_are_misses(tmp_path: Path, name
     store.close()
 
 
-def test_a_read_that_fails_after_lookup_ends_the_prefix(tmp_path: Path, namespace: Namespace) -> None:
+def test_a_read_that_fails_after_lookup_ends_the_prefix(
+    tmp_path: Path, namespace: Namespace
+) -> None:
     store = _stack(tmp_path)
     blocks = make_blocks(namespace, 4)
     store.put_many(namespace.id, blocks)
@@ -108,7 +114,9 @@ class _SlowTier(CPUTier):
         return super().put_many(namespace, blocks)
 
 
-def test_a_stalled_lower_tier_never_blocks_puts_and_overflow_is_counted(namespace: Namespace) -> None:
+def test_a_stalled_lower_tier_never_blocks_puts_and_overflow_is_counted(
+    namespace: Namespace,
+) -> None:
     slow = _SlowTier()
     store = TieredStore([CPUTier(CPUTierConfig(BIG)), slow], write_queue_blocks=4)
     blocks = make_blocks(namespace, 10)
@@ -144,5 +152,3 @@ def test_config_rejects_nonsense() -> None:
 def test_empty_store_is_refused() -> None:
     with pytest.raises(ValueError):
         TieredStore([])
-
-

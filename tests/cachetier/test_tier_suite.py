@@ -124,7 +124,9 @@ def test_namespaces_are_separate(harness: TierHarness, namespace: Namespace) -> 
     assert tier.contains_prefix("tenant-b", [block.key]) == 0
 
 
-def test_eviction_is_least_recently_used_first(lru_harness: TierHarness, namespace: Namespace) -> None:
+def test_eviction_is_least_recently_used_first(
+    lru_harness: TierHarness, namespace: Namespace
+) -> None:
     blocks = make_blocks(namespace, 5)
     per_block = blocks[0].nbytes + lru_harness.overhead_bytes
     tier = lru_harness.open(3 * per_block)
@@ -148,7 +150,9 @@ def test_capacity_is_in_bytes(lru_harness: TierHarness, namespace: Namespace) ->
     assert present == [False] * 6 + [True] * 4
 
 
-def test_a_block_larger_than_the_tier_is_rejected(lru_harness: TierHarness, namespace: Namespace) -> None:
+def test_a_block_larger_than_the_tier_is_rejected(
+    lru_harness: TierHarness, namespace: Namespace
+) -> None:
     tier = lru_harness.open(100)
     block = make_blocks(namespace, 1)[0]
     assert tier.put_many(namespace.id, [block]) == 0
@@ -156,7 +160,9 @@ def test_a_block_larger_than_the_tier_is_rejected(lru_harness: TierHarness, name
     assert tier.stats()["rejected"] == 1
 
 
-def test_corrupt_data_is_a_miss_and_deleted(corruptible_harness: TierHarness, namespace: Namespace) -> None:
+def test_corrupt_data_is_a_miss_and_deleted(
+    corruptible_harness: TierHarness, namespace: Namespace
+) -> None:
     tier = corruptible_harness.open(BIG)
     blocks = make_blocks(namespace, 2)
     tier.put_many(namespace.id, blocks)
@@ -195,7 +201,9 @@ def test_blocks_of_every_layout_round_trip(harness: TierHarness) -> None:
 
 
 @pytest.mark.parametrize("bad", ["", "../etc", "a/b", ".hidden", "x" * 200, "sp ace"])
-def test_bad_namespace_is_a_value_error(harness: TierHarness, bad: str, namespace: Namespace) -> None:
+def test_bad_namespace_is_a_value_error(
+    harness: TierHarness, bad: str, namespace: Namespace
+) -> None:
     tier = harness.open(BIG)
     with pytest.raises(ValueError, match="namespace"):
         tier.get_many(bad, [make_blocks(namespace, 1)[0].key])

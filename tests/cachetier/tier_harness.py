@@ -132,4 +132,3 @@ def build(kind: str, tmp: Path, redis_url: str, redis_prefix: str) -> TierHarnes
     if kind == "redis":
         return redis_harness(tmp, redis_url, redis_prefix)
     return {"cpu": cpu_harness, "disk": disk_harness, "tiered": tiered_harness}[kind](tmp)
-

@@ -1,0 +1,1 @@
+"""A small paged inference engine for Llama-family models, with prefix caching over cachetier."""

@@ -1,0 +1,57 @@
+"""The engine's configuration (vLLM's names where they exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Args:
+    model: a local Hugging Face model folder (config.json + safetensors).
+    dtype: compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+    block_size: tokens per KV block.
+    kv_cache_bytes: memory for the KV pool (like ``VLLM_CPU_KVCACHE_SPACE``).
+    kv_cache_dtype: ``auto`` (the compute dtype) or another pool dtype.
+    max_num_seqs: most sequences running at once.
+    max_num_batched_tokens: most tokens computed in one step (chunked prefill budget).
+    max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
+    enable_prefix_caching: reuse pool blocks and tier blocks on prefix hits.
+    tenant: tenant / cache salt folded into every key.
+    kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``kernels.backend``).
+    num_threads: torch intra-op threads; ``None`` leaves torch's default.
+    """
+
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 1 * GiB
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    tenant: str = ""
+    kernel_backend: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

@@ -1,0 +1,119 @@
+"""``LLM``: the offline API (vLLM's ``LLM(...).generate(...)`` shape) over ``LLMEngine``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cachetier.config import StoreConfig, build_store
+from cachetier.store import TieredStore
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling import SamplingParams
+
+
+class LLM:
+    """Generate text or token ids with prefix caching backed by cachetier's tiers.
+
+    Args:
+        model: a local Hugging Face model folder.
+        store: a ``StoreConfig`` to build tiers from (owned and closed by this object), a
+            ready ``TieredStore`` (owned by the caller), or ``None`` for no tiers.
+        engine_args: any other ``EngineConfig`` field (``block_size``, ``kv_cache_bytes``...).
+    """
+
+    def __init__(
+        self, model: str | Path, *, store: StoreConfig | TieredStore | None = None, **engine_args: Any
+    ) -> None:
+        self._owns_store = isinstance(store, StoreConfig)
+        self.store = build_store(store) if isinstance(store, StoreConfig) else store
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), self.store)
+        self.tokenizer = _maybe_tokenizer(Path(model))
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of ``prompt`` (through the chat template if ``chat``)."""
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass token ids instead of text")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(self.tokenizer.encode(prompt))
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching.
+
+        Args:
+            prompts: strings (needs a tokenizer) or lists of token ids.
+            sampling_params: one for all prompts or one per prompt (default: greedy-free
+                vLLM defaults, 16 tokens).
+            use_tqdm: show a progress line on stderr.
+
+        Returns:
+            One finished ``RequestOutput`` per prompt, in prompt order.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of prompts, not one string")
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        order: list[str] = []
+        for prompt, p in zip(prompts, params):
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            order.append(self.engine.add_request(ids, p))
+        done: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if use_tqdm:
+                rate = len(done) / max(time.perf_counter() - start, 1e-9)
+                print(f"\r{len(done)}/{len(order)} requests ({rate:.2f}/s)", end="", file=sys.stderr)
+        if use_tqdm:
+            print(file=sys.stderr)
+        outputs = [done[rid] for rid in order]
+        if self.tokenizer is not None:
+            for out in outputs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outputs
+
+    def flush(self) -> None:
+        """Wait until every block handed to the tiers has been written to all of them."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        """Flush and, if this object built the store, close it."""
+        if self.store is not None:
+            self.store.flush()
+            if self._owns_store:
+                self.store.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _maybe_tokenizer(folder: Path) -> Any:
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

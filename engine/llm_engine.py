@@ -1,0 +1,244 @@
+"""``LLMEngine``: model + pool + block manager + scheduler + tier bridge, one ``step()`` at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachetier.keys import Namespace
+from cachetier.store import TieredStore
+from engine.block_manager import Block, BlockManager
+from engine.config import EngineConfig
+from engine.fingerprint import model_fingerprint
+from engine.kv_cache import TORCH_DTYPES, KVPool
+from engine.loader import ModelSpec, load_weights
+from engine.model import ForwardBatch, LlamaModel, SeqSlice
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tier_bridge import TierBridge
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request produced (filled in as it runs; ``finished`` once it is done).
+
+    ``cached_tokens_by_source`` says where its cached prompt tokens came from: ``pool`` (the
+    engine's own blocks) or a tier name (``cpu``, ``disk``, ``redis``, ``remote``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    ttft_s: float | None = None
+    text: str = ""
+
+
+class LLMEngine:
+    """A paged engine over one model, optionally backed by a cachetier store.
+
+    Args:
+        config: engine settings.
+        store: tiers that keep evicted and finished blocks (owned by the caller), or ``None``.
+    """
+
+    def __init__(self, config: EngineConfig, store: TieredStore | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        folder = Path(config.model)
+        self.spec = ModelSpec.from_folder(folder)
+        self.model = LlamaModel(
+            self.spec, load_weights(folder), TORCH_DTYPES[config.dtype], config.kernel_backend
+        )
+        self.pool = KVPool(
+            self.spec, config.block_size, config.kv_cache_bytes, config.pool_dtype,
+            config.kernel_backend,
+        )
+        # A sequence longer than the whole pool could never be scheduled: cap it there too.
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings,
+            self.spec.max_position_embeddings,
+            self.pool.num_blocks * config.block_size,
+        )
+        self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
+        self.bridge = TierBridge(store, self.namespace, self.pool) if store is not None else None
+        self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
+        self.scheduler = Scheduler(config, self.namespace, self.blocks, self.bridge)
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def _on_evict(self, blocks: list[Block]) -> None:
+        if self.bridge is not None:
+            self.bridge.save(blocks)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, a prompt that does not
+                fit ``max_model_len``, or a duplicate request id.
+        """
+        params = params or SamplingParams()
+        tokens = [int(t) for t in prompt_token_ids]
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if min(tokens) < 0 or max(tokens) >= self.spec.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len} "
+                "(the model's limit, the config's, or what the KV pool holds)"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, tokens, params)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (waiting or running); its finished blocks are still saved."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            self.blocks.release(seq.block_table)
+        elif seq in self.scheduler.running:
+            self.scheduler.finish(seq, "abort")
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; returns an output per request that advanced."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        self.num_steps += 1
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        logits_rows: list[int] = []
+        samplers: list[Sequence] = []
+        for item in scheduled:
+            seq, n = item.seq, item.num_new
+            start = seq.num_computed_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            context = start + n
+            slices.append(
+                SeqSlice(row, n, context, torch.tensor(table[: -(-context // bs)], dtype=torch.long))
+            )
+            if context == seq.num_tokens:
+                logits_rows.append(row + n - 1)
+                samplers.append(seq)
+            if n > 1 or seq.num_tokens == seq.num_prompt_tokens:
+                self.num_prefill_tokens += n
+            else:
+                self.num_decode_tokens += n
+        batch = ForwardBatch(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
+            tuple(slices),
+            torch.tensor(logits_rows, dtype=torch.long),
+        )
+        logits = self.model.forward(batch, self.pool.cache)
+        for item in scheduled:
+            before = item.seq.num_computed_tokens
+            item.seq.num_computed_tokens += item.num_new
+            self.scheduler.register_computed(item.seq, before)
+        new_tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for seq, token in zip(samplers, new_tokens):
+            seq.output_token_ids.append(token)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            self.scheduler.extend_keys(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.spec.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=new,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            cached_tokens_by_source=dict(seq.cached_tokens_by_source),
+            ttft_s=seq.ttft_s,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (vLLM-style names) and the bridge's save / restore figures."""
+        out: dict[str, Any] = {
+            "num_blocks": self.blocks.num_blocks,
+            "kv_cache_usage": self.blocks.usage(),
+            "num_cached_blocks": self.blocks.num_cached_blocks,
+            "num_evicted_blocks": self.blocks.num_evicted,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+        }
+        if self.bridge is not None:
+            s = self.bridge.stats
+            out.update(
+                saved_blocks=s.saved_blocks,
+                restored_blocks=s.restored_blocks,
+                restored_bytes=s.restored_bytes,
+                restore_s=s.restore_s,
+                save_s=s.save_s,
+                restored_by_tier=dict(s.restored_by_tier),
+            )
+        return out

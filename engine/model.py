@@ -1,0 +1,212 @@
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that reads and writes the paged pool.
+
+Weights are Hugging Face's, by name; q/k/v and gate/up are fused into one matmul each. The math
+follows transformers' LlamaModel step for step (RMSNorm in fp32, rotate-half RoPE), so logits
+agree with it to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.loader import ModelSpec
+from kernels import paged_attention_decode, store_kvcache
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence's part of a forward batch.
+
+    Args:
+        start: row of its first new token in the flattened batch.
+        num_new: new tokens this step (1 for a decode).
+        context_len: tokens whose KV it attends to after this step (cached + new).
+        block_table: ``[num_blocks]`` int64 pool block ids covering ``context_len`` tokens.
+    """
+
+    start: int
+    num_new: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Flattened inputs of one step. ``logits_rows`` are the rows whose logits are wanted."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, slot = block_id * block_size + offset
+    seqs: tuple[SeqSlice, ...]
+    logits_rows: torch.Tensor  # [S] int64
+
+
+def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, mid, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
+
+
+class LlamaModel:
+    """Weights plus a ``forward`` over a ``ForwardBatch`` and the paged pool."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        kernel_backend: str = "auto",
+    ) -> None:
+        if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+            raise ValueError("sliding-window attention is not supported by the engine")
+        self.spec = spec
+        self.dtype = dtype
+        self.kernel_backend = kernel_backend
+        self.scale = spec.head_dim**-0.5
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the model folder has no weight {name!r}")
+            return weights[name].to(dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = w("lm_head.weight")
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            bias = None
+            if spec.attention_bias:
+                bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(
+                {
+                    "in_norm": w(p + "input_layernorm.weight"),
+                    "qkv": qkv,
+                    "qkv_bias": bias,
+                    "o": w(p + "self_attn.o_proj.weight"),
+                    "post_norm": w(p + "post_attention_layernorm.weight"),
+                    "gate_up": torch.cat(
+                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
+                    "down": w(p + "mlp.down_proj.weight"),
+                }
+            )
+        self._inv_freq = _rope_inv_freq(spec)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Run one step: write the new tokens' K/V into the pool and return logits.
+
+        Args:
+            batch: the step's tokens and where their K/V go.
+            kv_cache: the pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+            all_logits: logits for every row instead of ``batch.logits_rows`` (tests).
+
+        Returns:
+            ``[S, vocab]`` float32 logits (``[T, vocab]`` with ``all_logits``).
+        """
+        spec = self.spec
+        hq, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        x = self.embed[batch.input_ids]  # [T, hidden]
+        cos, sin = self._rope(batch.positions)
+        decodes = [s for s in batch.seqs if s.num_new == 1 and s.context_len > 1]
+        decode_rows = torch.tensor([s.start for s in decodes], dtype=torch.long)
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for i, s in enumerate(decodes):
+                tables[i, : len(s.block_table)] = s.block_table
+            context_lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long)
+        others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
+        for index, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["in_norm"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            q = self._rotate(q.view(-1, hq, d), cos, sin)
+            k = self._rotate(k.view(-1, hk, d), cos, sin)
+            v = v.view(-1, hk, d)
+            store_kvcache(k, v, kv_cache, index, batch.slot_mapping, backend=self.kernel_backend)
+            attn = torch.empty_like(q)
+            if decodes:
+                attn[decode_rows] = paged_attention_decode(
+                    q[decode_rows], kv_cache, index, tables, context_lens, self.scale,
+                    backend=self.kernel_backend,
+                )
+            for s in others:
+                rows = slice(s.start, s.start + s.num_new)
+                attn[rows] = self._prefill_attention(q[rows], k[rows], v[rows], s, kv_cache, index)
+            x = x + F.linear(attn.view(-1, hq * d), layer["o"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        rows = x if all_logits else x[batch.logits_rows]
+        return F.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        s: SeqSlice,
+        kv_cache: torch.Tensor,
+        layer: int,
+    ) -> torch.Tensor:
+        # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new.
+        n, cached = s.num_new, s.context_len - s.num_new
+        if cached == 0:
+            k, v = k_new, v_new  # nothing cached: skip the gather from the pool
+            mask = None
+        else:
+            kv = kv_cache[s.block_table, layer]  # [nb, 2, block_size, hk, d]
+            kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, : s.context_len]
+            k, v = kv[0], kv[1]
+            # Query i sits at position cached + i and sees keys 0 .. cached + i.
+            rows = torch.arange(n)[:, None] + cached
+            mask = torch.arange(s.context_len)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,173 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+Each step: running sequences first (decodes and unfinished prefill chunks, in arrival order),
+then waiting ones while the token budget and ``max_num_seqs`` allow. A waiting sequence first
+takes its longest cached prefix: blocks still in the pool, then blocks the tiers restore. When
+blocks run out, the most recently admitted running sequence is preempted: its blocks are freed
+(their cached keys stay findable) and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cachetier.keys import Namespace, block_keys
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+from engine.tier_bridge import TierBridge
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        namespace: Namespace,
+        blocks: BlockManager,
+        bridge: TierBridge | None,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self.blocks = blocks
+        self.bridge = bridge
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.extend_keys(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def extend_keys(self, seq: Sequence) -> None:
+        """Compute keys for blocks that became full since the last call (one hash each)."""
+        num_full = seq.num_tokens // self.block_size
+        have = len(seq.block_keys)
+        if num_full > have:
+            tokens = seq.token_ids[have * self.block_size : num_full * self.block_size]
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            seq.block_keys.extend(block_keys(self.namespace, tokens, parent=parent))
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, num_new)
+            while need > self.blocks.num_free_blocks and len(self.running) - 1 > i:
+                self._preempt(self.running.pop())
+            if need > self.blocks.num_free_blocks:
+                self._preempt(self.running.pop(i))
+                continue
+            new_ids = self.blocks.allocate(need)
+            assert new_ids is not None, "allocation failed after the free-block check"
+            seq.block_table.extend(new_ids)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting sequence its cached prefix and the blocks of its first chunk.
+
+        Returns:
+            Tokens to compute this step, or ``None`` if the pool cannot take it now.
+        """
+        bs = self.block_size
+        pool_ids: list[int] = []
+        tier_hits = 0
+        keys = []
+        if self.config.enable_prefix_caching:
+            # At least one token must be computed to get logits, so a prompt that is all full
+            # blocks leaves its last block to be recomputed.
+            keys = seq.block_keys[: (seq.num_tokens - 1) // bs]
+            pool_ids = self.blocks.match_prefix(keys)
+            if self.bridge is not None:
+                tier_hits = self.bridge.lookup(keys[len(pool_ids) :])
+        cached = (len(pool_ids) + tier_hits) * bs
+        num_new = min(seq.num_tokens - cached, budget)
+        need = -(-(cached + num_new) // bs) - len(pool_ids)
+        if need > self.blocks.num_free_blocks - self.blocks.num_free_among(pool_ids):
+            return None
+        self.blocks.acquire(pool_ids)
+        new_ids = self.blocks.allocate(need)
+        assert new_ids is not None, "allocation failed after the free-block check"
+        seq.block_table = pool_ids + new_ids
+        sources: list[str] = []
+        if tier_hits and self.bridge is not None:
+            tier_keys = keys[len(pool_ids) : len(pool_ids) + tier_hits]
+            sources = self.bridge.restore(tier_keys, new_ids[:tier_hits])
+            for key, block_id in zip(tier_keys, new_ids[: len(sources)]):
+                self.blocks.register(block_id, key, stored=True)
+        cached = (len(pool_ids) + len(sources)) * bs
+        if len(sources) < tier_hits:
+            # Fewer blocks arrived than the lookup promised: compute the rest, within the
+            # blocks already taken.
+            num_new = min(seq.num_tokens - cached, budget, len(seq.block_table) * bs - cached)
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+            by_source: dict[str, int] = {}
+            if pool_ids:
+                by_source["pool"] = len(pool_ids) * bs
+            for name in sources:
+                by_source[name] = by_source.get(name, 0) + bs
+            seq.cached_tokens_by_source = by_source
+        return num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute later: the blocks go back to the pool, and their cached keys let the
+        # re-admitted sequence find most of its KV there again.
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def register_computed(self, seq: Sequence, before: int) -> None:
+        """Index blocks that became full and computed this step in the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for index in range(before // bs, seq.num_computed_tokens // bs):
+            block_id = seq.block_table[index]
+            if self.blocks.blocks[block_id].key is None:
+                self.blocks.register(block_id, seq.block_keys[index])
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence: save its full blocks to the tiers and free them."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        if self.bridge is not None and self.config.enable_prefix_caching:
+            self.bridge.save([self.blocks.blocks[b] for b in seq.block_table])
+        self.blocks.release(seq.block_table)
+        seq.block_table = []

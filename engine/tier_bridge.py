@@ -1,0 +1,104 @@
+"""Moves blocks between the pool and the cachetier store: save on eviction and on finish,
+restore on a prefix hit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cachetier.keys import BlockHash, Namespace
+from cachetier.record import KVBlock
+from cachetier.store import TieredStore
+from engine.block_manager import Block
+from engine.kv_cache import KVPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BridgeStats:
+    saved_blocks: int = 0
+    save_s: float = 0.0
+    restored_blocks: int = 0
+    restore_s: float = 0.0
+    restored_bytes: int = 0
+    rejected_blocks: int = 0  # restored blocks whose layout did not match the pool
+    restored_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class TierBridge:
+    """The engine's side of the store.
+
+    Args:
+        store: the tiers (owned by the caller).
+        namespace: model fingerprint, pool layout and tenant; keys and checks use it.
+        pool: the KV pool blocks are copied from and into.
+    """
+
+    def __init__(self, store: TieredStore, namespace: Namespace, pool: KVPool) -> None:
+        if namespace.layout != pool.layout:
+            raise ValueError(f"namespace layout {namespace.layout} is not the pool's {pool.layout}")
+        self.store = store
+        self.namespace = namespace
+        self.pool = pool
+        self.stats = BridgeStats()
+
+    def save(self, blocks: Sequence[Block]) -> None:
+        """Hand full, computed blocks not yet stored to the store (lower tiers write later)."""
+        todo = [b for b in blocks if b.key is not None and not b.stored]
+        if not todo:
+            return
+        start = time.perf_counter()
+        buffers = self.pool.read_blocks([b.block_id for b in todo])
+        layout = self.namespace.layout
+        records = [
+            KVBlock(b.key, self.namespace.fingerprint, layout.dtype, self.pool.block_shape,
+                    layout.block_size, buf)
+            for b, buf in zip(todo, buffers)
+            if b.key is not None
+        ]
+        self.store.put_many(self.namespace.id, records)
+        for b in todo:
+            b.stored = True
+        self.stats.saved_blocks += len(records)
+        self.stats.save_s += time.perf_counter() - start
+
+    def lookup(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the store holds (no data is read)."""
+        if not keys:
+            return 0
+        return self.store.lookup(self.namespace.id, keys).num_blocks
+
+    def restore(self, keys: Sequence[BlockHash], block_ids: Sequence[int]) -> list[str]:
+        """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
+
+        Every block is checked before use: its key and namespace fingerprint (by the store),
+        its dtype, shape, size and token count (here). The first block that fails ends the run.
+
+        Returns:
+            The source tier name of each restored block (a prefix of ``keys``).
+        """
+        start = time.perf_counter()
+        restored = self.store.restore_prefix(
+            self.namespace.id, keys, fingerprint=self.namespace.fingerprint
+        )
+        good: list[KVBlock] = []
+        for block in restored.blocks:
+            nbytes = memoryview(block.data).nbytes
+            if block.num_tokens != self.namespace.block_size or not self.pool.payload_matches(
+                block.dtype, block.shape, nbytes
+            ):
+                self.stats.rejected_blocks += 1
+                log.warning("restored block %s does not match the pool layout", block.key.hex()[:12])
+                break
+            good.append(block)
+        self.pool.write_blocks(block_ids[: len(good)], [b.data for b in good])
+        sources = list(restored.sources[: len(good)])
+        self.stats.restored_blocks += len(good)
+        self.stats.restored_bytes += len(good) * self.pool.block_bytes
+        for name in sources:
+            self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
+        self.stats.restore_s += time.perf_counter() - start
+        return sources

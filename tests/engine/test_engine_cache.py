@@ -1,0 +1,148 @@
+"""Greedy output with a restored prefix (pool, CPU, disk, Redis, a restarted process) equals
+output computed from scratch; blocks of another model, dtype or block size are never used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachetier.config import StoreConfig, build_store
+from cachetier.store import TieredStore
+from cachetier.tiers.redis import RedisTier, RedisTierConfig
+from engine.llm import LLM
+from engine.loader import make_tiny_llama
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x K/V x tokens x KV heads x head_dim x fp32
+PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
+
+
+def reference(model: Path, prompts: list[list[int]], **kw: object) -> list[list[int]]:
+    llm = LLM(model, enable_prefix_caching=False, kv_cache_bytes=4 << 20, **kw)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_pool_prefix_hit_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+    prompts = [PROMPT, PROMPT[:100] + [5, 6, 7] * 20]
+    llm = LLM(tiny_model_dir, kv_cache_bytes=4 << 20)
+    first = llm.generate([prompts[0]], GREEDY)[0]
+    second = llm.generate([prompts[1]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 96 and second.cached_tokens_by_source == {"pool": 96}
+    assert [first.token_ids, second.token_ids] == reference(tiny_model_dir, prompts)
+
+
+def test_cpu_tier_restore_after_the_pool_forgot(tiny_model_dir: Path) -> None:
+    store = build_store(StoreConfig(cpu_bytes=64 << 20))
+    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20)
+    llm.generate([PROMPT], GREEDY)
+    assert llm.engine.blocks.clear_cache() > 0
+    again = llm.generate([PROMPT], GREEDY)[0]
+    assert again.cached_tokens_by_source == {"cpu": 144}
+    assert again.token_ids == reference(tiny_model_dir, [PROMPT])[0]
+    store.close()
+
+
+def test_disk_tier_restore_in_a_new_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = StoreConfig(cpu_bytes=64 << 20, disk_path=str(tmp_path / "disk"), fsync=False)
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+        llm.generate([PROMPT], GREEDY)
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+        out = llm.generate([PROMPT + [1, 2, 3]], GREEDY)[0]
+    assert out.cached_tokens_by_source == {"disk": 144}
+    assert out.token_ids == reference(tiny_model_dir, [PROMPT + [1, 2, 3]])[0]
+
+
+def test_redis_tier_restore_in_a_new_engine(
+    tiny_model_dir: Path, redis_url: str, redis_prefix: str
+) -> None:
+    def store() -> TieredStore:
+        return TieredStore([RedisTier(RedisTierConfig(url=redis_url, key_prefix=redis_prefix))])
+
+    first = store()
+    LLM(tiny_model_dir, store=first, kv_cache_bytes=4 << 20).generate([PROMPT], GREEDY)
+    first.close()
+    second = store()
+    out = LLM(tiny_model_dir, store=second, kv_cache_bytes=4 << 20).generate([PROMPT], GREEDY)[0]
+    second.close()
+    assert out.cached_tokens_by_source == {"redis": 144}
+    assert out.token_ids == reference(tiny_model_dir, [PROMPT])[0]
+
+
+def test_evicted_blocks_reach_the_tier_and_come_back(tiny_model_dir: Path) -> None:
+    store = build_store(StoreConfig(cpu_bytes=64 << 20))
+    # A pool of 12 blocks: the second prompt evicts the first prompt's cached blocks.
+    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=12 * TINY_BLOCK_BYTES, block_size=16)
+    other = [(i * 11 + 5) % 250 for i in range(150)]
+    llm.generate([PROMPT], GREEDY)
+    llm.generate([other], GREEDY)
+    assert llm.engine.blocks.num_evicted > 0
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.cached_tokens_by_source.get("cpu", 0) > 0
+    assert out.token_ids == reference(tiny_model_dir, [PROMPT])[0]
+    store.close()
+
+
+def test_preemption_and_chunked_prefill_keep_outputs(tiny_model_dir: Path) -> None:
+    prompts = [[(i * k + k) % 250 for i in range(60 + 13 * k)] for k in range(1, 7)]
+    # 14 blocks for six sequences that need up to 10 each: preemption must happen.
+    llm = LLM(tiny_model_dir, kv_cache_bytes=14 * TINY_BLOCK_BYTES, max_num_batched_tokens=40)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference(tiny_model_dir, prompts)
+
+
+def test_blocks_of_another_model_dtype_or_block_size_are_never_used(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+        llm.generate([PROMPT], GREEDY)
+    other_model = make_tiny_llama(tmp_path / "other", seed=1)
+    variants = [
+        (other_model, {}),
+        (tiny_model_dir, {"dtype": "bfloat16"}),
+        (tiny_model_dir, {"block_size": 32}),
+        (tiny_model_dir, {"tenant": "someone-else"}),
+    ]
+    for model, kw in variants:
+        with LLM(model, store=config, kv_cache_bytes=4 << 20, **kw) as llm:
+            out = llm.generate([PROMPT], GREEDY)[0]
+        assert out.num_cached_tokens == 0, (model, kw)
+
+
+_CHILD = """
+import json, sys
+from cachetier.config import StoreConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with LLM(model, store=StoreConfig(cpu_bytes=1 << 26, disk_path=disk), kv_cache_bytes=4 << 20) as llm:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+print(json.dumps({"tokens": out.token_ids, "by_source": out.cached_tokens_by_source}))
+"""
+
+
+def test_a_restarted_process_restores_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def run() -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(tiny_model_dir), str(tmp_path / "d"), json.dumps(PROMPT)],
+            capture_output=True, text=True, check=True,
+        )
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["by_source"] == {}
+    assert warm["by_source"] == {"disk": 144}
+    assert cold["tokens"] == warm["tokens"] == reference(tiny_model_dir, [PROMPT])[0]
+
+
+def test_a_prompt_longer_than_the_pool_is_refused(tiny_model_dir: Path) -> None:
+    llm = LLM(tiny_model_dir, kv_cache_bytes=4 * TINY_BLOCK_BYTES)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate([PROMPT], GREEDY)

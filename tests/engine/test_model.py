@@ -1,0 +1,64 @@
+"""The engine's forward equals transformers' forward, whole or in chunks over the paged pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kv_cache import KVPool
+from engine.loader import ModelSpec, load_weights
+from engine.model import ForwardBatch, LlamaModel, SeqSlice
+
+BLOCK = 16
+
+
+def _engine_logits(folder: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+    spec = ModelSpec.from_folder(folder)
+    model = LlamaModel(spec, load_weights(folder), torch.float32)
+    pool = KVPool(spec, BLOCK, 1 << 26, "float32")
+    # Non-contiguous, shuffled block ids: the pool indirection must not matter.
+    num_blocks = -(-len(tokens) // BLOCK)
+    table = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0))[:num_blocks]
+    out = []
+    start = 0
+    for n in chunks:
+        pos = torch.arange(start, start + n)
+        slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
+        ctx = start + n
+        batch = ForwardBatch(
+            torch.tensor(tokens[start : start + n]),
+            pos,
+            slots,
+            (SeqSlice(0, n, ctx, table[: -(-ctx // BLOCK)]),),
+            torch.tensor([n - 1]),
+        )
+        out.append(model.forward(batch, pool.cache, all_logits=True))
+        start += n
+    return torch.cat(out)
+
+
+def _hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("chunks", [[100], [37, 1, 62], [16, 16, 16, 52], [1] * 5 + [95]])
+def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int]) -> None:
+    tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _engine_logits(tiny_model_dir, tokens, chunks)
+    torch.testing.assert_close(ours, _hf_logits(tiny_model_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_smollm2_logits_match_transformers(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokens = tok.encode("The capital of France is Paris. The capital of Italy is Rome. " * 8)
+    ours = _engine_logits(smollm2_dir, tokens, [len(tokens) - 40, 24, 1, 15])
+    torch.testing.assert_close(ours, _hf_logits(smollm2_dir, tokens), atol=1e-4, rtol=1e-4)
