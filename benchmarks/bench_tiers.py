@@ -9,7 +9,9 @@ Blocks: 16 tokens of SmolLM2-135M KV (30 layers x K/V x 3 heads x 64 dims, fp16:
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +22,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import emit, interleaved_medians  # noqa: E402
+from benchmarks.common import emit, interleaved_medians, settle  # noqa: E402
 from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig  # noqa: E402
@@ -150,41 +152,67 @@ def bench_hash(block_size: int = 16, num_tokens: int = 1 << 20, repeats: int = 5
     return num_tokens / t["hash"]
 
 
+def run_section(section: str, args: argparse.Namespace, tmp: str) -> dict[str, float]:
+    """One measurement: ``cpu``, ``disk``, ``redis`` at 16 or 256 tokens, or ``lz4``."""
+    total = args.mib << 20
+    name, _, tokens = section.partition(":")
+    if name == "lz4":
+        ns, blocks = make_blocks(256, total, seed=1)
+        plain = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4-plain")
+        settle()
+        packed = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4", compression="lz4")
+        return {"lz4_ratio": packed["raw_bytes"] / packed["stored_bytes"],
+                "lz4_get_vs_plain": plain["seconds"] / packed["seconds"]}
+    ns, blocks = make_blocks(int(tokens), total)
+    suffix = "" if tokens == "16" else "_256"
+    if name == "cpu":
+        r = bench_cpu(ns, blocks, args.repeats)
+        return {f"cpu_get_vs_memcpy{suffix}": r["ratio"], f"cpu_get_gbps{suffix}": r["gbps"]}
+    if name == "disk":
+        r = bench_disk(ns, blocks, args.repeats, Path(tmp) / f"disk{tokens}")
+        return {f"disk_get_vs_raw_read{suffix}": r["ratio"],
+                f"disk_get_vs_raw_read_discarding{suffix}": r["ratio_discard"],
+                f"disk_get_gbps{suffix}": r["gbps"]}
+    if name == "redis":
+        r = bench_redis(ns, blocks, args.repeats, args.redis_url)
+        return {f"redis_get_vs_raw_pipeline{suffix}": r["ratio"], f"redis_get_gbps{suffix}": r["gbps"]}
+    raise ValueError(f"unknown section {section!r}")
+
+
+SECTIONS = ["cpu:16", "disk:16", "redis:16", "cpu:256", "disk:256", "redis:256", "lz4"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--mib", type=int, default=96, help="bytes per measurement, MiB")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--redis-url", default=os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--data-dir", default=None, help="folder for the disk tier (default: a temp dir)")
+    parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    total = args.mib << 20
-    result: dict[str, object] = {"mib_per_measurement": args.mib, "repeats": args.repeats,
-                                 "disk_page_cache": "warm (files read twice before timing)",
-                                 "disk_baseline": "open().read() of each file, buffers kept "
-                                 "for the batch like a get's result"}
     with tempfile.TemporaryDirectory(dir=args.data_dir) as tmp:
-        for tokens in (16, 256):
-            ns, blocks = make_blocks(tokens, total)
-            cpu = bench_cpu(ns, blocks, args.repeats)
-            disk = bench_disk(ns, blocks, args.repeats, Path(tmp) / f"plain{tokens}")
-            red = bench_redis(ns, blocks, args.repeats, args.redis_url)
-            suffix = "" if tokens == 16 else "_256"
-            result[f"cpu_get_vs_memcpy{suffix}"] = cpu["ratio"]
-            result[f"cpu_get_gbps{suffix}"] = cpu["gbps"]
-            result[f"disk_get_vs_raw_read{suffix}"] = disk["ratio"]
-            result[f"disk_get_vs_raw_read_discarding{suffix}"] = disk["ratio_discard"]
-            result[f"disk_get_gbps{suffix}"] = disk["gbps"]
-            result[f"redis_get_vs_raw_pipeline{suffix}"] = red["ratio"]
-            result[f"redis_get_gbps{suffix}"] = red["gbps"]
-        ns, blocks = make_blocks(256, total, seed=1)
-        plain = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4-plain")
-        packed = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4", compression="lz4")
-        result["lz4_data"] = "random-normal fp16"
-        result["lz4_ratio"] = packed["raw_bytes"] / packed["stored_bytes"]
-        result["lz4_get_vs_plain"] = plain["seconds"] / packed["seconds"]
-    result["hash_tokens_per_s"] = bench_hash()
-    result["hash_block_size"] = 16
+        if args.section:  # a child run: one section, its figures as JSON
+            print(json.dumps(run_section(args.section, args, tmp)))
+            return
+        result: dict[str, object] = {
+            "mib_per_measurement": args.mib, "repeats": args.repeats,
+            "disk_page_cache": "warm (files read twice before timing)",
+            "disk_baseline": "open().read() of each file, buffers kept for the batch like a get's result",
+            "lz4_data": "random-normal fp16",
+            "isolation": "each section runs in a fresh process; ours and its baseline share it",
+        }
+        for section in SECTIONS:
+            # A fresh process per section: heap state left by one measurement (glibc's
+            # dynamic mmap threshold) otherwise tilts the next one by up to 40%.
+            cmd = [sys.executable, __file__, "--section", section, "--mib", str(args.mib),
+                   "--repeats", str(args.repeats), "--redis-url", args.redis_url]
+            if args.data_dir:
+                cmd += ["--data-dir", args.data_dir]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            result.update(json.loads(out.strip().splitlines()[-1]))
+        result["hash_tokens_per_s"] = bench_hash()
+        result["hash_block_size"] = 16
     emit(result, args.json)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import statistics
 import sys
@@ -33,6 +35,16 @@ def interleaved_medians(
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def settle() -> None:
+    """Free what earlier measurements left behind and hand it back to the OS, so the heap
+    state one measurement leaves does not tilt the next (glibc only; a no-op elsewhere)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from cachetier.errors import CorruptBlockError
 from cachetier.eviction import make_policy
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import Compression, KVBlock, decode_record, encode_parts
+from cachetier.record import Compression, KVBlock, encode_parts, read_record
 from cachetier.tiers.base import Tier, check_namespace
 
 SUFFIX = ".ctkv"
@@ -209,9 +209,7 @@ class DiskTier(Tier):
         for key in keys:
             path = self.path_of(namespace, key)
             try:
-                with open(path, "rb") as f:
-                    record = f.read()
-                block = decode_record(record, key=key)
+                block, size = _read_block(path, key)
             except FileNotFoundError:
                 self._forget(namespace, key)
                 out.append(None)
@@ -231,12 +229,12 @@ class DiskTier(Tier):
                     self._policy.touch(slot)
                 else:  # written by another process sharing this folder: adopt it
                     self._policy.insert(slot)
-                    self._sizes[slot] = len(record)
-                    self._used += len(record)
+                    self._sizes[slot] = size
+                    self._used += size
                     self._evict_over_capacity()
             _touch_quietly(path)  # mtime carries the LRU order across restarts
             hits += 1
-            nbytes += len(record)
+            nbytes += size
             out.append(block)
         self._stats.add(
             hits=hits, misses=len(keys) - hits, bytes_out=nbytes, errors=errors, corrupt=corrupt
@@ -294,6 +292,15 @@ class DiskTier(Tier):
         if size is not None:
             self._used -= size
             self._policy.remove((namespace, bytes(key)))
+
+
+def _read_block(path: Path, key: BlockHash) -> tuple[KVBlock, int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return read_record(lambda buf: os.readv(fd, [buf]), size, key=key), size
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: str | Path) -> None:

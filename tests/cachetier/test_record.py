@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -13,8 +16,19 @@ from cachetier.record import (
     encode_parts,
     encode_record,
     peek_key,
+    read_record,
 )
 from tests.support import SMALL_LAYOUT, make_blocks
+
+
+def read_streamed(record: bytes, **checks: bytes | None) -> KVBlock:
+    """The streaming reader the disk tier uses, over an in-memory file."""
+    stream = io.BytesIO(record)
+    return read_record(stream.readinto, len(record), **checks)
+
+
+# Every check runs through both decoders: whole-buffer and streamed.
+DECODERS = [decode_record, read_streamed]
 
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4])
@@ -58,7 +72,8 @@ def _record(namespace: Namespace) -> tuple[KVBlock, bytearray]:
     return block, bytearray(encode_record(block))
 
 
-def test_every_single_byte_flip_is_caught(namespace: Namespace) -> None:
+@pytest.mark.parametrize("decode", DECODERS)
+def test_every_single_byte_flip_is_caught(namespace: Namespace, decode: Callable[..., KVBlock]) -> None:
     block, record = _record(namespace)
     # Every header byte, and a spread of payload bytes.
     positions = list(range(0, 200)) + list(range(200, len(record), 97))
@@ -66,30 +81,33 @@ def test_every_single_byte_flip_is_caught(namespace: Namespace) -> None:
         bad = bytearray(record)
         bad[pos] ^= 0x01
         with pytest.raises(CorruptBlockError):
-            decode_record(bytes(bad), key=block.key)
+            decode(bytes(bad), key=block.key)
 
 
 @pytest.mark.parametrize("cut", [0, 1, 10, 100, -1, -100])
-def test_truncated_records_are_caught(namespace: Namespace, cut: int) -> None:
+@pytest.mark.parametrize("decode", DECODERS)
+def test_truncated_records_are_caught(namespace: Namespace, cut: int, decode: Callable[..., KVBlock]) -> None:
     block, record = _record(namespace)
     with pytest.raises(CorruptBlockError):
-        decode_record(bytes(record[:cut]), key=block.key)
+        decode(bytes(record[:cut]), key=block.key)
 
 
-def test_trailing_garbage_is_caught(namespace: Namespace) -> None:
+@pytest.mark.parametrize("decode", DECODERS)
+def test_trailing_garbage_is_caught(namespace: Namespace, decode: Callable[..., KVBlock])-> None:
     block, record = _record(namespace)
     with pytest.raises(CorruptBlockError):
-        decode_record(bytes(record) + b"x", key=block.key)
+        decode(bytes(record) + b"x", key=block.key)
 
 
-def test_wrong_key_or_fingerprint_is_refused(namespace: Namespace) -> None:
+@pytest.mark.parametrize("decode", DECODERS)
+def test_wrong_key_or_fingerprint_is_refused(namespace: Namespace, decode: Callable[..., KVBlock])-> None:
     a, b = make_blocks(namespace, 2)
     record = encode_record(a)
     with pytest.raises(CorruptBlockError, match="another key"):
-        decode_record(record, key=b.key)
+        decode(record, key=b.key)
     other = Namespace("other-model", SMALL_LAYOUT)
     with pytest.raises(CorruptBlockError, match="another namespace"):
-        decode_record(record, key=a.key, fingerprint=other.fingerprint)
+        decode(record, key=a.key, fingerprint=other.fingerprint)
 
 
 def test_unknown_version_is_refused(namespace: Namespace) -> None:
@@ -116,3 +134,17 @@ def test_block_validates_its_claims(namespace: Namespace) -> None:
         KVBlock(b"short", b.fingerprint, b.dtype, b.shape, 16, b.data)
     with pytest.raises(ValueError, match="dtype"):
         KVBlock(b.key, b.fingerprint, "complex64", b.shape, 16, b.data)
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4])
+def test_streamed_read_round_trips(namespace: Namespace, compression: Compression) -> None:
+    block = make_blocks(namespace, 1)[0]
+    back = read_streamed(encode_record(block, compression), key=block.key)
+    assert bytes(back.data) == bytes(block.data)
+
+
+def test_a_file_shorter_than_its_size_is_caught(namespace: Namespace) -> None:
+    block, record = _record(namespace)
+    short = io.BytesIO(bytes(record[:-10]))
+    with pytest.raises(CorruptBlockError, match="ended after"):
+        read_record(short.readinto, len(record), key=block.key)
