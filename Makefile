@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m cachetier.demo
+	$(PY) -m engine.demo
 
 test: setup
 	$(PY) -m pytest -q

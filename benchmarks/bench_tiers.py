@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,9 @@ from cachetier.tiers.disk import DiskTier, DiskTierConfig  # noqa: E402
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 
 
-def make_blocks(block_size: int, total_bytes: int, seed: int = 0) -> tuple[Namespace, list[KVBlock]]:
+def make_blocks(
+    block_size: int, total_bytes: int, seed: int = 0
+) -> tuple[Namespace, list[KVBlock]]:
     """Random-normal fp16 blocks of SmolLM2's KV shape adding up to about ``total_bytes``."""
     layout = KVLayout("float16", block_size=block_size, **SMOLLM2)
     ns = Namespace("bench-smollm2", layout)
@@ -40,8 +41,14 @@ def make_blocks(block_size: int, total_bytes: int, seed: int = 0) -> tuple[Names
     tokens = rng.integers(0, 49_152, num_blocks * block_size)
     shape = (layout.num_layers, 2, block_size, layout.num_kv_heads, layout.head_dim)
     blocks = [
-        KVBlock(key, ns.fingerprint, "float16", shape, block_size,
-                rng.standard_normal(shape, dtype=np.float32).astype(np.float16).tobytes())
+        KVBlock(
+            key,
+            ns.fingerprint,
+            "float16",
+            shape,
+            block_size,
+            rng.standard_normal(shape, dtype=np.float32).astype(np.float16).tobytes(),
+        )
         for key in block_keys(ns, tokens)
     ]
     return ns, blocks
@@ -72,12 +79,16 @@ def bench_cpu(ns: Namespace, blocks: list[KVBlock], repeats: int) -> dict[str, f
         copy_into(dest, sources)
 
     t = interleaved_medians({"ours": ours, "base": memcpy}, repeats)
-    return {"ratio": t["base"] / t["ours"], "gbps": total / t["ours"] / 1e9,
-            "base_gbps": total / t["base"] / 1e9}
+    return {
+        "ratio": t["base"] / t["ours"],
+        "gbps": total / t["ours"] / 1e9,
+        "base_gbps": total / t["base"] / 1e9,
+    }
 
 
-def bench_disk(ns: Namespace, blocks: list[KVBlock], repeats: int, root: Path,
-               compression: str = "none") -> dict[str, float]:
+def bench_disk(
+    ns: Namespace, blocks: list[KVBlock], repeats: int, root: Path, compression: str = "none"
+) -> dict[str, float]:
     tier = DiskTier(DiskTierConfig(str(root), 1 << 40, compression=compression, fsync=False))
     tier.put_many(ns.id, blocks)
     keys = [b.key for b in blocks]
@@ -109,9 +120,15 @@ def bench_disk(ns: Namespace, blocks: list[KVBlock], repeats: int, root: Path,
     t = interleaved_medians(
         {"ours": ours, "base": raw_read, "discard": raw_read_discard}, repeats, warmup=2
     )
-    return {"ratio": t["base"] / t["ours"], "ratio_discard": t["discard"] / t["ours"],
-            "gbps": raw / t["ours"] / 1e9, "base_gbps": total / t["base"] / 1e9,
-            "stored_bytes": total, "raw_bytes": raw, "seconds": t["ours"]}
+    return {
+        "ratio": t["base"] / t["ours"],
+        "ratio_discard": t["discard"] / t["ours"],
+        "gbps": raw / t["ours"] / 1e9,
+        "base_gbps": total / t["base"] / 1e9,
+        "stored_bytes": total,
+        "raw_bytes": raw,
+        "seconds": t["ours"],
+    }
 
 
 def bench_redis(ns: Namespace, blocks: list[KVBlock], repeats: int, url: str) -> dict[str, float]:
@@ -137,8 +154,11 @@ def bench_redis(ns: Namespace, blocks: list[KVBlock], repeats: int, url: str) ->
             pipe.execute()
 
         t = interleaved_medians({"ours": ours, "base": raw_pipeline}, repeats)
-        return {"ratio": t["base"] / t["ours"], "gbps": total / t["ours"] / 1e9,
-                "base_gbps": total / t["base"] / 1e9}
+        return {
+            "ratio": t["base"] / t["ours"],
+            "gbps": total / t["ours"] / 1e9,
+            "base_gbps": total / t["base"] / 1e9,
+        }
     finally:
         tier.clear(ns.id)
         tier.close()
@@ -161,8 +181,10 @@ def run_section(section: str, args: argparse.Namespace, tmp: str) -> dict[str, f
         plain = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4-plain")
         settle()
         packed = bench_disk(ns, blocks, args.repeats, Path(tmp) / "lz4", compression="lz4")
-        return {"lz4_ratio": packed["raw_bytes"] / packed["stored_bytes"],
-                "lz4_get_vs_plain": plain["seconds"] / packed["seconds"]}
+        return {
+            "lz4_ratio": packed["raw_bytes"] / packed["stored_bytes"],
+            "lz4_get_vs_plain": plain["seconds"] / packed["seconds"],
+        }
     ns, blocks = make_blocks(int(tokens), total)
     suffix = "" if tokens == "16" else "_256"
     if name == "cpu":
@@ -170,12 +192,17 @@ def run_section(section: str, args: argparse.Namespace, tmp: str) -> dict[str, f
         return {f"cpu_get_vs_memcpy{suffix}": r["ratio"], f"cpu_get_gbps{suffix}": r["gbps"]}
     if name == "disk":
         r = bench_disk(ns, blocks, args.repeats, Path(tmp) / f"disk{tokens}")
-        return {f"disk_get_vs_raw_read{suffix}": r["ratio"],
-                f"disk_get_vs_raw_read_discarding{suffix}": r["ratio_discard"],
-                f"disk_get_gbps{suffix}": r["gbps"]}
+        return {
+            f"disk_get_vs_raw_read{suffix}": r["ratio"],
+            f"disk_get_vs_raw_read_discarding{suffix}": r["ratio_discard"],
+            f"disk_get_gbps{suffix}": r["gbps"],
+        }
     if name == "redis":
         r = bench_redis(ns, blocks, args.repeats, args.redis_url)
-        return {f"redis_get_vs_raw_pipeline{suffix}": r["ratio"], f"redis_get_gbps{suffix}": r["gbps"]}
+        return {
+            f"redis_get_vs_raw_pipeline{suffix}": r["ratio"],
+            f"redis_get_gbps{suffix}": r["gbps"],
+        }
     raise ValueError(f"unknown section {section!r}")
 
 
@@ -187,8 +214,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--mib", type=int, default=96, help="bytes per measurement, MiB")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--redis-url", default=os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--data-dir", default=None, help="folder for the disk tier (default: a temp dir)")
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="folder for the disk tier (default: a temp dir)"
+    )
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.data_dir) as tmp:
@@ -196,7 +227,8 @@ def main() -> None:
             print(json.dumps(run_section(args.section, args, tmp)))
             return
         result: dict[str, object] = {
-            "mib_per_measurement": args.mib, "repeats": args.repeats,
+            "mib_per_measurement": args.mib,
+            "repeats": args.repeats,
             "disk_page_cache": "warm (files read twice before timing)",
             "disk_baseline": "open().read() of each file, buffers kept for the batch like a get's result",
             "lz4_data": "random-normal fp16",
@@ -205,8 +237,18 @@ def main() -> None:
         for section in SECTIONS:
             # A fresh process per section: heap state left by one measurement (glibc's
             # dynamic mmap threshold) otherwise tilts the next one by up to 40%.
-            cmd = [sys.executable, __file__, "--section", section, "--mib", str(args.mib),
-                   "--repeats", str(args.repeats), "--redis-url", args.redis_url]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--section",
+                section,
+                "--mib",
+                str(args.mib),
+                "--repeats",
+                str(args.repeats),
+                "--redis-url",
+                args.redis_url,
+            ]
             if args.data_dir:
                 cmd += ["--data-dir", args.data_dir]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout

@@ -93,9 +93,18 @@ def run_child(spec: dict[str, Any], workdir: Path, name: str) -> tuple[dict[str,
     spec_path.write_text(json.dumps(spec))
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path), str(out_path)],
-            cwd=ROOT, env=vllm_cpu_env(os.environ, pythonpath=str(ROOT)),
-            stdout=log, stderr=subprocess.STDOUT, timeout=1800,
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                str(spec_path),
+                str(out_path),
+            ],
+            cwd=ROOT,
+            env=vllm_cpu_env(os.environ, pythonpath=str(ROOT)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
         )
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
@@ -107,7 +116,7 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Same first tokens, same greedy check tokens, top-5 logprobs within ``LOGPROB_ATOL``."""
     if a["first_tokens"] != b["first_tokens"] or a["check_tokens"] != b["check_tokens"]:
         return False
-    for sa, sb in zip(a["check_logprobs"], b["check_logprobs"]):
+    for sa, sb in zip(a["check_logprobs"], b["check_logprobs"], strict=True):
         if set(sa) != set(sb) or any(abs(sa[t] - sb[t]) > LOGPROB_ATOL for t in sa):
             return False
     return True
@@ -159,7 +168,8 @@ def main() -> None:
         "num_cached_tokens": min(warm["num_cached_tokens"]),
         "cold_num_cached_tokens": max(cold["num_cached_tokens"]),
         "warm_load_ms_median": round(statistics.median(float(ms) for *_, ms in loads), 1)
-        if loads else None,
+        if loads
+        else None,
         "startup_s": {"cold": round(cold["startup_s"], 1), "warm": round(warm["startup_s"], 1)},
         "outputs_identical": same_output(cold, warm),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),

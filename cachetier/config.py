@@ -31,6 +31,8 @@ class StoreConfig:
         disk_bytes: disk tier capacity.
         redis_url: Redis URL (``redis://host:port/db``); ``None`` leaves Redis out.
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        redis_key_prefix: first part of every Redis key (tests and tenants of one Redis use
+            their own).
         compression: ``"none"`` or ``"lz4"`` for the disk and Redis records.
         policy: eviction policy of the CPU and disk tiers.
         write_queue_blocks: most blocks queued per lower tier before puts are dropped.
@@ -42,6 +44,7 @@ class StoreConfig:
     disk_bytes: int = 20 * GiB
     redis_url: str | None = None
     redis_ttl_s: float | None = None
+    redis_key_prefix: str = "cachetier"
     compression: str = "none"
     policy: str = "lru"
     write_queue_blocks: int = 4096
@@ -53,7 +56,9 @@ class StoreConfig:
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
         if not (self.cpu_bytes or self.disk_path or self.redis_url):
-            raise ValueError("a store needs at least one tier: set cpu_bytes, disk_path or redis_url")
+            raise ValueError(
+                "a store needs at least one tier: set cpu_bytes, disk_path or redis_url"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
@@ -115,7 +120,10 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         tiers.append(
             RedisTier(
                 RedisTierConfig(
-                    url=config.redis_url, ttl_s=config.redis_ttl_s, compression=config.compression
+                    url=config.redis_url,
+                    key_prefix=config.redis_key_prefix,
+                    ttl_s=config.redis_ttl_s,
+                    compression=config.compression,
                 )
             )
         )

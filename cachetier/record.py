@@ -268,7 +268,7 @@ def read_record(
         fingerprint: the namespace fingerprint expected, if known.
 
     Returns:
-        The block; its payload is a view into a buffer the caller owns.
+        The block; its payload is a read-only view of a buffer nobody else holds.
 
     Raises:
         CorruptBlockError: as ``decode_record``, or if fewer than ``size`` bytes could be read.
@@ -299,7 +299,11 @@ def read_record(
             raise CorruptBlockError(f"record ended after {got} of {size} bytes")
         digest.update(buf[got : got + n])
         got += n
-    return decode_record(buf, key=key, fingerprint=fingerprint, _digest=digest.digest())
+    # Read-only: a tier that keeps the block (a promotion into the CPU tier) can then hold the
+    # buffer as it is instead of copying it.
+    return decode_record(
+        buf.toreadonly(), key=key, fingerprint=fingerprint, _digest=digest.digest()
+    )
 
 
 def record_nbytes(parts: Sequence[Buffer]) -> int:

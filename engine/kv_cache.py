@@ -37,13 +37,16 @@ class KVPool:
     """
 
     def __init__(
-        self, spec: ModelSpec, block_size: int, budget_bytes: int, dtype: str, kernel_backend: str = "auto"
+        self,
+        spec: ModelSpec,
+        block_size: int,
+        budget_bytes: int,
+        dtype: str,
+        kernel_backend: str = "auto",
     ) -> None:
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"KV dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
-        self.layout = KVLayout(
-            dtype, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim
-        )
+        self.layout = KVLayout(dtype, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
         self.block_bytes = self.layout.block_bytes
         num_blocks = budget_bytes // self.block_bytes
@@ -58,8 +61,11 @@ class KVPool:
         self._rows = self.cache.view(num_blocks, -1).view(torch.uint8)
         log.info(
             "KV pool: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)",
-            num_blocks, block_size, num_blocks * block_size,
-            num_blocks * self.block_bytes / 2**20, dtype,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_blocks * self.block_bytes / 2**20,
+            dtype,
         )
 
     @property
@@ -92,6 +98,8 @@ class KVPool:
 
     def payload_matches(self, dtype: str, shape: Sequence[int], nbytes: int) -> bool:
         """Whether a restored block has exactly this pool's block layout."""
-        return dtype == self.dtype_name and tuple(shape) == self.block_shape and nbytes == self.block_bytes
-
-
+        return (
+            dtype == self.dtype_name
+            and tuple(shape) == self.block_shape
+            and nbytes == self.block_bytes
+        )

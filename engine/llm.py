@@ -26,7 +26,11 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | Path, *, store: StoreConfig | TieredStore | None = None, **engine_args: Any
+        self,
+        model: str | Path,
+        *,
+        store: StoreConfig | TieredStore | None = None,
+        **engine_args: Any,
     ) -> None:
         self._owns_store = isinstance(store, StoreConfig)
         self.store = build_store(store) if isinstance(store, StoreConfig) else store
@@ -38,10 +42,12 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass token ids instead of text")
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            # Render the template to text, then tokenize once: the tokenized form's return
+            # type changed across transformers versions (list, dict, BatchEncoding).
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
         return list(self.tokenizer.encode(prompt))
 
     def generate(
@@ -83,7 +89,9 @@ class LLM:
                     done[out.request_id] = out
             if use_tqdm:
                 rate = len(done) / max(time.perf_counter() - start, 1e-9)
-                print(f"\r{len(done)}/{len(order)} requests ({rate:.2f}/s)", end="", file=sys.stderr)
+                print(
+                    f"\r{len(done)}/{len(order)} requests ({rate:.2f}/s)", end="", file=sys.stderr
+                )
         if use_tqdm:
             print(file=sys.stderr)
         outputs = [done[rid] for rid in order]
@@ -112,7 +120,10 @@ class LLM:
 
 
 def _maybe_tokenizer(folder: Path) -> Any:
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+    if (
+        not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
         return None
     from transformers import AutoTokenizer
 

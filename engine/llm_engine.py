@@ -65,7 +65,10 @@ class LLMEngine:
             self.spec, load_weights(folder), TORCH_DTYPES[config.dtype], config.kernel_backend
         )
         self.pool = KVPool(
-            self.spec, config.block_size, config.kv_cache_bytes, config.pool_dtype,
+            self.spec,
+            config.block_size,
+            config.kv_cache_bytes,
+            config.pool_dtype,
             config.kernel_backend,
         )
         # A sequence longer than the whole pool could never be scheduled: cap it there too.
@@ -157,7 +160,9 @@ class LLMEngine:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context = start + n
             slices.append(
-                SeqSlice(row, n, context, torch.tensor(table[: -(-context // bs)], dtype=torch.long))
+                SeqSlice(
+                    row, n, context, torch.tensor(table[: -(-context // bs)], dtype=torch.long)
+                )
             )
             if context == seq.num_tokens:
                 logits_rows.append(row + n - 1)

@@ -131,7 +131,9 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv_cache: torch.Tensor, all_logits: bool = False
+    ) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into the pool and return logits.
 
         Args:
@@ -166,7 +168,12 @@ class LlamaModel:
             attn = torch.empty_like(q)
             if decodes:
                 attn[decode_rows] = paged_attention_decode(
-                    q[decode_rows], kv_cache, index, tables, context_lens, self.scale,
+                    q[decode_rows],
+                    kv_cache,
+                    index,
+                    tables,
+                    context_lens,
+                    self.scale,
                     backend=self.kernel_backend,
                 )
             for s in others:

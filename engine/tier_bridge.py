@@ -54,8 +54,14 @@ class TierBridge:
         buffers = self.pool.read_blocks([b.block_id for b in todo])
         layout = self.namespace.layout
         records = [
-            KVBlock(b.key, self.namespace.fingerprint, layout.dtype, self.pool.block_shape,
-                    layout.block_size, buf)
+            KVBlock(
+                b.key,
+                self.namespace.fingerprint,
+                layout.dtype,
+                self.pool.block_shape,
+                layout.block_size,
+                buf,
+            )
             for b, buf in zip(todo, buffers)
             if b.key is not None
         ]
@@ -91,7 +97,9 @@ class TierBridge:
                 block.dtype, block.shape, nbytes
             ):
                 self.stats.rejected_blocks += 1
-                log.warning("restored block %s does not match the pool layout", block.key.hex()[:12])
+                log.warning(
+                    "restored block %s does not match the pool layout", block.key.hex()[:12]
+                )
                 break
             good.append(block)
         self.pool.write_blocks(block_ids[: len(good)], [b.data for b in good])

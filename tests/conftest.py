@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
-import pytest
-import redis
+# Before anything imports Triton (vLLM does, at collection): kernels tests run Triton in its
+# interpreter on this CPU-only machine, and Triton reads this when it is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cachetier.keys import Namespace
-from tests.support import SMALL_LAYOUT
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from cachetier.keys import Namespace  # noqa: E402
+from engine.loader import make_tiny_llama, smollm2_path  # noqa: E402
+from tests.support import SMALL_LAYOUT  # noqa: E402
 
 REDIS_URL = os.environ.get("CACHETIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -45,3 +51,19 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
 @pytest.fixture
 def namespace() -> Namespace:
     return Namespace("test-model", SMALL_LAYOUT)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (vocab 256, 4 heads, 2 KV heads, head_dim 16), seed 0.
+
+    Shared by the whole session: a test that changes files must copy the folder first.
+    """
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted on first use, ~30 s, then cached
+    under ``$CACHETIER_MODEL_CACHE`` or ``~/.cache/cachetier/models``)."""
+    return smollm2_path()

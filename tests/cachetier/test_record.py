@@ -73,7 +73,9 @@ def _record(namespace: Namespace) -> tuple[KVBlock, bytearray]:
 
 
 @pytest.mark.parametrize("decode", DECODERS)
-def test_every_single_byte_flip_is_caught(namespace: Namespace, decode: Callable[..., KVBlock]) -> None:
+def test_every_single_byte_flip_is_caught(
+    namespace: Namespace, decode: Callable[..., KVBlock]
+) -> None:
     block, record = _record(namespace)
     # Every header byte, and a spread of payload bytes.
     positions = list(range(0, 200)) + list(range(200, len(record), 97))
@@ -86,21 +88,25 @@ def test_every_single_byte_flip_is_caught(namespace: Namespace, decode: Callable
 
 @pytest.mark.parametrize("cut", [0, 1, 10, 100, -1, -100])
 @pytest.mark.parametrize("decode", DECODERS)
-def test_truncated_records_are_caught(namespace: Namespace, cut: int, decode: Callable[..., KVBlock]) -> None:
+def test_truncated_records_are_caught(
+    namespace: Namespace, cut: int, decode: Callable[..., KVBlock]
+) -> None:
     block, record = _record(namespace)
     with pytest.raises(CorruptBlockError):
         decode(bytes(record[:cut]), key=block.key)
 
 
 @pytest.mark.parametrize("decode", DECODERS)
-def test_trailing_garbage_is_caught(namespace: Namespace, decode: Callable[..., KVBlock])-> None:
+def test_trailing_garbage_is_caught(namespace: Namespace, decode: Callable[..., KVBlock]) -> None:
     block, record = _record(namespace)
     with pytest.raises(CorruptBlockError):
         decode(bytes(record) + b"x", key=block.key)
 
 
 @pytest.mark.parametrize("decode", DECODERS)
-def test_wrong_key_or_fingerprint_is_refused(namespace: Namespace, decode: Callable[..., KVBlock])-> None:
+def test_wrong_key_or_fingerprint_is_refused(
+    namespace: Namespace, decode: Callable[..., KVBlock]
+) -> None:
     a, b = make_blocks(namespace, 2)
     record = encode_record(a)
     with pytest.raises(CorruptBlockError, match="another key"):

@@ -13,10 +13,10 @@ from pathlib import Path
 import redis
 
 from cachetier.keys import BlockHash
+from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.store import TieredStore
 
 
 @dataclass
@@ -119,7 +119,9 @@ _TRAITS = {
 }
 
 
-def kinds(*, persistent: bool = False, exact_lru: bool = False, corruptible: bool = False) -> list[str]:
+def kinds(
+    *, persistent: bool = False, exact_lru: bool = False, corruptible: bool = False
+) -> list[str]:
     """The tier kinds that have every trait asked for (all kinds when none is asked)."""
     return [
         kind

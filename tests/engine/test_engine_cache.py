@@ -131,8 +131,17 @@ print(json.dumps({"tokens": out.token_ids, "by_source": out.cached_tokens_by_sou
 def test_a_restarted_process_restores_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
     def run() -> dict:
         proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(tiny_model_dir), str(tmp_path / "d"), json.dumps(PROMPT)],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                "-c",
+                _CHILD,
+                str(tiny_model_dir),
+                str(tmp_path / "d"),
+                json.dumps(PROMPT),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

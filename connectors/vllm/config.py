@@ -1,0 +1,157 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``, and its stores.
+
+No vLLM import here: the config is plain data, checked in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cachetier.config import StoreConfig, build_store
+from cachetier.store import TieredStore
+
+_STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have live there
+_REDIS_PREFIX_DEFAULT = "cachetier"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` may set.
+
+    Args:
+        cpu_bytes: capacity of the worker's in-process CPU tier; 0 leaves it out.
+        disk_path: folder of the disk tier; ``None`` leaves it out. Survives restarts.
+        disk_bytes: capacity of the disk tier.
+        redis_url: ``redis://host:port/db`` of a Redis tier; ``None`` leaves it out.
+        redis_key_prefix: first part of every Redis key (engines with the same prefix share
+            blocks).
+        redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        remote_url: URL of a cachetier server tier (not available yet; must stay ``None``).
+        tenant: tenant name; engines of different tenants never share blocks. A request's
+            ``cache_salt`` is appended to it.
+        compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
+        model_fingerprint: identity of the weights; ``None`` hashes vLLM's model folder
+            (``engine.fingerprint.model_fingerprint``).
+        fsync: fsync disk records before they are renamed into place.
+        write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
+            are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
+    """
+
+    cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
+    disk_path: str | None = None
+    disk_bytes: int = _STORE_DEFAULTS.disk_bytes
+    redis_url: str | None = None
+    redis_key_prefix: str = _REDIS_PREFIX_DEFAULT
+    redis_ttl_s: float | None = None
+    remote_url: str | None = None
+    tenant: str = ""
+    compression: str = "none"
+    model_fingerprint: str | None = None
+    fsync: bool = True
+    write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
+
+    def __post_init__(self) -> None:
+        if self.remote_url is not None:
+            raise ValueError(
+                "remote_url (the cachetier server tier) is not supported by this connector yet; "
+                "use disk_path or redis_url"
+            )
+        if not isinstance(self.tenant, str):
+            raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
+        if self.model_fingerprint is not None and not self.model_fingerprint:
+            raise ValueError("model_fingerprint must be None or a non-empty string")
+        self.store_config()  # raises ValueError on bad sizes, compression or no tier at all
+        if self.redis_url:
+            from cachetier.tiers.redis import RedisTierConfig
+
+            RedisTierConfig(  # raises ValueError on a bad URL, prefix or TTL (no I/O)
+                url=self.redis_url, key_prefix=self.redis_key_prefix, ttl_s=self.redis_ttl_s
+            )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Build the config from vLLM's ``kv_connector_extra_config``.
+
+        Args:
+            extra: the dict given to vLLM (``None`` for all defaults).
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: on an unknown key or a bad value.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks"):
+            if name in extra:
+                extra[name] = _as_int(name, extra[name])
+        if extra.get("redis_ttl_s") is not None:
+            extra["redis_ttl_s"] = float(extra["redis_ttl_s"])
+        if "fsync" in extra:
+            extra["fsync"] = _as_bool("fsync", extra["fsync"])
+        for name in ("disk_path", "redis_url", "remote_url"):
+            if extra.get(name) == "":
+                extra[name] = None
+        return cls(**extra)
+
+    @property
+    def has_shared_tier(self) -> bool:
+        """Whether a tier outside the worker process (disk, Redis) is configured."""
+        return bool(self.disk_path or self.redis_url)
+
+    def store_config(self, *, with_cpu: bool = True) -> StoreConfig:
+        """The ``StoreConfig`` of these tiers (the CPU tier left out if ``with_cpu`` is False)."""
+        return StoreConfig(
+            cpu_bytes=self.cpu_bytes if with_cpu else 0,
+            disk_path=self.disk_path,
+            disk_bytes=self.disk_bytes,
+            redis_url=self.redis_url,
+            redis_ttl_s=self.redis_ttl_s,
+            redis_key_prefix=self.redis_key_prefix,
+            compression=self.compression,
+            fsync=self.fsync,
+            write_queue_blocks=self.write_queue_blocks,
+        )
+
+
+def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
+    """Open the tiers ``config`` names, fastest first.
+
+    Args:
+        config: the connector's config.
+        with_cpu: include the in-process CPU tier (the worker does; the scheduler, which only
+            asks what is stored, looks at the shared tiers).
+
+    Returns:
+        The store; the caller closes it.
+    """
+    return build_store(config.store_config(with_cpu=with_cpu))
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -1,0 +1,260 @@
+"""``CacheTierConnector``: cachetier's tiers (CPU, disk, Redis) as a vLLM v1 KV connector.
+
+Turn it on with::
+
+    kv_transfer_config={
+        "kv_connector": "CacheTierConnector",
+        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"disk_path": "/var/cache/kv", "cpu_bytes": 2 << 30},
+    }
+
+(keys of the extra config: ``connectors.vllm.config.ConnectorConfig``). vLLM builds one instance
+per role: the scheduler's plans loads and saves (``connectors.vllm.scheduler``), the worker's
+copies whole blocks (``connectors.vllm.worker``); the metadata between them is plain data, so
+they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or two.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from cachetier.keys import KVLayout
+from connectors.vllm.config import ConnectorConfig, open_store
+from connectors.vllm.metadata import CacheTierConnectorMetadata
+from connectors.vllm.paged import kv_layout
+from connectors.vllm.scheduler import CacheTierScheduler
+from connectors.vllm.stats import CacheTierConnectorStats
+from connectors.vllm.worker import CacheTierWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.cachetier.connector")
+
+
+class CacheTierConnector(KVConnectorBase_V1):
+    """Persistent prefix KV in cachetier's tiers, for vLLM on CPU (see the module docstring).
+
+    Args:
+        vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``
+            holds the ``ConnectorConfig`` keys.
+        role: scheduler or worker.
+        kv_cache_config: the engine's KV cache groups (one full-attention group is supported).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("CacheTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
+        config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            # Each rank holds a slice of the heads or layers; one key would name several slices.
+            raise ValueError("CacheTierConnector supports tensor/pipeline parallel size 1 only")
+        layout, layer_names = _layout_of(kv_cache_config, vllm_config.cache_config.block_size)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning(
+                "cachetier: kv_load_failure_policy is %r, so a block that cannot be restored "
+                "(evicted, corrupt) fails its request; set it to 'recompute' to recompute it",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        self._scheduler: CacheTierScheduler | None = None
+        self._worker: CacheTierWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            fingerprint = config.model_fingerprint or _model_fingerprint(vllm_config)
+            self._scheduler = CacheTierScheduler(
+                open_store(config, with_cpu=False) if config.has_shared_tier else None,
+                layout,
+                fingerprint,
+                config.tenant,
+                config.cpu_bytes // layout.block_bytes,
+            )
+            logger.info(
+                "cachetier scheduler: model %s..., layout %s, tenant %r",
+                fingerprint[:12],
+                layout,
+                config.tenant,
+            )
+        else:
+            self._worker = CacheTierWorker(open_store(config, with_cpu=True), layout, layer_names)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save that never happens is only a later miss.
+        return False
+
+    # Worker side.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._require_worker().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Copy this step's restored blocks into the paged buffers (all layers, before the
+        forward: vLLM schedules them as sync loads)."""
+        self._require_worker().load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: ``start_load_kv`` copied every layer already."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: a record holds every layer of a block, so ``wait_for_save``
+        copies whole blocks once the forward has written all layers."""
+
+    def wait_for_save(self) -> None:
+        """Store the blocks this step completed, before vLLM may reuse them."""
+        if self.has_connector_metadata():
+            self._require_worker().save(self._metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed this step; vLLM recomputes them."""
+        return self._require_worker().take_failed_block_ids()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._require_worker().take_report()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return CacheTierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Flush queued writes (disk, Redis) and close the tiers."""
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # Scheduler side.
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens after ``num_computed_tokens`` whose blocks are stored (loaded synchronously)."""
+        return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._require_scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._require_scheduler().update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request's full blocks were saved as they were computed: free them now."""
+        return self._require_scheduler().request_finished(request)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        return self._require_scheduler().hit_sources(request, num_external_tokens)
+
+    def _metadata(self) -> CacheTierConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheTierConnectorMetadata), f"foreign metadata {type(meta)}"
+        return meta
+
+    def _require_worker(self) -> CacheTierWorker:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler-side connector")
+        return self._worker
+
+    def _require_scheduler(self) -> CacheTierScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on the worker-side connector")
+        return self._scheduler
+
+
+def _layout_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVLayout, list[str]]:
+    """The block layout and the layer order of a model with one full-attention KV group."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            "CacheTierConnector supports models with one KV cache group, "
+            f"this one has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    if (
+        not isinstance(spec, FullAttentionSpec)
+        or isinstance(spec, MLAAttentionSpec)
+        or spec.sliding_window is not None
+        or spec.head_size_v != spec.head_size
+    ):
+        raise ValueError(
+            f"CacheTierConnector supports full attention only, not {type(spec).__name__}"
+        )
+    if spec.block_size != block_size:
+        raise ValueError(f"KV spec block size {spec.block_size} != cache block size {block_size}")
+    layout = kv_layout(
+        dtype=spec.dtype,
+        block_size=block_size,
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+    )
+    return layout, list(groups[0].layer_names)
+
+
+def _model_fingerprint(vllm_config: VllmConfig) -> str:
+    """Fingerprint of the weights vLLM loads (hashed once, then cached in the folder)."""
+    from engine.fingerprint import model_fingerprint
+
+    model = vllm_config.model_config.model
+    folder = Path(model)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(
+                snapshot_download(
+                    model, revision=vllm_config.model_config.revision, local_files_only=True
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to hash
+            raise ValueError(
+                f"cannot find a local folder for model {model!r} to fingerprint ({exc}); "
+                "pass kv_connector_extra_config['model_fingerprint']"
+            ) from None
+    return model_fingerprint(folder)

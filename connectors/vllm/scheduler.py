@@ -1,0 +1,307 @@
+"""Scheduler side of the connector: which leading blocks of a request are stored, and the plan
+of whole-block loads and saves the worker carries out each step.
+
+A request's blocks are keyed with ``cachetier.keys.block_keys`` over its token ids in a
+``Namespace(model fingerprint, vLLM-CPU layout, tenant + cache salt)``; block ``i`` of the
+request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel together.
+
+- ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
+  stored, stopping one token short of the prompt (vLLM must compute at least one token).
+- ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
+- ``build_connector_meta`` hands the step's loads to the worker, plus a save of every block
+  whose last token this step computes; the worker saves after the forward, in the same step, so
+  no block is ever freed while a save of it is pending and ``request_finished`` frees at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from cachetier.errors import CacheTierError
+from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
+from cachetier.store import TieredStore
+from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.cachetier.scheduler")
+
+_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler side knows of one request."""
+
+    request: Request
+    namespace: Namespace
+    keys: list[BlockHash] = field(default_factory=list)  # of its first full blocks
+    block_ids: list[int] = field(default_factory=list)  # vLLM block ids, in token order
+    num_stored_blocks: int = 0  # leading blocks known stored (hit, loaded or saved)
+    hit: tuple[int, int, dict[str, int]] = (0, 0, {})  # (first block, num blocks, by tier)
+    pending_load: BlockTransfer | None = None
+
+
+class WorkerCPUIndex:
+    """The scheduler's view of the worker's in-process CPU tier, from what the worker reports.
+
+    Disk and Redis the scheduler asks itself; the worker's CPU tier lives in another object (or
+    process), so the worker reports the keys it stored and the keys it failed to restore. The
+    index is an LRU bounded like the tier, so it may believe in a block the tier evicted: that
+    load then fails and vLLM recomputes the block.
+
+    Args:
+        max_blocks: most keys kept (the CPU tier's capacity in blocks); 0 keeps none.
+    """
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
+        self._max_blocks = max_blocks
+        self._keys: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+
+    def update(self, report: StoredBlocks) -> None:
+        """Apply one step's worker report."""
+        if not self._max_blocks:
+            return
+        for namespace_id, keys in report.stored.items():
+            for key in keys:
+                self._keys[(namespace_id, key)] = None
+                self._keys.move_to_end((namespace_id, key))
+        for namespace_id, keys in report.failed.items():
+            for key in keys:
+                self._keys.pop((namespace_id, key), None)
+        while len(self._keys) > self._max_blocks:
+            self._keys.popitem(last=False)
+
+    def leading(self, namespace_id: str, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the worker's CPU tier holds, as far as we know."""
+        return num_leading_hits(keys, lambda key: (namespace_id, key) in self._keys)
+
+
+class CacheTierScheduler:
+    """The scheduler half of ``CacheTierConnector``.
+
+    Args:
+        store: the shared tiers (disk, Redis) to look blocks up in; ``None`` if the worker's CPU
+            tier is the only tier.
+        layout: the layout of a vLLM-CPU block for this model.
+        model_fingerprint: identity of the weights.
+        tenant: tenant name; a request's cache salt is added to it.
+        cpu_index_blocks: capacity of the worker's CPU tier in blocks (0 if it has none).
+    """
+
+    def __init__(
+        self,
+        store: TieredStore | None,
+        layout: KVLayout,
+        model_fingerprint: str,
+        tenant: str,
+        cpu_index_blocks: int,
+    ) -> None:
+        self._store = store
+        self._layout = layout
+        self._block_size = layout.block_size
+        self._model_fingerprint = model_fingerprint
+        self._tenant = tenant
+        self._cpu_index = WorkerCPUIndex(cpu_index_blocks)
+        self._requests: dict[str, _Tracked] = {}
+
+    def namespace(self, cache_salt: str | None) -> Namespace:
+        """The namespace of a request with this cache salt."""
+        tenant = self._tenant if not cache_salt else f"{self._tenant}\0{cache_salt}"
+        return Namespace(self._model_fingerprint, self._layout, tenant)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens after vLLM's own ``num_computed_tokens`` that can be loaded (always sync)."""
+        if not _cacheable(request) or num_computed_tokens % self._block_size:
+            return 0, False
+        first = num_computed_tokens // self._block_size
+        last = (request.num_tokens - 1) // self._block_size  # one token is left to compute
+        if last <= first:
+            return 0, False
+        tracked = self._track(request)
+        keys = self._keys_upto(tracked, last)[first:last]
+        num_hit, by_tier = self._lookup(tracked.namespace.id, keys)
+        tracked.hit = (first, num_hit, by_tier)
+        if num_hit:
+            logger.debug(
+                "request %s: %d blocks stored after %d computed tokens (%s)",
+                request.request_id,
+                num_hit,
+                num_computed_tokens,
+                by_tier,
+            )
+        return num_hit * self._block_size, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the hit into the blocks vLLM just allocated."""
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = self._track(request) if _cacheable(request) else None
+            if tracked is None:
+                return
+        first, num_hit, _ = tracked.hit
+        tracked.num_stored_blocks = max(tracked.num_stored_blocks, first)
+        if not num_external_tokens:
+            return
+        num_blocks = num_external_tokens // self._block_size
+        assert num_external_tokens % self._block_size == 0 and num_blocks <= num_hit, (
+            f"vLLM asked to load {num_external_tokens} tokens of a {num_hit}-block hit"
+        )
+        (block_ids,) = blocks.get_block_ids()
+        tracked.pending_load = BlockTransfer(
+            request.request_id,
+            tracked.namespace.id,
+            tracked.namespace.fingerprint,
+            tuple(tracked.keys[first : first + num_blocks]),
+            tuple(block_ids[first : first + num_blocks]),
+        )
+        tracked.num_stored_blocks = first + num_blocks
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CacheTierConnectorMetadata:
+        """This step's loads and saves; consumes the pending loads."""
+        meta = CacheTierConnectorMetadata()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in self._requests:  # its blocks are freed; a resume brings new ones
+                self._requests[req_id].block_ids = []
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._plan(tracked, new.num_computed_tokens + num_scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_block_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # new_block_ids is then the whole list
+                tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids is not None:
+                tracked.block_ids.extend(new_block_ids[0])
+            self._plan(tracked, cached.num_computed_tokens[i] + num_scheduled[req_id], meta)
+        return meta
+
+    def update_connector_output(self, report: Any) -> None:
+        """Take the worker's report (``StoredBlocks``) of one step.
+
+        Blocks that failed to load are recomputed by vLLM; they are saved again once they are.
+        """
+        if not isinstance(report, StoredBlocks):
+            return
+        self._cpu_index.update(report)
+        for namespace_id, keys in report.failed.items():
+            failed = set(keys)
+            for tracked in self._requests.values():
+                if tracked.namespace.id != namespace_id:
+                    continue
+                stored = tracked.keys[: tracked.num_stored_blocks]
+                bad = next((i for i, key in enumerate(stored) if key in failed), None)
+                if bad is not None:
+                    tracked.num_stored_blocks = bad
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its full blocks were saved in the steps that computed them.
+
+        Returns:
+            ``(False, None)``: vLLM may free the blocks now (no save is pending).
+        """
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Split a hit's tokens by the tier that holds them."""
+        tracked = self._requests.get(request.request_id)
+        if not num_external_tokens:
+            return {}
+        if tracked is None or tracked.hit[1] * self._block_size != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        out: dict[CacheHitSource, int] = {}
+        for tier, num_blocks in tracked.hit[2].items():
+            source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + num_blocks * self._block_size
+        return out
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request, self.namespace(request.cache_salt))
+            self._requests[request.request_id] = tracked
+        return tracked
+
+    def _keys_upto(self, tracked: _Tracked, num_blocks: int) -> list[BlockHash]:
+        """The request's keys of its first ``num_blocks`` blocks, extending the cached chain."""
+        have = len(tracked.keys)
+        if num_blocks > have:
+            size = self._block_size
+            tokens = tracked.request.all_token_ids[have * size : num_blocks * size]
+            parent = tracked.keys[-1] if tracked.keys else None
+            tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
+        return tracked.keys
+
+    def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> tuple[int, dict[str, int]]:
+        num_hit = self._cpu_index.leading(namespace_id, keys)
+        by_tier = {"cpu": num_hit} if num_hit else {}
+        if self._store is None or num_hit == len(keys):
+            return num_hit, by_tier
+        try:
+            hit = self._store.lookup(namespace_id, keys[num_hit:])
+        except (CacheTierError, OSError) as exc:  # tiers turn outages into misses; belt and braces
+            logger.warning("cachetier lookup failed, treating it as a miss: %s", exc)
+            return num_hit, by_tier
+        for tier, count in hit.blocks_per_tier().items():
+            by_tier[tier] = by_tier.get(tier, 0) + count
+        return num_hit + hit.num_blocks, by_tier
+
+    def _plan(
+        self, tracked: _Tracked, num_computed_after: int, meta: CacheTierConnectorMetadata
+    ) -> None:
+        if tracked.pending_load is not None:
+            meta.loads.append(tracked.pending_load)
+            tracked.pending_load = None
+        # Only tokens already known (no draft tokens, no placeholders) are keyed and saved.
+        num_full = min(num_computed_after, tracked.request.num_tokens) // self._block_size
+        num_full = min(num_full, len(tracked.block_ids))
+        start = tracked.num_stored_blocks
+        if num_full <= start:
+            return
+        keys = self._keys_upto(tracked, num_full)
+        meta.saves.append(
+            BlockTransfer(
+                tracked.request.request_id,
+                tracked.namespace.id,
+                tracked.namespace.fingerprint,
+                tuple(keys[start:num_full]),
+                tuple(tracked.block_ids[start:num_full]),
+            )
+        )
+        tracked.num_stored_blocks = num_full
+
+
+def _cacheable(request: Request) -> bool:
+    """Whether the request's KV is a function of its token ids alone (what keys cover)."""
+    return (
+        request.prompt_token_ids is not None
+        and request.prompt_embeds is None
+        and not request.mm_features
+        and request.lora_request is None
+    )

@@ -1,0 +1,186 @@
+"""Worker side of the connector: copy whole blocks between vLLM's paged buffers and the tiers.
+
+Loads run in ``start_load_kv``, before the forward that reads them (vLLM schedules them as sync
+loads); saves run in ``wait_for_save``, after the forward wrote every layer. A record holds a
+block of every layer, so both work on whole blocks at once rather than layer by layer.
+
+A block that cannot be restored (missing, corrupt, failed checksum, another layout) is reported
+through ``take_failed_block_ids`` so vLLM recomputes it instead of reading stale KV; the blocks
+after it in the same request are reported too, since a prefix is only usable up to its first gap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+from vllm.logger import init_logger
+
+from cachetier.errors import CacheTierError
+from cachetier.keys import KVLayout
+from cachetier.record import KVBlock
+from cachetier.store import TieredStore
+from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
+from connectors.vllm.paged import PagedKV, check_record, payload_view
+from connectors.vllm.stats import CacheTierConnectorStats
+
+logger = init_logger("vllm.cachetier.worker")
+
+
+class CacheTierWorker:
+    """The worker half of ``CacheTierConnector``.
+
+    Args:
+        store: the tiers, fastest first; the worker owns it and closes it on ``close()``.
+        layout: the layout of one block (must match the buffers vLLM registers).
+        layer_names: attention layers in model order (the order of layers inside a record).
+    """
+
+    def __init__(self, store: TieredStore, layout: KVLayout, layer_names: Sequence[str]) -> None:
+        self._store = store
+        self._layout = layout
+        self._layer_names = list(layer_names)
+        self._paged: PagedKV | None = None
+        self._failed_block_ids: set[int] = set()
+        self._failed_req_ids: set[str] = set()
+        self._report = StoredBlocks()
+        self._stats = CacheTierConnectorStats()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer KV tensors (checked against the layout)."""
+        self._paged = PagedKV(kv_caches, self._layer_names, self._layout)
+        logger.info(
+            "cachetier: %d layers x %d blocks of %d tokens, %.2f MB per block, tiers %s",
+            len(self._layer_names),
+            self._paged.num_blocks,
+            self._layout.block_size,
+            self._layout.block_bytes / 1e6,
+            [tier.name for tier in self._store.tiers],
+        )
+
+    def load(self, meta: CacheTierConnectorMetadata) -> None:
+        """Restore this step's planned blocks into the paged buffers (before the forward)."""
+        self._failed_req_ids.clear()
+        for transfer in meta.loads:
+            self._load_one(transfer)
+
+    def save(self, meta: CacheTierConnectorMetadata) -> None:
+        """Store this step's completed blocks (after the forward wrote them)."""
+        for transfer in meta.saves:
+            if transfer.req_id in self._failed_req_ids:
+                # Its forward attended over blocks that failed to load, so what it wrote is
+                # wrong; vLLM recomputes it and the scheduler plans the save again.
+                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+                continue
+            self._save_one(transfer)
+
+    def take_failed_block_ids(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call."""
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def take_report(self) -> StoredBlocks | None:
+        """What was stored or failed since the last call, for the scheduler (or ``None``)."""
+        report, self._report = self._report, StoredBlocks()
+        return report if report.stored or report.failed else None
+
+    def take_stats(self) -> CacheTierConnectorStats | None:
+        """Counters since the last call (``None`` if nothing happened)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, CacheTierConnectorStats()
+        return stats
+
+    def close(self) -> None:
+        """Flush queued writes to the lower tiers and close them."""
+        self._store.close()
+
+    def _load_one(self, transfer: BlockTransfer) -> None:
+        paged = self._require_paged()
+        start = time.perf_counter()
+        try:
+            restored = self._store.restore_prefix(
+                transfer.namespace_id, list(transfer.keys), fingerprint=transfer.fingerprint
+            )
+            records, sources = list(restored.blocks), list(restored.sources)
+        except (CacheTierError, OSError) as exc:
+            logger.warning("cachetier: restore for request %s failed: %s", transfer.req_id, exc)
+            records, sources = [], []
+        good: list[KVBlock] = []
+        for record, key in zip(records, transfer.keys, strict=False):
+            problem = check_record(record, key, transfer.fingerprint, self._layout)
+            if problem is not None:
+                logger.warning("cachetier: block %s... holds %s", key.hex()[:16], problem)
+                break
+            good.append(record)
+        num_good = len(good)
+        if num_good:
+            paged.write(transfer.block_ids[:num_good], [record.data for record in good])
+        if num_good < len(transfer.keys):
+            self._failed_block_ids.update(transfer.block_ids[num_good:])
+            self._failed_req_ids.add(transfer.req_id)
+            self._report.failed.setdefault(transfer.namespace_id, []).extend(
+                transfer.keys[num_good:]
+            )
+        elapsed = time.perf_counter() - start
+        by_tier: dict[str, int] = {}
+        for source in sources[:num_good]:
+            by_tier[source] = by_tier.get(source, 0) + 1
+        self._stats.add(
+            num_loaded_blocks=num_good,
+            num_load_errors=len(transfer.keys) - num_good,
+            loaded_bytes=num_good * self._layout.block_bytes,
+            load_s=elapsed,
+            **{f"loaded_from_{tier}": count for tier, count in by_tier.items()},
+        )
+        logger.info(
+            "cachetier: request %s loaded %d/%d blocks (%d tokens) from %s in %.1f ms%s",
+            transfer.req_id,
+            num_good,
+            len(transfer.keys),
+            num_good * self._layout.block_size,
+            by_tier or "no tier",
+            1e3 * elapsed,
+            ""
+            if num_good == len(transfer.keys)
+            else f"; {len(transfer.keys) - num_good} failed, vLLM recomputes them",
+        )
+
+    def _save_one(self, transfer: BlockTransfer) -> None:
+        paged = self._require_paged()
+        start = time.perf_counter()
+        records = [
+            KVBlock(
+                key,
+                transfer.fingerprint,
+                self._layout.dtype,
+                paged.shape,
+                self._layout.block_size,
+                payload_view(payload),
+            )
+            for key, payload in zip(transfer.keys, paged.gather(transfer.block_ids), strict=True)
+        ]
+        try:
+            stored = self._store.put_many(transfer.namespace_id, records)
+        except (CacheTierError, OSError) as exc:
+            logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
+            stored = 0
+        # put_many stores in the first tier now and queues the rest; the CPU tier (if first)
+        # is what the scheduler cannot see by itself.
+        if stored == len(records):
+            self._report.stored.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+        self._stats.add(
+            num_saved_blocks=stored,
+            num_save_errors=len(records) - stored,
+            saved_bytes=stored * self._layout.block_bytes,
+            save_s=time.perf_counter() - start,
+        )
+        logger.debug(
+            "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
+        )
+
+    def _require_paged(self) -> PagedKV:
+        if self._paged is None:
+            raise RuntimeError("vLLM has not registered its KV caches with the connector yet")
+        return self._paged

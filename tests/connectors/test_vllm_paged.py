@@ -1,0 +1,205 @@
+"""The connector's config and its whole-block copies, without starting vLLM (no vLLM import)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachetier.keys import Namespace, block_keys
+from cachetier.record import KVBlock
+from connectors.vllm.config import ConnectorConfig, open_store
+from connectors.vllm.launch import kv_transfer_config, serve_flag
+from connectors.vllm.paged import (
+    ARRANGEMENT,
+    PagedKV,
+    check_record,
+    kv_layout,
+    payload_view,
+    record_shape,
+)
+
+NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 32, 8, 10
+
+
+def _layout(dtype: torch.dtype = torch.float32):
+    return kv_layout(
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+    )
+
+
+def _kv_caches(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    # vLLM-CPU's per-layer shape: [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(
+            NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, generator=gen
+        ).to(dtype)
+        for i in range(NUM_LAYERS)
+    }
+
+
+def test_layout_names_the_vllm_cpu_arrangement() -> None:
+    layout = _layout()
+    assert layout.arrangement == ARRANGEMENT
+    assert record_shape(layout) == (NUM_LAYERS, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
+    assert layout.block_bytes == NUM_LAYERS * NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4
+    other = kv_layout(
+        dtype=torch.float32,
+        block_size=BLOCK_SIZE,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+    )
+    assert Namespace("m", layout).fingerprint == Namespace("m", other).fingerprint
+    from cachetier.keys import KVLayout
+
+    engine_layout = KVLayout("float32", BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
+    assert Namespace("m", layout).fingerprint != Namespace("m", engine_layout).fingerprint
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_then_write_moves_whole_blocks_of_every_layer(dtype: torch.dtype) -> None:
+    src_caches, dst_caches = _kv_caches(0, dtype), _kv_caches(1, dtype)
+    names = list(src_caches)
+    src = PagedKV(src_caches, names, _layout(dtype))
+    dst = PagedKV(dst_caches, names, _layout(dtype))
+    untouched = {name: kv[[0, 5]].clone() for name, kv in dst_caches.items()}
+
+    payloads = [payload_view(p) for p in src.gather([7, 2, 9])]
+    assert all(p.readonly and p.nbytes == _layout(dtype).block_bytes for p in payloads)
+    dst.write([1, 3, 4], payloads)
+
+    for name in names:
+        for s, d in ((7, 1), (2, 3), (9, 4)):
+            assert torch.equal(dst_caches[name][d], src_caches[name][s])
+        assert torch.equal(dst_caches[name][[0, 5]], untouched[name])
+
+
+def test_record_payload_is_layer_head_kv_token_dim() -> None:
+    caches = _kv_caches()
+    names = list(caches)
+    (payload,) = PagedKV(caches, names, _layout()).gather([6])
+    for layer, name in enumerate(names):
+        # vLLM-CPU reads a block as [heads, 2 * block_size, head_size]: K rows, then V rows.
+        as_read = caches[name][6].view(NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE)
+        keys, values = as_read[:, :BLOCK_SIZE], as_read[:, BLOCK_SIZE:]
+        assert torch.equal(payload[layer, :, 0], keys)
+        assert torch.equal(payload[layer, :, 1], values)
+
+
+def test_paged_kv_rejects_buffers_of_another_layout() -> None:
+    caches = _kv_caches()
+    with pytest.raises(ValueError, match="expected"):
+        PagedKV(
+            caches,
+            list(caches),
+            kv_layout(
+                dtype=torch.float32,
+                block_size=16,
+                num_layers=NUM_LAYERS,
+                num_kv_heads=NUM_KV_HEADS,
+                head_size=HEAD_SIZE,
+            ),
+        )
+    with pytest.raises(ValueError, match="no KV cache"):
+        PagedKV(caches, [*caches, "model.layers.9.self_attn.attn"], _layout())
+    paged = PagedKV(caches, list(caches), _layout())
+    with pytest.raises(ValueError, match="block ids"):
+        paged.gather([NUM_BLOCKS])
+
+
+def test_check_record_names_what_is_wrong() -> None:
+    layout = _layout()
+    ns = Namespace("m", layout)
+    (key, other_key) = block_keys(ns, list(range(2 * BLOCK_SIZE)))
+    payload = bytes(layout.block_bytes)
+    good = KVBlock(key, ns.fingerprint, "float32", record_shape(layout), BLOCK_SIZE, payload)
+    assert check_record(good, key, ns.fingerprint, layout) is None
+    assert check_record(good, other_key, ns.fingerprint, layout) == "another key"
+    assert check_record(good, key, bytes(32), layout) == "another namespace"
+    flat = KVBlock(key, ns.fingerprint, "float32", (layout.block_bytes // 4,), BLOCK_SIZE, payload)
+    assert "instead of" in check_record(flat, key, ns.fingerprint, layout)
+    short = KVBlock(key, ns.fingerprint, "float32", record_shape(layout), 7, payload)
+    assert check_record(short, key, ns.fingerprint, layout) == f"7 tokens instead of {BLOCK_SIZE}"
+
+
+def test_config_from_extra_config() -> None:
+    config = ConnectorConfig.from_extra_config(
+        {"cpu_bytes": "1048576", "disk_path": "/tmp/x", "tenant": "acme", "fsync": "false"}
+    )
+    assert (config.cpu_bytes, config.disk_path, config.tenant, config.fsync) == (
+        1 << 20,
+        "/tmp/x",
+        "acme",
+        False,
+    )
+    assert config.has_shared_tier
+    assert not ConnectorConfig.from_extra_config({"cpu_bytes": 1 << 20}).has_shared_tier
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"disk_pth": "/tmp/x"}, "unknown kv_connector_extra_config keys"),
+        ({"cpu_bytes": 0}, "at least one tier"),
+        ({"compression": "zstd"}, "compression"),
+        ({"cpu_bytes": "lots"}, "cpu_bytes"),
+        ({"redis_url": "http://127.0.0.1:6379"}, "redis"),
+        ({"redis_url": "redis://127.0.0.1:6379/0", "redis_key_prefix": "bad prefix"}, "key_prefix"),
+        ({"remote_url": "http://127.0.0.1:8000"}, "not supported"),
+    ],
+)
+def test_config_rejects_bad_values(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_kv_transfer_config_turns_the_connector_on() -> None:
+    got = kv_transfer_config({"disk_path": "/tmp/kv"})
+    assert got == {
+        "kv_connector": "CacheTierConnector",
+        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"disk_path": "/tmp/kv"},
+    }
+    assert '"kv_connector":"CacheTierConnector"' in serve_flag({"disk_path": "/tmp/kv"})
+    with pytest.raises(ValueError):
+        kv_transfer_config({"tiers": "cpu"})
+
+
+def test_open_store_stacks_the_configured_tiers(
+    tmp_path, redis_url: str, redis_prefix: str
+) -> None:
+    config = ConnectorConfig(
+        cpu_bytes=1 << 20,
+        disk_path=str(tmp_path),
+        redis_url=redis_url,
+        redis_key_prefix=redis_prefix,
+    )
+    with open_store(config, with_cpu=True) as store:
+        assert [tier.name for tier in store.tiers] == ["cpu", "disk", "redis"]
+    with open_store(config, with_cpu=False) as store:
+        assert [tier.name for tier in store.tiers] == ["disk", "redis"]
+    layout = _layout()
+    ns = Namespace("m", layout)
+    (key,) = block_keys(ns, list(range(BLOCK_SIZE)))
+    block = KVBlock(
+        key, ns.fingerprint, "float32", record_shape(layout), BLOCK_SIZE, bytes(layout.block_bytes)
+    )
+    redis_only = ConnectorConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
+    with open_store(redis_only, with_cpu=True) as store:
+        assert [tier.name for tier in store.tiers] == ["redis"]
+        store.put_many(ns.id, [block])
+        store.flush()
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert list(client.scan_iter(match=f"{redis_prefix}:{ns.id}:*")), "not under the prefix"
+    finally:
+        client.close()

@@ -1,0 +1,314 @@
+"""Real vLLM (CPU) with CacheTierConnector: KV stored by one process is used after a restart.
+
+Each engine runs in a fresh subprocess (this file is also the script it runs). Process A runs
+vLLM without the connector (the baseline) and then with it, storing the prompt's blocks on disk
+and in Redis; each restart is another process that must report the prompt's full blocks as
+cached, log the load from the tier, and generate exactly the baseline's greedy tokens and top-5
+logprobs. A record tampered with on disk must be caught and recomputed, with the same output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 32
+PROMPT_LEN = 1100  # 34 full blocks; vLLM computes the last 12 tokens itself
+MAX_TOKENS = 6
+TOP_LOGPROBS = 5
+LOGPROB_ATOL = 1e-3
+NUM_FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK_SIZE
+TAMPERED_BLOCKS = (7, 20)  # block indexes whose records get flipped bytes
+RUN_TIMEOUT_S = 600
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+
+def _prompt() -> list[int]:
+    # Random ids in SmolLM2's ordinary-token range: long, and shares no prefix with any other test.
+    rng = random.Random(20240611)
+    return [rng.randrange(1000, 48000) for _ in range(PROMPT_LEN)]
+
+
+# The subprocess side: run each engine of a spec, one after the other, and write the outputs.
+
+
+def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    from connectors.vllm.launch import kv_transfer_config
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
+    results = []
+    for run in spec["runs"]:
+        kwargs: dict[str, Any] = {}
+        if run["kv_extra"] is not None:
+            kwargs["kv_transfer_config"] = kv_transfer_config(run["kv_extra"])
+        llm = LLM(
+            model=spec["model"],
+            dtype="float32",
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            max_model_len=2048,
+            seed=0,
+            **kwargs,
+        )
+        print(f"=== run {run['name']} start", flush=True)
+        (output,) = llm.generate([{"prompt_token_ids": spec["prompt"]}], params, use_tqdm=False)
+        completion = output.outputs[0]
+        results.append(
+            {
+                "name": run["name"],
+                "num_cached_tokens": output.num_cached_tokens,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [
+                    {str(token): float(lp.logprob) for token, lp in step.items()}
+                    for step in completion.logprobs or []
+                ],
+            }
+        )
+        print(f"=== run {run['name']} done", flush=True)
+        # Shutting the engine down shuts the connector down, which flushes its disk and Redis
+        # writes before the next engine (or the next process) reads them.
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return results
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    results = _run_engines(json.loads(args.spec.read_text()))
+    args.out.write_text(json.dumps(results))
+
+
+# The pytest side.
+
+
+class EngineProcess:
+    """Runs ``_run_engines`` in a fresh Python process and keeps its log."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+
+    def run(self, name: str, model: Path, runs: list[dict[str, Any]]) -> tuple[list[dict], str]:
+        spec_path = self.workdir / f"{name}.spec.json"
+        out_path = self.workdir / f"{name}.out.json"
+        log_path = self.workdir / f"{name}.log"
+        spec_path.write_text(json.dumps({"model": str(model), "prompt": _prompt(), "runs": runs}))
+        from connectors.vllm.launch import vllm_cpu_env
+
+        env = vllm_cpu_env(os.environ, pythonpath=str(ROOT))
+        with open(log_path, "w") as log:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.connectors.test_vllm_restart",
+                    str(spec_path),
+                    str(out_path),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=RUN_TIMEOUT_S,
+            )
+        text = log_path.read_text(errors="replace")
+        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
+        return json.loads(out_path.read_text()), text
+
+
+def _load_lines(log: str) -> list[str]:
+    return [
+        line for line in log.splitlines() if "cachetier: request" in line and " loaded " in line
+    ]
+
+
+def assert_logged_full_load(log: str, tier: str) -> None:
+    """The log shows every full block of the prompt loaded from ``tier``."""
+    n = NUM_FULL_BLOCKS
+    want = f"loaded {n}/{n} blocks ({n * BLOCK_SIZE} tokens) from {{'{tier}': {n}}}"
+    lines = _load_lines(log)
+    assert any(want in line for line in lines), f"no load from {tier} in the log: {lines}"
+
+
+def assert_same_output(got: dict, want: dict) -> None:
+    """Greedy tokens equal; top-5 logprobs name the same tokens and agree within 1e-3."""
+    assert got["token_ids"] == want["token_ids"], (got["name"], want["name"])
+    assert len(got["logprobs"]) == len(want["logprobs"]) == MAX_TOKENS
+    for step, (g, w) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
+        top_g = sorted(g, key=g.get, reverse=True)[:TOP_LOGPROBS]
+        top_w = sorted(w, key=w.get, reverse=True)[:TOP_LOGPROBS]
+        assert set(top_g) == set(top_w), f"step {step}: top tokens {top_g} != {top_w}"
+        for token in top_w:
+            assert abs(g[token] - w[token]) <= LOGPROB_ATOL, (step, token, g[token], w[token])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-restart")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from engine.loader import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def module_redis_prefix(redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this module's own; every key under it is deleted afterwards."""
+    import redis
+
+    prefix = f"cachetier-vllm-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def stored(
+    workdir: Path, model_dir: Path, redis_url: str, module_redis_prefix: str
+) -> dict[str, Any]:
+    """Process A: the baseline without the connector, then a run that stores the prompt."""
+    disk = workdir / "disk"
+    extra = {
+        "cpu_bytes": 256 << 20,
+        "disk_path": str(disk),
+        "redis_url": redis_url,
+        "redis_key_prefix": module_redis_prefix,
+    }
+    results, log = EngineProcess(workdir).run(
+        "store",
+        model_dir,
+        [{"name": "baseline", "kv_extra": None}, {"name": "store", "kv_extra": extra}],
+    )
+    baseline, store = results
+    return {"baseline": baseline, "store": store, "log": log, "disk": disk}
+
+
+def _namespace(model_dir: Path):
+    import torch
+
+    from cachetier.keys import Namespace
+    from connectors.vllm.paged import kv_layout
+    from engine.fingerprint import model_fingerprint
+    from engine.loader import ModelSpec
+
+    spec = ModelSpec.from_folder(model_dir)
+    layout = kv_layout(
+        dtype=torch.float32,
+        block_size=BLOCK_SIZE,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_dim,
+    )
+    return Namespace(model_fingerprint(model_dir), layout, "")
+
+
+def _record_paths(disk: Path, model_dir: Path) -> list[Path]:
+    """Where the disk tier keeps each full block of the prompt, in prompt order."""
+    from cachetier.keys import block_keys
+    from cachetier.tiers.disk import DiskTier, DiskTierConfig
+
+    namespace = _namespace(model_dir)
+    with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
+        return [tier.path_of(namespace.id, key) for key in block_keys(namespace, _prompt())]
+
+
+def test_store_run_saves_every_full_block(stored: dict[str, Any], model_dir: Path) -> None:
+    assert stored["store"]["num_cached_tokens"] == 0, "process A started from an empty store"
+    assert_same_output(stored["store"], stored["baseline"])
+    paths = _record_paths(stored["disk"], model_dir)
+    assert len(paths) == PROMPT_LEN // BLOCK_SIZE
+    missing = [p.name for p in paths if not p.is_file()]
+    assert not missing, f"blocks not on disk after process A exited: {missing}"
+
+
+def test_restart_restores_prefix_from_disk(
+    stored: dict[str, Any], workdir: Path, model_dir: Path
+) -> None:
+    extra = {"cpu_bytes": 256 << 20, "disk_path": str(stored["disk"])}
+    (restored,), log = EngineProcess(workdir).run(
+        "restore-disk", model_dir, [{"name": "restore-disk", "kv_extra": extra}]
+    )
+    assert restored["num_cached_tokens"] >= NUM_FULL_BLOCKS * BLOCK_SIZE
+    assert_logged_full_load(log, "disk")
+    assert_same_output(restored, stored["baseline"])
+
+
+def test_restart_restores_prefix_from_redis(
+    stored: dict[str, Any],
+    workdir: Path,
+    model_dir: Path,
+    redis_url: str,
+    module_redis_prefix: str,
+) -> None:
+    extra = {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": module_redis_prefix}
+    (restored,), log = EngineProcess(workdir).run(
+        "restore-redis", model_dir, [{"name": "restore-redis", "kv_extra": extra}]
+    )
+    assert restored["num_cached_tokens"] >= NUM_FULL_BLOCKS * BLOCK_SIZE
+    assert_logged_full_load(log, "redis")
+    assert_same_output(restored, stored["baseline"])
+
+
+@pytest.mark.faults
+def test_tampered_block_on_disk_is_recomputed(
+    stored: dict[str, Any], workdir: Path, model_dir: Path
+) -> None:
+    from cachetier.record import decode_record
+
+    disk = workdir / "disk-tampered"
+    shutil.copytree(stored["disk"], disk)
+    paths = _record_paths(disk, model_dir)
+    for index in TAMPERED_BLOCKS:
+        data = bytearray(paths[index].read_bytes())
+        for offset in (len(data) // 2, len(data) - 1):  # inside the payload
+            data[offset] ^= 0xFF
+        paths[index].write_bytes(bytes(data))
+    first_bad = min(TAMPERED_BLOCKS)
+    extra = {"cpu_bytes": 256 << 20, "disk_path": str(disk)}
+    (restored,), log = EngineProcess(workdir).run(
+        "restore-tampered", model_dir, [{"name": "restore-tampered", "kv_extra": extra}]
+    )
+    lines = _load_lines(log)
+    want = f"loaded {first_bad}/{NUM_FULL_BLOCKS} blocks"
+    assert any(want in line and "vLLM recomputes them" in line for line in lines), lines
+    assert "Recovered from KV load failure" in log, "vLLM did not reschedule the bad blocks"
+    assert_same_output(restored, stored["baseline"])
+    # The recomputed blocks were saved again, so the tampered records are whole once more.
+    from connectors.vllm.paged import record_shape
+
+    layout = _namespace(model_dir).layout
+    for index in TAMPERED_BLOCKS:
+        record = decode_record(paths[index].read_bytes())
+        assert tuple(record.shape) == record_shape(layout)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,235 @@
+"""The scheduler side's plan, step by step, on vLLM's own request and scheduler-output types.
+
+Exact block ids and keys, as vLLM's prefix-caching tests do; the store is a real disk tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from cachetier.keys import BlockHash, Namespace, block_keys  # noqa: E402
+from cachetier.record import KVBlock  # noqa: E402
+from cachetier.store import TieredStore  # noqa: E402
+from connectors.vllm.config import ConnectorConfig, open_store  # noqa: E402
+from connectors.vllm.metadata import StoredBlocks  # noqa: E402
+from connectors.vllm.paged import kv_layout, record_shape  # noqa: E402
+from connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BS = 32  # block size
+LAYOUT = kv_layout(dtype=torch.float32, block_size=BS, num_layers=2, num_kv_heads=1, head_size=32)
+FINGERPRINT = "test-model"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    with open_store(ConnectorConfig(cpu_bytes=0, disk_path=str(tmp_path)), with_cpu=False) as s:
+        yield s
+
+
+def _request(req_id: str, num_tokens: int, salt: str | None = None, seed: int = 0) -> Request:
+    tokens = [(seed * 7919 + 31 * i) % 40000 + 100 for i in range(num_tokens)]
+    return Request(req_id, tokens, SamplingParams(max_tokens=16), None, cache_salt=salt)
+
+
+def _put(store: TieredStore, namespace: Namespace, keys: list[BlockHash]) -> None:
+    blocks = [
+        KVBlock(
+            key,
+            namespace.fingerprint,
+            LAYOUT.dtype,
+            record_shape(LAYOUT),
+            BS,
+            bytes(LAYOUT.block_bytes),
+        )
+        for key in keys
+    ]
+    store.put_many(namespace.id, blocks)
+    store.flush()
+
+
+def _blocks(block_ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
+
+
+def _new_step(request: Request, block_ids: list[int], num_computed: int, num_new: int):
+    request.num_computed_tokens = num_computed
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(request, (block_ids,))]
+    out.num_scheduled_tokens = {request.request_id: num_new}
+    out.total_num_scheduled_tokens = num_new
+    return out
+
+
+def _cached_step(
+    request: Request,
+    new_block_ids: list[int] | None,
+    num_computed: int,
+    num_new: int,
+    resumed: bool = False,
+) -> SchedulerOutput:
+    out = SchedulerOutput.make_empty()
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=[request.request_id],
+        resumed_req_ids={request.request_id} if resumed else set(),
+        new_token_ids=[[]],
+        all_token_ids={},
+        new_block_ids=[(new_block_ids,) if new_block_ids is not None else None],
+        num_computed_tokens=[num_computed],
+        num_output_tokens=[len(request.output_token_ids)],
+    )
+    out.num_scheduled_tokens = {request.request_id: num_new}
+    out.total_num_scheduled_tokens = num_new
+    return out
+
+
+def _scheduler(store: TieredStore | None, cpu_index_blocks: int = 0) -> CacheTierScheduler:
+    return CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", cpu_index_blocks)
+
+
+def test_hit_counts_stored_blocks_after_the_local_hit(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    assert len(keys) == 5
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    _put(store, ns, keys[:3])
+    assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, False)
+    assert sched.get_num_new_matched_tokens(request, BS) == (2 * BS, False)
+    assert sched.get_num_new_matched_tokens(request, 3 * BS) == (0, False)
+    assert sched.get_num_new_matched_tokens(request, 17) == (0, False)  # not block aligned
+
+
+def test_hit_leaves_the_last_token_to_compute(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 4 * BS)  # exactly four full blocks
+    _put(store, sched.namespace(None), block_keys(sched.namespace(None), request.prompt_token_ids))
+    assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, False)
+
+
+def test_tenant_and_cache_salt_scope_the_keys(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 3 * BS + 1)
+    _put(store, sched.namespace(None), block_keys(sched.namespace(None), request.prompt_token_ids))
+    assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, False)
+    salted = _request("s", 3 * BS + 1, salt="user-42")
+    assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
+    other_tenant = CacheTierScheduler(store, LAYOUT, FINGERPRINT, "globex", 0)
+    assert other_tenant.get_num_new_matched_tokens(_request("t", 3 * BS + 1), 0) == (0, False)
+
+
+def test_plan_loads_the_hit_and_saves_what_the_step_completes(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put(store, ns, keys[1:3])  # block 0 is vLLM's own hit; blocks 1-2 are stored
+    block_ids = [40, 41, 42, 43, 44, 45]
+
+    assert sched.get_num_new_matched_tokens(request, BS) == (2 * BS, False)
+    sched.update_state_after_alloc(request, _blocks(block_ids), 2 * BS)
+    meta = sched.build_connector_meta(_new_step(request, block_ids, 3 * BS, 2 * BS + 10))
+
+    (load,) = meta.loads
+    assert (load.req_id, load.namespace_id, load.fingerprint) == ("r", ns.id, ns.fingerprint)
+    assert load.keys == tuple(keys[1:3]) and load.block_ids == (41, 42)
+    (save,) = meta.saves  # blocks 3 and 4 become full this step; the partial block 5 does not
+    assert save.keys == tuple(keys[3:5]) and save.block_ids == (43, 44)
+
+    # Decode: the step that computes token 6 * BS - 1 completes block 5 (prompt + outputs).
+    request.append_output_token_ids(list(range(1000, 1000 + BS - 10)))
+    assert sched.build_connector_meta(_cached_step(request, None, 5 * BS + 10, BS - 11)).saves == []
+    meta = sched.build_connector_meta(_cached_step(request, [46], 6 * BS - 1, 1))
+    assert meta.loads == []
+    (save,) = meta.saves
+    full = block_keys(ns, list(request.all_token_ids))
+    assert save.keys == (full[5],) and save.block_ids == (45,)
+    assert sched.request_finished(request) == (False, None)
+    assert sched.build_connector_meta(_cached_step(request, None, 6 * BS, 1)).saves == []
+
+
+def test_chunked_prefill_saves_each_chunk_once(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 4 * BS + 5)
+    keys = block_keys(sched.namespace(None), request.prompt_token_ids)
+    block_ids = [7, 3, 9, 1, 2]
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, _blocks(block_ids[:2]), 0)
+    first = sched.build_connector_meta(_new_step(request, block_ids[:2], 0, 2 * BS - 3))
+    assert [(s.keys, s.block_ids) for s in first.saves] == [((keys[0],), (7,))]
+    second = sched.build_connector_meta(
+        _cached_step(request, block_ids[2:], 2 * BS - 3, 2 * BS + 8)
+    )
+    assert [(s.keys, s.block_ids) for s in second.saves] == [(tuple(keys[1:4]), (3, 9, 1))]
+
+
+def test_failed_load_is_saved_again_once_recomputed(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 4 * BS + 5)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put(store, ns, keys)
+    block_ids = [10, 11, 12, 13, 14]
+    assert sched.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
+    sched.update_state_after_alloc(request, _blocks(block_ids), 4 * BS)
+    meta = sched.build_connector_meta(_new_step(request, block_ids, 4 * BS, 5))
+    assert len(meta.loads) == 1 and meta.saves == []
+
+    # The worker could restore blocks 0-1 only; vLLM rewinds to token 2 * BS and recomputes.
+    sched.update_connector_output(StoredBlocks(failed={ns.id: list(keys[2:])}))
+    meta = sched.build_connector_meta(_cached_step(request, [], 2 * BS, 2 * BS + 5))
+    (save,) = meta.saves
+    assert save.keys == tuple(keys[2:4]) and save.block_ids == (12, 13)
+
+
+def test_preempted_request_resumes_with_its_new_blocks(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 3 * BS + 5)
+    keys = block_keys(sched.namespace(None), request.prompt_token_ids)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, _blocks([1, 2]), 0)
+    meta = sched.build_connector_meta(_new_step(request, [1, 2], 0, 2 * BS))
+    assert [s.block_ids for s in meta.saves] == [(1, 2)]
+    preempt = SchedulerOutput.make_empty()
+    preempt.preempted_req_ids = {"r"}
+    assert sched.build_connector_meta(preempt).saves == []
+    meta = sched.build_connector_meta(
+        _cached_step(request, [5, 6, 7, 8], 0, 3 * BS + 5, resumed=True)
+    )
+    assert [(s.keys, s.block_ids) for s in meta.saves] == [((keys[2],), (7,))]
+
+
+def test_worker_cpu_tier_is_seen_through_its_reports() -> None:
+    sched = _scheduler(None, cpu_index_blocks=2)
+    ns = sched.namespace(None)
+    request = _request("r", 3 * BS + 1)
+    keys = block_keys(ns, request.prompt_token_ids)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_connector_output(StoredBlocks(stored={ns.id: keys}))
+    # The index keeps the two most recent keys, like an LRU tier of two blocks: key 0 is gone.
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_connector_output(StoredBlocks(stored={ns.id: keys[:2]}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (2 * BS, False)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert sched.hit_sources(request, 2 * BS) == {CacheHitSource.HOST: 2 * BS}
+    sched.update_connector_output(StoredBlocks(failed={ns.id: [keys[1]]}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (BS, False)
