@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from cachetier.store import TieredStore
@@ -23,7 +23,7 @@ def default_data_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Which tiers a store stacks, fastest first: CPU, then disk, then Redis.
+    """Which tiers a store stacks, fastest first: CPU, then disk, then Redis, then the sidecar.
 
     Args:
         cpu_bytes: CPU tier capacity; 0 leaves the CPU tier out.
@@ -37,6 +37,10 @@ class StoreConfig:
         policy: eviction policy of the CPU and disk tiers.
         write_queue_blocks: most blocks queued per lower tier before puts are dropped.
         fsync: fsync disk records before they are renamed into place.
+        remote_url: base URL of a cachetier server (``http://host:port``); ``None`` leaves the
+            remote tier out.
+        remote_token: bearer token for the server (it names the tenant); ``None`` for a server
+            in open mode.
     """
 
     cpu_bytes: int = 2 * GiB
@@ -49,16 +53,20 @@ class StoreConfig:
     policy: str = "lru"
     write_queue_blocks: int = 4096
     fsync: bool = True
+    remote_url: str | None = None
+    remote_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes <= 0:
             raise ValueError("cpu_bytes must be >= 0 and disk_bytes > 0")
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
-        if not (self.cpu_bytes or self.disk_path or self.redis_url):
+        if not (self.cpu_bytes or self.disk_path or self.redis_url or self.remote_url):
             raise ValueError(
-                "a store needs at least one tier: set cpu_bytes, disk_path or redis_url"
+                "a store needs at least one tier: set cpu_bytes, disk_path, redis_url or remote_url"
             )
+        if self.remote_token and not self.remote_url:
+            raise ValueError("remote_token is set without remote_url: name the server too")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
@@ -71,15 +79,31 @@ class StoreConfig:
         Returns:
             The config.
         """
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            values[f.name] = _parse(f.name, raw, str(f.type))
+        values = env_values(cls, os.environ if env is None else env)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def env_values(
+    cls: type, env: Mapping[str, str], *, skip: Container[str] = ()
+) -> dict[str, object]:
+    """Values of a config dataclass's fields given as ``CACHETIER_<FIELD>`` in ``env``.
+
+    Args:
+        cls: a dataclass whose fields are ``int``, ``float``, ``bool``, ``str`` or optional ones.
+        env: the environment to read.
+        skip: field names the caller parses itself.
+
+    Returns:
+        field name -> parsed value, for the fields ``env`` sets.
+    """
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is None or f.name in skip:
+            continue
+        values[f.name] = _parse(f.name, raw, str(f.type))
+    return values
 
 
 def _parse(name: str, raw: str, type_name: str) -> object:
@@ -127,6 +151,11 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                 )
             )
         )
+    if config.remote_url:
+        # Imported here: the remote tier needs aiohttp, which a store without one does not.
+        from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+
+        tiers.append(RemoteTier(RemoteTierConfig(url=config.remote_url, token=config.remote_token)))
     return tiers
 
 

@@ -25,3 +25,8 @@ class TierUnavailableError(CacheTierError):
 
 class CapacityError(CacheTierError):
     """A block can never fit in a tier (it is larger than the tier's whole capacity)."""
+
+
+class RequestRefusedError(CacheTierError):
+    """A service refused a request (bad token, another tenant, over its limits): retrying the
+    same request cannot help, unlike a ``TierUnavailableError``."""

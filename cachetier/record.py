@@ -154,12 +154,88 @@ def peek_key(record: Buffer) -> BlockHash | None:
     return BlockHash(bytes(view[_KEY_OFFSET : _KEY_OFFSET + HASH_BYTES]))
 
 
+@dataclass(frozen=True, slots=True)
+class _Header:
+    comp: int
+    dtype_code: int
+    ndim: int
+    num_tokens: int
+    key: bytes
+    fingerprint: bytes
+    aux_len: int
+    payload_len: int
+    raw_len: int
+    head_len: int  # bytes before the checksum
+
+    @property
+    def total(self) -> int:
+        return self.head_len + 8 + self.aux_len + self.payload_len
+
+
+def _parse_header(view: memoryview) -> _Header:
+    """The fixed header fields of ``view`` (which holds at least ``_FIXED.size`` bytes)."""
+    fields = _FIXED.unpack_from(view, 0)
+    magic, version, comp, dtype_code, ndim, _pad, num_tokens, key, fp, aux, payload, raw = fields
+    if magic != MAGIC:
+        raise CorruptBlockError("record has a bad magic number")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"record format version {version} is not {FORMAT_VERSION}")
+    if not 0 < ndim <= MAX_NDIM:
+        raise CorruptBlockError(f"record claims {ndim} dimensions")
+    return _Header(
+        comp, dtype_code, ndim, num_tokens, key, fp, aux, payload, raw, _FIXED.size + 8 * ndim
+    )
+
+
+def _build(
+    h: _Header,
+    head: memoryview,
+    aux: memoryview,
+    stored: memoryview,
+    digest: bytes,
+    key: bytes | None,
+    fingerprint: bytes | None,
+) -> KVBlock:
+    """Check a record whose parts are read and whose checksum is computed; make its block."""
+    if digest != bytes(head[h.head_len : h.head_len + 8]):
+        raise CorruptBlockError("record checksum does not match its contents")
+    # From here the bytes are as written; what remains is whether they are what was asked for.
+    if key is not None and h.key != key:
+        raise CorruptBlockError("record belongs to another key")
+    if fingerprint is not None and h.fingerprint != fingerprint:
+        raise CorruptBlockError("record belongs to another namespace (model, layout or tenant)")
+    dtype = _DTYPE_NAMES.get(h.dtype_code)
+    if dtype is None:
+        raise CorruptBlockError(f"record has an unknown dtype code {h.dtype_code}")
+    shape = struct.unpack_from(f"<{h.ndim}Q", head, _FIXED.size)
+    if math.prod(shape) * DTYPE_BYTES[dtype] != h.raw_len:
+        raise CorruptBlockError(f"record shape {shape} of {dtype} does not match {h.raw_len} bytes")
+    if h.comp == Compression.NONE:
+        if h.payload_len != h.raw_len:
+            raise CorruptBlockError("uncompressed record has a payload of the wrong size")
+        data: Buffer = stored
+    elif h.comp == Compression.LZ4:
+        try:
+            data = lz4.block.decompress(stored, uncompressed_size=h.raw_len)
+        except lz4.block.LZ4BlockError as exc:
+            raise CorruptBlockError(f"lz4 payload does not decompress: {exc}") from None
+        if len(data) != h.raw_len:
+            raise CorruptBlockError("lz4 payload decompressed to the wrong size")
+    else:
+        raise CorruptBlockError(f"record has an unknown compression code {h.comp}")
+    try:
+        return KVBlock(
+            BlockHash(h.key), h.fingerprint, dtype, tuple(shape), h.num_tokens, data, bytes(aux)
+        )
+    except ValueError as exc:
+        raise CorruptBlockError(f"record does not describe a valid block: {exc}") from None
+
+
 def decode_record(
     record: Buffer,
     *,
     key: bytes | None = None,
     fingerprint: bytes | None = None,
-    _digest: bytes | None = None,
 ) -> KVBlock:
     """Decode and check a record.
 
@@ -175,76 +251,40 @@ def decode_record(
         CorruptBlockError: truncated or oversized record, bad magic, unknown version, dtype or
             compression, inconsistent sizes, bad checksum, or another key / fingerprint.
     """
-    # (_digest: the checksum of the record's bytes, when read_record already computed it.)
     view = memoryview(record).cast("B") if not isinstance(record, bytes) else memoryview(record)
-    total = view.nbytes
-    if total < _FIXED.size:
-        raise CorruptBlockError(f"record of {total} bytes is shorter than its header")
-    (
-        magic,
-        version,
-        comp,
-        dtype_code,
-        ndim,
-        _pad,
-        num_tokens,
-        rec_key,
-        rec_fp,
-        aux_len,
-        payload_len,
-        raw_len,
-    ) = _FIXED.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CorruptBlockError("record has a bad magic number")
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError(f"record format version {version} is not {FORMAT_VERSION}")
-    if not 0 < ndim <= MAX_NDIM:
-        raise CorruptBlockError(f"record claims {ndim} dimensions")
-    head_len = _FIXED.size + 8 * ndim
-    if total != head_len + 8 + aux_len + payload_len:
-        raise CorruptBlockError(
-            f"record is {total} bytes, its header claims {head_len + 8 + aux_len + payload_len}"
-        )
-    if _digest is None:
-        digest = xxhash.xxh3_64(view[:head_len])
-        digest.update(view[head_len + 8 :])
-        _digest = digest.digest()
-    if _digest != bytes(view[head_len : head_len + 8]):
-        raise CorruptBlockError("record checksum does not match its contents")
-    # From here the bytes are as written; what remains is whether they are what was asked for.
-    if key is not None and rec_key != key:
-        raise CorruptBlockError("record belongs to another key")
-    if fingerprint is not None and rec_fp != fingerprint:
-        raise CorruptBlockError("record belongs to another namespace (model, layout or tenant)")
-    dtype = _DTYPE_NAMES.get(dtype_code)
-    if dtype is None:
-        raise CorruptBlockError(f"record has an unknown dtype code {dtype_code}")
-    shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED.size)
-    if math.prod(shape) * DTYPE_BYTES[dtype] != raw_len:
-        raise CorruptBlockError(f"record shape {shape} of {dtype} does not match {raw_len} bytes")
-    body = head_len + 8
-    aux = bytes(view[body : body + aux_len])
-    stored = view[body + aux_len :]
-    if comp == Compression.NONE:
-        if payload_len != raw_len:
-            raise CorruptBlockError("uncompressed record has a payload of the wrong size")
-        data: Buffer = stored
-    elif comp == Compression.LZ4:
-        try:
-            data = lz4.block.decompress(stored, uncompressed_size=raw_len)
-        except lz4.block.LZ4BlockError as exc:
-            raise CorruptBlockError(f"lz4 payload does not decompress: {exc}") from None
-        if len(data) != raw_len:
-            raise CorruptBlockError("lz4 payload decompressed to the wrong size")
-    else:
-        raise CorruptBlockError(f"record has an unknown compression code {comp}")
-    try:
-        return KVBlock(BlockHash(rec_key), rec_fp, dtype, tuple(shape), num_tokens, data, aux)
-    except ValueError as exc:
-        raise CorruptBlockError(f"record does not describe a valid block: {exc}") from None
+    if view.nbytes < _FIXED.size:
+        raise CorruptBlockError(f"record of {view.nbytes} bytes is shorter than its header")
+    h = _parse_header(view)
+    if view.nbytes != h.total:
+        raise CorruptBlockError(f"record is {view.nbytes} bytes, its header claims {h.total}")
+    body = h.head_len + 8
+    digest = xxhash.xxh3_64(view[: h.head_len])
+    digest.update(view[body:])
+    return _build(
+        h,
+        view[:body],
+        view[body : body + h.aux_len],
+        view[body + h.aux_len :],
+        digest.digest(),
+        key,
+        fingerprint,
+    )
 
 
 _READ_CHUNK = 1 << 18  # small enough to still sit in cache when it is checksummed
+
+
+def _read_exactly(
+    readinto: Callable[[memoryview], int], dest: memoryview, digest: object | None, expected: int
+) -> None:
+    got = 0
+    while got < dest.nbytes:
+        n = readinto(dest[got : got + _READ_CHUNK])
+        if n <= 0:
+            raise CorruptBlockError(f"record ended {dest.nbytes - got} bytes short of {expected}")
+        if digest is not None:
+            digest.update(dest[got : got + n])  # type: ignore[attr-defined]
+        got += n
 
 
 def read_record(
@@ -253,6 +293,7 @@ def read_record(
     *,
     key: bytes | None = None,
     fingerprint: bytes | None = None,
+    payload_into: memoryview | None = None,
 ) -> KVBlock:
     """Read a ``size``-byte record through ``readinto`` and decode it.
 
@@ -266,44 +307,45 @@ def read_record(
         size: the record's length (the file's size).
         key: the key asked for.
         fingerprint: the namespace fingerprint expected, if known.
+        payload_into: writable bytes the payload is read straight into (e.g. a KV pool block)
+            when the record is uncompressed and exactly that size; otherwise ignored. If the
+            record then fails a check, this memory holds garbage and must not be used.
 
     Returns:
-        The block; its payload is a read-only view of a buffer nobody else holds.
+        The block. Its payload is ``payload_into`` when that was used, else a read-only view of
+        a buffer nobody else holds (a tier that keeps it, like a promotion into the CPU tier,
+        can hold it as it is instead of copying it).
 
     Raises:
         CorruptBlockError: as ``decode_record``, or if fewer than ``size`` bytes could be read.
     """
     if size < _FIXED.size:
         raise CorruptBlockError(f"record of {size} bytes is shorter than its header")
-    buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-    got = 0
-    while got < _FIXED.size:
-        n = readinto(buf[got:])
-        if n <= 0:
-            raise CorruptBlockError(f"record ended after {got} of {size} bytes")
-        got += n
-    ndim = buf[8]
-    head_len = _FIXED.size + 8 * ndim
-    if not 0 < ndim <= MAX_NDIM or head_len + 8 > size:
-        return decode_record(buf[:got], key=key, fingerprint=fingerprint)  # raises
-    while got < head_len + 8:
-        n = readinto(buf[got : head_len + 8])
-        if n <= 0:
-            raise CorruptBlockError(f"record ended after {got} of {size} bytes")
-        got += n
-    digest = xxhash.xxh3_64(buf[:head_len])
-    digest.update(buf[head_len + 8 : got])
-    while got < size:
-        n = readinto(buf[got : got + _READ_CHUNK])
-        if n <= 0:
-            raise CorruptBlockError(f"record ended after {got} of {size} bytes")
-        digest.update(buf[got : got + n])
-        got += n
-    # Read-only: a tier that keeps the block (a promotion into the CPU tier) can then hold the
-    # buffer as it is instead of copying it.
-    return decode_record(
-        buf.toreadonly(), key=key, fingerprint=fingerprint, _digest=digest.digest()
+    fixed = memoryview(bytearray(_FIXED.size))
+    _read_exactly(readinto, fixed, None, size)
+    h = _parse_header(fixed)
+    if h.total != size:
+        raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
+    body = h.head_len + 8
+    head = memoryview(bytearray(body))
+    head[: _FIXED.size] = fixed
+    _read_exactly(readinto, head[_FIXED.size :], None, size)
+    digest = xxhash.xxh3_64(head[: h.head_len])
+    aux = memoryview(bytearray(h.aux_len))
+    _read_exactly(readinto, aux, digest, size)
+    direct = (
+        payload_into is not None
+        and h.comp == Compression.NONE
+        and memoryview(payload_into).nbytes == h.payload_len
     )
+    if direct:
+        stored = memoryview(payload_into).cast("B")  # type: ignore[arg-type]
+    else:
+        stored = memoryview(np.empty(h.payload_len, dtype=np.uint8)).cast("B")
+    _read_exactly(readinto, stored, digest, size)
+    if not direct:
+        stored = stored.toreadonly()
+    return _build(h, head, aux, stored, digest.digest(), key, fingerprint)
 
 
 def record_nbytes(parts: Sequence[Buffer]) -> int:

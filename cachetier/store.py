@@ -198,7 +198,12 @@ class TieredStore(Tier):
         return self.lookup(namespace, keys).num_blocks
 
     def restore_prefix(
-        self, namespace: str, keys: Sequence[BlockHash], *, fingerprint: bytes | None = None
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        *,
+        fingerprint: bytes | None = None,
+        dests: Sequence[memoryview] | None = None,
     ) -> RestoredPrefix:
         """Fetch the leading run of stored blocks for ``keys``.
 
@@ -206,41 +211,39 @@ class TieredStore(Tier):
             namespace: storage namespace.
             keys: block keys in sequence order.
             fingerprint: namespace fingerprint the blocks must carry; others count as misses.
+            dests: optional caller memory, one buffer per key, that payloads are read into
+                (see ``Tier.get_into``). Blocks read this way are not promoted: the caller
+                holds them, and promoting would cost the copy this saves.
 
         Returns:
             The blocks of the longest leading run that could actually be read (a block that
             vanished or failed its checks between lookup and read ends the run there).
         """
         hit = self.lookup(namespace, keys)
-        return self._read(namespace, keys[: hit.num_blocks], fingerprint, stop_at_miss=True)
-
-    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
-        check_namespace(namespace)
-        found, _ = self._fetch(namespace, keys, None)
-        return found
-
-    def _read(
-        self,
-        namespace: str,
-        keys: Sequence[BlockHash],
-        fingerprint: bytes | None,
-        *,
-        stop_at_miss: bool,
-    ) -> RestoredPrefix:
-        found, sources = self._fetch(namespace, keys, fingerprint)
+        n = hit.num_blocks
+        found, sources = self._fetch(
+            namespace, keys[:n], fingerprint, None if dests is None else dests[:n]
+        )
         blocks: list[KVBlock] = []
         names: list[str] = []
         for block, source in zip(found, sources):
             if block is None:
-                if stop_at_miss:
-                    break
-                continue
+                break
             blocks.append(block)
             names.append(self._names[source])
         return RestoredPrefix(tuple(blocks), tuple(names))
 
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        check_namespace(namespace)
+        found, _ = self._fetch(namespace, keys, None, None)
+        return found
+
     def _fetch(
-        self, namespace: str, keys: Sequence[BlockHash], fingerprint: bytes | None
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        fingerprint: bytes | None,
+        dests: Sequence[memoryview] | None,
     ) -> tuple[list[KVBlock | None], list[int]]:
         start = time.perf_counter()
         found: list[KVBlock | None] = [None] * len(keys)
@@ -250,7 +253,11 @@ class TieredStore(Tier):
         for index, tier in enumerate(self._tiers):
             if not missing:
                 break
-            got = tier.get_many(namespace, [keys[i] for i in missing])
+            wanted = [keys[i] for i in missing]
+            if dests is None:
+                got = tier.get_many(namespace, wanted)
+            else:
+                got = tier.get_into(namespace, wanted, [dests[i] for i in missing])
             still: list[int] = []
             promoted: list[KVBlock] = []
             for i, block in zip(missing, got):
@@ -265,7 +272,7 @@ class TieredStore(Tier):
                     found[i] = block
                     sources[i] = index
                     promoted.append(block)
-            if promoted and index > 0 and self._promote:
+            if promoted and index > 0 and self._promote and dests is None:
                 self._tiers[0].put_many(namespace, promoted)
                 for writer in self._writers[: index - 1]:
                     writer.submit(namespace, promoted)

@@ -96,6 +96,22 @@ class KVPool:
         ids = torch.tensor(block_ids, dtype=torch.long)
         scatter_blocks(staging.to(self.cache.device), self.cache, ids, backend=self.kernel_backend)
 
+    def block_views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
+        """Writable byte views of pool blocks, for tiers to read payloads into (CPU pools only;
+        ``None`` elsewhere, where restores stage through ``write_blocks``)."""
+        if self.cache.device.type != "cpu":
+            return None
+        rows = self._rows.numpy()
+        return [memoryview(rows[b]) for b in block_ids]
+
+    def holds(self, block_id: int, data: object) -> bool:
+        """Whether ``data`` is a view of pool block ``block_id`` (already in place)."""
+        view = memoryview(data)  # type: ignore[arg-type]
+        if not isinstance(view.obj, np.ndarray):
+            return False
+        row = self._rows[block_id]
+        return view.obj.ctypes.data == row.data_ptr() and view.nbytes == self.block_bytes
+
     def payload_matches(self, dtype: str, shape: Sequence[int], nbytes: int) -> bool:
         """Whether a restored block has exactly this pool's block layout."""
         return (

@@ -77,6 +77,7 @@ class LLMEngine:
             self.spec.max_position_embeddings,
             self.pool.num_blocks * config.block_size,
         )
+        self.model.warm_up(self.pool.cache)
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
         self.bridge = TierBridge(store, self.namespace, self.pool) if store is not None else None
         self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)

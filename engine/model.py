@@ -67,6 +67,10 @@ def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
+# Chunks of at most this many new tokens use grouped einsum attention instead of SDPA.
+_SMALL_CHUNK = 64
+
+
 class LlamaModel:
     """Weights plus a ``forward`` over a ``ForwardBatch`` and the paged pool."""
 
@@ -113,6 +117,19 @@ class LlamaModel:
                 }
             )
         self._inv_freq = _rope_inv_freq(spec)
+
+    def warm_up(self, kv_cache: torch.Tensor) -> None:
+        """One throw-away forward (its K/V go nowhere: slot -1), so that one-time set-up of the
+        math libraries (thread pools, kernel selection) is not paid by the first request."""
+        for n in (1, _SMALL_CHUNK + 1):
+            batch = ForwardBatch(
+                torch.zeros(n, dtype=torch.long),
+                torch.arange(n),
+                torch.full((n,), -1, dtype=torch.long),
+                (SeqSlice(0, n, n, torch.zeros(1, dtype=torch.long)),),
+                torch.tensor([n - 1]),
+            )
+            self.forward(batch, kv_cache)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -207,6 +224,8 @@ class LlamaModel:
             # Query i sits at position cached + i and sees keys 0 .. cached + i.
             rows = torch.arange(n)[:, None] + cached
             mask = torch.arange(s.context_len)[None, :] <= rows
+        if n <= _SMALL_CHUNK:
+            return self._grouped_attention(q, k, v, mask)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -217,3 +236,18 @@ class LlamaModel:
             enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+    def _grouped_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        # A few queries against a long context (a short chunk after a restored prefix): plain
+        # grouped einsums beat SDPA's GQA path by ~6x here, and the [n, ctx] scores are small.
+        n, hq, d = q.shape
+        hk = k.shape[1]
+        qg = q.view(n, hk, hq // hk, d)
+        scores = torch.einsum("nhgd,thd->hgnt", qg, k) * self.scale  # [hk, group, n, ctx]
+        if mask is None:
+            mask = torch.ones(n, k.shape[0], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("hgnt,thd->nhgd", scores.softmax(-1), v)  # [n, hk, group, d]
+        return out.reshape(n, hq, d)

@@ -88,7 +88,10 @@ class TierBridge:
         """
         start = time.perf_counter()
         restored = self.store.restore_prefix(
-            self.namespace.id, keys, fingerprint=self.namespace.fingerprint
+            self.namespace.id,
+            keys,
+            fingerprint=self.namespace.fingerprint,
+            dests=self.pool.block_views(block_ids[: len(keys)]),
         )
         good: list[KVBlock] = []
         for block in restored.blocks:
@@ -102,7 +105,12 @@ class TierBridge:
                 )
                 break
             good.append(block)
-        self.pool.write_blocks(block_ids[: len(good)], [b.data for b in good])
+        # Tiers that could read straight into the pool did; copy only what they could not.
+        copies = [
+            (bid, b.data) for bid, b in zip(block_ids, good) if not self.pool.holds(bid, b.data)
+        ]
+        if copies:
+            self.pool.write_blocks([bid for bid, _ in copies], [data for _, data in copies])
         sources = list(restored.sources[: len(good)])
         self.stats.restored_blocks += len(good)
         self.stats.restored_bytes += len(good) * self.pool.block_bytes

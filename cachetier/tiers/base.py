@@ -71,6 +71,35 @@ class Tier(ABC):
             One entry per key: the checked block, or ``None`` on a miss.
         """
 
+    def get_into(
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+    ) -> list[KVBlock | None]:
+        """Fetch blocks with each payload landing in caller memory (e.g. a KV pool block).
+
+        The default copies what ``get_many`` returns; tiers that can read straight into the
+        destination (the disk tier) override it to save that copy.
+
+        Args:
+            namespace: storage namespace.
+            keys: keys to fetch.
+            dests: one writable buffer per key, exactly the size of the payload expected.
+
+        Returns:
+            One entry per key: the checked block (its ``data`` is the destination when the copy
+            was made there), or ``None`` on a miss. A block whose payload is not the size of its
+            destination is returned as it is, for the caller to reject.
+        """
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
+        found = self.get_many(namespace, keys)
+        out: list[KVBlock | None] = []
+        for block, dest in zip(found, dests):
+            if block is not None and memoryview(block.data).nbytes == memoryview(dest).nbytes:
+                memoryview(dest).cast("B")[:] = memoryview(block.data).cast("B")
+                block = _with_data(block, dest)
+            out.append(block)
+        return out
+
     @abstractmethod
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         """How many leading keys are stored (without reading the blocks).
@@ -133,3 +162,9 @@ def first_miss(found: Sequence[Any]) -> int:
         if item is None:
             return i
     return len(found)
+
+
+def _with_data(block: KVBlock, data: memoryview) -> KVBlock:
+    return KVBlock(
+        block.key, block.fingerprint, block.dtype, block.shape, block.num_tokens, data, block.aux
+    )

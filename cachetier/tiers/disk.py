@@ -202,14 +202,30 @@ class DiskTier(Tier):
             self._stats.add(evictions=evictions)
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        return self._read_many(namespace, keys, None)
+
+    def get_into(
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+    ) -> list[KVBlock | None]:
+        # Payloads are read from the file straight into the destinations: no second copy.
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
+        return self._read_many(namespace, keys, dests)
+
+    def _read_many(
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        dests: Sequence[memoryview] | None,
+    ) -> list[KVBlock | None]:
         check_namespace(namespace)
         start = time.perf_counter()
         out: list[KVBlock | None] = []
         hits = nbytes = errors = corrupt = 0
-        for key in keys:
+        for index, key in enumerate(keys):
             path = self.path_of(namespace, key)
             try:
-                block, size = _read_block(path, key)
+                block, size = _read_block(path, key, None if dests is None else dests[index])
             except FileNotFoundError:
                 self._forget(namespace, key)
                 out.append(None)
@@ -294,11 +310,12 @@ class DiskTier(Tier):
             self._policy.remove((namespace, bytes(key)))
 
 
-def _read_block(path: Path, key: BlockHash) -> tuple[KVBlock, int]:
+def _read_block(path: Path, key: BlockHash, dest: memoryview | None) -> tuple[KVBlock, int]:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        return read_record(lambda buf: os.readv(fd, [buf]), size, key=key), size
+        block = read_record(lambda buf: os.readv(fd, [buf]), size, key=key, payload_into=dest)
+        return block, size
     finally:
         os.close(fd)
 

@@ -13,13 +13,18 @@ in four keys no namespace can collide with (namespaces never start with ``_``)::
     {key_prefix}:_used   bytes of every record in _size
     {key_prefix}:_tick   counter the ticks are drawn from (INCRBY: exact order across processes)
 
-Lua scripts keep them consistent with the records: a put runs its SETs and the accounting
-script in one MULTI; the script evicts least recently used records until the total fits. This
-needs a single Redis node (the scripts touch keys in many slots).
+Lua scripts (``redis_scripts``) keep them consistent with the records: a put runs its SETs and
+the accounting script in one MULTI; the script evicts least recently used records until the
+total fits. This needs a single Redis node (the scripts touch keys in many slots).
+
+Redis Cluster. A ``redis+cluster://host:port[,host:port...]`` URL spreads the blocks over the
+cluster's masters, one pipelined batch per master per call (see ``redis_cluster``). A capacity
+is refused there: bound each node with its own ``maxmemory`` and ``maxmemory-policy``.
 
 Failures. Every call goes through a ``CircuitBreaker``: a Redis that is down or slower than the
 socket timeout turns into misses and counted errors, and after ``failure_threshold`` failures
-in a row the tier stops calling it (``skipped`` in stats) until a backoff has passed.
+in a row the tier stops calling it (``skipped`` in stats) until a backoff has passed. On a
+cluster each master has its own breaker, so one lost master costs only its own keys.
 """
 
 from __future__ import annotations
@@ -34,16 +39,19 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
-from cachetier.errors import CorruptBlockError
+from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.record import Compression, KVBlock, decode_record, encode_record
-from cachetier.tiers.base import Tier, check_namespace
+from cachetier.tiers.base import Tier, check_namespace, first_miss
+from cachetier.tiers.redis_cluster import CLUSTER_SCHEMES, ClusterRouter, parse_cluster_url
+from cachetier.tiers.redis_scripts import FORGET_SCRIPT, LEADING_SCRIPT, PUT_SCRIPT, TOUCH_SCRIPT
 
 _T = TypeVar("_T")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -54,103 +62,28 @@ _SOCKET_READ_BYTES = 256 * 1024
 _SCAN_COUNT = 1000  # keys per SCAN step
 _DELETE_BATCH = 512  # keys per UNLINK / forget script in clear()
 
-# KEYS: _lru, _size, _used, _tick, k1..kn. ARGV: capacity, size1..sizen. Runs right after the
-# SETs of k1..kn in the same MULTI. Returns how many records were evicted.
-_PUT_SCRIPT = """
-local lru, sizes, used_key, tick_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n = #KEYS - 4
-local tick = redis.call('INCRBY', tick_key, n) - n
-local used = tonumber(redis.call('GET', used_key) or '0')
-for i = 1, n do
-  local key = KEYS[i + 4]
-  local old = redis.call('HGET', sizes, key)
-  if old then used = used - tonumber(old) end
-  local size = tonumber(ARGV[i + 1])
-  redis.call('HSET', sizes, key, size)
-  redis.call('ZADD', lru, tick + i, key)
-  used = used + size
-end
-local capacity = tonumber(ARGV[1])
-local evicted = 0
-while used > capacity do
-  local victim = redis.call('ZPOPMIN', lru)
-  if #victim == 0 then used = 0 break end
-  local size = redis.call('HGET', sizes, victim[1])
-  if size then used = used - tonumber(size) end
-  redis.call('HDEL', sizes, victim[1])
-  redis.call('UNLINK', victim[1])
-  evicted = evicted + 1
-end
-redis.call('SET', used_key, math.max(used, 0))
-return evicted
-"""
-
-# KEYS: _lru, _size, _used, _tick, k1..kn. Marks the records that still exist as just used, in
-# order; forgets the accounting of those that expired (TTL) or were removed behind our back.
-_TOUCH_SCRIPT = """
-local lru, sizes, used_key, tick_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n = #KEYS - 4
-local tick = redis.call('INCRBY', tick_key, n) - n
-for i = 1, n do
-  local key = KEYS[i + 4]
-  if redis.call('EXISTS', key) == 1 then
-    redis.call('ZADD', lru, 'XX', tick + i, key)
-  else
-    local size = redis.call('HGET', sizes, key)
-    if size then
-      redis.call('HDEL', sizes, key)
-      redis.call('ZREM', lru, key)
-      redis.call('DECRBY', used_key, size)
-    end
-  end
-end
-return 0
-"""
-
-# KEYS: _lru, _size, _used, k1..kn. Removes records and their accounting; returns how many of
-# the records existed.
-_FORGET_SCRIPT = """
-local lru, sizes, used_key = KEYS[1], KEYS[2], KEYS[3]
-local removed = 0
-for i = 4, #KEYS do
-  local key = KEYS[i]
-  removed = removed + redis.call('UNLINK', key)
-  local size = redis.call('HGET', sizes, key)
-  if size then
-    redis.call('HDEL', sizes, key)
-    redis.call('ZREM', lru, key)
-    redis.call('DECRBY', used_key, size)
-  end
-end
-return removed
-"""
-
-# KEYS: k1..kn. Length of the leading run of existing keys. One EVAL answered 256 keys in
-# 0.39 ms against 1.38 ms for 256 pipelined EXISTS (the Python reply parsing dominates).
-_LEADING_SCRIPT = """
-for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end
-end
-return #KEYS
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
     """Args:
-    url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) or
-        ``unix:///path.sock?db=0``.
+    url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS),
+        ``unix:///path.sock?db=0``, or a Redis Cluster:
+        ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
+        for TLS), listing one or more of its nodes; the others are found from them.
     key_prefix: first part of every key (letters, digits, ``._-``); tiers with the same
         prefix share blocks and, with a capacity, one LRU.
     ttl_s: records expire this long after they were put (gets do not extend it); ``None``
         keeps them until evicted.
     capacity_bytes: most record bytes kept under ``key_prefix`` (exact LRU, single-node Redis
-        only); ``None`` leaves the bound to Redis's ``maxmemory`` policy.
+        only); ``None`` leaves the bound to Redis's ``maxmemory`` policy (each node's, on a
+        cluster).
     compression: ``"none"`` or ``"lz4"`` for stored payloads.
     socket_timeout_s: longest wait for Redis to answer one read or write, in seconds.
     connect_timeout_s: longest wait for a TCP connection, in seconds.
-    max_connections: connections in the pool; a call waits up to ``socket_timeout_s`` for one.
-    failure_threshold: failures in a row that open the circuit breaker.
+    max_connections: connections in the pool (one pool per node on a cluster); a call waits
+        up to ``socket_timeout_s`` for one.
+    failure_threshold: failures in a row that open the circuit breaker (of each master, on a
+        cluster).
     backoff_base_s: wait before the first trial call once the breaker is open, in seconds.
     backoff_cap_s: longest wait between trial calls, in seconds.
     """
@@ -178,6 +111,12 @@ class RedisTierConfig:
             raise ValueError(f"ttl_s must be None or at least 0.001 (1 ms), got {self.ttl_s!r}")
         if self.capacity_bytes is not None:
             _check_positive_int("capacity_bytes", self.capacity_bytes)
+            if self.cluster:
+                raise ValueError(
+                    "capacity_bytes must be None with a redis+cluster:// url: the exact LRU runs "
+                    "Lua over keys in many slots, which a cluster refuses; bound each node with "
+                    "maxmemory and maxmemory-policy allkeys-lru instead"
+                )
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
         for name in ("socket_timeout_s", "connect_timeout_s"):
@@ -187,14 +126,21 @@ class RedisTierConfig:
         _check_positive_int("failure_threshold", self.failure_threshold)
         ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid
 
+    @property
+    def cluster(self) -> bool:
+        """Whether ``url`` names a Redis Cluster."""
+        return self.url.partition("://")[0] in CLUSTER_SCHEMES
+
 
 def _check_url(url: str) -> None:
     if not isinstance(url, str):
         raise TypeError(f"url must be a str, got {type(url).__name__}")
+    if url.partition("://")[0] in CLUSTER_SCHEMES:
+        parse_cluster_url(url)  # raises ValueError on a bad one
+        return
     parts = urlsplit(url)
     if parts.scheme not in _URL_SCHEMES:
-        hint = " (Redis Cluster is not supported yet)" if "cluster" in parts.scheme else ""
-        raise ValueError(f"url {url!r} must start with one of {_URL_SCHEMES}://{hint}")
+        raise ValueError(f"url {url!r} must start with one of {_URL_SCHEMES + CLUSTER_SCHEMES}://")
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError(f"url {url!r} must name a socket path, e.g. unix:///run/redis.sock")
@@ -215,32 +161,45 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def make_client(config: RedisTierConfig) -> redis.Redis:
-    """The one place a Redis client is made (a cluster client would be chosen here).
-
-    No I/O: connections are opened on first use and reopened after a failure.
+def make_client(config: RedisTierConfig) -> redis.Redis | RedisCluster:
+    """The one place a Redis client is made.
 
     Args:
         config: the tier's settings.
 
     Returns:
-        A client over a blocking pool of ``max_connections`` connections. redis-py's own
-        retries are off: the tier's circuit breaker is the one retry policy. So a call to a
-        Redis that is down or silent fails after at most a wait for a free connection
-        (``socket_timeout_s``), a connect (``connect_timeout_s``) and one unanswered read or
-        write (``socket_timeout_s``).
+        For a single node, a client over a blocking pool of ``max_connections`` connections;
+        no I/O: connections are opened on first use and reopened after a failure. For a
+        cluster, a ``RedisCluster``: it reads the slot map from the first startup node that
+        answers (I/O; raises ``RedisClusterException`` when none does) and keeps such a pool
+        per node. redis-py's own retries are off: the tier's circuit breakers are the one retry
+        policy. So a call to a node that is down or silent fails after at most a wait for a
+        free connection (``socket_timeout_s``), a connect (``connect_timeout_s``) and one
+        unanswered read or write (``socket_timeout_s``).
     """
-    pool = redis.BlockingConnectionPool.from_url(
-        config.url,
+    options: dict[str, Any] = dict(
         max_connections=config.max_connections,
         timeout=config.socket_timeout_s,  # wait for a free connection
         socket_timeout=config.socket_timeout_s,
         socket_connect_timeout=config.connect_timeout_s,
         socket_keepalive=True,
         socket_read_size=_SOCKET_READ_BYTES,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
         driver_info=None,  # no CLIENT SETINFO round trips on each new connection
+    )
+    if config.cluster:
+        address = parse_cluster_url(config.url)
+        return RedisCluster(
+            url=address.node_url,
+            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes[1:]],
+            # A slot map with the slots of a lost master still counts: only they fail.
+            require_full_coverage=False,
+            # No retry (and no slot-map re-read per failed command): ``ClusterRouter`` decides.
+            retry=Retry(NoBackoff(), 0),
+            connection_pool_class=redis.BlockingConnectionPool,  # used for a url's nodes
+            **options,
+        )
+    pool = redis.BlockingConnectionPool.from_url(
+        config.url, retry=Retry(NoBackoff(), 0), health_check_interval=0, **options
     )
     return redis.Redis(connection_pool=pool)
 
@@ -263,15 +222,27 @@ class RedisTier(Tier):
         prefix = config.key_prefix
         self._meta_keys = [f"{prefix}:_lru", f"{prefix}:_size", f"{prefix}:_used"]
         self._tick_key = f"{prefix}:_tick"
-        self._breaker = CircuitBreaker(
-            config.failure_threshold,
-            ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s),
-            clock,
-        )
-        self._client = make_client(config)
+        backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
+        # Single node: guards every call. Cluster: guards reading the slot map; each master
+        # gets a breaker of its own, so one lost master does not stop the others.
+        self._breaker = CircuitBreaker(config.failure_threshold, backoff, clock)
         self._lock = threading.Lock()
         self._num_skipped = 0
         self._last_used_bytes = 0
+        self._client: redis.Redis | None = None
+        self._cluster: ClusterRouter | None = None
+        if config.cluster:  # connects on first use: building the client reads the slot map
+            self._cluster = ClusterRouter(
+                connect=lambda: make_client(config),
+                breaker=self._breaker,
+                make_breaker=lambda: CircuitBreaker(config.failure_threshold, backoff, clock),
+                count_error=lambda n: self._stats.add(errors=n),
+                count_skipped=self._count_skipped,
+            )
+        else:
+            client = make_client(config)
+            assert isinstance(client, redis.Redis), "a single-node url makes a single-node client"
+            self._client = client
 
     @property
     def config(self) -> RedisTierConfig:
@@ -323,7 +294,7 @@ class RedisTier(Tier):
         skeys_all = self._storage_keys(namespace, [b.key for b in blocks])
         if not blocks:
             return 0
-        if self._breaker.is_open:  # the call would be skipped: do not encode for nothing
+        if self._cluster is None and self._breaker.is_open:  # skipped: do not encode for nothing
             self._count_skipped()
             return 0
         start = time.perf_counter()
@@ -340,14 +311,12 @@ class RedisTier(Tier):
             records.append(record)
         stored = nbytes = evicted = 0
         if skeys and capacity is None:
-            results = self._call(lambda client: self._set_all(client, skeys, records))
-            if results is not None:
-                for record, result in zip(records, results, strict=True):
-                    if result is True:
-                        stored += 1
-                        nbytes += len(record)
-                    else:  # refused by Redis (e.g. over maxmemory with noeviction)
-                        rejected += 1
+            for record, result in zip(records, self._set_all(skeys, records) or (), strict=False):
+                if result is True:
+                    stored += 1
+                    nbytes += len(record)
+                elif not isinstance(result, TierUnavailableError):  # a master was not asked
+                    rejected += 1  # refused by Redis (e.g. over maxmemory with noeviction)
         elif skeys:
             results = self._call(
                 lambda client: self._set_all_counted(client, skeys, records, capacity)
@@ -358,11 +327,19 @@ class RedisTier(Tier):
         self._stats.observe(time.perf_counter() - start)
         return stored
 
-    def _set_all(self, client: redis.Redis, skeys: list[str], records: list[bytes]) -> list:
-        pipe = client.pipeline(transaction=False)
-        for skey, record in zip(skeys, records, strict=True):
-            pipe.set(skey, record, px=self._ttl_ms)
-        return pipe.execute(raise_on_error=False)
+    def _set_all(self, skeys: list[str], records: list[bytes]) -> list | None:
+        """One reply per SET (``True`` when stored), or ``None`` if Redis was not reached."""
+        if self._cluster is not None:
+            ttl = () if self._ttl_ms is None else ("PX", self._ttl_ms)
+            return self._cluster.run([("SET", k, r, *ttl) for k, r in zip(skeys, records)])
+
+        def set_all(client: redis.Redis) -> list:
+            pipe = client.pipeline(transaction=False)
+            for skey, record in zip(skeys, records, strict=True):
+                pipe.set(skey, record, px=self._ttl_ms)
+            return pipe.execute(raise_on_error=False)
+
+        return self._call(set_all)
 
     def _set_all_counted(
         self, client: redis.Redis, skeys: list[str], records: list[bytes], capacity: int
@@ -372,7 +349,7 @@ class RedisTier(Tier):
             pipe.set(skey, record, px=self._ttl_ms)
         meta = [*self._meta_keys, self._tick_key]
         sizes = [len(record) for record in records]
-        pipe.eval(_PUT_SCRIPT, len(meta) + len(skeys), *meta, *skeys, capacity, *sizes)
+        pipe.eval(PUT_SCRIPT, len(meta) + len(skeys), *meta, *skeys, capacity, *sizes)
         return pipe.execute()
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
@@ -381,7 +358,11 @@ class RedisTier(Tier):
         if not keys:
             return []
         start = time.perf_counter()
-        raws = self._call(lambda client: self._get_all(client, skeys))
+        if self._cluster is not None:
+            replies = self._cluster.run(_each("GET", skeys))
+            raws = [r if isinstance(r, bytes) else None for r in replies]
+        else:
+            raws = self._call(lambda client: self._get_all(client, skeys))
         out: list[KVBlock | None] = [None] * len(keys)
         hits = nbytes = 0
         corrupt: list[str] = []
@@ -398,7 +379,7 @@ class RedisTier(Tier):
         if corrupt:
             # A good record put by another process between our read and this delete is lost
             # with it: rare, and it only costs a later miss.
-            self._call(lambda client: self._forget(client, corrupt))
+            self._remove(corrupt)
         self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=len(corrupt))
         self._stats.observe(time.perf_counter() - start)
         return out
@@ -410,7 +391,7 @@ class RedisTier(Tier):
         pipe = client.pipeline(transaction=False)
         pipe.mget(skeys)
         meta = [*self._meta_keys, self._tick_key]
-        pipe.eval(_TOUCH_SCRIPT, len(meta) + len(skeys), *meta, *skeys)
+        pipe.eval(TOUCH_SCRIPT, len(meta) + len(skeys), *meta, *skeys)
         return pipe.execute()[0]
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -418,7 +399,9 @@ class RedisTier(Tier):
         skeys = self._storage_keys(namespace, keys)
         if not skeys:
             return 0
-        found = self._call(lambda client: client.eval(_LEADING_SCRIPT, len(skeys), *skeys))
+        if self._cluster is not None:  # one EXISTS per key: a script cannot span slots
+            return first_miss([r == 1 or None for r in self._cluster.run(_each("EXISTS", skeys))])
+        found = self._call(lambda client: client.eval(LEADING_SCRIPT, len(skeys), *skeys))
         return 0 if found is None else int(found)
 
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -426,16 +409,18 @@ class RedisTier(Tier):
         skeys = self._storage_keys(namespace, keys)
         if not skeys:
             return 0
-        removed = self._call(lambda client: self._forget(client, skeys))
-        return removed or 0
+        return self._remove(skeys)
 
     def clear(self, namespace: str) -> int:
         check_namespace(namespace)
-        removed = self._call(lambda client: self._clear(client, namespace))
+        pattern = f"{self._config.key_prefix}:{namespace}:*"
+        if self._cluster is not None:
+            found = self._cluster.scan(pattern, count=_SCAN_COUNT)
+            return sum(self._remove(batch) for batch in _batches(found, _DELETE_BATCH))
+        removed = self._call(lambda client: self._clear(client, pattern))
         return removed or 0
 
-    def _clear(self, client: redis.Redis, namespace: str) -> int:
-        pattern = f"{self._config.key_prefix}:{namespace}:*"
+    def _clear(self, client: redis.Redis, pattern: str) -> int:
         found = set(client.scan_iter(match=pattern, count=_SCAN_COUNT))
         if self._config.capacity_bytes is not None:
             # Also records that expired but are still accounted for.
@@ -446,14 +431,21 @@ class RedisTier(Tier):
             removed += self._forget(client, batch)
         return removed
 
+    def _remove(self, skeys: Sequence[str | bytes]) -> int:
+        """Remove records (and their accounting); how many existed."""
+        if self._cluster is not None:
+            return sum(r for r in self._cluster.run(_each("UNLINK", skeys)) if isinstance(r, int))
+        return self._call(lambda client: self._forget(client, skeys)) or 0
+
     def _forget(self, client: redis.Redis, skeys: Sequence[str | bytes]) -> int:
         if self._config.capacity_bytes is None:
             return int(client.unlink(*skeys))
         meta = self._meta_keys
-        return int(client.eval(_FORGET_SCRIPT, len(meta) + len(skeys), *meta, *skeys))
+        return int(client.eval(FORGET_SCRIPT, len(meta) + len(skeys), *meta, *skeys))
 
     def _call(self, op: Callable[[redis.Redis], _T]) -> _T | None:
         """Run ``op`` unless the breaker is open; ``None`` if it was skipped or failed."""
+        assert self._client is not None, "single-node calls only"
         if not self._breaker.allow():
             self._count_skipped()
             return None
@@ -479,17 +471,27 @@ class RedisTier(Tier):
             self._num_skipped += 1
 
     def stats(self) -> dict[str, Any]:
-        """``Tier.stats`` plus ``skipped`` (calls not made because the breaker was open) and
-        ``breaker`` (``CircuitBreaker.snapshot``)."""
+        """``Tier.stats`` plus ``skipped`` (calls not made because a breaker was open),
+        ``breaker`` (``CircuitBreaker.snapshot``; of the slot map on a cluster) and, on a
+        cluster, ``node_breakers`` (each master's, by ``host:port``)."""
         out = super().stats()
         with self._lock:
             out["skipped"] = self._num_skipped
         out["breaker"] = self._breaker.snapshot()
+        if self._cluster is not None:
+            out["node_breakers"] = self._cluster.breakers()
         return out
 
     def close(self) -> None:
-        self._client.close()
-        self._client.connection_pool.disconnect()
+        if self._cluster is not None:
+            self._cluster.close()
+        if self._client is not None:
+            self._client.close()
+            self._client.connection_pool.disconnect()
+
+
+def _each(command: str, skeys: Sequence[str | bytes]) -> list[tuple[str, str | bytes]]:
+    return [(command, skey) for skey in skeys]
 
 
 def _batches(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:

@@ -152,5 +152,26 @@ def test_streamed_read_round_trips(namespace: Namespace, compression: Compressio
 def test_a_file_shorter_than_its_size_is_caught(namespace: Namespace) -> None:
     block, record = _record(namespace)
     short = io.BytesIO(bytes(record[:-10]))
-    with pytest.raises(CorruptBlockError, match="ended after"):
+    with pytest.raises(CorruptBlockError, match="ended"):
         read_record(short.readinto, len(record), key=block.key)
+
+
+def test_payload_can_be_read_straight_into_caller_memory(namespace: Namespace) -> None:
+    block = make_blocks(namespace, 1)[0]
+    dest = bytearray(len(block.data))
+    back = read_record(
+        io.BytesIO(encode_record(block)).readinto,
+        len(encode_record(block)),
+        key=block.key,
+        payload_into=memoryview(dest),
+    )
+    assert bytes(dest) == bytes(block.data)
+    assert memoryview(back.data).obj is dest
+    # A compressed record cannot land there directly: it decodes into its own buffer.
+    packed = encode_record(
+        KVBlock(block.key, block.fingerprint, block.dtype, block.shape, 16, bytes(len(block.data))),
+        Compression.LZ4,
+    )
+    other = bytearray(len(block.data))
+    back = read_record(io.BytesIO(packed).readinto, len(packed), payload_into=memoryview(other))
+    assert memoryview(back.data).obj is not other and bytes(back.data) == bytes(len(block.data))

@@ -1,0 +1,208 @@
+"""TTFT of a long prompt on SmolLM2: cold, then warm from each tier, disk and Redis each after a
+real restart of the engine process.
+
+    python benchmarks/bench_restart.py --json [--tokens 4096] [--dtype float32]
+
+Ratios:
+- ``speedup_disk`` = cold TTFT / warm-from-disk TTFT (target >= 20 at 4096 tokens).
+- ``restore_vs_raw_bound`` = restore time / (bytes restored / raw-read GB/s of the same block
+  files measured in this run, page cache warm) (target <= 2): how close a restore comes to
+  just reading the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import emit  # noqa: E402
+
+REDIS_URL = os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One engine process: run the prompt (twice for ``cpu``), report TTFT and restore figures."""
+    from cachetier.config import StoreConfig
+    from engine.demo import build_prompt
+    from engine.llm import LLM
+    from engine.loader import smollm2_path
+    from engine.sampling import SamplingParams
+
+    tiers = args.tiers.split(",")
+    store = StoreConfig(
+        cpu_bytes=(2 << 30) if "cpu" in tiers else 0,
+        disk_path=args.data_dir if "disk" in tiers else None,
+        disk_bytes=16 << 30,
+        redis_url=REDIS_URL if "redis" in tiers else None,
+        redis_key_prefix=args.redis_prefix,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(
+        smollm2_path(),
+        store=store,
+        dtype=args.dtype,
+        kv_cache_bytes=3 << 30,
+        max_num_batched_tokens=args.tokens + 64,
+    ) as llm:
+        prompt = build_prompt(llm, args.tokens)
+        runs = []
+        for _ in range(2 if args.mode == "cpu" else 1):
+            out = llm.generate([prompt], greedy)[0]
+            runs.append(out)
+            llm.flush()
+            # The next run must not find the blocks in the engine's own pool, only in a tier.
+            llm.engine.blocks.clear_cache()
+        stats = llm.engine.stats()
+    out = runs[-1]
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": len(prompt),
+                "ttft_s": out.ttft_s,
+                "token_ids": out.token_ids,
+                "by_source": out.cached_tokens_by_source,
+                "restore_s": stats.get("restore_s", 0.0),
+                "restored_bytes": stats.get("restored_bytes", 0),
+                "restored_blocks": stats.get("restored_blocks", 0),
+            }
+        )
+    )
+
+
+def run(mode: str, tiers: str, args: argparse.Namespace, data_dir: str, prefix: str) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--mode",
+        mode,
+        "--tiers",
+        tiers,
+        "--data-dir",
+        data_dir,
+        "--redis-prefix",
+        prefix,
+        "--tokens",
+        str(args.tokens),
+        "--dtype",
+        args.dtype,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{mode} run failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def raw_read_gbps(folder: str) -> float:
+    """Plain open().read() of every block file under ``folder`` (page cache warm: read twice)."""
+    paths = [p for p in Path(folder).rglob("*.ctkv")]
+    total = sum(p.stat().st_size for p in paths)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        kept = []
+        for p in paths:
+            with open(p, "rb") as f:
+                kept.append(f.read())
+        best = min(best, time.perf_counter() - start)
+        del kept
+    return total / best / 1e9
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import redis
+
+    prefix = f"bench-restart-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-restart-") as data:
+            cold = run("cold", "cpu,disk,redis", args, data, prefix)
+            cpu = run("cpu", "cpu", args, data, prefix)  # runs twice in one process
+            disk = run("disk", "cpu,disk", args, data, prefix)  # a restart: the CPU tier is empty
+            red = run("redis", "cpu,redis", args, data, prefix)
+            gbps = raw_read_gbps(data)
+    finally:
+        names = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if names:
+            client.delete(*names)
+        client.close()
+    same = all(r["token_ids"] == cold["token_ids"] for r in (cpu, disk, red))
+    bound_s = disk["restored_bytes"] / (gbps * 1e9) if gbps else float("nan")
+    return {
+        "prompt_tokens": cold["prompt_tokens"],
+        "cold_ttft_s": cold["ttft_s"],
+        "warm_ttft_s": {"cpu": cpu["ttft_s"], "disk": disk["ttft_s"], "redis": red["ttft_s"]},
+        "restored_tokens": {
+            "cpu": cpu["by_source"],
+            "disk": disk["by_source"],
+            "redis": red["by_source"],
+        },
+        "speedup_cpu": cold["ttft_s"] / cpu["ttft_s"],
+        "speedup_disk": cold["ttft_s"] / disk["ttft_s"],
+        "speedup_redis": cold["ttft_s"] / red["ttft_s"],
+        "disk_restore_s": disk["restore_s"],
+        "disk_restored_bytes": disk["restored_bytes"],
+        "raw_read_gbps": gbps,
+        "restore_vs_raw_bound": disk["restore_s"] / bound_s,
+        "outputs_identical": same,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument(
+        "--also",
+        type=int,
+        nargs="*",
+        default=[8128],
+        help="further prompt lengths (8128: SmolLM2's 8192 limit less the output)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="cold", help=argparse.SUPPRESS)
+    parser.add_argument("--tiers", default="cpu,disk", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-prefix", default="cachetier", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "threads": os.cpu_count(),
+        "page_cache": "warm (the cold run just wrote the files)",
+    }
+    result.update(measure(args))
+    for tokens in args.also:
+        extra = measure(argparse.Namespace(**{**vars(args), "tokens": tokens}))
+        result[f"at_{tokens}"] = {
+            k: extra[k]
+            for k in (
+                "prompt_tokens",
+                "cold_ttft_s",
+                "warm_ttft_s",
+                "speedup_disk",
+                "restore_vs_raw_bound",
+                "outputs_identical",
+            )
+        }
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

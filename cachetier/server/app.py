@@ -1,0 +1,107 @@
+"""The app factory: a FastAPI app whose lifespan owns the store, the tenants' counters and the
+metrics registry."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cachetier.config import build_store
+from cachetier.server import routes_admin, routes_blocks
+from cachetier.server.config import ServerConfig
+from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
+from cachetier.server.service import BlockService
+
+logger = logging.getLogger("cachetier.server")
+
+OPEN_MODE_WARNING = (
+    "OPEN MODE: requests without a token are accepted as tenant 'open'. Anyone who can reach "
+    "this port can read, write and delete its blocks. For local development only."
+)
+
+_DESCRIPTION = """Shared, persistent KV-cache tiers for LLM engines.
+
+Blocks travel as binary `cachetier.record` records (never base64): one record as
+`application/octet-stream`, many as `application/x-cachetier-batch`
+(`"CTB1" | count u32 | count x length u64 | records`, little-endian; a length of 0 is a miss).
+The tenant comes from the bearer token; every namespace is the caller's tenant's own.
+"""
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Build the server's app.
+
+    Args:
+        config: the server's settings; the store is opened when the app starts (lifespan)
+            and flushed and closed when it stops.
+
+    Returns:
+        The app, for uvicorn.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        # Opening the disk tier scans its folder: not on the event loop.
+        store = await run_in_threadpool(build_store, config.store_config())
+        service = BlockService(config, store)
+        if config.open_mode:
+            logger.warning(OPEN_MODE_WARNING)
+        logger.info("cachetier serving tiers %s", [t.name for t in store.tiers])
+        try:
+            yield {"service": service, "metrics": ServerMetrics(service)}
+        finally:
+            # Waits for every queued write to the lower tiers: nothing acknowledged is dropped.
+            await run_in_threadpool(service.close)
+            logger.info("cachetier store flushed and closed")
+
+    app = FastAPI(
+        title="cachetier",
+        version="1",
+        description=_DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.add_middleware(RequestMetricsMiddleware)
+    app.include_router(routes_blocks.router)
+    app.include_router(routes_admin.router)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error answer is an ``ErrorPublic`` JSON body."""
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail
+        if not (isinstance(detail, dict) and "error" in detail):
+            detail = {"error": _code(exc.status_code), "message": str(detail)}
+        return JSONResponse(detail, status_code=exc.status_code, headers=exc.headers)
+
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(part) for part in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        message = "; ".join(problems) or "the request does not match the API"
+        return JSONResponse({"error": "invalid_request", "message": message}, status_code=422)
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            {"error": "internal", "message": "the server failed; see its log"}, status_code=500
+        )
+
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _code(status: int) -> str:
+    return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")

@@ -1,0 +1,122 @@
+"""Bearer tokens -> tenants, and the storage scope every request is confined to.
+
+The tenant comes from the token alone; the server writes it into the storage namespace of
+every key (``t.<tenant>.<namespace>``), so no key, namespace or salt a client sends can reach
+another tenant's blocks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from dataclasses import dataclass
+
+from fastapi import HTTPException
+
+from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.server.schemas import api_error
+from cachetier.server.wire import check_client_namespace
+
+TENANT_HEADER = "X-Cachetier-Tenant"
+_HEX_NAMESPACE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request.
+
+    Args:
+        tenant: the tenant its token names (``open`` in open mode without a token).
+        is_admin: may read every tenant's stats and the metrics.
+    """
+
+    tenant: str
+    is_admin: bool
+
+
+class TokenIndex:
+    """Looks up the tenant of a bearer token in time independent of where a guess differs.
+
+    Args:
+        config: the tenants, their tokens, the admin tenants and whether open mode is on.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._pairs = [
+            (token.encode(), tenant)
+            for tenant, tokens in config.tenants.items()
+            for token in tokens
+        ]
+        self._admins = frozenset(config.admin_tenants)
+        self._open = config.open_mode
+
+    def tenant_of(self, token: str) -> str | None:
+        """The tenant ``token`` belongs to, or ``None``."""
+        given = token.encode("utf-8", "surrogateescape")
+        found = None
+        for known, tenant in self._pairs:
+            # Every token is compared, with compare_digest: no early exit to time.
+            if hmac.compare_digest(known, given):
+                found = tenant
+        return found
+
+    def caller(self, token: str | None, claimed_tenant: str | None) -> Caller:
+        """Who is calling.
+
+        Args:
+            token: the bearer token, ``None`` if the request carried none.
+            claimed_tenant: the ``X-Cachetier-Tenant`` header, if sent (optional: a client may
+                name the tenant it expects its token to act as).
+
+        Returns:
+            The caller.
+
+        Raises:
+            HTTPException: 401 for a missing or unknown token, 403 when the claimed tenant is
+                not the token's.
+        """
+        if token is None:
+            if not self._open:
+                raise _unauthorized("this server needs a bearer token (Authorization: Bearer ...)")
+            tenant = OPEN_TENANT
+        else:
+            found = self.tenant_of(token)
+            if found is None:
+                raise _unauthorized("the bearer token is not one of this server's tokens")
+            tenant = found
+        if claimed_tenant is not None and claimed_tenant != tenant:
+            raise api_error(
+                403, "forbidden", f"this token may not act as tenant {claimed_tenant[:40]!r}"
+            )
+        return Caller(tenant, tenant in self._admins or tenant == OPEN_TENANT)
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return api_error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where one request's blocks live.
+
+    Args:
+        tenant: the caller's tenant.
+        storage: the storage namespace, ``t.<tenant>.<namespace as the client named it>``.
+        fingerprint: the namespace fingerprint every record must carry, when the client's
+            namespace is a ``Namespace.id`` (64 lower-case hex digits); else ``None``.
+    """
+
+    tenant: str
+    storage: str
+    fingerprint: bytes | None
+
+    @classmethod
+    def of(cls, tenant: str, namespace: str) -> Scope:
+        """The scope of ``namespace`` for ``tenant``.
+
+        Raises:
+            ValueError: if ``namespace`` is not a valid client namespace.
+        """
+        check_client_namespace(namespace)
+        fingerprint = bytes.fromhex(namespace) if _HEX_NAMESPACE.match(namespace) else None
+        return cls(tenant, f"t.{tenant}.{namespace}", fingerprint)

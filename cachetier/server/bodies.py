@@ -1,0 +1,116 @@
+"""Binary request and response bodies: records and batches in, streamed parts out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+
+from cachetier.record import Buffer
+from cachetier.server.config import ServerConfig
+from cachetier.server.schemas import api_error
+from cachetier.server.wire import (
+    BATCH_MEDIA_TYPE,
+    RECORD_MEDIA_TYPE,
+    BatchReader,
+    FrameError,
+    FrameTooLargeError,
+)
+
+
+def binary_body(media_type: str, description: str) -> dict[str, Any]:
+    """``openapi_extra`` declaring a raw (not JSON, not base64) request body."""
+    schema = {"type": "string", "contentMediaType": media_type}
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {media_type: {"schema": schema}},
+        }
+    }
+
+
+def binary_response(media_type: str, description: str) -> dict[str, Any]:
+    """A ``responses`` entry declaring a raw response body."""
+    return {
+        "description": description,
+        "content": {media_type: {"schema": {"type": "string", "contentMediaType": media_type}}},
+    }
+
+
+class PartsResponse(StreamingResponse):
+    """Sends buffers one after another under a known Content-Length, never joining them.
+
+    With the length known, uvicorn writes each part as it is (no chunked framing, which would
+    copy every part once more).
+    """
+
+    def __init__(self, parts: Sequence[Buffer], total: int, media_type: str) -> None:
+        async def each() -> AsyncIterator[Buffer]:
+            for part in parts:
+                yield memoryview(part).cast("B")
+
+        super().__init__(each(), media_type=media_type, headers={"content-length": str(total)})
+
+
+def _check_type(request: Request, expected: str) -> None:
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given != expected:
+        raise api_error(
+            415, "unsupported_media_type", f"send the body as {expected}, not {given or 'nothing'}"
+        )
+
+
+def _check_length(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is None:
+        return
+    if not length.isdigit():
+        raise api_error(400, "bad_request", f"Content-Length {length[:20]!r} is not a number")
+    if int(length) > limit:
+        raise api_error(413, "too_large", f"body of {length} bytes is over the limit of {limit}")
+
+
+async def read_batch(request: Request, config: ServerConfig) -> list[memoryview | None]:
+    """Read a batch body, enforcing the server's limits while it arrives.
+
+    Returns:
+        One buffer per record (``None`` for an empty one).
+    """
+    _check_type(request, BATCH_MEDIA_TYPE)
+    _check_length(request, config.max_batch_bytes)
+    reader = BatchReader(
+        max_records=config.max_batch_blocks,
+        max_record_bytes=config.max_block_bytes,
+        max_batch_bytes=config.max_batch_bytes,
+    )
+    try:
+        async for chunk in request.stream():
+            reader.feed(chunk)
+        return reader.finish()
+    except FrameTooLargeError as exc:
+        raise api_error(413, "too_large", str(exc)) from None
+    except FrameError as exc:
+        raise api_error(400, "bad_batch", str(exc)) from None
+    except ClientDisconnect:
+        raise api_error(400, "bad_batch", "the client went away before the body ended") from None
+
+
+async def read_record(request: Request, config: ServerConfig) -> memoryview:
+    """Read a single-record body (at most ``max_block_bytes``)."""
+    _check_type(request, RECORD_MEDIA_TYPE)
+    _check_length(request, config.max_block_bytes)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_block_bytes:
+                raise api_error(
+                    413, "too_large", f"record is over the limit of {config.max_block_bytes} bytes"
+                )
+    except ClientDisconnect:
+        raise api_error(400, "bad_record", "the client went away before the body ended") from None
+    return memoryview(body).toreadonly()

@@ -1,0 +1,141 @@
+"""Prometheus metrics: request counts and latency, and the store's and tenants' counters.
+
+Each app gets its own ``CollectorRegistry`` (no process-global default registry), owned by the
+lifespan like the store. Tier and tenant figures are read from ``stats()`` at scrape time, so
+there is one set of counters, not a second copy kept in step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cachetier.server.service import BlockService
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "bytes_in",
+    "bytes_out",
+    "errors",
+    "corrupt",
+    "evictions",
+    "rejected",
+)
+_TENANT_COUNTERS = ("hits", "misses", "puts", "bytes_in", "bytes_out", "rejected")
+# Seconds; a 5.6 MiB block over loopback takes a few ms, a batch of them tens.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """The registry of one app and the request metrics recorded into it.
+
+    Args:
+        service: whose tiers and tenants are reported.
+    """
+
+    def __init__(self, service: BlockService) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "cachetier_http_requests",
+            "HTTP requests answered, by route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "cachetier_http_request_duration_seconds",
+            "Time from request to the last byte of the answer",
+            ["method", "route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StoreCollector(service))
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one answered request."""
+        self._requests.labels(method, route, str(status)).inc()
+        self._latency.labels(method, route).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, service: BlockService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._service.store.stats()
+        tiers: dict[str, dict[str, Any]] = stats["tiers"]
+        for name in _TIER_COUNTERS:
+            family = CounterMetricFamily(
+                f"cachetier_tier_{name}", f"{name} of each server tier", labels=["tier"]
+            )
+            for tier, figures in tiers.items():
+                family.add_metric([tier], figures.get(name, 0))
+            yield family
+        used = GaugeMetricFamily("cachetier_tier_used_bytes", "bytes a tier holds", labels=["tier"])
+        cap = GaugeMetricFamily(
+            "cachetier_tier_capacity_bytes", "capacity of a tier", labels=["tier"]
+        )
+        for tier, figures in tiers.items():
+            used.add_metric([tier], figures["used_bytes"])
+            if figures["capacity_bytes"] is not None:
+                cap.add_metric([tier], figures["capacity_bytes"])
+        yield used
+        yield cap
+        pending = GaugeMetricFamily(
+            "cachetier_pending_writes", "blocks queued for a lower tier", labels=["tier"]
+        )
+        for tier, count in stats["pending_writes"].items():
+            pending.add_metric([tier], count)
+        yield pending
+        per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
+        for name in _TENANT_COUNTERS:
+            family = CounterMetricFamily(
+                f"cachetier_tenant_{name}", f"{name} of each tenant", labels=["tenant"]
+            )
+            for tenant, figures in per_tenant.items():
+                family.add_metric([tenant], figures[name])
+            yield family
+
+
+class RequestMetricsMiddleware:
+    """Times every HTTP request into the ``ServerMetrics`` of the app's lifespan state.
+
+    Plain ASGI (not ``BaseHTTPMiddleware``), so streamed answers pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            metrics = scope.get("state", {}).get("metrics")
+            if metrics is not None:
+                # The route template, not the path: one series per endpoint, not per key.
+                route = getattr(scope.get("route"), "path", "unmatched")
+                metrics.observe(scope["method"], route, status, time.perf_counter() - start)

@@ -1,0 +1,55 @@
+"""Health, stats and metrics endpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from cachetier.server.auth import Caller
+from cachetier.server.metrics import CONTENT_TYPE, ServerMetrics
+from cachetier.server.routes_blocks import ServiceDep, require_caller
+from cachetier.server.schemas import HealthPublic, StatsPublic, api_error, error_responses
+
+router = APIRouter(tags=["operations"])
+CallerDep = Annotated[Caller, Depends(require_caller)]
+
+
+@router.get("/healthz", response_model=HealthPublic)
+async def healthz() -> HealthPublic:
+    """Liveness: the server answers (no token needed, nothing disclosed)."""
+    return HealthPublic(status="ok")
+
+
+@router.get("/v1/stats", response_model=StatsPublic, responses=error_responses(401, 403))
+async def stats(caller: CallerDep, service: ServiceDep) -> StatsPublic:
+    """Hits, misses and bytes of the caller's tenant; admin tenants see every tenant and tier."""
+    if not caller.is_admin:
+        return StatsPublic(
+            tenant=caller.tenant, tenants={caller.tenant: service.tenant_stats(caller.tenant)}
+        )
+    # store.stats() may ask Redis for its size: not on the event loop.
+    store = await run_in_threadpool(service.store.stats)
+    return StatsPublic(
+        tenant=caller.tenant,
+        tenants={t: service.tenant_stats(t) for t in service.tenant_names},
+        tiers=store["tiers"],
+        pending_writes=store["pending_writes"],
+    )
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {}}},
+        **error_responses(401, 403),
+    },
+)
+async def metrics(caller: CallerDep, request: Request) -> Response:
+    """Prometheus metrics of every tier, tenant and endpoint (admin tenants only)."""
+    if not caller.is_admin:
+        raise api_error(403, "forbidden", "metrics are for admin tenants (admin_tenants)")
+    registry: ServerMetrics = request.state.metrics
+    return Response(await run_in_threadpool(registry.render), media_type=CONTENT_TYPE)

@@ -1,0 +1,242 @@
+"""Block endpoints: put, get, exists and delete of one block or a batch; lookup; clear.
+
+Every path names the client's namespace; the tenant comes from the token (``auth.Scope``).
+Blocks travel as ``cachetier.record`` records, batches in the framing of ``wire``; uploads are
+decoded and checked in full before anything is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+
+from cachetier.errors import CorruptBlockError
+from cachetier.keys import BlockHash, parse_key
+from cachetier.server.auth import TENANT_HEADER, Caller, Scope
+from cachetier.server.bodies import (
+    PartsResponse,
+    binary_body,
+    binary_response,
+    read_batch,
+    read_record,
+)
+from cachetier.server.schemas import (
+    DeletedPublic,
+    KeysCreate,
+    LookupPublic,
+    PresentPublic,
+    PutPublic,
+    SpanPublic,
+    api_error,
+    error_responses,
+)
+from cachetier.server.service import BlockService
+from cachetier.server.wire import (
+    BATCH_MEDIA_TYPE,
+    MAX_NAMESPACE_CHARS,
+    RECORD_MEDIA_TYPE,
+    batch_parts,
+)
+
+_bearer = HTTPBearer(auto_error=False, description="a token the server's config gives a tenant")
+
+
+def get_service(request: Request) -> BlockService:
+    """The service of the app's lifespan."""
+    return request.state.service
+
+
+async def require_caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    claimed: Annotated[
+        str | None,
+        Header(
+            alias=TENANT_HEADER,
+            description="optional: the tenant the caller expects its token to act as (403 if not)",
+        ),
+    ] = None,
+) -> Caller:
+    """The caller's tenant, from its bearer token (401/403 otherwise)."""
+    if credentials is None and "authorization" in request.headers:
+        # HTTPBearer(auto_error=False) reads a malformed header as none at all; say so.
+        raise api_error(
+            401,
+            "unauthorized",
+            "the Authorization header must be 'Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    token = None if credentials is None else credentials.credentials
+    return get_service(request).tokens.caller(token, claimed)
+
+
+async def scope_of(
+    caller: Annotated[Caller, Depends(require_caller)],
+    namespace: Annotated[
+        str,
+        Path(
+            description=f"the client's namespace (e.g. Namespace.id): 1-{MAX_NAMESPACE_CHARS} "
+            "characters of [A-Za-z0-9._-]; a 64-hex-digit one is taken as a namespace "
+            "fingerprint that every record stored under it must carry"
+        ),
+    ],
+) -> Scope:
+    """The storage scope of this request (the caller's tenant + the named namespace)."""
+    try:
+        return Scope.of(caller.tenant, namespace)
+    except ValueError as exc:
+        raise api_error(400, "bad_namespace", str(exc)) from None
+
+
+ServiceDep = Annotated[BlockService, Depends(get_service)]
+ScopeDep = Annotated[Scope, Depends(scope_of)]
+KeyPath = Annotated[str, Path(description="the block key, 64 hex digits")]
+
+router = APIRouter(prefix="/v1/namespaces/{namespace}", tags=["blocks"])
+_ERRORS = error_responses(400, 401, 403, 413, 415, 422)
+
+
+def _key(text: str) -> BlockHash:
+    try:
+        return parse_key(text)
+    except ValueError as exc:
+        raise api_error(400, "bad_key", str(exc)) from None
+
+
+def _keys(body: KeysCreate, limit: int) -> list[BlockHash]:
+    if len(body.keys) > limit:
+        raise api_error(413, "too_large", f"{len(body.keys)} keys, at most {limit} per request")
+    return [parse_key(k) for k in body.keys]  # the schema already checked the format
+
+
+async def _store(
+    service: BlockService, scope: Scope, records: Sequence, keys: list | None
+) -> PutPublic:
+    def check_and_put() -> dict[str, int]:
+        return service.put(scope, service.check_records(scope, records, keys))
+
+    try:
+        stored = await run_in_threadpool(check_and_put)
+    except CorruptBlockError as exc:
+        raise api_error(400, "bad_record", str(exc)) from None
+    return PutPublic(num_stored=max(stored.values(), default=0), tiers=stored)
+
+
+@router.put(
+    "/blocks/{key}",
+    response_model=PutPublic,
+    responses=_ERRORS,
+    openapi_extra=binary_body(RECORD_MEDIA_TYPE, "one block record carrying this key"),
+)
+async def put_block(
+    key: KeyPath, request: Request, scope: ScopeDep, service: ServiceDep
+) -> PutPublic:
+    """Store one block. The body is its record (``cachetier.record``), raw bytes, no base64."""
+    expected = _key(key)
+    record = await read_record(request, service.config)
+    return await _store(service, scope, [record], [expected])
+
+
+@router.get(
+    "/blocks/{key}",
+    status_code=200,
+    response_class=PartsResponse,
+    responses={
+        200: binary_response(RECORD_MEDIA_TYPE, "the block's record"),
+        **error_responses(400, 401, 403, 404),
+    },
+)
+async def get_block(key: KeyPath, scope: ScopeDep, service: ServiceDep) -> PartsResponse:
+    """Fetch one block as its record (404 on a miss)."""
+    found = (await run_in_threadpool(service.get_records, scope, [_key(key)]))[0]
+    if found is None:
+        raise api_error(404, "not_found", "no block under this key in this namespace")
+    return PartsResponse(found, sum(memoryview(p).nbytes for p in found), RECORD_MEDIA_TYPE)
+
+
+@router.head(
+    "/blocks/{key}",
+    status_code=200,
+    response_class=Response,
+    responses={200: {"description": "stored"}, 404: {"description": "not stored"}},
+)
+async def block_exists(key: KeyPath, scope: ScopeDep, service: ServiceDep) -> Response:
+    """Whether one block is stored (status only, no body)."""
+    present = (await run_in_threadpool(service.present, scope, [_key(key)]))[0]
+    return Response(status_code=200 if present else 404)
+
+
+@router.delete("/blocks/{key}", response_model=DeletedPublic, responses=_ERRORS)
+async def delete_block(key: KeyPath, scope: ScopeDep, service: ServiceDep) -> DeletedPublic:
+    """Remove one block from every tier."""
+    return DeletedPublic(num_deleted=await run_in_threadpool(service.delete, scope, [_key(key)]))
+
+
+@router.post(
+    "/batch/put",
+    response_model=PutPublic,
+    responses=_ERRORS,
+    openapi_extra=binary_body(
+        BATCH_MEDIA_TYPE,
+        'records framed as "CTB1" | count u32 | count x length u64 | records (little-endian); '
+        "each record carries its own key. All are checked before any is stored.",
+    ),
+)
+async def put_batch(request: Request, scope: ScopeDep, service: ServiceDep) -> PutPublic:
+    """Store many blocks in one round trip."""
+    records = await read_batch(request, service.config)
+    return await _store(service, scope, records, None)
+
+
+@router.post(
+    "/batch/get",
+    status_code=200,
+    response_class=PartsResponse,
+    responses={
+        200: binary_response(
+            BATCH_MEDIA_TYPE, "one record per key in the request's order; length 0 = miss"
+        ),
+        **_ERRORS,
+    },
+)
+async def get_batch(body: KeysCreate, scope: ScopeDep, service: ServiceDep) -> PartsResponse:
+    """Fetch many blocks in one round trip, streamed as a batch."""
+    keys = _keys(body, service.config.max_batch_blocks)
+    records = await run_in_threadpool(service.get_records, scope, keys)
+    parts, total = batch_parts(records)
+    return PartsResponse(parts, total, BATCH_MEDIA_TYPE)
+
+
+@router.post("/batch/exists", response_model=PresentPublic, responses=_ERRORS)
+async def exists_batch(body: KeysCreate, scope: ScopeDep, service: ServiceDep) -> PresentPublic:
+    """Whether each key is stored, without reading the blocks."""
+    keys = _keys(body, service.config.max_keys)
+    return PresentPublic(present=await run_in_threadpool(service.present, scope, keys))
+
+
+@router.post("/batch/delete", response_model=DeletedPublic, responses=_ERRORS)
+async def delete_batch(body: KeysCreate, scope: ScopeDep, service: ServiceDep) -> DeletedPublic:
+    """Remove many blocks from every tier."""
+    keys = _keys(body, service.config.max_keys)
+    return DeletedPublic(num_deleted=await run_in_threadpool(service.delete, scope, keys))
+
+
+@router.post("/lookup", response_model=LookupPublic, responses=_ERRORS)
+async def lookup(body: KeysCreate, scope: ScopeDep, service: ServiceDep) -> LookupPublic:
+    """How many leading keys (in sequence order) are stored, and in which tier."""
+    keys = _keys(body, service.config.max_keys)
+    hit = await run_in_threadpool(service.lookup, scope, keys)
+    spans = [SpanPublic(tier=hit.tier_names[t], start=s, end=e) for t, s, e in hit.spans]
+    return LookupPublic(
+        num_blocks=hit.num_blocks, spans=spans, blocks_per_tier=hit.blocks_per_tier()
+    )
+
+
+@router.delete("", response_model=DeletedPublic, responses=_ERRORS)
+async def clear_namespace(scope: ScopeDep, service: ServiceDep) -> DeletedPublic:
+    """Remove every block of this namespace (the caller's tenant only)."""
+    return DeletedPublic(num_deleted=await run_in_threadpool(service.clear, scope))

@@ -1,0 +1,92 @@
+"""Pydantic models of the HTTP edge (``*Create`` = request bodies, ``*Public`` = responses).
+
+Block bytes never pass through these: they travel as records and batches (``wire``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+KeyHex = Annotated[
+    str,
+    StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-fA-F]{64}$"),
+]
+
+
+class KeysCreate(BaseModel):
+    """Block keys as 64 hex digits each, in sequence order where order matters (lookup)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[KeyHex] = Field(description="block keys, 64 hex digits each")
+
+
+class PutPublic(BaseModel):
+    num_stored: int = Field(description="blocks stored (by the tier that stored the most)")
+    tiers: dict[str, int] = Field(description="blocks each of the server's tiers stored")
+
+
+class PresentPublic(BaseModel):
+    present: list[bool] = Field(description="per key, whether it is stored (in any tier)")
+
+
+class SpanPublic(BaseModel):
+    tier: str
+    start: int
+    end: int = Field(description="exclusive")
+
+
+class LookupPublic(BaseModel):
+    num_blocks: int = Field(description="how many leading keys are stored")
+    spans: list[SpanPublic] = Field(description="which tier holds which part of that run")
+    blocks_per_tier: dict[str, int]
+
+
+class DeletedPublic(BaseModel):
+    num_deleted: int
+
+
+class HealthPublic(BaseModel):
+    status: str
+
+
+class StatsPublic(BaseModel):
+    tenant: str = Field(description="the caller's tenant")
+    tenants: dict[str, dict[str, Any]] = Field(
+        description="per tenant: hits, misses, puts, bytes_in, bytes_out, rejected (uploads "
+        "that failed their checks), latency; other tenants only for admin tenants"
+    )
+    tiers: dict[str, dict[str, Any]] | None = Field(
+        default=None, description="per tier of the server (admin tenants only)"
+    )
+    pending_writes: dict[str, int] | None = None
+
+
+class ErrorPublic(BaseModel):
+    error: str = Field(description="machine-readable code, e.g. bad_record, too_large")
+    message: str = Field(description="what is wrong and what to change")
+
+
+def api_error(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> HTTPException:
+    """An ``HTTPException`` whose body is an ``ErrorPublic`` (see the app's error handlers).
+
+    Args:
+        status: HTTP status (4xx).
+        code: ``ErrorPublic.error``.
+        message: ``ErrorPublic.message``.
+        headers: extra response headers (``WWW-Authenticate`` on a 401).
+
+    Returns:
+        The exception, for the caller to raise.
+    """
+    return HTTPException(status, detail={"error": code, "message": message}, headers=headers)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries documenting ``ErrorPublic`` bodies for ``statuses``."""
+    return {status: {"model": ErrorPublic} for status in statuses}

@@ -1,0 +1,140 @@
+"""What the server does with blocks, without HTTP: check uploads, store, fetch, count per tenant.
+
+Every method takes a ``Scope`` (the caller's tenant and storage namespace) and is blocking:
+routes run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachetier.errors import CorruptBlockError
+from cachetier.keys import BlockHash
+from cachetier.record import Buffer, KVBlock, decode_record, encode_parts
+from cachetier.server.auth import Scope, TokenIndex
+from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.stats import TierStats
+from cachetier.store import PrefixHit, TieredStore
+
+
+class BlockService:
+    """The server's store, its tenants' counters and its token index.
+
+    Args:
+        config: the server's settings.
+        store: the tiers to serve; the service owns the store and closes it.
+    """
+
+    def __init__(self, config: ServerConfig, store: TieredStore) -> None:
+        self.config = config
+        self.store = store
+        self.tokens = TokenIndex(config)
+        names = [*config.tenants, *([OPEN_TENANT] if config.open_mode else [])]
+        # Fixed at start: a tenant exists only if the config names it.
+        self._tenant_stats = {name: TierStats() for name in names}
+        self._closed = threading.Event()
+
+    def check_records(
+        self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
+    ) -> list[KVBlock]:
+        """Decode and check uploaded records before anything is stored.
+
+        Args:
+            scope: the caller's scope (its fingerprint, if any, must be in every record).
+            records: the uploaded records (``None`` for an empty one).
+            keys: the key each record must carry, when the request names them separately.
+
+        Returns:
+            The blocks.
+
+        Raises:
+            CorruptBlockError: naming the first bad record and what is wrong with it; nothing
+                of the request may be stored then.
+        """
+        blocks: list[KVBlock] = []
+        for i, record in enumerate(records):
+            if record is None:
+                raise CorruptBlockError(f"record {i} is empty (a put has no misses)")
+            try:
+                block = decode_record(
+                    record,
+                    key=None if keys is None else keys[i],
+                    fingerprint=scope.fingerprint,
+                )
+            except CorruptBlockError as exc:
+                self._tenant(scope).add(rejected=len(records))
+                raise CorruptBlockError(f"record {i}: {exc}") from None
+            blocks.append(block)
+        return blocks
+
+    def put(self, scope: Scope, blocks: Sequence[KVBlock]) -> dict[str, int]:
+        """Store checked blocks.
+
+        Returns:
+            tier name -> blocks it stored (all tiers with ``sync_puts``, else the first).
+        """
+        start = time.perf_counter()
+        if self.config.sync_puts:
+            # Each tier in turn, before the answer: an acknowledged block is in every tier.
+            stored = {t.name: t.put_many(scope.storage, blocks) for t in self.store.tiers}
+        else:
+            stored = {self.store.tiers[0].name: self.store.put_many(scope.storage, blocks)}
+        nbytes = sum(b.nbytes for b in blocks)
+        self._tenant(scope).add(puts=max(stored.values(), default=0), bytes_in=nbytes)
+        self._tenant(scope).observe(time.perf_counter() - start)
+        return stored
+
+    def get_records(self, scope: Scope, keys: Sequence[BlockHash]) -> list[list[Buffer] | None]:
+        """Fetch blocks as records to send.
+
+        Returns:
+            Per key the record's parts (``encode_parts``), or ``None`` on a miss.
+        """
+        start = time.perf_counter()
+        blocks = self.store.get_many(scope.storage, keys)
+        out = [None if b is None else encode_parts(b) for b in blocks]
+        hits = sum(b is not None for b in blocks)
+        nbytes = sum(b.nbytes for b in blocks if b is not None)
+        stats = self._tenant(scope)
+        stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes)
+        stats.observe(time.perf_counter() - start)
+        return out
+
+    def present(self, scope: Scope, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each key is stored in any tier, without reading blocks."""
+        return [self.store.contains_prefix(scope.storage, [key]) == 1 for key in keys]
+
+    def lookup(self, scope: Scope, keys: Sequence[BlockHash]) -> PrefixHit:
+        """The leading run of ``keys`` that is stored, and which tier holds which part."""
+        return self.store.lookup(scope.storage, keys)
+
+    def delete(self, scope: Scope, keys: Sequence[BlockHash]) -> int:
+        """Remove blocks from every tier; returns how many were present."""
+        return self.store.delete(scope.storage, keys)
+
+    def clear(self, scope: Scope) -> int:
+        """Remove every block of the scope's namespace; returns how many were removed."""
+        return self.store.clear(scope.storage)
+
+    def tenant_stats(self, tenant: str) -> dict[str, Any]:
+        """Counters of one tenant (``TierStats.snapshot`` minus the tier-only ones)."""
+        out = self._tenant_stats[tenant].snapshot()
+        for name in ("errors", "evictions"):
+            out.pop(name, None)
+        return out
+
+    @property
+    def tenant_names(self) -> list[str]:
+        return list(self._tenant_stats)
+
+    def _tenant(self, scope: Scope) -> TierStats:
+        return self._tenant_stats[scope.tenant]
+
+    def close(self) -> None:
+        """Flush queued writes to the lower tiers and close them."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self.store.close()

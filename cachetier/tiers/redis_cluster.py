@@ -1,0 +1,361 @@
+"""Redis Cluster for ``RedisTier``: the cluster URL, and commands routed to each key's master.
+
+A ``redis+cluster://host:port[,host:port...]`` URL (``rediss+cluster://`` for TLS) makes the
+Redis tier use Redis Cluster. Block keys carry no hash tag (key prefixes and namespaces cannot
+contain ``{``), so the blocks of one request hash to slots all over the cluster and are spread
+across its masters.
+
+Routing. redis-py's ``RedisCluster`` reads the slot map (CLUSTER SLOTS) and keeps a connection
+pool per master; ``ClusterRouter`` sends the commands itself: every command names one key (MGET,
+UNLINK or EVAL over keys of several slots is refused by a cluster), the commands of a call are
+grouped by the master owning their slot, each master gets its group as one pipelined write, and
+every master is written to before any is read, so they all work at once. For 256 GETs of 1 KiB
+this took 1.35 ms against 4.1 ms for redis-py's cluster pipeline and 2.9 ms for its
+``mget_nonatomic``; for 32 GETs of 360 KiB, 5.2 ms against 6.8 and 6.5 ms (3 local masters).
+
+Failures. Each master has its own ``CircuitBreaker``: a master that is down or silent turns only
+its own keys into misses and counted errors, and once its breaker is open it is skipped while
+the other masters keep serving. One breaker for the whole cluster would open when any master
+died and take the healthy ones down with it. The tier's own breaker guards the slot map instead:
+reaching the cluster on first use, and re-reading the map after a MOVED / ASK / CLUSTERDOWN reply
+or a master's breaker opening (a replica may have taken over its slots).
+
+Redis must serve the other slots when a master is lost: run the nodes with
+``cluster-require-full-coverage no``. With the default ``yes``, every node answers CLUSTERDOWN
+once the lost master is flagged as failed, and every key becomes a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection, ConnectionPool
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from cachetier.backoff import CircuitBreaker
+from cachetier.errors import TierUnavailableError
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+DEFAULT_PORT = 6379
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# Replies after which the slot map is re-read: a slot moved, or the cluster is reconfiguring.
+_ROUTING_ERRORS = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedError
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterAddress:
+    """Where a cluster URL points.
+
+    Args:
+        nodes: ``(host, port)`` of each startup node, in URL order.
+        node_url: ``redis[s]://[user:password@]host:port`` of the first node; redis-py takes
+            TLS and credentials for every node from it.
+    """
+
+    nodes: tuple[tuple[str, int], ...]
+    node_url: str
+
+
+def parse_cluster_url(url: str) -> ClusterAddress:
+    """Split a cluster URL into its startup nodes (no I/O).
+
+    Args:
+        url: ``redis+cluster://[user:password@]host:port[,host:port...][/0]``, or
+            ``rediss+cluster://...`` for TLS; a port left out is 6379.
+
+    Returns:
+        The startup nodes and the URL redis-py reads the first one from.
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme not in CLUSTER_SCHEMES or not sep:
+        raise ValueError(f"url {url!r} must start with one of {CLUSTER_SCHEMES}://")
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"url {url!r}: a cluster URL takes no query or fragment")
+    netloc, _, db = rest.partition("/")
+    if db not in ("", "0"):
+        raise ValueError(f"url {url!r}: Redis Cluster has only database 0")
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes = []
+    for entry in hosts.split(","):
+        parts = urlsplit(f"//{entry}")
+        if not entry or not parts.hostname or "@" in entry:
+            raise ValueError(
+                f"url {url!r} must list host:port of one or more nodes, e.g. "
+                "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
+            )
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"url {url!r} has a bad port in {entry!r}") from None
+        nodes.append((parts.hostname, port))
+    host, port = nodes[0]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    login = f"{userinfo}@" if at else ""
+    return ClusterAddress(tuple(nodes), f"{scheme.removesuffix('+cluster')}://{login}{host}:{port}")
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The commands of one call that go to one master, and the connection they went on."""
+
+    node: ClusterNode
+    breaker: CircuitBreaker
+    indexes: list[int] = field(default_factory=list)
+    pool: ConnectionPool | None = None
+    conn: Connection | None = None
+    reported: bool = False  # the outcome went to the breaker
+
+
+class ClusterRouter:
+    """Runs one-key commands on the masters owning the keys; one breaker per master.
+
+    Thread-safe. A master that cannot be asked (down, silent, breaker open) answers each of its
+    commands with a ``TierUnavailableError`` in place; the other masters are not affected.
+
+    Args:
+        connect: makes the cluster client (``make_client``); it reads the slot map, so it does
+            I/O and may fail.
+        breaker: guards reaching the cluster and re-reading its slot map.
+        make_breaker: makes the breaker of a master, on the first command sent to it.
+        count_error: adds this many failed calls to the tier's errors.
+        count_skipped: counts one call not made because a breaker was open.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], RedisCluster],
+        breaker: CircuitBreaker,
+        make_breaker: Callable[[], CircuitBreaker],
+        count_error: Callable[[int], None],
+        count_skipped: Callable[[], None],
+    ) -> None:
+        self._connect = connect
+        self._breaker = breaker
+        self._make_breaker = make_breaker
+        self._count_error = count_error
+        self._count_skipped = count_skipped
+        self._lock = threading.Lock()  # guards the three fields below
+        self._client: RedisCluster | None = None
+        self._stale = False  # the slot map is to be re-read before the next call
+        self._breakers: dict[str, CircuitBreaker] = {}  # master "host:port" -> its breaker
+        self._map_lock = threading.Lock()  # one thread at a time reads the slot map
+
+    def run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run each command on the master owning its key: one pipelined batch per master.
+
+        Args:
+            commands: ``(name, key, *args)`` each, ``key`` a ``str`` or ``bytes``.
+
+        Returns:
+            One entry per command, in order: its reply, its error reply as a ``ResponseError``
+            (not raised), or a ``TierUnavailableError`` where its master could not be asked.
+        """
+        out: list[Any] = [None] * len(commands)
+        client = self._current_client()
+        if client is None:
+            return [TierUnavailableError("Redis Cluster cannot be reached") for _ in commands]
+        slots = client.nodes_manager.slots_cache  # slot -> [master, *replicas]
+        batches: dict[str, _Batch] = {}
+        uncovered = False
+        for i, command in enumerate(commands):
+            key = command[1]
+            owners = slots.get(key_slot(key if isinstance(key, bytes) else key.encode()))
+            if not owners or owners[0].redis_connection is None:
+                out[i] = TierUnavailableError(f"no master serves the slot of {key!r}")
+                uncovered = True
+                continue
+            batch = batches.get(owners[0].name)
+            if batch is None:
+                batch = batches[owners[0].name] = _Batch(owners[0], self._breaker_of(owners[0]))
+            batch.indexes.append(i)
+        if uncovered:  # a slot left unassigned, or a map older than the cluster
+            self._count_error(1)
+            self._mark_stale()
+        sent: list[_Batch] = []
+        try:
+            for batch in batches.values():
+                if self._send(batch, commands):
+                    sent.append(batch)
+                else:
+                    _unavailable(out, batch, "not called")
+            for batch in sent:
+                self._receive(batch, commands, out)
+        finally:
+            for batch in sent:
+                self._release(batch)
+        return out
+
+    def scan(self, pattern: str, *, count: int) -> list[bytes]:
+        """Keys matching ``pattern`` on every master (SCAN on each).
+
+        Args:
+            pattern: a SCAN ``MATCH`` pattern.
+            count: keys per SCAN step.
+
+        Returns:
+            The keys found on the masters that could be asked.
+        """
+        client = self._current_client()
+        if client is None:
+            return []
+        found: list[bytes] = []
+        for node in client.get_primaries():
+            breaker = self._breaker_of(node)
+            if not breaker.allow():
+                self._count_skipped()
+                continue
+            try:
+                found.extend(node.redis_connection.scan_iter(match=pattern, count=count))
+            except _UNREACHABLE:
+                self._fail(breaker)
+                continue
+            except RedisError:
+                breaker.record_success()  # it answered, with an error
+                self._count_error(1)
+                continue
+            except BaseException:
+                breaker.record_failure()
+                raise
+            breaker.record_success()
+        return found
+
+    def breakers(self) -> dict[str, dict[str, Any]]:
+        """``CircuitBreaker.snapshot`` of each master called so far, by ``host:port``."""
+        with self._lock:
+            breakers = dict(self._breakers)
+        return {name: breaker.snapshot() for name, breaker in sorted(breakers.items())}
+
+    def close(self) -> None:
+        """Close the connections to every node."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is None:
+            return
+        for node in client.get_nodes():
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect()
+        client.close()
+
+    def _current_client(self) -> RedisCluster | None:
+        """The client with a fresh slot map; an older map if it cannot be re-read now."""
+        with self._lock:
+            client, stale = self._client, self._stale
+        if client is not None and not stale:
+            return client
+        with self._map_lock:
+            with self._lock:  # another thread may have read the map while we waited
+                client, stale = self._client, self._stale
+            if client is not None and not stale:
+                return client
+            if not self._breaker.allow():
+                if client is None:
+                    self._count_skipped()
+                return client
+            try:
+                if client is None:
+                    client = self._connect()
+                else:
+                    client.nodes_manager.initialize()
+            except (RedisError, RedisClusterException, OSError):
+                self._breaker.record_failure()
+                self._count_error(1)
+                return client
+            except BaseException:
+                self._breaker.record_failure()
+                raise
+            self._breaker.record_success()
+            with self._lock:
+                self._client, self._stale = client, False
+            return client
+
+    def _mark_stale(self) -> None:
+        with self._lock:
+            self._stale = True
+
+    def _breaker_of(self, node: ClusterNode) -> CircuitBreaker:
+        with self._lock:
+            breaker = self._breakers.get(node.name)
+            if breaker is None:
+                breaker = self._breakers[node.name] = self._make_breaker()
+            return breaker
+
+    def _fail(self, breaker: CircuitBreaker) -> None:
+        breaker.record_failure()
+        self._count_error(1)
+        if breaker.is_open:
+            self._mark_stale()  # a replica may have taken over the master's slots
+
+    def _send(self, batch: _Batch, commands: Sequence[tuple[Any, ...]]) -> bool:
+        """Write the batch's commands to its master; ``False`` if it was not called or failed."""
+        if not batch.breaker.allow():
+            self._count_skipped()
+            return False
+        pool = batch.node.redis_connection.connection_pool
+        try:
+            conn = pool.get_connection()  # waits for a free one, connects if need be
+        except _UNREACHABLE:
+            self._fail(batch.breaker)
+            return False
+        batch.pool, batch.conn = pool, conn
+        try:
+            conn.send_packed_command(conn.pack_commands([commands[i] for i in batch.indexes]))
+        except _UNREACHABLE:
+            conn.disconnect()
+            pool.release(conn)
+            batch.pool = batch.conn = None
+            self._fail(batch.breaker)
+            return False
+        return True
+
+    def _receive(self, batch: _Batch, commands: Sequence[tuple[Any, ...]], out: list[Any]) -> None:
+        assert batch.conn is not None, "receive follows a successful send"
+        parse = batch.node.redis_connection.parse_response
+        error_replies = routing_errors = 0
+        try:
+            for i in batch.indexes:
+                try:
+                    out[i] = parse(batch.conn, commands[i][0])
+                except ResponseError as exc:  # one error reply; the next replies follow as usual
+                    out[i] = exc
+                    error_replies += 1
+                    routing_errors += isinstance(exc, _ROUTING_ERRORS)
+        except (RedisError, OSError):  # no answer, or one that broke the stream
+            batch.conn.disconnect()
+            batch.reported = True
+            _unavailable(out, batch, "failed")
+            self._fail(batch.breaker)
+            return
+        batch.reported = True
+        batch.breaker.record_success()  # it answered, if only with errors
+        if error_replies:
+            self._count_error(1)
+        if routing_errors:
+            self._mark_stale()
+
+    def _release(self, batch: _Batch) -> None:
+        assert batch.pool is not None and batch.conn is not None, "only sent batches"
+        if not batch.reported:  # interrupted between write and read: replies are pending
+            batch.conn.disconnect()
+            batch.breaker.record_failure()
+        batch.pool.release(batch.conn)
+
+
+def _unavailable(out: list[Any], batch: _Batch, what: str) -> None:
+    error = TierUnavailableError(f"Redis Cluster master {batch.node.name} {what}")
+    for i in batch.indexes:
+        out[i] = error
