@@ -416,7 +416,7 @@ def test_bad_arguments_raise_even_when_redis_is_down(namespace: Namespace) -> No
     ("settings", "message"),
     [
         ({"url": "http://127.0.0.1:6379"}, "must start with"),
-        ({"url": "redis+cluster://127.0.0.1:7000"}, "Cluster is not supported"),
+        ({"url": "redis+sentinel://127.0.0.1:26379"}, "must start with"),
         ({"url": "redis:///0"}, "must name a host"),
         ({"url": "redis://127.0.0.1:6379/zero"}, "database number"),
         ({"url": "redis://127.0.0.1:99999/0"}, "bad port"),
