@@ -51,7 +51,14 @@ class TokenIndex:
         self._open = config.open_mode
 
     def tenant_of(self, token: str) -> str | None:
-        """The tenant ``token`` belongs to, or ``None``."""
+        """The tenant of a token.
+
+        Args:
+            token: the bearer token a request carried.
+
+        Returns:
+            The tenant, or ``None`` if no tenant has this token.
+        """
         given = token.encode("utf-8", "surrogateescape")
         found = None
         for known, tenant in self._pairs:
@@ -113,6 +120,13 @@ class Scope:
     @classmethod
     def of(cls, tenant: str, namespace: str) -> Scope:
         """The scope of ``namespace`` for ``tenant``.
+
+        Args:
+            tenant: the caller's tenant (from its token, never from the request).
+            namespace: the namespace the request names.
+
+        Returns:
+            The scope.
 
         Raises:
             ValueError: if ``namespace`` is not a valid client namespace.

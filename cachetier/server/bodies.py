@@ -22,7 +22,15 @@ from cachetier.server.wire import (
 
 
 def binary_body(media_type: str, description: str) -> dict[str, Any]:
-    """``openapi_extra`` declaring a raw (not JSON, not base64) request body."""
+    """Document a raw (not JSON, not base64) request body.
+
+    Args:
+        media_type: the body's content type.
+        description: what the body holds.
+
+    Returns:
+        An ``openapi_extra`` for a route.
+    """
     schema = {"type": "string", "contentMediaType": media_type}
     return {
         "requestBody": {
@@ -34,7 +42,15 @@ def binary_body(media_type: str, description: str) -> dict[str, Any]:
 
 
 def binary_response(media_type: str, description: str) -> dict[str, Any]:
-    """A ``responses`` entry declaring a raw response body."""
+    """Document a raw response body.
+
+    Args:
+        media_type: the body's content type.
+        description: what the body holds.
+
+    Returns:
+        A ``responses`` entry for a route.
+    """
     return {
         "description": description,
         "content": {media_type: {"schema": {"type": "string", "contentMediaType": media_type}}},
@@ -77,6 +93,10 @@ def _check_length(request: Request, limit: int) -> None:
 async def read_batch(request: Request, config: ServerConfig) -> list[memoryview | None]:
     """Read a batch body, enforcing the server's limits while it arrives.
 
+    Args:
+        request: a request whose body is a batch (``wire``).
+        config: the server's limits.
+
     Returns:
         One buffer per record (``None`` for an empty one).
     """
@@ -100,7 +120,15 @@ async def read_batch(request: Request, config: ServerConfig) -> list[memoryview 
 
 
 async def read_record(request: Request, config: ServerConfig) -> memoryview:
-    """Read a single-record body (at most ``max_block_bytes``)."""
+    """Read a single-record body.
+
+    Args:
+        request: a request whose body is one record.
+        config: the server's limits (``max_block_bytes``).
+
+    Returns:
+        The body, read-only.
+    """
     _check_type(request, RECORD_MEDIA_TYPE)
     _check_length(request, config.max_block_bytes)
     body = bytearray()

@@ -93,6 +93,10 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.disk_bytes < 0:
+            raise ValueError(
+                f"disk_bytes must be >= 0 (0 leaves the disk tier out), got {self.disk_bytes}"
+            )
         if self.max_batch_bytes < self.max_block_bytes:
             raise ValueError("max_batch_bytes must be at least max_block_bytes")
         if self.log_level not in _LOG_LEVELS:
@@ -108,13 +112,20 @@ class ServerConfig:
                 "'name:token,...' or a [tenants] table), or set open_mode for local development"
             )
         self.store_config()  # raises ValueError on bad sizes, compression or no tier at all
+        if self.redis_url:
+            from cachetier.tiers.redis import RedisTierConfig
+
+            # Raises ValueError on a bad URL, prefix or TTL now rather than at start-up.
+            RedisTierConfig(
+                url=self.redis_url, key_prefix=self.redis_key_prefix, ttl_s=self.redis_ttl_s
+            )
 
     def store_config(self) -> StoreConfig:
         """The ``StoreConfig`` of the server's tiers (CPU, disk under ``data_dir``, Redis)."""
         return StoreConfig(
             cpu_bytes=self.cpu_bytes,
             disk_path=str(Path(self.data_dir) / "blocks") if self.disk_bytes else None,
-            disk_bytes=self.disk_bytes or 1,
+            disk_bytes=max(self.disk_bytes, 1),  # unused without disk_path; must be > 0
             redis_url=self.redis_url,
             redis_ttl_s=self.redis_ttl_s,
             redis_key_prefix=self.redis_key_prefix,
@@ -153,8 +164,8 @@ def _frozen_tenants(tenants: Mapping[str, Any]) -> Mapping[str, tuple[str, ...]]
                 )
             if len(token) < MIN_TOKEN_CHARS:
                 raise ValueError(
-                    f"a token of tenant {tenant!r} has {len(token)} characters; use at least "
-                    f"{MIN_TOKEN_CHARS} (python -c 'import secrets; print(secrets.token_urlsafe())')"
+                    f"a token of tenant {tenant!r} has {len(token)} characters; use at least"
+                    f" {MIN_TOKEN_CHARS} (python -c 'import secrets; print(secrets.token_hex())')"
                 )
             if owner.setdefault(token, tenant) != tenant:
                 raise ValueError(f"one token is given to tenants {owner[token]!r} and {tenant!r}")
@@ -181,19 +192,26 @@ def parse_tenants(text: str) -> dict[str, list[str]]:
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Settings from a ``.toml`` or ``.json`` file (keys are ``ServerConfig`` field names)."""
+    """Settings from a file.
+
+    Args:
+        path: a ``.toml`` or ``.json`` file whose keys are ``ServerConfig`` field names.
+
+    Returns:
+        field name -> value, unchecked (``ServerConfig`` checks them).
+    """
     path = Path(path)
+    if path.suffix not in (".json", ".toml"):
+        raise ValueError(f"config file {path} must end in .toml or .json")
     text = path.read_text()
     if path.suffix == ".json":
         data = json.loads(text)
-    elif path.suffix == ".toml":
+    else:
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib  # type: ignore[no-redef]
         data = tomllib.loads(text)
-    else:
-        raise ValueError(f"config file {path} must end in .toml or .json")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a table of settings")
     known = {f.name for f in fields(ServerConfig)}

@@ -60,7 +60,14 @@ class ServerMetrics:
         self.registry.register(_StoreCollector(service))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one answered request."""
+        """Count one answered request.
+
+        Args:
+            method: the HTTP method.
+            route: the route template (not the path: one series per endpoint).
+            status: the answer's status code.
+            seconds: from the request to the answer's last byte.
+        """
         self._requests.labels(method, route, str(status)).inc()
         self._latency.labels(method, route).observe(seconds)
 

@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from cachetier.server.auth import Caller
+from cachetier.server.deps import CallerDep, ServiceDep
 from cachetier.server.metrics import CONTENT_TYPE, ServerMetrics
-from cachetier.server.routes_blocks import ServiceDep, require_caller
-from cachetier.server.schemas import HealthPublic, StatsPublic, api_error, error_responses
+from cachetier.server.schemas import (
+    HealthPublic,
+    LimitsPublic,
+    StatsPublic,
+    api_error,
+    error_responses,
+)
 
 router = APIRouter(tags=["operations"])
-CallerDep = Annotated[Caller, Depends(require_caller)]
 
 
 @router.get("/healthz", response_model=HealthPublic)
 async def healthz() -> HealthPublic:
     """Liveness: the server answers (no token needed, nothing disclosed)."""
     return HealthPublic(status="ok")
+
+
+@router.get("/v1/limits", response_model=LimitsPublic)
+async def limits(service: ServiceDep) -> LimitsPublic:
+    """Request size limits (no token needed: they say nothing about any tenant)."""
+    c = service.config
+    return LimitsPublic(
+        max_block_bytes=c.max_block_bytes,
+        max_batch_bytes=c.max_batch_bytes,
+        max_batch_blocks=c.max_batch_blocks,
+        max_keys=c.max_keys,
+    )
 
 
 @router.get("/v1/stats", response_model=StatsPublic, responses=error_responses(401, 403))

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import APIRouter, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import BlockHash, parse_key
-from cachetier.server.auth import TENANT_HEADER, Caller, Scope
+from cachetier.record import Buffer
+from cachetier.server.auth import Scope
 from cachetier.server.bodies import (
     PartsResponse,
     binary_body,
@@ -24,6 +24,7 @@ from cachetier.server.bodies import (
     read_batch,
     read_record,
 )
+from cachetier.server.deps import ScopeDep, ServiceDep
 from cachetier.server.schemas import (
     DeletedPublic,
     KeysCreate,
@@ -35,69 +36,11 @@ from cachetier.server.schemas import (
     error_responses,
 )
 from cachetier.server.service import BlockService
-from cachetier.server.wire import (
-    BATCH_MEDIA_TYPE,
-    MAX_NAMESPACE_CHARS,
-    RECORD_MEDIA_TYPE,
-    batch_parts,
-)
-
-_bearer = HTTPBearer(auto_error=False, description="a token the server's config gives a tenant")
-
-
-def get_service(request: Request) -> BlockService:
-    """The service of the app's lifespan."""
-    return request.state.service
-
-
-async def require_caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    claimed: Annotated[
-        str | None,
-        Header(
-            alias=TENANT_HEADER,
-            description="optional: the tenant the caller expects its token to act as (403 if not)",
-        ),
-    ] = None,
-) -> Caller:
-    """The caller's tenant, from its bearer token (401/403 otherwise)."""
-    if credentials is None and "authorization" in request.headers:
-        # HTTPBearer(auto_error=False) reads a malformed header as none at all; say so.
-        raise api_error(
-            401,
-            "unauthorized",
-            "the Authorization header must be 'Bearer <token>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    token = None if credentials is None else credentials.credentials
-    return get_service(request).tokens.caller(token, claimed)
-
-
-async def scope_of(
-    caller: Annotated[Caller, Depends(require_caller)],
-    namespace: Annotated[
-        str,
-        Path(
-            description=f"the client's namespace (e.g. Namespace.id): 1-{MAX_NAMESPACE_CHARS} "
-            "characters of [A-Za-z0-9._-]; a 64-hex-digit one is taken as a namespace "
-            "fingerprint that every record stored under it must carry"
-        ),
-    ],
-) -> Scope:
-    """The storage scope of this request (the caller's tenant + the named namespace)."""
-    try:
-        return Scope.of(caller.tenant, namespace)
-    except ValueError as exc:
-        raise api_error(400, "bad_namespace", str(exc)) from None
-
-
-ServiceDep = Annotated[BlockService, Depends(get_service)]
-ScopeDep = Annotated[Scope, Depends(scope_of)]
-KeyPath = Annotated[str, Path(description="the block key, 64 hex digits")]
+from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, batch_parts
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}", tags=["blocks"])
 _ERRORS = error_responses(400, 401, 403, 413, 415, 422)
+KeyPath = Annotated[str, Path(description="the block key, 64 hex digits")]
 
 
 def _key(text: str) -> BlockHash:
@@ -114,7 +57,10 @@ def _keys(body: KeysCreate, limit: int) -> list[BlockHash]:
 
 
 async def _store(
-    service: BlockService, scope: Scope, records: Sequence, keys: list | None
+    service: BlockService,
+    scope: Scope,
+    records: Sequence[Buffer | None],
+    keys: Sequence[BlockHash] | None,
 ) -> PutPublic:
     def check_and_put() -> dict[str, int]:
         return service.put(scope, service.check_records(scope, records, keys))
@@ -198,7 +144,10 @@ async def put_batch(request: Request, scope: ScopeDep, service: ServiceDep) -> P
     response_class=PartsResponse,
     responses={
         200: binary_response(
-            BATCH_MEDIA_TYPE, "one record per key in the request's order; length 0 = miss"
+            BATCH_MEDIA_TYPE,
+            "one record per key in the request's order, length 0 for a miss. When the records "
+            "reach max_batch_bytes the answer stops early: it then holds records for the "
+            "leading keys only (at least one), and the client asks again for the rest.",
         ),
         **_ERRORS,
     },
@@ -206,7 +155,8 @@ async def put_batch(request: Request, scope: ScopeDep, service: ServiceDep) -> P
 async def get_batch(body: KeysCreate, scope: ScopeDep, service: ServiceDep) -> PartsResponse:
     """Fetch many blocks in one round trip, streamed as a batch."""
     keys = _keys(body, service.config.max_batch_blocks)
-    records = await run_in_threadpool(service.get_records, scope, keys)
+    budget = service.config.max_batch_bytes
+    records = await run_in_threadpool(service.get_records, scope, keys, budget)
     parts, total = batch_parts(records)
     return PartsResponse(parts, total, BATCH_MEDIA_TYPE)
 

@@ -53,6 +53,15 @@ class HealthPublic(BaseModel):
     status: str
 
 
+class LimitsPublic(BaseModel):
+    """What this server accepts; clients split their calls to stay within it."""
+
+    max_block_bytes: int = Field(description="largest record")
+    max_batch_bytes: int = Field(description="largest batch body")
+    max_batch_blocks: int = Field(description="most records per batch put, keys per batch get")
+    max_keys: int = Field(description="most keys per lookup, exists or delete")
+
+
 class StatsPublic(BaseModel):
     tenant: str = Field(description="the caller's tenant")
     tenants: dict[str, dict[str, Any]] = Field(

@@ -19,6 +19,10 @@ from cachetier.server.config import OPEN_TENANT, ServerConfig
 from cachetier.stats import TierStats
 from cachetier.store import PrefixHit, TieredStore
 
+# Keys read per step of a get with a byte budget: the budget is checked between steps, so it
+# may be overshot by at most this many blocks.
+_READ_STEP = 8
+
 
 class BlockService:
     """The server's store, its tenants' counters and its token index.
@@ -56,22 +60,22 @@ class BlockService:
         """
         blocks: list[KVBlock] = []
         for i, record in enumerate(records):
-            if record is None:
-                raise CorruptBlockError(f"record {i} is empty (a put has no misses)")
             try:
-                block = decode_record(
-                    record,
-                    key=None if keys is None else keys[i],
-                    fingerprint=scope.fingerprint,
-                )
+                if record is None:
+                    raise CorruptBlockError("it is empty (a put has no misses)")
+                key = None if keys is None else keys[i]
+                blocks.append(decode_record(record, key=key, fingerprint=scope.fingerprint))
             except CorruptBlockError as exc:
-                self._tenant(scope).add(rejected=len(records))
+                self._tenant(scope).add(rejected=len(records))  # the whole request is refused
                 raise CorruptBlockError(f"record {i}: {exc}") from None
-            blocks.append(block)
         return blocks
 
     def put(self, scope: Scope, blocks: Sequence[KVBlock]) -> dict[str, int]:
         """Store checked blocks.
+
+        Args:
+            scope: the caller's scope.
+            blocks: blocks that passed ``check_records``.
 
         Returns:
             tier name -> blocks it stored (all tiers with ``sync_puts``, else the first).
@@ -87,40 +91,94 @@ class BlockService:
         self._tenant(scope).observe(time.perf_counter() - start)
         return stored
 
-    def get_records(self, scope: Scope, keys: Sequence[BlockHash]) -> list[list[Buffer] | None]:
+    def get_records(
+        self, scope: Scope, keys: Sequence[BlockHash], max_bytes: int | None = None
+    ) -> list[list[Buffer] | None]:
         """Fetch blocks as records to send.
 
+        Args:
+            scope: the caller's scope.
+            keys: the keys asked for.
+            max_bytes: stop once the records fetched reach this many bytes (at least one
+                key is always answered); ``None`` for no limit.
+
         Returns:
-            Per key the record's parts (``encode_parts``), or ``None`` on a miss.
+            Per answered key, in order, the record's parts (``encode_parts``) or ``None`` on a
+            miss; fewer entries than keys when ``max_bytes`` cut the answer short.
         """
         start = time.perf_counter()
-        blocks = self.store.get_many(scope.storage, keys)
-        out = [None if b is None else encode_parts(b) for b in blocks]
-        hits = sum(b is not None for b in blocks)
-        nbytes = sum(b.nbytes for b in blocks if b is not None)
+        out: list[list[Buffer] | None] = []
+        hits = nbytes = 0
+        step = len(keys) if max_bytes is None else _READ_STEP
+        for first in range(0, len(keys), step):
+            if max_bytes is not None and out and nbytes >= max_bytes:
+                break
+            for block in self.store.get_many(scope.storage, keys[first : first + step]):
+                out.append(None if block is None else encode_parts(block))
+                if block is not None:
+                    hits += 1
+                    nbytes += block.nbytes
         stats = self._tenant(scope)
-        stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes)
+        stats.add(hits=hits, misses=len(out) - hits, bytes_out=nbytes)
         stats.observe(time.perf_counter() - start)
         return out
 
     def present(self, scope: Scope, keys: Sequence[BlockHash]) -> list[bool]:
-        """Whether each key is stored in any tier, without reading blocks."""
+        """Whether each key is stored in any tier, without reading blocks.
+
+        Args:
+            scope: the caller's scope.
+            keys: the keys asked about.
+
+        Returns:
+            One flag per key.
+        """
         return [self.store.contains_prefix(scope.storage, [key]) == 1 for key in keys]
 
     def lookup(self, scope: Scope, keys: Sequence[BlockHash]) -> PrefixHit:
-        """The leading run of ``keys`` that is stored, and which tier holds which part."""
+        """The leading run of ``keys`` that is stored, and which tier holds which part.
+
+        Args:
+            scope: the caller's scope.
+            keys: block keys in sequence order.
+
+        Returns:
+            The store's ``PrefixHit``.
+        """
         return self.store.lookup(scope.storage, keys)
 
     def delete(self, scope: Scope, keys: Sequence[BlockHash]) -> int:
-        """Remove blocks from every tier; returns how many were present."""
+        """Remove blocks from every tier.
+
+        Args:
+            scope: the caller's scope.
+            keys: the keys to remove.
+
+        Returns:
+            How many were present.
+        """
         return self.store.delete(scope.storage, keys)
 
     def clear(self, scope: Scope) -> int:
-        """Remove every block of the scope's namespace; returns how many were removed."""
+        """Remove every block of the scope's namespace (the caller's tenant only).
+
+        Args:
+            scope: the caller's scope.
+
+        Returns:
+            How many were removed.
+        """
         return self.store.clear(scope.storage)
 
     def tenant_stats(self, tenant: str) -> dict[str, Any]:
-        """Counters of one tenant (``TierStats.snapshot`` minus the tier-only ones)."""
+        """Counters of one tenant.
+
+        Args:
+            tenant: a configured tenant.
+
+        Returns:
+            ``TierStats.snapshot`` without the counters only a tier keeps (errors, evictions).
+        """
         out = self._tenant_stats[tenant].snapshot()
         for name in ("errors", "evictions"):
             out.pop(name, None)
@@ -128,6 +186,7 @@ class BlockService:
 
     @property
     def tenant_names(self) -> list[str]:
+        """Every tenant the config names (and ``open`` in open mode)."""
         return list(self._tenant_stats)
 
     def _tenant(self, scope: Scope) -> TierStats:

@@ -27,7 +27,7 @@ BATCH_MAGIC = b"CTB1"
 MAX_NAMESPACE_CHARS = 80
 # The server files a client's namespace under "t.<tenant>.<namespace>"; 2 + 32 + 1 + 80 stays
 # within the 128 characters a storage namespace may have (``check_namespace``).
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (MAX_NAMESPACE_CHARS - 1))
+_NAMESPACE_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_CHARS - 1}}}$")
 
 _COUNT = struct.Struct("<4sI")
 

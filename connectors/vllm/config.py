@@ -29,7 +29,9 @@ class ConnectorConfig:
         redis_key_prefix: first part of every Redis key (engines with the same prefix share
             blocks).
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
-        remote_url: URL of a cachetier server tier (not available yet; must stay ``None``).
+        remote_url: base URL of a cachetier server (``http://host:port``), a tier shared by
+            every engine that names it; ``None`` leaves it out.
+        remote_token: bearer token for that server (it names the server-side tenant).
         tenant: tenant name; engines of different tenants never share blocks. A request's
             ``cache_salt`` is appended to it.
         compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
@@ -47,6 +49,7 @@ class ConnectorConfig:
     redis_key_prefix: str = _REDIS_PREFIX_DEFAULT
     redis_ttl_s: float | None = None
     remote_url: str | None = None
+    remote_token: str | None = dataclasses.field(default=None, repr=False)
     tenant: str = ""
     compression: str = "none"
     model_fingerprint: str | None = None
@@ -54,11 +57,6 @@ class ConnectorConfig:
     write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
 
     def __post_init__(self) -> None:
-        if self.remote_url is not None:
-            raise ValueError(
-                "remote_url (the cachetier server tier) is not supported by this connector yet; "
-                "use disk_path or redis_url"
-            )
         if not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
         if self.model_fingerprint is not None and not self.model_fingerprint:
@@ -70,6 +68,10 @@ class ConnectorConfig:
             RedisTierConfig(  # raises ValueError on a bad URL, prefix or TTL (no I/O)
                 url=self.redis_url, key_prefix=self.redis_key_prefix, ttl_s=self.redis_ttl_s
             )
+        if self.remote_url:
+            from cachetier.tiers.remote import RemoteTierConfig
+
+            RemoteTierConfig(url=self.remote_url, token=self.remote_token)  # raises on a bad URL
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -98,15 +100,15 @@ class ConnectorConfig:
             extra["redis_ttl_s"] = float(extra["redis_ttl_s"])
         if "fsync" in extra:
             extra["fsync"] = _as_bool("fsync", extra["fsync"])
-        for name in ("disk_path", "redis_url", "remote_url"):
+        for name in ("disk_path", "redis_url", "remote_url", "remote_token"):
             if extra.get(name) == "":
                 extra[name] = None
         return cls(**extra)
 
     @property
     def has_shared_tier(self) -> bool:
-        """Whether a tier outside the worker process (disk, Redis) is configured."""
-        return bool(self.disk_path or self.redis_url)
+        """Whether a tier outside the worker process (disk, Redis, a server) is configured."""
+        return bool(self.disk_path or self.redis_url or self.remote_url)
 
     def store_config(self, *, with_cpu: bool = True) -> StoreConfig:
         """The ``StoreConfig`` of these tiers (the CPU tier left out if ``with_cpu`` is False)."""
@@ -120,6 +122,8 @@ class ConnectorConfig:
             compression=self.compression,
             fsync=self.fsync,
             write_queue_blocks=self.write_queue_blocks,
+            remote_url=self.remote_url,
+            remote_token=self.remote_token,
         )
 
 

@@ -1,11 +1,12 @@
 """How the shared tier suite builds, restarts and corrupts each kind of tier.
 
 Adding a tier to the suite means adding one ``TierHarness`` here (the server's remote tier
-adds its own from ``tests/server``).
+runs against a real server from ``tests/server/live.py``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +27,16 @@ class TierHarness:
     corrupt: flip one stored byte of (namespace, key), or ``None`` if the tier keeps
         nothing outside this process's memory.
     overhead_bytes: bytes a stored block costs beyond its payload (record header).
+    count_corrupt: how many corrupt records a tier has detected (default: its stats and
+        those of the tiers it stacks); a remote tier's server detects them, not the client.
+    stop: releases what the harness started besides the tiers (a server), or ``None``.
     """
 
     make: Callable[[int], Tier]
     corrupt: Callable[[Tier, str, BlockHash], None] | None
     overhead_bytes: int = 0
+    count_corrupt: Callable[[Tier], int] = field(default=lambda tier: _counted_corrupt(tier))
+    stop: Callable[[], None] | None = None
     opened: list[Tier] = field(default_factory=list)
 
     def open(self, capacity_bytes: int) -> Tier:
@@ -41,6 +47,13 @@ class TierHarness:
     def close_all(self) -> None:
         for tier in self.opened:
             tier.close()
+        if self.stop is not None:
+            self.stop()
+
+
+def _counted_corrupt(tier: Tier) -> int:
+    stats = tier.stats()
+    return stats["corrupt"] + sum(t["corrupt"] for t in stats.get("tiers", {}).values())
 
 
 def _flip_file(path: Path) -> None:
@@ -110,12 +123,53 @@ def tiered_harness(tmp: Path) -> TierHarness:
     return TierHarness(make=make, corrupt=corrupt)
 
 
+def remote_harness(tmp: Path) -> TierHarness:
+    """A ``RemoteTier`` against a real server (CPU + disk tiers) on 127.0.0.1, as tenant alice.
+
+    Every tier after the first finds the server restarted on the same data folder, so the
+    restart test restarts the server, not just the client.
+    """
+    from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+    from tests.server.live import TOKENS, ThreadServer, call, test_config
+
+    server = ThreadServer(test_config(tmp / "remote-server"))
+    running: list[bool] = []
+
+    def make(cap: int) -> Tier:
+        # The server's own tiers set the capacity; ``cap`` only matters to exact-LRU kinds.
+        if running:
+            server.restart()
+        else:
+            server.start()
+            running.append(True)
+        return RemoteTier(RemoteTierConfig(url=server.url, token=TOKENS["alice"]))
+
+    def corrupt(tier: Tier, ns: str, key: BlockHash) -> None:
+        server.restart()  # the server's CPU tier forgets: the read reaches the disk copy
+        name = key.hex()
+        blocks = Path(server.config.data_dir) / "blocks"
+        _flip_file(blocks / f"t.alice.{ns}" / name[:2] / f"{name}.ctkv")
+
+    def count_corrupt(tier: Tier) -> int:
+        _, _, body = call(server.url, "GET", "/v1/stats", token=TOKENS["ops"])
+        return sum(t["corrupt"] for t in json.loads(body)["tiers"].values())
+
+    return TierHarness(
+        make=make,
+        corrupt=corrupt,
+        count_corrupt=count_corrupt,
+        stop=server.stop,
+    )
+
+
 _TRAITS = {
     # kind: (persistent, exact_lru, corruptible)
     "cpu": (False, True, False),
     "disk": (True, True, True),
     "redis": (True, True, True),
     "tiered": (True, False, True),
+    # The server's tiers each keep exact LRU, but a stack of them does not (like "tiered").
+    "remote": (True, False, True),
 }
 
 
@@ -133,4 +187,10 @@ def kinds(
 def build(kind: str, tmp: Path, redis_url: str, redis_prefix: str) -> TierHarness:
     if kind == "redis":
         return redis_harness(tmp, redis_url, redis_prefix)
-    return {"cpu": cpu_harness, "disk": disk_harness, "tiered": tiered_harness}[kind](tmp)
+    builders = {
+        "cpu": cpu_harness,
+        "disk": disk_harness,
+        "tiered": tiered_harness,
+        "remote": remote_harness,
+    }
+    return builders[kind](tmp)

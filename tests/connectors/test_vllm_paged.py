@@ -150,7 +150,8 @@ def test_config_from_extra_config() -> None:
         ({"cpu_bytes": "lots"}, "cpu_bytes"),
         ({"redis_url": "http://127.0.0.1:6379"}, "redis"),
         ({"redis_url": "redis://127.0.0.1:6379/0", "redis_key_prefix": "bad prefix"}, "key_prefix"),
-        ({"remote_url": "http://127.0.0.1:8000"}, "not supported"),
+        ({"remote_url": "redis://127.0.0.1:8000"}, "http"),
+        ({"remote_token": "t" * 20}, "remote_token is set without remote_url"),
     ],
 )
 def test_config_rejects_bad_values(extra: dict, match: str) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from cachetier.backoff import ExponentialBackoff
+from cachetier.tiers.remote.batching import RequestLimits
 
 MiB = 1 << 20
 
@@ -25,8 +26,8 @@ class RemoteTierConfig:
     backoff_base_s: wait before the first retry, and before the first trial once the breaker
         is open, in seconds.
     backoff_cap_s: longest such wait, in seconds.
-    max_batch_blocks: most blocks per request; larger calls are split (the server's own
-        limit is 1024 by default).
+    max_batch_blocks: most blocks per request; larger calls are split. The tier also asks
+        the server for its limits (``/v1/limits``) and keeps to the stricter of the two.
     max_batch_bytes: most record bytes per put request; larger puts are split.
     max_keys: most keys per lookup, exists or delete request.
     max_record_bytes: largest record accepted from the server.
@@ -83,6 +84,16 @@ class RemoteTierConfig:
     def base_url(self) -> str:
         """``url`` without a trailing slash."""
         return self.url.rstrip("/")
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The request limits of this config (before the server's are known)."""
+        return RequestLimits(
+            max_block_bytes=self.max_batch_bytes,
+            max_batch_bytes=self.max_batch_bytes,
+            max_batch_blocks=self.max_batch_blocks,
+            max_keys=self.max_keys,
+        )
 
     @property
     def call_budget_s(self) -> float:

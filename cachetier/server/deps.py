@@ -1,0 +1,67 @@
+"""FastAPI dependencies: the lifespan's service, the caller's tenant, the request's scope."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from cachetier.server.auth import TENANT_HEADER, Caller, Scope
+from cachetier.server.schemas import api_error
+from cachetier.server.service import BlockService
+from cachetier.server.wire import MAX_NAMESPACE_CHARS
+
+_bearer = HTTPBearer(auto_error=False, description="a token the server's config gives a tenant")
+
+
+def get_service(request: Request) -> BlockService:
+    """The service of the app's lifespan."""
+    return request.state.service
+
+
+async def require_caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    claimed: Annotated[
+        str | None,
+        Header(
+            alias=TENANT_HEADER,
+            description="optional: the tenant the caller expects its token to act as (403 if not)",
+        ),
+    ] = None,
+) -> Caller:
+    """The caller's tenant, from its bearer token (401/403 otherwise)."""
+    if credentials is None and "authorization" in request.headers:
+        # HTTPBearer(auto_error=False) reads a malformed header as none at all; say so.
+        raise api_error(
+            401,
+            "unauthorized",
+            "the Authorization header must be 'Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    token = None if credentials is None else credentials.credentials
+    return get_service(request).tokens.caller(token, claimed)
+
+
+async def scope_of(
+    caller: Annotated[Caller, Depends(require_caller)],
+    namespace: Annotated[
+        str,
+        Path(
+            description=f"the client's namespace (e.g. Namespace.id): 1-{MAX_NAMESPACE_CHARS} "
+            "characters of [A-Za-z0-9._-]; a 64-hex-digit one is taken as a namespace "
+            "fingerprint that every record stored under it must carry"
+        ),
+    ],
+) -> Scope:
+    """The storage scope of this request (the caller's tenant + the named namespace)."""
+    try:
+        return Scope.of(caller.tenant, namespace)
+    except ValueError as exc:
+        raise api_error(400, "bad_namespace", str(exc)) from None
+
+
+ServiceDep = Annotated[BlockService, Depends(get_service)]
+ScopeDep = Annotated[Scope, Depends(scope_of)]
+CallerDep = Annotated[Caller, Depends(require_caller)]

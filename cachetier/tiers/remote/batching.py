@@ -1,0 +1,98 @@
+"""How the remote tier cuts calls into requests the server accepts (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from cachetier.record import Buffer, KVBlock
+
+Record = list[Buffer]  # one record as the parts ``encode_parts`` returns
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Args:
+    max_block_bytes: largest record a put may carry.
+    max_batch_bytes: most record bytes per put request.
+    max_batch_blocks: most records per put, keys per get.
+    max_keys: most keys per lookup, exists or delete.
+    """
+
+    max_block_bytes: int
+    max_batch_bytes: int
+    max_batch_blocks: int
+    max_keys: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{f.name} must be a positive int, got {value!r}")
+
+    def narrowed(self, other: Mapping[str, int]) -> RequestLimits:
+        """Combine with another side's limits.
+
+        Args:
+            other: limits by field name (the server's ``/v1/limits`` answer).
+
+        Returns:
+            These limits, lowered to ``other``'s wherever it is stricter.
+        """
+        return RequestLimits(
+            **{
+                f.name: min(getattr(self, f.name), int(other.get(f.name, getattr(self, f.name))))
+                for f in fields(self)
+            }
+        )
+
+    def put_chunks(self, records: Sequence[Record]) -> tuple[list[list[Record]], int]:
+        """Group records into put requests.
+
+        Args:
+            records: the records, as parts.
+
+        Returns:
+            The requests' records in order, and how many records were left out as larger
+            than ``max_block_bytes``.
+        """
+        chunks: list[list[Record]] = []
+        size = too_large = 0
+        # A batch's framing costs 8 bytes per record on top of the records (wire.py).
+        budget = self.max_batch_bytes - 8
+        for parts in records:
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            if nbytes > self.max_block_bytes or nbytes + 8 > budget:
+                too_large += 1
+                continue
+            if not chunks or len(chunks[-1]) >= self.max_batch_blocks or size + nbytes + 8 > budget:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(parts)
+            size += nbytes + 8
+        return chunks, too_large
+
+    def num_put_requests(self, blocks: Sequence[KVBlock]) -> int:
+        """Count put requests without encoding the blocks.
+
+        Args:
+            blocks: the blocks to put.
+
+        Returns:
+            An upper bound on ``len(put_chunks(...)[0])``.
+        """
+        total = sum(b.nbytes + 1024 for b in blocks)  # 1 KiB: more than any record header
+        by_count = -(-len(blocks) // self.max_batch_blocks)
+        return max(1, by_count + -(-total // self.max_batch_bytes))
+
+    def num_requests(self, num_keys: int, per_request: int) -> int:
+        """Count requests for a call on many keys.
+
+        Args:
+            num_keys: keys in the call.
+            per_request: most keys one request may carry.
+
+        Returns:
+            The number of requests (at least 1).
+        """
+        return max(1, -(-num_keys // per_request))

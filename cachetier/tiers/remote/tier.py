@@ -1,0 +1,338 @@
+"""``RemoteTier``: the tier interface against a cachetier server.
+
+Two faces over one private event loop (a background thread per tier, holding the pooled
+aiohttp session):
+
+- the ``Tier`` methods (``get_many``...), blocking, for callers on a plain thread such as the
+  engine loop: each submits a coroutine to the private loop and waits a bounded time;
+- ``aget_many``, ``aput_many``, ... for async callers, awaitable from any event loop.
+
+A server that is down, slow or restarting turns into misses and counted errors: each request
+is retried with exponential backoff, and a circuit breaker stops calling after
+``failure_threshold`` failed calls in a row until a backoff has passed. Every record fetched is
+decoded and checked against the key asked for; a bad one is a miss and counted as corrupt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+
+from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
+from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
+from cachetier.keys import HASH_BYTES, BlockHash
+from cachetier.record import KVBlock, decode_record, encode_parts
+from cachetier.server.wire import check_client_namespace
+from cachetier.store import PrefixHit
+from cachetier.tiers.base import Tier
+from cachetier.tiers.remote.batching import RequestLimits
+from cachetier.tiers.remote.client import RemoteClient
+from cachetier.tiers.remote.config import RemoteTierConfig
+from cachetier.tiers.remote.loop import LoopThread
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+# What a request that fails this way may succeed on retry: the server is down, restarting,
+# slow, or sent something that is not a valid answer (KeyError/TypeError/ValueError: a reply
+# without the fields an answer has).
+_TRANSIENT = (
+    aiohttp.ClientError,
+    TimeoutError,
+    OSError,
+    TierUnavailableError,
+    KeyError,
+    TypeError,
+    ValueError,
+)
+
+
+class RemoteTier(Tier):
+    """Blocks kept by a cachetier server, under the tenant of this tier's token.
+
+    Args:
+        config: the server's URL, the token, timeouts, retries and breaker settings.
+        clock: time source of the circuit breaker (tests inject one instead of sleeping).
+    """
+
+    name = "remote"
+
+    def __init__(self, config: RemoteTierConfig, *, clock: Clock = time.monotonic) -> None:
+        super().__init__()
+        self._config = config
+        self._backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
+        self._breaker = CircuitBreaker(config.failure_threshold, self._backoff, clock)
+        self._client = RemoteClient(config)
+        self._lock = threading.Lock()
+        self._num_skipped = 0
+        self._num_retries = 0
+        # The stricter of the config's and the server's limits, once the server has said.
+        self._limits = config.limits
+        self._limits_known = False
+        self._loop = LoopThread("cachetier-remote")
+
+    @property
+    def config(self) -> RemoteTierConfig:
+        return self._config
+
+    @property
+    def capacity_bytes(self) -> None:
+        """``None``: the server enforces its own capacities."""
+        return None
+
+    @property
+    def used_bytes(self) -> int:
+        """0: the server accounts for its bytes (its ``/v1/stats``), not this client."""
+        return 0
+
+    # Blocking facade (the Tier interface).
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        _check_blocks(namespace, blocks)
+        num_requests = self._limits.num_put_requests(blocks)
+        return self._wait(self._put_many(namespace, blocks), 0, num_requests)
+
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        _check_keys(namespace, keys)
+        misses: list[KVBlock | None] = [None] * len(keys)
+        num_requests = self._limits.num_requests(len(keys), self._limits.max_batch_blocks)
+        return self._wait(self._get_many(namespace, keys), misses, num_requests)
+
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        return self.lookup(namespace, keys).num_blocks
+
+    def lookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+        """The server's answer: the leading run of ``keys`` it stores, and in which of its
+        tiers (``PrefixHit.tier_names`` are the server's tiers).
+
+        Args:
+            namespace: storage namespace (1-80 characters, see ``check_client_namespace``).
+            keys: block keys in sequence order.
+
+        Returns:
+            The run; empty when the server cannot be reached.
+        """
+        _check_keys(namespace, keys)
+        num_requests = self._limits.num_requests(len(keys), self._limits.max_keys)
+        return self._wait(self._lookup(namespace, keys), _NO_HIT, num_requests)
+
+    def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        _check_keys(namespace, keys)
+        num_requests = self._limits.num_requests(len(keys), self._limits.max_keys)
+        return self._wait(self._delete(namespace, keys), 0, num_requests)
+
+    def clear(self, namespace: str) -> int:
+        check_client_namespace(namespace)
+        return self._wait(self._call(lambda: self._client.clear(namespace), 0), 0, 1)
+
+    # Async API: the same operations for callers on any event loop. Arguments, results and
+    # failure handling are those of the blocking methods above (and of ``Tier``).
+
+    async def aput_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        """``put_many`` for async callers."""
+        _check_blocks(namespace, blocks)
+        return await self._loop.run_async(self._put_many(namespace, blocks))
+
+    async def aget_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        """``get_many`` for async callers."""
+        _check_keys(namespace, keys)
+        return await self._loop.run_async(self._get_many(namespace, keys))
+
+    async def alookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+        """``lookup`` for async callers."""
+        _check_keys(namespace, keys)
+        return await self._loop.run_async(self._lookup(namespace, keys))
+
+    async def acontains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """``contains_prefix`` for async callers."""
+        return (await self.alookup(namespace, keys)).num_blocks
+
+    async def adelete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """``delete`` for async callers."""
+        _check_keys(namespace, keys)
+        return await self._loop.run_async(self._delete(namespace, keys))
+
+    async def aclear(self, namespace: str) -> int:
+        """``clear`` for async callers."""
+        check_client_namespace(namespace)
+        return await self._loop.run_async(self._call(lambda: self._client.clear(namespace), 0))
+
+    # The operations, run on the private loop.
+
+    async def _put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        if self._breaker.is_open:  # the call would be skipped: do not encode for nothing
+            self._count(skipped=1)
+            return 0
+        start = time.perf_counter()
+        limits = await self._fetch_limits()
+        chunks, too_large = limits.put_chunks([encode_parts(b) for b in blocks])
+        stored = nbytes = 0
+        for chunk in chunks:
+            got = await self._call(lambda c=chunk: self._client.put(namespace, c), None)
+            if got is None:
+                break
+            stored += got
+            nbytes += sum(memoryview(p).nbytes for parts in chunk for p in parts)
+        self._stats.add(puts=stored, bytes_in=nbytes, rejected=too_large)
+        self._stats.observe(time.perf_counter() - start)
+        return stored
+
+    async def _get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        start = time.perf_counter()
+        out: list[KVBlock | None] = [None] * len(keys)
+        hits = nbytes = corrupt = 0
+        step = (await self._fetch_limits()).max_batch_blocks
+        first = 0
+        while first < len(keys):
+            chunk = keys[first : first + step]
+            records = await self._call(lambda c=chunk: self._client.get(namespace, c), None)
+            if records is None:
+                break
+            for i, record in enumerate(records):
+                if record is None:
+                    continue
+                try:
+                    out[first + i] = decode_record(record, key=chunk[i])
+                except CorruptBlockError:
+                    corrupt += 1
+                    continue
+                hits += 1
+                nbytes += record.nbytes
+            first += len(records)  # the server may answer the leading keys only: ask again
+        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=corrupt)
+        self._stats.observe(time.perf_counter() - start)
+        return out
+
+    async def _lookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+        spans: list[tuple[int, int, int]] = []
+        names: list[str] = []
+        pos = 0
+        step = (await self._fetch_limits()).max_keys
+        while pos < len(keys):
+            chunk = keys[pos : pos + step]
+            answer = await self._call(lambda c=chunk: self._lookup_once(namespace, c), None)
+            if answer is None:
+                break
+            found, found_spans = answer
+            for tier, start, end in found_spans:
+                if tier not in names:
+                    names.append(tier)
+                spans.append((names.index(tier), pos + start, pos + end))
+            pos += found
+            if found < len(chunk):
+                break
+        return PrefixHit(pos, tuple(spans), tuple(names))
+
+    async def _lookup_once(
+        self, namespace: str, keys: Sequence[BlockHash]
+    ) -> tuple[int, list[tuple[str, int, int]]]:
+        answer = await self._client.lookup(namespace, keys)
+        spans = [(str(s["tier"]), int(s["start"]), int(s["end"])) for s in answer["spans"]]
+        found = int(answer["num_blocks"])
+        if not 0 <= found <= len(keys):
+            raise TierUnavailableError(f"server found {found} of {len(keys)} keys")
+        return found, spans
+
+    async def _delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        removed = 0
+        step = (await self._fetch_limits()).max_keys
+        for first in range(0, len(keys), step):
+            chunk = keys[first : first + step]
+            removed += await self._call(lambda c=chunk: self._client.delete(namespace, c), 0)
+        return removed
+
+    async def _fetch_limits(self) -> RequestLimits:
+        """The request limits, asking the server for its own on first use."""
+        if not self._limits_known and not self._breaker.is_open:
+            try:
+                server = await self._client.limits()
+            except _TRANSIENT + (RequestRefusedError,):
+                return self._limits  # the call that follows counts the failure
+            self._limits = self._config.limits.narrowed(server)
+            self._limits_known = True
+        return self._limits
+
+    async def _call(self, op: Callable[[], Awaitable[_T]], failed: Any) -> Any:
+        """Run one request with retries, unless the breaker is open; ``failed`` if it fails."""
+        if not self._breaker.allow():
+            self._count(skipped=1)
+            return failed
+        attempt = 0
+        while True:
+            try:
+                result = await op()
+            except RequestRefusedError as exc:
+                self._breaker.record_success()  # the server is up; it said no
+                self._limits_known = False  # e.g. its limits went down: ask again
+                self._stats.add(errors=1)
+                logger.warning("cachetier server refused a request: %s", exc)
+                return failed
+            except _TRANSIENT as exc:
+                # A timeout is not retried: a server that was too slow once is likely to be
+                # again, and the caller is waiting. A refused or reset connection (a restart)
+                # or a 5xx is.
+                if attempt < self._config.retries and not isinstance(exc, TimeoutError):
+                    self._count(retries=1)
+                    await asyncio.sleep(self._backoff.delay_s(attempt))
+                    attempt += 1
+                    continue
+                self._breaker.record_failure()
+                self._stats.add(errors=1)
+                logger.debug("cachetier server call failed: %r", exc)
+                return failed
+            except BaseException:  # cancelled (the caller stopped waiting) or a bug
+                self._breaker.record_failure()
+                raise
+            self._breaker.record_success()
+            return result
+
+    # Plumbing between the callers' threads and loops and the private loop.
+
+    def _wait(self, coro: Coroutine[Any, Any, _T], failed: _T, num_requests: int) -> _T:
+        # Each request has its own timeout; this bound only trips if the loop itself is stuck.
+        budget = num_requests * self._config.call_budget_s + 1.0
+        try:
+            return self._loop.run(coro, budget)
+        except TierUnavailableError:
+            self._stats.add(errors=1)
+            return failed
+
+    def _count(self, *, skipped: int = 0, retries: int = 0) -> None:
+        with self._lock:
+            self._num_skipped += skipped
+            self._num_retries += retries
+
+    def stats(self) -> dict[str, Any]:
+        """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries`` and
+        ``breaker`` (``CircuitBreaker.snapshot``)."""
+        out = super().stats()
+        with self._lock:
+            out["skipped"] = self._num_skipped
+            out["retries"] = self._num_retries
+        out["breaker"] = self._breaker.snapshot()
+        return out
+
+    def close(self) -> None:
+        self._loop.close(self._client.close())
+
+
+_NO_HIT = PrefixHit(0, (), ())
+
+
+def _check_keys(namespace: str, keys: Sequence[BlockHash]) -> None:
+    check_client_namespace(namespace)
+    for key in keys:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != HASH_BYTES:
+            raise ValueError(f"a key is {HASH_BYTES} bytes, got {key!r:.80}")
+
+
+def _check_blocks(namespace: str, blocks: Sequence[KVBlock]) -> None:
+    check_client_namespace(namespace)
+    for block in blocks:
+        if not isinstance(block, KVBlock):
+            raise TypeError(f"blocks must be KVBlock, got {type(block).__name__}")

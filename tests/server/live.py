@@ -1,0 +1,204 @@
+"""Real cachetier servers on 127.0.0.1 for tests: in a thread (fast to start and restart) or
+as a ``cachetier serve`` subprocess (the CLI, its config loading and its signal handling)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from cachetier.server.app import create_app
+from cachetier.server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = {
+    "alice": "alice-token-0123456789",
+    "bob": "bob-token-0123456789ab",
+    "ops": "ops-token-0123456789abc",
+}
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_config(data_dir: Path, **overrides: Any) -> ServerConfig:
+    """Tenants alice, bob (and ops, an admin) with the tokens of ``TOKENS``; small limits."""
+    values: dict[str, Any] = dict(
+        host="127.0.0.1",
+        port=free_port(),
+        data_dir=str(data_dir),
+        cpu_bytes=64 << 20,
+        disk_bytes=256 << 20,
+        fsync=False,
+        tenants={name: [token] for name, token in TOKENS.items()},
+        admin_tenants=("ops",),
+        max_block_bytes=1 << 20,
+        max_batch_bytes=4 << 20,
+        max_batch_blocks=64,
+        max_keys=256,
+        log_level="warning",
+    )
+    values.update(overrides)
+    return ServerConfig(**values)
+
+
+test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+class ThreadServer:
+    """uvicorn serving ``create_app(config)`` in a thread of this process; restartable on the
+    same port and data folder."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    def start(self) -> ThreadServer:
+        uv = uvicorn.Config(
+            create_app(self.config),
+            host=self.config.host,
+            port=self.config.port,
+            log_level=self.config.log_level,
+            lifespan="on",
+        )
+        self._server = uvicorn.Server(uv)
+        self._thread = threading.Thread(target=self._server.run, name="test-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.005)
+        wait_healthy(self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+            assert not self._thread.is_alive(), "the server did not stop"
+        self._server = self._thread = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def with_config(self, **changes: Any) -> ThreadServer:
+        """A stopped server like this one with some settings changed (same port unless given)."""
+        return ThreadServer(replace(self.config, **changes))
+
+
+class ProcessServer:
+    """``python -m cachetier.cli serve`` in a child process, stopped with SIGTERM."""
+
+    def __init__(self, args: list[str], env: dict[str, str], port: int) -> None:
+        self.args = args
+        self.env = env
+        self.port = port
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProcessServer:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cachetier.cli", "serve", "--port", str(self.port), *self.args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_healthy(self.url, proc=self.proc)
+        except RuntimeError:
+            self.stop()
+            raise RuntimeError(f"cachetier serve did not start:\n{self.stderr}") from None
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None, "not started"
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        self.stderr += err
+        return self.proc.returncode
+
+
+def wait_healthy(url: str, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> None:
+    """Wait until ``GET /healthz`` answers 200."""
+    host, port = url.removeprefix("http://").split(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError("the server process exited")
+        try:
+            conn = http.client.HTTPConnection(host, int(port), timeout=2)
+            conn.request("GET", "/healthz")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{url}/healthz did not answer within {timeout_s} s")
+
+
+def call(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    *,
+    token: str | None = None,
+    content_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP request; returns (status, lower-case headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    sent = dict(headers or {})
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    if content_type is not None:
+        sent["Content-Type"] = content_type
+    try:
+        conn.request(method, path, body=body, headers=sent)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def call_json(url: str, method: str, path: str, payload: Any = None, **kw: Any) -> tuple[int, Any]:
+    """A request with a JSON body (if any); returns (status, decoded JSON answer or None)."""
+    body = None if payload is None else json.dumps(payload).encode()
+    ctype = None if payload is None else "application/json"
+    status, _, data = call(url, method, path, body, content_type=ctype, **kw)
+    return status, json.loads(data) if data else None

@@ -1,0 +1,81 @@
+"""Loading the server's config: file, environment, explicit values, in that order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachetier.server.config import ServerConfig, load_config
+from tests.server.live import TOKENS
+
+ALICE, BOB = TOKENS["alice"], TOKENS["bob"]
+
+
+def test_file_then_environment_then_explicit_values(tmp_path: Path) -> None:
+    path = tmp_path / "server.json"
+    path.write_text(
+        json.dumps(
+            {
+                "port": 9000,
+                "cpu_bytes": 1 << 20,
+                "tenants": {"alice": [ALICE]},
+                "admin_tenants": ["alice"],
+            }
+        )
+    )
+    env = {"CACHETIER_CPU_BYTES": str(2 << 20), "CACHETIER_FSYNC": "false"}
+    config = load_config(path, env, port=9100, host=None)
+    assert (config.port, config.cpu_bytes, config.fsync, config.host) == (
+        9100,
+        2 << 20,
+        False,
+        "127.0.0.1",
+    )
+    assert config.tenants == {"alice": (ALICE,)} and config.admin_tenants == ("alice",)
+    env = {"CACHETIER_TENANTS": f"bob:{BOB}", "CACHETIER_ADMIN_TENANTS": ""}
+    assert load_config(path, env).tenants == {"bob": (BOB,)}
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(
+        f'open_mode = true\nredis_url = "redis://127.0.0.1:6379/0"\n[tenants]\nbob = "{BOB}"\n'
+    )
+    config = load_config(path, {})
+    assert config.open_mode and config.tenants == {"bob": (BOB,)}
+    assert config.store_config().redis_url == "redis://127.0.0.1:6379/0"
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('{"prot": 1}', "unknown settings"),
+        ('{"port": 70000, "open_mode": true}', "port"),
+        ('{"open_mode": true, "max_batch_bytes": 1, "max_block_bytes": 2}', "max_batch_bytes"),
+        ('{"open_mode": true, "redis_url": "http://x"}', "redis"),
+        ('{"open_mode": true, "cpu_bytes": 0, "disk_bytes": 0}', "at least one tier"),
+        ("[1, 2]", "table of settings"),
+    ],
+)
+def test_bad_files_are_refused(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "server.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_config(path, {})
+
+
+def test_environment_values_are_checked() -> None:
+    with pytest.raises(ValueError, match="CACHETIER_PORT"):
+        load_config(env={"CACHETIER_PORT": "eighty", "CACHETIER_OPEN_MODE": "1"})
+    with pytest.raises(ValueError, match="tenant:token"):
+        load_config(env={"CACHETIER_TENANTS": "just-a-token-0123456789"})
+    with pytest.raises(ValueError, match=".toml or .json"):
+        load_config("server.yaml", {})
+
+
+def test_describe_hides_tokens() -> None:
+    config = ServerConfig(tenants={"alice": [ALICE, BOB]})
+    shown = json.dumps(config.describe())
+    assert ALICE not in shown and BOB not in shown and '"alice": "2 token(s)"' in shown
