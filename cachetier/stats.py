@@ -6,6 +6,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "bytes_in",
+    "bytes_out",
+    "errors",
+    "corrupt",
+    "evictions",
+    "rejected",
+)
+"""The counters of ``TierStats``, in the order reports and metrics list them."""
+
 _LATENCY_WINDOW = 2048  # most recent samples kept per tier for percentiles
 
 
@@ -50,20 +63,7 @@ class TierStats:
     def snapshot(self) -> dict[str, Any]:
         """A plain dict of every counter plus latency count, mean and p50/p99 (milliseconds)."""
         with self._lock:
-            out: dict[str, Any] = {
-                name: getattr(self, name)
-                for name in (
-                    "hits",
-                    "misses",
-                    "puts",
-                    "bytes_in",
-                    "bytes_out",
-                    "errors",
-                    "corrupt",
-                    "evictions",
-                    "rejected",
-                )
-            }
+            out: dict[str, Any] = {name: getattr(self, name) for name in COUNTERS}
             samples = sorted(self._latency_s)
             out["ops"] = self._num_ops
             out["latency_mean_ms"] = 1e3 * self._total_s / self._num_ops if self._num_ops else 0.0

@@ -17,19 +17,10 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachetier.server.service import BlockService
+from cachetier.stats import COUNTERS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_TIER_COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "bytes_in",
-    "bytes_out",
-    "errors",
-    "corrupt",
-    "evictions",
-    "rejected",
-)
+_TIER_COUNTERS = COUNTERS
 _TENANT_COUNTERS = ("hits", "misses", "puts", "bytes_in", "bytes_out", "rejected")
 # Seconds; a 5.6 MiB block over loopback takes a few ms, a batch of them tens.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
