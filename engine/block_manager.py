@@ -23,6 +23,7 @@ class Block:
 
 
 EvictHook = Callable[[list[Block]], None]
+AllocateHook = Callable[[list[int]], None]
 
 
 class BlockManager:
@@ -31,9 +32,16 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool.
         on_evict: called with cached blocks that are about to be reused, before reuse.
+        on_allocate: called with the ids of newly allocated blocks, after ``on_evict`` (e.g. to
+            reset an fp8 pool's per-block scales for their new owner).
     """
 
-    def __init__(self, num_blocks: int, on_evict: EvictHook | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: EvictHook | None = None,
+        on_allocate: AllocateHook | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -42,6 +50,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._on_evict = on_evict
+        self._on_allocate = on_allocate
         self.num_evicted = 0
 
     @property
@@ -101,6 +110,8 @@ class BlockManager:
                     del self._cached[block.key]
                 self.num_evicted += 1
             block.key, block.stored, block.ref_count = None, False, 1
+        if self._on_allocate is not None:
+            self._on_allocate(ids)
         return ids
 
     def release(self, block_ids: Sequence[int]) -> None:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 GiB = 1 << 30
 
+# vLLM's fp8 ``kv_cache_dtype`` names -> the pool's element type (``cachetier.keys.DTYPE_BYTES``).
+FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -14,7 +17,8 @@ class EngineConfig:
     dtype: compute dtype: ``float32``, ``bfloat16`` or ``float16``.
     block_size: tokens per KV block.
     kv_cache_bytes: memory for the KV pool (like ``VLLM_CPU_KVCACHE_SPACE``).
-    kv_cache_dtype: ``auto`` (the compute dtype) or another pool dtype.
+    kv_cache_dtype: ``auto`` (the compute dtype), another float pool dtype, or ``fp8_e4m3`` /
+        ``fp8_e5m2``: KV stored in fp8 with one float32 scale per block, layer and K/V.
     max_num_seqs: most sequences running at once.
     max_num_batched_tokens: most tokens computed in one step (chunked prefill budget).
     max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
@@ -40,8 +44,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use auto, float32, "
+                f"bfloat16, float16, {' or '.join(FP8_KV_DTYPES)}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -54,4 +61,7 @@ class EngineConfig:
 
     @property
     def pool_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        """Element type name of the KV pool (and of the blocks it saves to the tiers)."""
+        if self.kv_cache_dtype == "auto":
+            return self.dtype
+        return FP8_KV_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)

@@ -2,6 +2,10 @@
 
 Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block-major, so one
 block (all layers, K and V) is contiguous and offload / restore are plain block copies.
+
+An fp8 pool also keeps one float32 scale per block, layer and K/V (``scales``); an element
+stands for ``fp8 * scale``. A block's scales travel with it to the tiers as its record's
+``aux``. The kernels stay same-dtype: fp8 writes and reads are the plain-torch functions below.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_DTYPE = np.dtype("<f4")  # scales as stored in a record's aux: little-endian float32
 
 
 class KVPool:
@@ -49,14 +57,24 @@ class KVPool:
         self.layout = KVLayout(dtype, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
         self.block_bytes = self.layout.block_bytes
-        num_blocks = budget_bytes // self.block_bytes
+        torch_dtype = TORCH_DTYPES[dtype]
+        # Scale bytes of a block: num_layers x K/V float32 for fp8, none otherwise.
+        fp8 = torch_dtype in FP8_DTYPES
+        self.aux_bytes = spec.num_layers * 2 * _SCALE_DTYPE.itemsize if fp8 else 0
+        num_blocks = budget_bytes // (self.block_bytes + self.aux_bytes)
         if num_blocks < 2:
             raise ValueError(
                 f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-                f"{self.block_bytes} bytes; give at least {2 * self.block_bytes}"
+                f"{self.block_bytes + self.aux_bytes} bytes; give at least "
+                f"{2 * (self.block_bytes + self.aux_bytes)}"
             )
         self.kernel_backend = kernel_backend
-        self.cache = torch.zeros((num_blocks, *self.block_shape), dtype=TORCH_DTYPES[dtype])
+        self.cache = torch.zeros((num_blocks, *self.block_shape), dtype=torch_dtype)
+        # [num_blocks, num_layers, 2] float32 for fp8 pools (None otherwise); a block's scales
+        # are 0 until something is written to it.
+        self.scales: torch.Tensor | None = None
+        if fp8:
+            self.scales = torch.zeros((num_blocks, spec.num_layers, 2), dtype=torch.float32)
         # A byte view of each block row: restores copy tier buffers straight into the pool.
         self._rows = self.cache.view(num_blocks, -1).view(torch.uint8)
         log.info(
@@ -79,8 +97,12 @@ class KVPool:
     def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of whole blocks, as read-only byte views the caller owns."""
         ids = torch.tensor(block_ids, dtype=torch.long)
-        staging = gather_blocks(self.cache, ids, backend=self.kernel_backend)
-        rows = staging.view(len(block_ids), -1).view(torch.uint8).numpy()
+        if self.scales is not None:
+            # The kernels take float pools only: copy fp8 blocks as bytes.
+            rows = torch.index_select(self._rows, 0, ids).numpy()
+        else:
+            staging = gather_blocks(self.cache, ids, backend=self.kernel_backend)
+            rows = staging.view(len(block_ids), -1).view(torch.uint8).numpy()
         return [memoryview(row).toreadonly() for row in rows]
 
     def write_blocks(self, block_ids: Sequence[int], buffers: Sequence[object]) -> None:
@@ -92,8 +114,11 @@ class KVPool:
                 rows[block_id] = np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
             return
         staging = torch.stack([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in buffers])
-        staging = staging.view(self.cache.dtype).view(len(buffers), *self.block_shape)
         ids = torch.tensor(block_ids, dtype=torch.long)
+        if self.scales is not None:
+            self._rows.index_copy_(0, ids.to(self.cache.device), staging.to(self.cache.device))
+            return
+        staging = staging.view(self.cache.dtype).view(len(buffers), *self.block_shape)
         scatter_blocks(staging.to(self.cache.device), self.cache, ids, backend=self.kernel_backend)
 
     def block_views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
@@ -112,10 +137,117 @@ class KVPool:
         row = self._rows[block_id]
         return view.obj.ctypes.data == row.data_ptr() and view.nbytes == self.block_bytes
 
-    def payload_matches(self, dtype: str, shape: Sequence[int], nbytes: int) -> bool:
-        """Whether a restored block has exactly this pool's block layout."""
+    def read_aux(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's side data for its record: its scales (``num_layers x 2`` little-endian
+        float32) in an fp8 pool, ``b""`` in others."""
+        if self.scales is None:
+            return [b""] * len(block_ids)
+        rows = self.scales[torch.tensor(block_ids, dtype=torch.long)].cpu().numpy()
+        return [row.astype(_SCALE_DTYPE).tobytes() for row in rows]
+
+    def write_aux(self, block_ids: Sequence[int], auxes: Sequence[object]) -> None:
+        """Set blocks' side data from their records (``read_aux``'s form; checked by
+        ``payload_matches``). Does nothing in a pool without scales."""
+        if self.scales is None or not block_ids:
+            return
+        rows = np.stack([np.frombuffer(a, dtype=_SCALE_DTYPE) for a in auxes])  # type: ignore[call-overload]
+        rows = rows.reshape(len(block_ids), *self.scales.shape[1:])
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        self.scales[ids] = torch.from_numpy(rows.astype(np.float32)).to(self.scales.device)
+
+    def reset_scales(self, block_ids: Sequence[int]) -> None:
+        """Mark blocks empty (scale 0) when they get a new owner, so a block's scale follows
+        only its own tokens, not whatever it held before."""
+        if self.scales is not None and block_ids:
+            self.scales[torch.tensor(block_ids, dtype=torch.long)] = 0.0
+
+    def payload_matches(
+        self, dtype: str, shape: Sequence[int], nbytes: int, aux_nbytes: int
+    ) -> bool:
+        """Whether a restored block has exactly this pool's block layout (and scale count)."""
         return (
             dtype == self.dtype_name
             and tuple(shape) == self.block_shape
             and nbytes == self.block_bytes
+            and aux_nbytes == self.aux_bytes
         )
+
+
+def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Casts to fp8 do not saturate (out of range -> nan / inf): clamp first.
+    fp8_max = torch.finfo(dtype).max
+    return x.clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def store_kv_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``kernels.store_kvcache`` for an fp8 pool: quantise one layer's K and V into their slots.
+
+    A block's scale (per layer and K/V) is the largest ``|x| / fp8_max`` it holds and only
+    grows: tokens larger than a block's current scale allows first re-quantise what the block
+    already holds to the larger scale, so nothing saturates.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]`` in the compute dtype.
+        value: same shape as ``key``.
+        kv_cache: the fp8 pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        kv_scales: its scales ``[num_blocks, num_layers, 2]`` float32, updated in place.
+        layer: which layer's K/V to write.
+        slot_mapping: ``[num_tokens]`` distinct slots (``block_id * block_size + offset``);
+            ``-1`` skips a token.
+    """
+    written = slot_mapping >= 0
+    slots = slot_mapping[written].long()
+    if slots.numel() == 0:
+        return
+    block_size = kv_cache.shape[3]
+    block_ids, offsets = slots // block_size, slots % block_size
+    new = torch.stack((key[written], value[written]), dim=1).float()  # [n, 2, hk, d]
+    ids, inverse = torch.unique(block_ids, return_inverse=True)  # [u], [n]
+    # Largest |x| this step brings to each (block, K/V): [u, 2].
+    step_amax = torch.zeros(ids.shape[0], 2, device=new.device).scatter_reduce_(
+        0, inverse[:, None].expand(-1, 2), new.abs().amax(dim=(2, 3)), "amax"
+    )
+    old = kv_scales[ids, layer]  # [u, 2]
+    scale = torch.maximum(old, step_amax / torch.finfo(kv_cache.dtype).max)
+    grown = (scale > old) & (old > 0)
+    if bool(grown.any()):
+        u, kv = grown.nonzero(as_tuple=True)
+        held = kv_cache[ids[u], layer, kv].float()  # [g, block_size, hk, d]
+        ratio = (old[u, kv] / scale[u, kv])[:, None, None, None]
+        kv_cache[ids[u], layer, kv] = _to_fp8(held * ratio, kv_cache.dtype)
+    kv_scales[ids, layer] = scale
+    # A block that only ever held zeros keeps scale 0; divide by 1 there.
+    divisor = scale.masked_fill(scale == 0, 1.0)[inverse][:, :, None, None]  # [n, 2, 1, 1]
+    quantized = _to_fp8(new / divisor, kv_cache.dtype)
+    kv_cache[block_ids, layer, 0, offsets] = quantized[:, 0]
+    kv_cache[block_ids, layer, 1, offsets] = quantized[:, 1]
+
+
+def dequantize_blocks(
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    block_ids: torch.Tensor,
+    layer: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One layer of some fp8 blocks as ``fp8 * scale`` in ``dtype``.
+
+    Args:
+        kv_cache: the fp8 pool.
+        kv_scales: its scales ``[num_blocks, num_layers, 2]``.
+        block_ids: ``[n]`` int64 block ids (repeats allowed).
+        layer: the layer to read.
+        dtype: the compute dtype to return.
+
+    Returns:
+        ``[n, 2, block_size, num_kv_heads, head_dim]`` in ``dtype``.
+    """
+    scale = kv_scales[block_ids, layer][:, :, None, None, None]  # [n, 2, 1, 1, 1]
+    return (kv_cache[block_ids, layer].float() * scale).to(dtype)

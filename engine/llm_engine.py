@@ -77,10 +77,14 @@ class LLMEngine:
             self.spec.max_position_embeddings,
             self.pool.num_blocks * config.block_size,
         )
-        self.model.warm_up(self.pool.cache)
+        self.model.warm_up(self.pool.cache, self.pool.scales)
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
         self.bridge = TierBridge(store, self.namespace, self.pool) if store is not None else None
-        self.blocks = BlockManager(self.pool.num_blocks, on_evict=self._on_evict)
+        self.blocks = BlockManager(
+            self.pool.num_blocks,
+            on_evict=self._on_evict,
+            on_allocate=self.pool.reset_scales if self.pool.scales is not None else None,
+        )
         self.scheduler = Scheduler(config, self.namespace, self.blocks, self.bridge)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -179,7 +183,7 @@ class LLMEngine:
             tuple(slices),
             torch.tensor(logits_rows, dtype=torch.long),
         )
-        logits = self.model.forward(batch, self.pool.cache)
+        logits = self.model.forward(batch, self.pool.cache, kv_scales=self.pool.scales)
         for item in scheduled:
             before = item.seq.num_computed_tokens
             item.seq.num_computed_tokens += item.num_new

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.loader import ModelSpec
 from kernels import paged_attention_decode, store_kvcache
 
@@ -118,18 +119,20 @@ class LlamaModel:
             )
         self._inv_freq = _rope_inv_freq(spec)
 
-    def warm_up(self, kv_cache: torch.Tensor) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
         """One throw-away forward (its K/V go nowhere: slot -1), so that one-time set-up of the
         math libraries (thread pools, kernel selection) is not paid by the first request."""
         for n in (1, _SMALL_CHUNK + 1):
+            # Block 0 over and over: an fp8 pool's prefill reads its (zero-scaled) context.
+            num_blocks = -(-n // kv_cache.shape[3])
             batch = ForwardBatch(
                 torch.zeros(n, dtype=torch.long),
                 torch.arange(n),
                 torch.full((n,), -1, dtype=torch.long),
-                (SeqSlice(0, n, n, torch.zeros(1, dtype=torch.long)),),
+                (SeqSlice(0, n, n, torch.zeros(num_blocks, dtype=torch.long)),),
                 torch.tensor([n - 1]),
             )
-            self.forward(batch, kv_cache)
+            self.forward(batch, kv_cache, kv_scales=kv_scales)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -149,7 +152,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv_cache: torch.Tensor, all_logits: bool = False
+        self,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        all_logits: bool = False,
+        *,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into the pool and return logits.
 
@@ -157,6 +165,8 @@ class LlamaModel:
             batch: the step's tokens and where their K/V go.
             kv_cache: the pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
             all_logits: logits for every row instead of ``batch.logits_rows`` (tests).
+            kv_scales: ``[num_blocks, num_layers, 2]`` float32 scales of an fp8 pool; ``None``
+                for a pool in the compute dtype.
 
         Returns:
             ``[S, vocab]`` float32 logits (``[T, vocab]`` with ``all_logits``).
@@ -173,6 +183,11 @@ class LlamaModel:
             for i, s in enumerate(decodes):
                 tables[i, : len(s.block_table)] = s.block_table
             context_lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long)
+            if kv_scales is not None:
+                # fp8: each layer's decode reads a dequantised copy of the tables' blocks,
+                # laid out as a one-layer pool of its own, through the same kernel.
+                flat_tables = tables.flatten()
+                deq_tables = torch.arange(flat_tables.numel()).view_as(tables)
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
@@ -181,21 +196,40 @@ class LlamaModel:
             q = self._rotate(q.view(-1, hq, d), cos, sin)
             k = self._rotate(k.view(-1, hk, d), cos, sin)
             v = v.view(-1, hk, d)
-            store_kvcache(k, v, kv_cache, index, batch.slot_mapping, backend=self.kernel_backend)
+            if kv_scales is None:
+                store_kvcache(
+                    k, v, kv_cache, index, batch.slot_mapping, backend=self.kernel_backend
+                )
+            else:
+                store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
             attn = torch.empty_like(q)
             if decodes:
-                attn[decode_rows] = paged_attention_decode(
-                    q[decode_rows],
-                    kv_cache,
-                    index,
-                    tables,
-                    context_lens,
-                    self.scale,
-                    backend=self.kernel_backend,
-                )
+                if kv_scales is None:
+                    attn[decode_rows] = paged_attention_decode(
+                        q[decode_rows],
+                        kv_cache,
+                        index,
+                        tables,
+                        context_lens,
+                        self.scale,
+                        backend=self.kernel_backend,
+                    )
+                else:
+                    deq = dequantize_blocks(kv_cache, kv_scales, flat_tables, index, self.dtype)
+                    attn[decode_rows] = paged_attention_decode(
+                        q[decode_rows],
+                        deq.unsqueeze(1),  # [B * max_blocks, 1, 2, block_size, hk, d]
+                        0,
+                        deq_tables,
+                        context_lens,
+                        self.scale,
+                        backend=self.kernel_backend,
+                    )
             for s in others:
                 rows = slice(s.start, s.start + s.num_new)
-                attn[rows] = self._prefill_attention(q[rows], k[rows], v[rows], s, kv_cache, index)
+                attn[rows] = self._prefill_attention(
+                    q[rows], k[rows], v[rows], s, kv_cache, index, kv_scales
+                )
             x = x + F.linear(attn.view(-1, hq * d), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
@@ -211,16 +245,23 @@ class LlamaModel:
         s: SeqSlice,
         kv_cache: torch.Tensor,
         layer: int,
+        kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
         # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new.
         n, cached = s.num_new, s.context_len - s.num_new
-        if cached == 0:
+        if cached == 0 and kv_scales is None:
             k, v = k_new, v_new  # nothing cached: skip the gather from the pool
-            mask = None
         else:
-            kv = kv_cache[s.block_table, layer]  # [nb, 2, block_size, hk, d]
+            # fp8 always reads the pool: attention sees the quantised K/V, the same whether a
+            # prefix was computed here or restored from a tier.
+            if kv_scales is None:
+                kv = kv_cache[s.block_table, layer]  # [nb, 2, block_size, hk, d]
+            else:
+                kv = dequantize_blocks(kv_cache, kv_scales, s.block_table, layer, self.dtype)
             kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, : s.context_len]
             k, v = kv[0], kv[1]
+        mask = None
+        if cached:
             # Query i sits at position cached + i and sees keys 0 .. cached + i.
             rows = torch.arange(n)[:, None] + cached
             mask = torch.arange(s.context_len)[None, :] <= rows

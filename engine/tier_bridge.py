@@ -51,7 +51,9 @@ class TierBridge:
         if not todo:
             return
         start = time.perf_counter()
-        buffers = self.pool.read_blocks([b.block_id for b in todo])
+        block_ids = [b.block_id for b in todo]
+        buffers = self.pool.read_blocks(block_ids)
+        auxes = self.pool.read_aux(block_ids)  # an fp8 block's scales, b"" otherwise
         layout = self.namespace.layout
         records = [
             KVBlock(
@@ -61,8 +63,9 @@ class TierBridge:
                 self.pool.block_shape,
                 layout.block_size,
                 buf,
+                aux,
             )
-            for b, buf in zip(todo, buffers)
+            for b, buf, aux in zip(todo, buffers, auxes)
             if b.key is not None
         ]
         self.store.put_many(self.namespace.id, records)
@@ -81,7 +84,8 @@ class TierBridge:
         """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
 
         Every block is checked before use: its key and namespace fingerprint (by the store),
-        its dtype, shape, size and token count (here). The first block that fails ends the run.
+        its dtype, shape, size, scale count and token count (here). The first block that fails
+        ends the run.
 
         Returns:
             The source tier name of each restored block (a prefix of ``keys``).
@@ -97,7 +101,7 @@ class TierBridge:
         for block in restored.blocks:
             nbytes = memoryview(block.data).nbytes
             if block.num_tokens != self.namespace.block_size or not self.pool.payload_matches(
-                block.dtype, block.shape, nbytes
+                block.dtype, block.shape, nbytes, len(block.aux)
             ):
                 self.stats.rejected_blocks += 1
                 log.warning(
@@ -111,9 +115,10 @@ class TierBridge:
         ]
         if copies:
             self.pool.write_blocks([bid for bid, _ in copies], [data for _, data in copies])
+        self.pool.write_aux(block_ids[: len(good)], [b.aux for b in good])
         sources = list(restored.sources[: len(good)])
         self.stats.restored_blocks += len(good)
-        self.stats.restored_bytes += len(good) * self.pool.block_bytes
+        self.stats.restored_bytes += len(good) * (self.pool.block_bytes + self.pool.aux_bytes)
         for name in sources:
             self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
         self.stats.restore_s += time.perf_counter() - start
