@@ -49,6 +49,15 @@ class EngineConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use auto, float32, "
                 f"bfloat16, float16, {' or '.join(FP8_KV_DTYPES)}"
             )
+        if (
+            self.kv_cache_dtype in ("float32", "bfloat16", "float16")
+            and self.kv_cache_dtype != self.dtype
+        ):
+            # A float pool holds K/V exactly as computed; only fp8 pools convert.
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} must match dtype {self.dtype!r} "
+                "(or be auto, fp8_e4m3 or fp8_e5m2)"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):

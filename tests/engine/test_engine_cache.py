@@ -155,3 +155,8 @@ def test_a_prompt_longer_than_the_pool_is_refused(tiny_model_dir: Path) -> None:
     llm = LLM(tiny_model_dir, kv_cache_bytes=4 * TINY_BLOCK_BYTES)
     with pytest.raises(ValueError, match="max_model_len is 64"):
         llm.generate([PROMPT], GREEDY)
+
+
+def test_a_float_kv_dtype_other_than_the_compute_dtype_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="must match dtype"):
+        LLM(tiny_model_dir, dtype="float32", kv_cache_dtype="bfloat16")
