@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import redis  # noqa: E402
 
 from cachetier.keys import Namespace  # noqa: E402
 from engine.loader import make_tiny_llama, smollm2_path  # noqa: E402
-from tests.support import SMALL_LAYOUT  # noqa: E402
+from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402
 
 REDIS_URL = os.environ.get("CACHETIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -37,15 +36,8 @@ def redis_url() -> str:
 @pytest.fixture
 def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards."""
-    prefix = f"cachetier-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    with own_redis_prefix(redis_url, "cachetier-test") as prefix:
+        yield prefix
 
 
 @pytest.fixture

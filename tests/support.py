@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
+import redis
 
 from cachetier.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
@@ -39,3 +44,19 @@ def _payload(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> by
     # Types numpy lacks (bfloat16, fp8): random bits of the right width.
     width = {"bfloat16": 2}.get(dtype, 1)
     return rng.integers(0, 256, size=int(np.prod(shape)) * width, dtype=np.uint8).tobytes()
+
+
+@contextmanager
+def own_redis_prefix(url: str, label: str) -> Iterator[str]:
+    """A Redis key prefix nobody else uses; every key under it is deleted on exit."""
+    prefix = f"{label}-{uuid.uuid4().hex[:12]}"
+    try:
+        yield prefix
+    finally:
+        client = redis.Redis.from_url(url)
+        try:
+            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()

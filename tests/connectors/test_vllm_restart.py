@@ -16,12 +16,13 @@ import random
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support import own_redis_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -177,17 +178,8 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def module_redis_prefix(redis_url: str) -> Iterator[str]:
     """A Redis key prefix of this module's own; every key under it is deleted afterwards."""
-    import redis
-
-    prefix = f"cachetier-vllm-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    with own_redis_prefix(redis_url, "cachetier-vllm-test") as prefix:
+        yield prefix
 
 
 @pytest.fixture(scope="module")
