@@ -1,0 +1,85 @@
+"""The lookup event log: round trip, bad lines, size cap."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cachetier.events import EventLog, LookupEvent, read_events
+
+
+def _event(i: int, tenant: str = "a") -> LookupEvent:
+    return LookupEvent(
+        time_s=1000.0 + i,
+        tenant=tenant,
+        num_tokens=100,
+        hit_tokens={"pool": 32, "disk": 16},
+        block_size=16,
+        num_alignment_lost_tokens=4,
+        restore_s=0.25,
+    )
+
+
+def test_round_trip_in_order(tmp_path):
+    path = tmp_path / "sub" / "events.jsonl"
+    with EventLog(path) as events:
+        for i in range(5):
+            events.record(_event(i))
+    back = list(read_events(path, strict=True))
+    assert back == [_event(i) for i in range(5)]
+    assert back[0].num_hit_tokens == 48
+
+
+def test_concurrent_writers_never_interleave_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    threads = [
+        threading.Thread(target=lambda t=t: [events.record(_event(i, f"t{t}")) for i in range(200)])
+        for t in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events.close()
+    back = list(read_events(path, strict=True))
+    assert len(back) == 800 and events.num_written == 800
+    assert {e.tenant for e in back} == {"t0", "t1", "t2", "t3"}
+
+
+def test_partial_last_line_is_skipped_or_named(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as events:
+        events.record(_event(0))
+    with open(path, "a") as f:
+        f.write('{"time_s": 3, "tenant"')  # a crash mid-line
+    assert list(read_events(path)) == [_event(0)]
+    with pytest.raises(ValueError, match=r"events.jsonl:2"):
+        list(read_events(path, strict=True))
+
+
+def test_size_cap_drops_and_counts(tmp_path):
+    path = tmp_path / "events.jsonl"
+    line = len(_event(0).to_json()) + 1
+    with EventLog(path, max_bytes=3 * line) as events:
+        for i in range(5):
+            events.record(_event(i))
+    assert events.num_written == 3 and events.num_dropped == 2
+    assert len(list(read_events(path))) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_tokens": -1},
+        {"hit_tokens": {"gpu": 1}},
+        {"hit_tokens": {"cpu": 200}},
+        {"hit_tokens": {"cpu": -1}},
+        {"block_size": 0},
+    ],
+)
+def test_invalid_events_are_refused(kwargs):
+    base = {"time_s": 0.0, "tenant": "", "num_tokens": 100}
+    with pytest.raises(ValueError):
+        LookupEvent(**{**base, **kwargs})
