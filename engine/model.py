@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.loader import ModelSpec
-from kernels import paged_attention_decode, store_kvcache
+from kernels import common_prefix_blocks, paged_attention_decode, store_kvcache
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +70,38 @@ def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 # Chunks of at most this many new tokens use grouped einsum attention instead of SDPA.
 _SMALL_CHUNK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeGroup:
+    """Decoding sequences that attend together (same first pool block, where one exists)."""
+
+    rows: torch.Tensor  # [B] rows of the batch
+    tables: torch.Tensor  # [B, max_blocks] pool block ids, padded with 0
+    context_lens: torch.Tensor  # [B]
+    num_shared_blocks: int  # leading blocks of ``tables`` every row shares
+
+
+def _decode_groups(decodes: list[SeqSlice], block_size: int, *, fp8: bool) -> list[_DecodeGroup]:
+    # Sequences behind one shared system prompt hold the same leading pool blocks (prefix
+    # cache): grouping by first block lets the kernel read those blocks once per group instead
+    # of once per sequence (cascade attention). An fp8 pool dequantises per row, so it gets one
+    # group and no sharing.
+    by_first: dict[int, list[SeqSlice]] = {}
+    for s in decodes:
+        by_first.setdefault(-1 if fp8 else int(s.block_table[0]), []).append(s)
+    groups = []
+    for members in by_first.values():
+        tables = torch.zeros(
+            len(members), max(len(s.block_table) for s in members), dtype=torch.long
+        )
+        for i, s in enumerate(members):
+            tables[i, : len(s.block_table)] = s.block_table
+        lens = torch.tensor([s.context_len for s in members], dtype=torch.long)
+        shared = 0 if fp8 else common_prefix_blocks(tables, lens, block_size)
+        rows = torch.tensor([s.start for s in members], dtype=torch.long)
+        groups.append(_DecodeGroup(rows, tables, lens, shared))
+    return groups
 
 
 class LlamaModel:
@@ -176,18 +208,7 @@ class LlamaModel:
         x = self.embed[batch.input_ids]  # [T, hidden]
         cos, sin = self._rope(batch.positions)
         decodes = [s for s in batch.seqs if s.num_new == 1 and s.context_len > 1]
-        decode_rows = torch.tensor([s.start for s in decodes], dtype=torch.long)
-        if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for i, s in enumerate(decodes):
-                tables[i, : len(s.block_table)] = s.block_table
-            context_lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long)
-            if kv_scales is not None:
-                # fp8: each layer's decode reads a dequantised copy of the tables' blocks,
-                # laid out as a one-layer pool of its own, through the same kernel.
-                flat_tables = tables.flatten()
-                deq_tables = torch.arange(flat_tables.numel()).view_as(tables)
+        groups = _decode_groups(decodes, kv_cache.shape[3], fp8=kv_scales is not None)
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
@@ -203,28 +224,27 @@ class LlamaModel:
             else:
                 store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
             attn = torch.empty_like(q)
-            if decodes:
+            for group in groups:
                 if kv_scales is None:
-                    attn[decode_rows] = paged_attention_decode(
-                        q[decode_rows],
-                        kv_cache,
-                        index,
-                        tables,
-                        context_lens,
-                        self.scale,
-                        backend=self.kernel_backend,
-                    )
+                    pool, pool_layer, tables = kv_cache, index, group.tables
                 else:
-                    deq = dequantize_blocks(kv_cache, kv_scales, flat_tables, index, self.dtype)
-                    attn[decode_rows] = paged_attention_decode(
-                        q[decode_rows],
-                        deq.unsqueeze(1),  # [B * max_blocks, 1, 2, block_size, hk, d]
-                        0,
-                        deq_tables,
-                        context_lens,
-                        self.scale,
-                        backend=self.kernel_backend,
+                    # fp8: the decode reads a dequantised copy of the group's blocks, laid out
+                    # as a one-layer pool of its own, through the same kernel.
+                    deq = dequantize_blocks(
+                        kv_cache, kv_scales, group.tables.flatten(), index, self.dtype
                     )
+                    pool, pool_layer = deq.unsqueeze(1), 0  # [B * max_blocks, 1, 2, bs, hk, d]
+                    tables = torch.arange(group.tables.numel()).view_as(group.tables)
+                attn[group.rows] = paged_attention_decode(
+                    q[group.rows],
+                    pool,
+                    pool_layer,
+                    tables,
+                    group.context_lens,
+                    self.scale,
+                    num_shared_blocks=group.num_shared_blocks,
+                    backend=self.kernel_backend,
+                )
             for s in others:
                 rows = slice(s.start, s.start + s.num_new)
                 attn[rows] = self._prefill_attention(

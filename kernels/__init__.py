@@ -17,10 +17,12 @@ from kernels.cache_ops import (
 )
 from kernels.layout import KVCacheLayout
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from kernels.torch_paged_attention import common_prefix_blocks
 
 __all__ = [
     "BACKENDS",
     "KVCacheLayout",
+    "common_prefix_blocks",
     "gather_blocks",
     "gather_blocks_ref",
     "paged_attention_decode",

@@ -1,6 +1,7 @@
 """Decode attention over the paged KV pool: one new query token per sequence.
 
-``paged_attention_decode_ref`` is the plain-torch path (and the tests' oracle); the Triton
+``paged_attention_decode_ref`` is the plain-torch oracle of the tests; the CPU path is
+``kernels.torch_paged_attention`` (per sequence, with shared-prefix reuse) and the Triton
 kernel lives in ``kernels.triton_paged_attention``.
 """
 
@@ -17,6 +18,7 @@ from kernels.layout import (
     check_same_dtype,
     check_tensor,
 )
+from kernels.torch_paged_attention import common_prefix_blocks, paged_attention_decode_torch
 
 
 def paged_attention_decode(
@@ -27,6 +29,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    num_shared_blocks: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attends each sequence's query token to its cached K/V in the pool.
@@ -44,6 +47,9 @@ def paged_attention_decode(
             a sequence's used blocks are padding (0) and are not read.
         context_lens: ``[batch]`` int32/int64, each in ``[1, max_blocks_per_seq * block_size]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        num_shared_blocks: leading block-table columns that every row has in common and that
+            lie inside every row's context (``common_prefix_blocks``); the torch path reads
+            them once for the whole batch. It never changes the result, only the work.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
 
     Returns:
@@ -77,6 +83,15 @@ def paged_attention_decode(
     check_index_range("context_lens", context_lens, 1, max_context_len + 1)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if num_shared_blocks and num_shared_blocks > common_prefix_blocks(
+        block_tables, context_lens, layout.block_size
+    ):
+        raise ValueError(
+            f"num_shared_blocks {num_shared_blocks} is more than the leading blocks every row "
+            "shares inside its context (see common_prefix_blocks)"
+        )
+    if num_shared_blocks < 0:
+        raise ValueError(f"num_shared_blocks must be >= 0, got {num_shared_blocks}")
 
     resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
     if resolved == "triton":
@@ -85,8 +100,8 @@ def paged_attention_decode(
         return paged_attention_decode_triton(
             query, kv_cache, layer, block_tables, context_lens, float(scale), layout
         )
-    return paged_attention_decode_ref(
-        query, kv_cache, layer, block_tables, context_lens, float(scale)
+    return paged_attention_decode_torch(
+        query, kv_cache, layer, block_tables, context_lens, float(scale), num_shared_blocks
     )
 
 

@@ -160,3 +160,15 @@ def test_a_prompt_longer_than_the_pool_is_refused(tiny_model_dir: Path) -> None:
 def test_a_float_kv_dtype_other_than_the_compute_dtype_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="must match dtype"):
         LLM(tiny_model_dir, dtype="float32", kv_cache_dtype="bfloat16")
+
+
+def test_decodes_behind_a_shared_prefix_match_decodes_alone(tiny_model_dir: Path) -> None:
+    # Two groups of sequences decode in one batch: three behind PROMPT's first 8 blocks (read
+    # once per step by the shared-prefix attention path) and two behind another prefix.
+    other = [(i * 11 + 5) % 250 for i in range(70)]
+    prompts = [PROMPT[:128] + [9] * n for n in (1, 20, 37)] + [other + [4] * n for n in (3, 30)]
+    llm = LLM(tiny_model_dir, kv_cache_bytes=4 << 20)
+    llm.generate([PROMPT[:128], other], GREEDY)  # the prefixes, so the batch hits them
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [128, 128, 128, 64, 64]
+    assert [o.token_ids for o in outs] == reference(tiny_model_dir, prompts)

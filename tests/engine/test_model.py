@@ -9,7 +9,7 @@ import torch
 
 from engine.kv_cache import KVPool
 from engine.loader import ModelSpec, load_weights
-from engine.model import ForwardBatch, LlamaModel, SeqSlice
+from engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
 
 BLOCK = 16
 
@@ -62,3 +62,22 @@ def test_smollm2_logits_match_transformers(smollm2_dir: Path) -> None:
     tokens = tok.encode("The capital of France is Paris. The capital of Italy is Rome. " * 8)
     ours = _engine_logits(smollm2_dir, tokens, [len(tokens) - 40, 24, 1, 15])
     torch.testing.assert_close(ours, _hf_logits(smollm2_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_decodes_are_grouped_by_their_shared_leading_blocks() -> None:
+    def decode(row: int, table: list[int], context_len: int) -> SeqSlice:
+        return SeqSlice(row, 1, context_len, torch.tensor(table))
+
+    decodes = [
+        decode(0, [3, 4, 5], 40),
+        decode(1, [7, 8], 20),
+        decode(2, [3, 4, 6], 35),
+        decode(3, [3, 4], 32),  # ends at the end of block 4: both shared blocks are full
+    ]
+    groups = _decode_groups(decodes, 16, fp8=False)
+    assert [g.rows.tolist() for g in groups] == [[0, 2, 3], [1]]
+    assert [g.num_shared_blocks for g in groups] == [2, 0]
+    assert groups[0].tables.tolist() == [[3, 4, 5], [3, 4, 6], [3, 4, 0]]
+    # fp8 dequantises per row: one group, nothing shared.
+    (fp8,) = _decode_groups(decodes, 16, fp8=True)
+    assert fp8.rows.tolist() == [0, 1, 2, 3] and fp8.num_shared_blocks == 0

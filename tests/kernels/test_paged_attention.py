@@ -1,10 +1,11 @@
-"""paged_attention_decode: reference against dense SDPA, Triton against the reference."""
+"""paged_attention_decode: the reference and the CPU path against dense SDPA, the shared-prefix
+(cascade) path and Triton against the reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention_decode
+from kernels import common_prefix_blocks, paged_attention_decode, paged_attention_decode_ref
 
 TOLERANCES = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -65,13 +66,17 @@ RAGGED = [1, 16, 17, 45]  # one token, exactly a block, a block and one, several
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_reference_matches_dense_sdpa(make_pool, gen, dtype, group, block_size, head_dim):
+@pytest.mark.parametrize("path", ["reference", "torch"])
+def test_torch_paths_match_dense_sdpa(make_pool, gen, dtype, group, block_size, head_dim, path):
     pool = make_pool(num_blocks=12, block_size=block_size, head_dim=head_dim, dtype=dtype)
     tables, lens = _decode_batch(gen, RAGGED, num_blocks=12, block_size=block_size)
     query = torch.randn(len(RAGGED), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
-    actual = paged_attention_decode(query, pool, 1, tables, lens, scale, backend="torch")
+    if path == "reference":
+        actual = paged_attention_decode_ref(query, pool, 1, tables, lens, scale)
+    else:
+        actual = paged_attention_decode(query, pool, 1, tables, lens, scale, backend="torch")
     expected = _dense_sdpa(query, pool, 1, tables, lens, scale)
 
     torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
@@ -133,6 +138,54 @@ def test_padding_entries_of_the_block_table_are_not_read(make_pool, gen):
         torch.testing.assert_close(after, before, **TOLERANCES[torch.float32])
 
 
+def _shared_prefix_batch(gen, num_shared: int, own_lens: list[int], block_size: int = 16):
+    """Rows that start with the same ``num_shared`` blocks, then blocks of their own."""
+    own_blocks = [-(-n // block_size) for n in own_lens]
+    free = torch.randperm(num_shared + sum(own_blocks), generator=gen).tolist()
+    shared = [free.pop() for _ in range(num_shared)]
+    width = num_shared + max(own_blocks) + 1
+    tables = torch.zeros(len(own_lens), width, dtype=torch.long)
+    for row, n in enumerate(own_blocks):
+        tables[row, : num_shared + n] = torch.tensor(shared + [free.pop() for _ in range(n)])
+    lens = torch.tensor([num_shared * block_size + n for n in own_lens])
+    return tables, lens, num_shared + sum(own_blocks)
+
+
+# A row whose context ends exactly where the shared blocks end has no blocks of its own.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("own_lens", [[0, 1, 17, 40], [5, 33]])
+def test_shared_prefix_path_matches_reference(make_pool, gen, dtype, own_lens):
+    tables, lens, num_blocks = _shared_prefix_batch(gen, 3, own_lens)
+    pool = make_pool(num_blocks=num_blocks, dtype=dtype)
+    query = torch.randn(len(own_lens), 6, 64, generator=gen).to(dtype)
+    assert common_prefix_blocks(tables, lens, 16) == 3
+    expected = paged_attention_decode_ref(query, pool, 1, tables, lens, 0.125)
+    for num_shared in range(4):
+        actual = paged_attention_decode(
+            query, pool, 1, tables, lens, 0.125, num_shared_blocks=num_shared, backend="torch"
+        )
+        torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+
+
+def test_shared_prefix_path_is_stable_for_large_scores(make_pool, gen):
+    tables, lens, num_blocks = _shared_prefix_batch(gen, 2, [9, 30])
+    pool = make_pool(num_blocks=num_blocks)
+    query = 300.0 * torch.randn(2, 6, 64, generator=gen)
+    expected = paged_attention_decode_ref(query, pool, 0, tables, lens, 1.0)
+    actual = paged_attention_decode(query, pool, 0, tables, lens, 1.0, num_shared_blocks=2)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_common_prefix_blocks_counts_full_shared_blocks_inside_every_context():
+    tables = torch.tensor([[4, 5, 6, 7], [4, 5, 6, 9], [4, 5, 6, 7]])
+    assert common_prefix_blocks(tables, torch.tensor([64, 64, 64]), 16) == 3
+    # Row 1 ends inside block 6: only 2 of the shared blocks are full in its context.
+    assert common_prefix_blocks(tables, torch.tensor([64, 47, 64]), 16) == 2
+    assert common_prefix_blocks(tables[:1], torch.tensor([64]), 16) == 0  # nothing to share
+    assert common_prefix_blocks(torch.tensor([[1, 2], [3, 2]]), torch.tensor([32, 32]), 16) == 0
+
+
 def _attention_call(pool, **overrides):
     args = {
         "query": torch.zeros(2, 4, 64),
@@ -159,6 +212,8 @@ ATTENTION_BAD_INPUTS = {
     "query ndim": {"query": torch.zeros(2, 256)},
     "query dtype": {"query": torch.zeros(2, 4, 64, dtype=torch.float16)},
     "layer": {"layer": -1},
+    "shared blocks the rows do not share": {"num_shared_blocks": 1},
+    "negative shared blocks": {"num_shared_blocks": -1},
 }
 
 
