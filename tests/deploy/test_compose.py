@@ -1,0 +1,165 @@
+"""docker-compose.yml: valid against the compose spec, and its stack comes up and serves.
+
+No Docker engine runs here: the stack test starts each service's own command locally
+(``tests/deploy/local_stack.py``), restarts the engine, and shows that the restarted engine
+answers the same request with cached tokens that came back from the sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import pytest
+import redis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.local_stack import (
+    COMPOSE_FILE,
+    CONTAINER_PORTS,
+    ROOT,
+    base_environment,
+    load_compose,
+    local_services,
+)
+
+SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
+CACHETIER_SERVICES = ("sidecar", "engine")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+def test_compose_file_is_valid_against_the_compose_spec() -> None:
+    if not SCHEMA.is_file():
+        pytest.fail(f"the compose-spec schema is missing at {SCHEMA}")
+    schema = json.loads(SCHEMA.read_text())
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())  # validated before interpolation, as compose
+    # The schema names draft 07 by a URL jsonschema does not know: say it explicitly.
+    jsonschema.Draft7Validator(schema).validate(raw)
+
+
+def test_a_broken_compose_file_fails_the_schema() -> None:
+    # The check above can fail: a misspelt key is refused by the same schema.
+    schema = json.loads(SCHEMA.read_text())
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    raw["services"]["redis"]["helthcheck"] = raw["services"]["redis"].pop("healthcheck")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(schema).validate(raw)
+
+
+def test_every_service_has_a_healthcheck_and_declared_volumes(compose: dict) -> None:
+    services = compose["services"]
+    assert set(services) == set(CONTAINER_PORTS)
+    for name, spec in services.items():
+        assert spec.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        for volume in spec.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith("./") or source in compose["volumes"], (name, source)
+    # Redis persists to its volume; the engine keeps the converted model on one.
+    assert "--appendonly" in services["redis"]["command"]
+    assert any(v.startswith("redis-data:") for v in services["redis"]["volumes"])
+    assert any(v.startswith("model-cache:") for v in services["engine"]["volumes"])
+    assert services["engine"]["environment"]["CACHETIER_REMOTE_URL"] == "http://sidecar:8470"
+
+
+def test_cachetier_images_are_installed_like_make_setup(compose: dict) -> None:
+    for name in CACHETIER_SERVICES:
+        assert compose["services"][name]["build"]["dockerfile"] == "Dockerfile"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "make setup" in dockerfile
+    makefile = (ROOT / "Makefile").read_text()
+    assert "scripts/setup.sh" in makefile
+
+
+def test_prometheus_scrapes_the_sidecar_and_the_engine(compose: dict) -> None:
+    config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+    targets = {
+        t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+    }
+    assert targets == {"sidecar:8470", "engine:8000"}
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def _scrape(url: str, token: str | None) -> set[str]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    return {family.name for family in text_string_to_metric_families(text)}
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_the_stack_serves_cached_tokens_after_an_engine_restart(
+    compose: dict, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    services = local_services(compose, tmp_path, ["redis", "sidecar", "engine"], base_environment())
+    # The model-cache volume as it is after the engine's first start: the converted model.
+    models = Path(services["engine"].env["CACHETIER_MODEL_CACHE"])
+    models.mkdir(parents=True, exist_ok=True)
+    (models / smollm2_dir.name).symlink_to(smollm2_dir, target_is_directory=True)
+    engine = services["engine"]
+    question = {
+        "model": "smollm2",
+        "messages": [
+            {"role": "system", "content": "You answer questions about caching. " * 12},
+            {"role": "user", "content": "Why keep attention KV after a request ends?"},
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    url = f"http://127.0.0.1:{engine.port}/v1/chat/completions"
+    try:
+        for name in ("redis", "sidecar", "engine"):
+            services[name].start()
+            services[name].wait_healthy(timeout_s=300 if name == "engine" else 60)
+        cold = _post(url, question)
+        assert engine.stop() == 0, engine.log()  # SIGTERM: flushes its tiers to the sidecar
+        engine.start()
+        engine.wait_healthy(timeout_s=300)
+        warm = _post(url, question)
+
+        prompt_tokens = cold["usage"]["prompt_tokens"]
+        cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Every full block of the prompt came back; only the partial last block is recomputed.
+        assert cached >= prompt_tokens - 16 and cached > 0
+        assert warm["cachetier"]["cached_tokens_by_source"] == {"remote": cached}
+        assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+
+        # The sidecar wrote the blocks through to Redis, whose append-only file is on its volume.
+        client = redis.Redis(port=services["redis"].port)
+        assert client.dbsize() > 0
+        client.close()
+        assert any((tmp_path / "volumes" / "redis-data").iterdir())
+
+        # What Prometheus scrapes, with the credentials of deploy/prometheus.yml.
+        config = yaml.safe_load(PROMETHEUS_FILE.read_text())
+        for job in config["scrape_configs"]:
+            (target,) = job["static_configs"][0]["targets"]
+            service = target.split(":")[0]
+            token = job.get("authorization", {}).get("credentials")
+            port = services[service].port
+            names = _scrape(f"http://127.0.0.1:{port}{job['metrics_path']}", token)
+            assert names, f"{service} exposes no metrics"
+    finally:
+        for service in reversed(list(services.values())):
+            service.stop()
+        shutil.rmtree(tmp_path / "volumes", ignore_errors=True)
