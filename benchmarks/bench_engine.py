@@ -72,7 +72,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--shared-prefix", type=int, default=2048)

@@ -230,7 +230,9 @@ def main() -> None:
             "mib_per_measurement": args.mib,
             "repeats": args.repeats,
             "disk_page_cache": "warm (files read twice before timing)",
-            "disk_baseline": "open().read() of each file, buffers kept for the batch like a get's result",
+            "disk_baseline": (
+                "open().read() of each file, buffers kept for the batch like a get's result"
+            ),
             "lz4_data": "random-normal fp16",
             "isolation": "each section runs in a fresh process; ours and its baseline share it",
         }

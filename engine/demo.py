@@ -104,12 +104,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cachetier-demo-") as tmp:
         data_dir = args.data_dir or tmp
         print(
-            f"cachetier demo: SmolLM2-135M, fp32, a ~{args.tokens}-token prompt, tiers CPU + disk ({data_dir})"
+            f"cachetier demo: SmolLM2-135M, fp32, a ~{args.tokens}-token prompt, "
+            f"tiers CPU + disk ({data_dir})"
         )
         print("1/2 engine process A (cold: nothing stored yet) ...", flush=True)
         cold = run_child(data_dir, args.tokens, args.max_tokens)
         print(
-            f"    TTFT {cold['ttft_s']:.2f} s, {cold['saved_blocks']} blocks saved to the tiers; process exits"
+            f"    TTFT {cold['ttft_s']:.2f} s, {cold['saved_blocks']} blocks saved to the tiers; "
+            "process exits"
         )
         print("2/2 engine process B (a restart: empty pool, empty CPU tier) ...", flush=True)
         warm = run_child(data_dir, args.tokens, args.max_tokens)
@@ -119,9 +121,8 @@ def main() -> None:
     print()
     print(f"  prompt tokens          {prompt}")
     print(f"  TTFT cold              {cold['ttft_s']:.3f} s")
-    print(
-        f"  TTFT warm (restart)    {warm['ttft_s']:.3f} s   ({cold['ttft_s'] / warm['ttft_s']:.1f}x faster)"
-    )
+    speedup = cold["ttft_s"] / warm["ttft_s"]
+    print(f"  TTFT warm (restart)    {warm['ttft_s']:.3f} s   ({speedup:.1f}x faster)")
     for tier, n in sorted(warm["by_source"].items()) or [("none", 0)]:
         print(f"  tokens restored from   {tier}: {n}")
     print(f"  prefix hit rate        {hit:.1%} (the partial last block is always recomputed)")
