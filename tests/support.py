@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -60,3 +65,67 @@ def own_redis_prefix(url: str, label: str) -> Iterator[str]:
                 client.delete(*keys)
         finally:
             client.close()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PrivateRedis:
+    """A redis-server of this test's own, on a free port, that the test can stop and restart."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        self.folder = folder
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert self.proc is None, "already running"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
+            + ["--logfile", str(self.folder / "redis.log")],
+        )
+        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.exceptions.ConnectionError as exc:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"redis-server on port {self.port} did not start"
+                        ) from exc
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections open and answers nothing (a hung Redis)."""
+        assert self.proc is not None, "not running"
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None, "not running"
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None

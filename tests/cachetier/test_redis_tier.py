@@ -6,7 +6,6 @@ The shared tier suite covers what every tier does; this file covers what only Re
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.cachetier.test_backoff import FakeClock
-from tests.support import make_blocks
+from tests.support import PrivateRedis, free_port, make_blocks
 
 TIMEOUT_S = 0.2
 FAST_FAIL = {"socket_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S}
@@ -49,59 +48,6 @@ def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
     yield make
     for tier in opened:
         tier.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class PrivateRedis:
-    """A redis-server of this test's own, on a free port, that the test can stop and restart."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port = _free_port()
-        self.folder = folder
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.proc is None, "already running"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
-            + ["--logfile", str(self.folder / "redis.log")],
-        )
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.exceptions.ConnectionError as exc:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"redis-server on port {self.port} did not start"
-                        ) from exc
-                    time.sleep(0.02)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 @pytest.fixture
@@ -204,7 +150,7 @@ def test_batches_keep_positions_and_prefix_runs(make_tier: MakeTier, namespace: 
 
 
 def test_empty_batches_do_no_io(make_tier: MakeTier, namespace: Namespace) -> None:
-    tier = make_tier(url=f"redis://127.0.0.1:{_free_port()}/0", **FAST_FAIL)
+    tier = make_tier(url=f"redis://127.0.0.1:{free_port()}/0", **FAST_FAIL)
     assert tier.put_many(namespace.id, []) == 0
     assert tier.get_many(namespace.id, []) == []
     assert tier.contains_prefix(namespace.id, []) == 0
@@ -396,7 +342,7 @@ def test_accounting_stays_exact_under_concurrent_tiers(
 
 
 def test_bad_arguments_raise_even_when_redis_is_down(namespace: Namespace) -> None:
-    config = RedisTierConfig(url=f"redis://127.0.0.1:{_free_port()}/0", **FAST_FAIL)
+    config = RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", **FAST_FAIL)
     with RedisTier(config) as tier:
         [block] = make_blocks(namespace, 1)
         with pytest.raises(ValueError, match="namespace"):
@@ -445,7 +391,7 @@ def test_closed_port_gives_bounded_misses_then_opens_the_breaker(
 ) -> None:
     clock = FakeClock()
     tier = make_tier(
-        url=f"redis://127.0.0.1:{_free_port()}/0",
+        url=f"redis://127.0.0.1:{free_port()}/0",
         capacity_bytes=1 << 20,
         failure_threshold=2,
         clock=clock,
