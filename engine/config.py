@@ -26,6 +26,8 @@ class EngineConfig:
     tenant: tenant / cache salt folded into every key.
     kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``kernels.backend``).
     num_threads: torch intra-op threads; ``None`` leaves torch's default.
+    event_log: a JSON-lines file that gets one ``cachetier.events.LookupEvent`` per admitted
+        request (for ``cachetier report``); ``None`` for none.
     """
 
     model: str
@@ -40,6 +42,7 @@ class EngineConfig:
     tenant: str = ""
     kernel_backend: str = "auto"
     num_threads: int | None = None
+    event_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.event_log is not None and not self.event_log.strip():
+            raise ValueError("event_log must be a file path, or None for no log")
 
     @property
     def pool_dtype(self) -> str:

@@ -1,4 +1,5 @@
-"""``LLMEngine``: model + pool + block manager + scheduler + tier bridge, one ``step()`` at a time."""
+"""``LLMEngine``: model + pool + block manager + scheduler + tier bridge, one ``step()`` at a
+time."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cachetier.events import EventLog
 from cachetier.keys import Namespace
 from cachetier.store import TieredStore
 from engine.block_manager import Block, BlockManager
@@ -85,12 +87,19 @@ class LLMEngine:
             on_evict=self._on_evict,
             on_allocate=self.pool.reset_scales if self.pool.scales is not None else None,
         )
-        self.scheduler = Scheduler(config, self.namespace, self.blocks, self.bridge)
+        # Owned here (the config names a file, not an object): close() closes it.
+        self.events = EventLog(config.event_log) if config.event_log is not None else None
+        self.scheduler = Scheduler(config, self.namespace, self.blocks, self.bridge, self.events)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def close(self) -> None:
+        """Close the event log, if any (the store belongs to the caller); idempotent."""
+        if self.events is not None:
+            self.events.close()
 
     def _on_evict(self, blocks: list[Block]) -> None:
         if self.bridge is not None:

@@ -9,10 +9,12 @@ blocks run out, the most recently admitted running sequence is preempted: its bl
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from cachetier.keys import Namespace, block_keys
+from cachetier.events import EventLog, LookupEvent
+from cachetier.keys import BlockHash, Namespace, block_keys
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -32,12 +34,14 @@ class Scheduler:
         namespace: Namespace,
         blocks: BlockManager,
         bridge: TierBridge | None,
+        events: EventLog | None = None,
     ) -> None:
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.blocks = blocks
         self.bridge = bridge
+        self.events = events
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -120,9 +124,12 @@ class Scheduler:
         assert new_ids is not None, "allocation failed after the free-block check"
         seq.block_table = pool_ids + new_ids
         sources: list[str] = []
+        restore_s = 0.0
         if tier_hits and self.bridge is not None:
             tier_keys = keys[len(pool_ids) : len(pool_ids) + tier_hits]
+            start = time.perf_counter()
             sources = self.bridge.restore(tier_keys, new_ids[:tier_hits])
+            restore_s = time.perf_counter() - start
             for key, block_id in zip(tier_keys, new_ids[: len(sources)]):
                 self.blocks.register(block_id, key, stored=True)
         cached = (len(pool_ids) + len(sources)) * bs
@@ -139,7 +146,33 @@ class Scheduler:
             for name in sources:
                 by_source[name] = by_source.get(name, 0) + bs
             seq.cached_tokens_by_source = by_source
+            # Logged here, once per request: a preempted sequence re-admitted later looks its
+            # prefix up again, but that is the engine's doing, not a new request's.
+            if self.events is not None and self.config.enable_prefix_caching:
+                self._log_lookup(seq, keys, by_source, restore_s)
         return num_new
+
+    def _log_lookup(
+        self, seq: Sequence, keys: list[BlockHash], by_source: dict[str, int], restore_s: float
+    ) -> None:
+        assert self.events is not None, "_log_lookup without an event log"
+        bs = self.block_size
+        num_hit_blocks = sum(by_source.values()) // bs
+        # Every full block the lookup could use hit: the partial tail is what block alignment
+        # cost (a prompt of whole blocks has none, its last block is recomputed for logits).
+        lost = seq.num_prompt_tokens % bs if keys and num_hit_blocks == len(keys) else 0
+        self.events.record(
+            LookupEvent(
+                time_s=time.time(),
+                tenant=self.config.tenant,
+                num_tokens=seq.num_prompt_tokens,
+                hit_tokens=by_source,
+                block_size=bs,
+                num_alignment_lost_tokens=lost,
+                restore_s=restore_s,
+                origin="engine",
+            )
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute later: the blocks go back to the pool, and their cached keys let the
