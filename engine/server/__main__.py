@@ -1,0 +1,168 @@
+"""Command line: ``python -m engine.server`` serves a model over the OpenAI API.
+
+    python -m engine.server --port 8000 --disk-path ./kv
+    python -m engine.server --model ./my-llama --served-model-name llama --api-key secret
+
+Tiers come from ``CACHETIER_*`` variables (``CACHETIER_CPU_BYTES``, ``CACHETIER_DISK_PATH``,
+``CACHETIER_REDIS_URL``, ``CACHETIER_REMOTE_URL``, ``CACHETIER_REMOTE_TOKEN``...), and the
+flags below win over them. SIGTERM or Ctrl-C stops it gracefully: requests in flight finish
+(up to --graceful-timeout), then the store is flushed so a restart finds the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+import uvicorn
+
+from cachetier.config import StoreConfig, env_values
+from engine.server.app import create_app
+from engine.server.config import SMOLLM2, ServerConfig
+
+API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=SMOLLM2, help="HF model folder, or smollm2 (the default)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
+    )
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    engine.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    engine.add_argument("--kv-cache-dtype", default="auto")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--tenant", default="", help="tenant / cache salt of every block key")
+    engine.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    engine.add_argument(
+        "--event-log",
+        default=None,
+        help="append one JSON line per prefix lookup here (cachetier report)",
+    )
+    tiers = p.add_argument_group("tiers (override CACHETIER_* variables)")
+    tiers.add_argument("--cpu-bytes", type=int, default=None, help="CPU tier capacity (0: none)")
+    tiers.add_argument("--disk-path", default=None, help="disk tier folder")
+    tiers.add_argument("--redis-url", default=None)
+    tiers.add_argument("--remote-url", default=None, help="a cachetier sidecar server")
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None)
+    limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    limits.add_argument("--max-concurrent-requests", type=int, default=256)
+    limits.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight get to finish on SIGTERM",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    return p
+
+
+def store_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig | None:
+    """The tiers of the environment and the flags; ``None`` if they name none."""
+    values = env_values(StoreConfig, env)
+    flags = {
+        "cpu_bytes": args.cpu_bytes,
+        "disk_path": args.disk_path,
+        "redis_url": args.redis_url,
+        "remote_url": args.remote_url,
+    }
+    values.update({k: v for k, v in flags.items() if v is not None})
+    cpu_bytes = values.get("cpu_bytes", StoreConfig.cpu_bytes)
+    if not (
+        cpu_bytes or values.get("disk_path") or values.get("redis_url") or values.get("remote_url")
+    ):
+        return None
+    return StoreConfig(**values)  # type: ignore[arg-type]
+
+
+def server_config(
+    argv: list[str] | None = None, env: Mapping[str, str] | None = None
+) -> tuple[ServerConfig, float]:
+    """The server's config from the command line and the environment (and the graceful
+    timeout); exits with a usage message on a bad value."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    engine_args = {
+        "dtype": args.dtype,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "tenant": args.tenant,
+        "num_threads": args.num_threads,
+        "event_log": args.event_log,
+    }
+    try:
+        config = ServerConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            host=args.host,
+            port=args.port,
+            engine_args=engine_args,
+            store=store_config(args, os.environ if env is None else env),
+            api_key=args.api_key,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_request_bytes=args.max_request_bytes,
+            max_concurrent_requests=args.max_concurrent_requests,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, args.graceful_timeout
+
+
+def _exit_after_graceful_stop(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, graceful_timeout = server_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    print(f"engine server config: {config}", file=sys.stderr, flush=True)
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("engine.server").warning(
+            "no API key and listening on %s: anyone who reaches the port can use the model",
+            config.host,
+        )
+    # uvicorn turns SIGTERM / SIGINT into a graceful stop: no new connections, requests in
+    # flight finish, then the lifespan's shutdown stops the engine and flushes the store. It
+    # then restores the handlers it found and raises the signal again: these make that a
+    # clean exit (status 0), which is what supervisors and `docker compose stop` expect.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_after_graceful_stop)
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=graceful_timeout,
+    )
+
+
+if __name__ == "__main__":
+    main()

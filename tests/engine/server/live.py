@@ -1,0 +1,174 @@
+"""Real engine servers on 127.0.0.1 for tests (uvicorn in a thread of this process), a tiny
+byte-level tokenizer for the tiny model, and small HTTP helpers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from engine.server.app import create_app
+from engine.server.config import ServerConfig
+from tests.server.live import free_port, wait_healthy
+
+# Byte-level: token id b is byte b, so every text encodes and multi-byte characters span
+# several tokens (what incremental decoding must not split).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def add_byte_tokenizer(folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with a chat template) into ``folder``."""
+    # GPT-2's printable stand-ins for the 256 byte values, in byte order.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    stand_in, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            stand_in[byte] = chr(byte)
+        else:
+            stand_in[byte] = chr(256 + extra)
+            extra += 1
+    vocab = {stand_in[b]: b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def chat_model(tiny_model_dir: Path, dest: Path) -> Path:
+    """A copy of the tiny model with the byte tokenizer."""
+    shutil.copytree(tiny_model_dir, dest)
+    add_byte_tokenizer(dest)
+    return dest
+
+
+def server_config(model: Path, **overrides: Any) -> ServerConfig:
+    """A config for the tiny model: a 4 MiB pool, a free port, quiet logs."""
+    engine_args = {"kv_cache_bytes": 4 << 20, **overrides.pop("engine_args", {})}
+    values: dict[str, Any] = dict(
+        model=str(model),
+        served_model_name="tiny",
+        port=free_port(),
+        log_level="warning",
+        engine_args=engine_args,
+    )
+    values.update(overrides)
+    return ServerConfig(**values)
+
+
+class EngineServer:
+    """uvicorn serving ``create_app(config)`` in a thread; restartable on the same port."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    def start(self) -> EngineServer:
+        uv = uvicorn.Config(
+            create_app(self.config),
+            host="127.0.0.1",
+            port=self.config.port,
+            log_level=self.config.log_level,
+            lifespan="on",
+        )
+        self._server = uvicorn.Server(uv)
+        self._thread = threading.Thread(target=self._server.run, name="engine-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the engine server on {self.url} did not start")
+            time.sleep(0.01)
+        wait_healthy(self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=60)
+            assert not self._thread.is_alive(), "the engine server did not stop"
+        self._server = self._thread = None
+
+    def with_config(self, **changes: Any) -> EngineServer:
+        return EngineServer(replace(self.config, **changes))
+
+
+def post(url: str, path: str, payload: Any, **headers: str) -> tuple[int, Any]:
+    """POST JSON; returns (status, decoded answer)."""
+    status, body = post_raw(url, path, json.dumps(payload).encode(), **headers)
+    return status, json.loads(body) if body else None
+
+
+def post_raw(url: str, path: str, body: bytes, **headers: str) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request(
+            "POST", path, body=body, headers={"Content-Type": "application/json", **headers}
+        )
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def get(url: str, path: str, **headers: str) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def stream(url: str, path: str, payload: Any) -> list[Any]:
+    """POST a streaming request; returns its events (decoded JSON, and "[DONE]")."""
+    status, body = post_raw(url, path, json.dumps({**payload, "stream": True}).encode())
+    assert status == 200, body
+    return list(parse_sse(body.decode()))
+
+
+def parse_sse(text: str) -> Iterator[Any]:
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), f"not an SSE data event: {block!r}"
+        data = block.removeprefix("data: ")
+        yield data if data == "[DONE]" else json.loads(data)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of one series of ``/metrics`` (0 if absent)."""
+    status, body = get(url, "/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        head, _, rest = series.partition("{")
+        if head != name:
+            continue
+        found = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part)
+        if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+            return float(value)
+    return 0.0

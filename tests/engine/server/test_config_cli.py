@@ -1,0 +1,100 @@
+"""The server's config and command line: validation, tiers from CACHETIER_* and flags, and a real
+``python -m engine.server`` process that prints its config and pool and flushes on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachetier.config import StoreConfig
+from cachetier.events import read_events
+from engine.server.__main__ import server_config
+from engine.server.config import ServerConfig
+from tests.engine.server.live import post
+from tests.server.live import ROOT, free_port, wait_healthy
+
+
+def test_config_checks_its_values() -> None:
+    assert ServerConfig().model_name == "SmolLM2-135M-Instruct"
+    assert ServerConfig(model="/models/my-llama").model_name == "my-llama"
+    assert ServerConfig(served_model_name="x").model_name == "x"
+    with pytest.raises(ValueError, match="unknown engine_args"):
+        ServerConfig(engine_args={"kv_bytes": 1})
+    with pytest.raises(ValueError, match="block_size"):
+        ServerConfig(engine_args={"block_size": 3})
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key="")
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        ServerConfig(max_concurrent_requests=0)
+    config = ServerConfig(engine_args={"block_size": 32})
+    with pytest.raises(TypeError):
+        config.engine_args["block_size"] = 16  # type: ignore[index]
+    assert "secret" not in repr(ServerConfig(api_key="secret"))
+
+
+def test_tiers_come_from_the_environment_and_flags_win() -> None:
+    env = {"CACHETIER_DISK_PATH": "/tmp/kv-env", "CACHETIER_CPU_BYTES": "1024"}
+    config, _ = server_config(["--port", "0"], env)
+    assert config.store == StoreConfig(cpu_bytes=1024, disk_path="/tmp/kv-env")
+    config, _ = server_config(["--disk-path", "/tmp/kv-flag", "--cpu-bytes", "0"], env)
+    assert config.store == StoreConfig(cpu_bytes=0, disk_path="/tmp/kv-flag")
+    config, _ = server_config(["--cpu-bytes", "0"], {})
+    assert config.store is None
+    config, timeout = server_config(["--event-log", "/tmp/e.jsonl", "--graceful-timeout", "5"], {})
+    assert config.engine_args["event_log"] == "/tmp/e.jsonl" and timeout == 5
+    with pytest.raises(SystemExit):
+        server_config(["--block-size", "3"], {})
+
+
+def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    disk, log = tmp_path / "disk", tmp_path / "lookups.jsonl"
+    args = [
+        "--model",
+        str(chat_model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-bytes",
+        str(4 << 20),
+        "--cpu-bytes",
+        "0",
+        "--disk-path",
+        str(disk),
+        "--event-log",
+        str(log),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.server", *args],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=120, proc=proc)
+        body = {"prompt": [(i * 3) % 250 for i in range(40)], "max_tokens": 4}
+        status, answer = post(f"http://127.0.0.1:{port}", "/v1/completions", body)
+        assert status == 200, answer
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Application shutdown complete" in err
+    assert "engine server config: ServerConfig(" in err
+    assert "KV pool of" in err and "tiers ['disk']" in err
+    assert "store flushed and closed" in err
+    assert len([p for p in disk.rglob("*") if p.is_file()]) >= 2  # 2 full blocks of 40 tokens
+    assert [e.num_tokens for e in read_events(log, strict=True)] == [40]
