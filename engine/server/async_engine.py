@@ -137,8 +137,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._take_work():
-                now = time.perf_counter()
-                for out in self.engine.step() if self.engine.has_unfinished_requests() else []:
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                now = time.perf_counter()  # after the step: its tokens exist from now on
+                for out in outputs:
                     self._deliver(out, now)
                 self._stats = self.engine.stats()
         except BaseException as exc:
