@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,7 +91,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until the finished one.
 
         Leaving early (a client that went away, a stop string) aborts the request.

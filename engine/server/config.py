@@ -31,7 +31,8 @@ class ServerConfig:
     api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
     max_prompt_tokens: longest prompt accepted; ``None`` takes what the engine can hold.
     max_request_bytes: largest request body (413 above it).
-    max_concurrent_requests: generations in flight at once (429 above it).
+    max_concurrent_requests: generations in flight at once: a request that arrives with this
+        many running gets 429 (requests arriving together may pass it by a few).
     log_level: uvicorn's log level.
     """
 

@@ -96,7 +96,8 @@ class EngineMetrics:
         self._generation_tokens.labels(name).inc(len(output.new_token_ids))
 
     def on_request_done(self, finish_reason: str, e2e_s: float) -> None:
-        """Account a request the client saw end (``stop``, ``length`` or ``abort``)."""
+        """Account a request the client saw end (``stop``, ``length``, ``abort``: the client
+        left, or ``error``)."""
         self._success.labels(self._model_name, finish_reason).inc()
         self._e2e.labels(self._model_name).observe(e2e_s)
 

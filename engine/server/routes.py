@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
@@ -112,7 +112,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return CompletionChoice(
             text=text,
             finish_reason=piece.finish_reason,
-            prompt_token_ids=prompt if body.return_token_ids else None,
+            # Streams send the prompt's ids once, in the last chunk.
+            prompt_token_ids=prompt if body.return_token_ids and piece.finish_reason else None,
             token_ids=(piece.new_token_ids if body.stream else piece.output.token_ids)
             if body.return_token_ids
             else None,
@@ -120,7 +121,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
     if body.stream:
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncGenerator[str, None]:
             async with aclosing(pieces) as run:
                 async for piece in run:
                     if piece.text or piece.finish_reason or body.return_token_ids:
@@ -175,7 +176,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     if body.stream:
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncGenerator[str, None]:
             yield chunk(ChatDelta(role="assistant", content=""))
             async with aclosing(pieces) as run:
                 async for piece in run:
@@ -218,7 +219,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return JSONResponse(answer.model_dump(mode="json"))
 
 
-async def _finish(request: Request, pieces: AsyncIterator[Piece]) -> Piece | None:
+async def _finish(request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece | None:
     """The last piece of a request run to its end; ``None`` if the client left first."""
 
     async def last_piece() -> Piece:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -175,7 +175,7 @@ class OpenAIServing:
 
     async def pieces(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, text: TextStream
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncGenerator[Piece, None]:
         """Run a request; one piece per engine output, the last one with its finish reason.
 
         Leaving early aborts the request in the engine.
@@ -195,12 +195,15 @@ class OpenAIServing:
                         yield Piece(delta, out.new_token_ids, out, reason, text.text)
                         return  # leaving the engine's generator aborts a request cut short
                     yield Piece(delta, out.new_token_ids, out, None, text.text)
+        except (EngineDeadError, ValueError):
+            reason = "error"
+            raise
         finally:
             self.num_in_flight -= 1
             self.metrics.on_request_done(reason, time.perf_counter() - start)
 
-    def stream(self, events: AsyncIterator[str]) -> StreamingResponse:
-        async def with_errors() -> AsyncIterator[str]:
+    def stream(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+        async def with_errors() -> AsyncGenerator[str, None]:
             # The status line is sent by now: a failure becomes an error event, then the end.
             try:
                 async with aclosing(events) as inner:
