@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -51,6 +52,16 @@ class LookupEvent:
     origin: str = "engine"
 
     def __post_init__(self) -> None:
+        # A NaN or infinite time (JSON allows NaN) would wreck every plot over time, and a
+        # negative restore time would inflate the seconds a report says were saved.
+        if not math.isfinite(self.time_s):
+            raise ValueError(f"time_s must be a finite number of seconds, got {self.time_s}")
+        if not (math.isfinite(self.restore_s) and self.restore_s >= 0):
+            raise ValueError(f"restore_s must be a finite number >= 0, got {self.restore_s}")
+        if self.num_alignment_lost_tokens < 0:
+            raise ValueError(
+                f"num_alignment_lost_tokens must be >= 0, got {self.num_alignment_lost_tokens}"
+            )
         if self.num_tokens < 0 or self.block_size <= 0:
             raise ValueError(
                 f"num_tokens must be >= 0 and block_size > 0, got {self.num_tokens}, "
