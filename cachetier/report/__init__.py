@@ -1,0 +1,14 @@
+"""``cachetier report``: hit-rate reports from an event log, server stats or a trace replay.
+
+- ``config``: what to report on and with which settings (``ReportConfig``).
+- ``inputs``: reading the event log, the stats and the trace, with one-line errors.
+- ``trace`` / ``workers``: replaying a trace through real tiers (a two-tier store, and the
+  capacity curve's replays, shared with a forked helper).
+- ``figures`` / ``curve`` / ``counters``: every figure as a plain dict (what the JSON holds
+  and the plots draw): lookup figures, the trace-only ones, the tier counters table.
+- ``plots`` / ``html`` / ``summary``: the PNGs, the self-contained page, the terminal text.
+- ``build``: the steps in order.
+
+Needs the ``report`` extra (matplotlib, tqdm); nothing outside this package but the command
+imports it.
+"""

@@ -1,0 +1,127 @@
+"""Reading a report's inputs; every problem becomes a ``ValueError`` of one line naming the file.
+
+The command turns those into exit status 2, so a missing or corrupt input never ends in a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from cachetier.events import LookupEvent, read_events
+from cachetier.replay import ReplayTrace
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "CACHETIER_REMOTE_TOKEN"
+"""Bearer token sent with ``--stats http://...`` (the variable ``StoreConfig.from_env`` reads)."""
+
+
+def load_trace(path: str) -> ReplayTrace:
+    """Read and key a Mooncake-format trace.
+
+    Args:
+        path: the ``.jsonl`` file.
+
+    Returns:
+        The keyed trace, ready to replay.
+
+    Raises:
+        ValueError: unreadable, not a trace (the message names the line), or empty.
+    """
+    try:
+        trace = ReplayTrace.load(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file, so not a Mooncake .jsonl trace") from None
+    if not trace.requests:
+        raise ValueError(f"{path}: no requests in the trace")
+    return trace
+
+
+def load_events(path: str) -> list[LookupEvent]:
+    """Read an event log, forgiving one bad line (a log cut mid-line by a crash).
+
+    Args:
+        path: a file written by ``cachetier.events.EventLog``.
+
+    Returns:
+        The events, in file order.
+
+    Raises:
+        ValueError: unreadable, empty, or more than one line that is not an event (the message
+            names the first).
+    """
+    events: list[LookupEvent] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            num_lines = sum(1 for line in f if line.strip())
+        try:
+            events.extend(read_events(path, strict=True))
+        except ValueError as exc:
+            # The strict reader stops at the first bad line: it was the last line exactly
+            # when every line before it was an event.
+            if isinstance(exc, UnicodeDecodeError) or len(events) != num_lines - 1:
+                raise
+            log.warning("%s (skipped: the log was cut mid-line?)", exc)
+    except OSError as exc:
+        raise ValueError(f"cannot read event log {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file, so not an event log") from None
+    if not events:
+        raise ValueError(f"{path}: no lookup events in the event log")
+    return events
+
+
+def load_stats(source: str, *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Read tier counters from a file or from a running server.
+
+    Args:
+        source: a JSON file (a ``GET /v1/stats`` body or a ``TieredStore.stats()`` dump), or a
+            server's base URL ``http(s)://host:port`` (its ``/v1/stats`` is fetched, with the
+            bearer token in ``$CACHETIER_REMOTE_TOKEN`` if set; per-tier counters need an
+            admin tenant's token).
+        timeout_s: seconds to wait for the server.
+
+    Returns:
+        The JSON object.
+
+    Raises:
+        ValueError: unreadable, unreachable, refused, or not a JSON object.
+    """
+    if source.startswith(("http://", "https://")):
+        url = source.rstrip("/")
+        url = url if url.endswith("/v1/stats") else url + "/v1/stats"
+        request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        token = os.environ.get(TOKEN_ENV)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                text = response.read().decode("utf-8")
+        except urllib.error.HTTPError as exc:
+            raise ValueError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ValueError(f"cannot reach {url}: {reason}") from None
+    else:
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read stats {source}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{source}: not a text file, so not stats JSON") from None
+    try:
+        stats = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: stats are not valid JSON ({exc.msg})") from None
+    if not isinstance(stats, dict):
+        raise ValueError(f"{source}: stats must be a JSON object, got {type(stats).__name__}")
+    return stats

@@ -1,0 +1,157 @@
+"""Replaying a trace for a report: a two-tier store, and the capacity curve.
+
+Every hit is counted by real tier code: a ``TieredStore`` of two ``CPUTier`` for the per-tier
+figures, ``cachetier.replay`` for the capacity curve. Payloads are the replay's 1-byte blocks,
+so capacities count blocks.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from cachetier.events import LookupEvent
+from cachetier.replay import ReplayResult, ReplayTrace, TraceRequest, replay_infinite
+from cachetier.report.config import ReportConfig
+from cachetier.report.workers import CurveRunner, Job
+from cachetier.store import TieredStore
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+
+TIER_NAMES = ("cpu", "disk")
+"""Sources the two modelled tiers report hits under (``cachetier.events.SOURCES``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceReplays:
+    """Everything a report replays from one trace.
+
+    Args:
+        events: one lookup per request through the two-tier store, as an engine would log it.
+        hit_blocks: leading blocks each of those lookups hit.
+        ceiling: the infinite cache.
+        curve: replays by policy name (and ``"belady"``), one per curve capacity, ascending.
+    """
+
+    events: tuple[LookupEvent, ...]
+    hit_blocks: tuple[int, ...]
+    ceiling: ReplayResult
+    curve: dict[str, tuple[ReplayResult, ...]]
+
+
+def tenant_of(request: TraceRequest, num_tenants: int) -> str:
+    """A synthetic tenant for a trace request: a stable hash of its conversation.
+
+    A conversation is named by its first two hash ids: in the Mooncake conversation trace the
+    first block (id 0) is shared by every request, and each conversation's turns share the
+    next one.
+
+    Args:
+        request: the request.
+        num_tenants: how many tenants to spread conversations over.
+
+    Returns:
+        ``"tenant-<i>"`` with ``i`` in ``[0, num_tenants)``.
+    """
+    head = ",".join(map(str, request.hash_ids[:2])).encode()
+    return f"tenant-{zlib.crc32(head) % num_tenants}"
+
+
+def replay_hierarchy(
+    trace: ReplayTrace, config: ReportConfig, tenants: Sequence[str]
+) -> tuple[list[LookupEvent], list[int]]:
+    """Replay through a ``TieredStore`` of a ``cpu_blocks`` tier over a ``disk_blocks`` tier.
+
+    Each request is looked up with ``TieredStore.lookup`` (the longest leading run held by
+    any tier, and which tier holds which part), then all its blocks are put into both tiers:
+    what ``TieredStore.put_many`` writes through, applied before the next request as after a
+    ``flush()``, and into the upper tier also the blocks a restore would promote. Both tiers
+    are ``CPUTier``: a real ``DiskTier`` writes a file per block, too slow for a report of a
+    full trace, and hit accounting depends only on capacities and policy.
+
+    Args:
+        trace: the keyed trace.
+        config: capacities and policy.
+        tenants: the tenant of each request.
+
+    Returns:
+        One ``LookupEvent`` per request (hit tokens by tier, alignment-lost tokens) and the
+        number of leading blocks each request hit.
+    """
+    tiers = [
+        CPUTier(CPUTierConfig(capacity, policy=config.policy))
+        for capacity in (config.cpu_blocks, config.disk_blocks)
+    ]
+    ns, size = trace.namespace.id, trace.block_size
+    events: list[LookupEvent] = []
+    hits: list[int] = []
+    with TieredStore(tiers) as store:
+        for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
+            hit = store.lookup(ns, keys)
+            # As cachetier.replay counts tokens: whole blocks only; a hit partial last block
+            # is matched but cannot be reused (tests check the two agree).
+            usable = min(hit.num_blocks, request.input_length // size)
+            matched = min(hit.num_blocks * size, request.input_length)
+            per_tier = dict.fromkeys(TIER_NAMES, 0)
+            for index, start, end in hit.spans:
+                per_tier[TIER_NAMES[index]] += max(0, min(end, usable) - start) * size
+            events.append(
+                LookupEvent(
+                    time_s=request.timestamp_ms / 1000,
+                    tenant=tenant,
+                    num_tokens=request.input_length,
+                    hit_tokens=per_tier,
+                    block_size=size,
+                    num_alignment_lost_tokens=matched - usable * size,
+                    origin="trace",
+                )
+            )
+            hits.append(hit.num_blocks)
+            for tier in tiers:
+                tier.put_many(ns, blocks)
+    return events, hits
+
+
+def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
+    """The two-tier replay, the ceiling, and every replay of the capacity curve, with a
+    progress bar on stderr (off when stderr is not a terminal or with ``config.quiet``).
+
+    Args:
+        trace: the keyed trace.
+        config: tiers, tenants, curve capacities and policies, worker processes.
+
+    Returns:
+        The replays.
+    """
+    capacities = config.curve_capacities
+    curve_names = [*dict.fromkeys(config.curve_policies), "belady"]
+    jobs = [(name, capacity) for name in curve_names for capacity in capacities]
+    # Built first: it forks its helpers before the bar and the store start their threads.
+    runner = CurveRunner(trace, jobs, config.num_workers)
+    bar = tqdm(
+        total=(2 + len(jobs)) * len(trace.requests),
+        unit="req",
+        unit_scale=True,
+        desc="replaying",
+        file=sys.stderr,
+        disable=config.quiet or not sys.stderr.isatty(),
+        leave=False,
+    )
+    with bar:
+        bar.set_postfix_str(f"two tiers of {config.cpu_blocks:,}+{config.disk_blocks:,} blocks")
+        tenants = [tenant_of(r, config.num_tenants) for r in trace.requests]
+        events, hit_blocks = replay_hierarchy(trace, config, tenants)
+        bar.update(len(trace.requests))
+        ceiling = replay_infinite(trace)
+        bar.update(len(trace.requests))
+
+        def done(job: Job) -> None:
+            bar.set_postfix_str(f"{job[0]} at {job[1]:,} blocks", refresh=False)
+            bar.update(len(trace.requests))
+
+        results = dict(zip(jobs, runner.run(done)))
+    curve = {name: tuple(results[name, c] for c in capacities) for name in curve_names}
+    return TraceReplays(tuple(events), tuple(hit_blocks), ceiling, curve)
