@@ -101,7 +101,153 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (add_serve,)
+def add_report(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``cachetier report``: hit-rate reports as HTML, JSON and a terminal summary.
+
+    Args:
+        subparsers: the ``cachetier`` parser's subcommands.
+    """
+    from cachetier.report.config import (
+        CURVE_CAPACITIES,
+        DEFAULT_NUM_WORKERS,
+        DEFAULT_POLICY,
+        PREFILL_TOKENS_PER_S,
+    )
+
+    p = subparsers.add_parser(
+        "report",
+        help="hit-rate report of an event log, server stats or a trace replay",
+        description="Hit rate over time, per tier and per tenant, prefill saved, tokens lost to "
+        "block alignment and (for a trace) the capacity curve, as a self-contained HTML page, "
+        "JSON and a terminal summary. Exit status 2 for a missing or corrupt input.",
+    )
+    src = p.add_argument_group("inputs (--trace or --events, and/or --stats)")
+    src.add_argument("--trace", help="a Mooncake-format .jsonl trace to replay through real tiers")
+    src.add_argument("--events", help="an event log written by a running engine or server")
+    src.add_argument(
+        "--stats",
+        help="tier counters: a GET /v1/stats JSON file, or a server URL http://host:port "
+        "(token from $CACHETIER_REMOTE_TOKEN)",
+    )
+    out = p.add_argument_group("outputs")
+    out.add_argument("--out", default="report.html", help="the HTML page (default report.html)")
+    out.add_argument("--json-out", help="the same figures as JSON")
+    out.add_argument("--png-out", help="every plot on one PNG (a picture of the report)")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    rep = p.add_argument_group("trace replay")
+    rep.add_argument("--cpu-blocks", type=int, default=10_000, help="fast tier (default 10000)")
+    rep.add_argument("--disk-blocks", type=int, default=50_000, help="slow tier (default 50000)")
+    rep.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"eviction policy of both tiers (default {DEFAULT_POLICY})",
+    )
+    rep.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        help="synthetic tenants the conversations are spread over (default 1)",
+    )
+    rep.add_argument(
+        "--capacities",
+        type=_int_list,
+        default=CURVE_CAPACITIES,
+        help="capacity curve points in blocks, comma-separated (the tier sizes are added)",
+    )
+    rep.add_argument(
+        "--curve-policies", type=_str_list, help="policies on the curve (default: all)"
+    )
+    rep.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_NUM_WORKERS,
+        help=f"processes replaying the curve (default {DEFAULT_NUM_WORKERS})",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=PREFILL_TOKENS_PER_S,
+        help=f"prefill speed for seconds saved (default {PREFILL_TOKENS_PER_S:.1f}: SmolLM2 "
+        "on this CPU, from benchmarks/bench_restart.py)",
+    )
+    p.add_argument("--bin-s", type=float, help="seconds per time bin (default: about 60 bins)")
+    p.set_defaults(run=run_report)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers like 1000,10000, got {text!r}"
+        ) from None
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Build the report, write the page (and JSON, PNG), print the summary.
+
+    Args:
+        args: the parsed flags of ``report``.
+
+    Returns:
+        The exit status: 0 written, 1 an output could not be written, 2 bad input.
+    """
+    import dataclasses
+    import time
+    from pathlib import Path
+
+    start = time.perf_counter()
+
+    try:
+        from cachetier.report.build import build_report
+        from cachetier.report.config import ReportConfig
+        from cachetier.report.html import render_html
+        from cachetier.report.plots import render_composite
+        from cachetier.report.summary import render_summary
+    except ImportError as exc:
+        print(
+            f"cachetier report: needs the report extra ({exc.name}): "
+            "pip install 'cachetier[report]'",
+            file=sys.stderr,
+        )
+        return 1
+
+    fields = {f.name for f in dataclasses.fields(ReportConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    given.update(num_tenants=args.tenants, num_workers=args.jobs)
+    try:
+        config = ReportConfig(**given)
+        doc = build_report(config)
+    except ValueError as exc:
+        print(f"cachetier report: {exc}", file=sys.stderr)
+        return 2
+    written = []
+    try:
+        for path in (args.out, args.json_out, args.png_out):
+            if path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(render_html(doc), encoding="utf-8")
+        written.append(args.out)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            written.append(args.json_out)
+        if args.png_out:
+            title = f"cachetier report: {Path(config.trace or config.events or '').name}"
+            Path(args.png_out).write_bytes(render_composite(doc["figures"], title))
+            written.append(args.png_out)
+    except OSError as exc:
+        print(f"cachetier report: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
+    sys.stdout.write(render_summary(doc))
+    print(f"  wrote {', '.join(written)} ({time.perf_counter() - start:.1f} s in all)")
+    return 0
+
+
+SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (add_serve, add_report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,175 @@
+"""The report as one self-contained HTML page: PNGs inline as base64, no scripts, no links out.
+
+The report document itself is embedded too (``<script type="application/json"
+id="report-data">``, data only), so the page carries the same figures as the JSON output.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from html import escape
+from typing import Any
+
+from cachetier.report.plots import DRAWERS, render_png
+
+_STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #222;
+       padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
+img { max-width: 100%; border: 1px solid #eee; }
+p.how { color: #444; background: #f7f7f7; padding: .6em .8em; border-left: 3px solid #bbb; }
+table { border-collapse: collapse; font-size: 13px; margin: .5em 0; }
+th, td { border-bottom: 1px solid #e4e4e4; padding: 2px 10px; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+.meta { color: #666; font-size: 13px; }
+"""
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    """The page for a report document (``build_report``).
+
+    Args:
+        doc: the report document.
+
+    Returns:
+        The HTML text.
+    """
+    inp = doc["input"]
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>cachetier report: {escape(str(inp.get('path') or inp.get('stats')))}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        "<h1>cachetier hit-rate report</h1>",
+        f'<p class="meta">{escape(_describe_input(doc))}</p>',
+        "<h2>Headline</h2>",
+        _table(["figure", "value"], _headline_rows(doc["headline"])),
+    ]
+    for name, figure in doc["figures"].items():
+        parts.append(f'<section id="{escape(name)}"><h2>{escape(figure["title"])}</h2>')
+        if name in DRAWERS:
+            png = base64.b64encode(render_png(name, figure)).decode("ascii")
+            parts.append(f'<img alt="{escape(figure["title"])}" src="data:image/png;base64,{png}">')
+        parts.append(f'<p class="how">{escape(figure["how"])}</p>')
+        table = figure_table(name, figure)
+        if table is not None:
+            parts.append(_table(*table))
+        parts.append("</section>")
+    # "</" cannot close the script element early once escaped; JSON reads "<\/" as "</".
+    data = json.dumps(doc, separators=(",", ":")).replace("</", "<\\/")
+    parts.append(f'<script type="application/json" id="report-data">{data}</script>')
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _describe_input(doc: dict[str, Any]) -> str:
+    inp = doc["input"]
+    what = {"trace": "trace replay of", "events": "event log", "stats": "stats of"}[inp["kind"]]
+    text = f"{what} {inp.get('path') or inp.get('stats')}"
+    if "num_lookups" in inp:
+        text += f", {inp['num_lookups']:,} lookups"
+    return f"{text}; generated {doc['generated_at']}, built in {doc['build_s']:.1f} s"
+
+
+_HEADLINE_LABELS = {
+    "num_lookups": "lookups",
+    "num_tenants": "tenants",
+    "num_tokens": "prompt tokens",
+    "hit_tokens": "prompt tokens served from cache",
+    "token_hit_ratio": "token hit ratio",
+    "hit_tokens_by_source": "served from cache, by tier",
+    "saved_s": "prefill seconds saved (estimated)",
+    "restore_s": "seconds spent restoring",
+    "net_saved_s": "prefill seconds saved, net",
+    "alignment_lost_tokens": "tokens lost to block alignment",
+    "block_hit_ratio": "block hit ratio of the modelled store",
+    "default_policy": "default eviction policy",
+    "ceiling": "block hit ratio of an infinite cache",
+    "default_ge_lru_at_every_capacity": "default policy >= LRU at every capacity",
+    "num_counter_rows": "rows of counters",
+}
+
+
+def _headline_rows(headline: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for key, value in headline.items():
+        label = _HEADLINE_LABELS.get(key, key)
+        if key == "at_capacity":
+            for capacity, ratios in value.items():
+                text = ", ".join(f"{n} {r:.4f}" for n, r in ratios.items())
+                rows.append([f"block hit ratio at {int(capacity):,} blocks", text])
+        elif isinstance(value, dict):
+            rows.append([label, ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())])
+        else:
+            rows.append([label, _fmt(value)])
+    return rows
+
+
+def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[Any]]] | None:
+    """The numbers behind a figure as ``(columns, rows)``, ``None`` for a figure without one.
+
+    Args:
+        name: the figure's name.
+        fig: its dict.
+
+    Returns:
+        Column names and rows.
+    """
+    if name == "capacity_curve":
+        names = list(fig["series"])
+        rows = [
+            [f"{c:,}", *(fig["series"][n][i] for n in names), fig["ceiling"]]
+            for i, c in enumerate(fig["capacities"])
+        ]
+        return ["capacity (blocks)", *names, "infinite"], rows
+    if name == "per_tier":
+        cols = ["source", "hit tokens", "share of prompt tokens"]
+        return cols, [
+            list(r) for r in zip(fig["sources"], fig["hit_tokens"], fig["share_of_prompt_tokens"])
+        ]
+    if name == "per_tenant":
+        keys = [
+            "num_lookups",
+            "num_tokens",
+            "hit_tokens",
+            "token_hit_ratio",
+            "alignment_lost_tokens",
+            "net_saved_s",
+        ]
+        rows = [
+            [t or "(none)", *(fig[k][i] for k in keys)] for i, t in enumerate(fig["tenants"][:50])
+        ]
+        return ["tenant", *keys], rows
+    if name == "alignment":
+        parts = sorted({p for row in fig["breakdown"].values() for p in row})
+        rows = [
+            [label, *(row.get(p, "") for p in parts)] for label, row in fig["breakdown"].items()
+        ]
+        return ["prompt tokens", *parts], rows
+    if name == "saved":
+        keys = ["hit_tokens", "saved_s", "restore_s", "net_saved_s", "prefill_tokens_per_s"]
+        return ["figure", "value"], [[k, fig[k]] for k in keys]
+    if name == "tier_counters":
+        return fig["columns"], fig["rows"]
+    return None
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{escape(str(c))}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(_fmt(v))}</td>" for v in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
