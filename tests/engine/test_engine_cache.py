@@ -122,7 +122,8 @@ from cachetier.config import StoreConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-with LLM(model, store=StoreConfig(cpu_bytes=1 << 26, disk_path=disk), kv_cache_bytes=4 << 20) as llm:
+store = StoreConfig(cpu_bytes=1 << 26, disk_path=disk)
+with LLM(model, store=store, kv_cache_bytes=4 << 20) as llm:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
 print(json.dumps({"tokens": out.token_ids, "by_source": out.cached_tokens_by_source}))
 """
