@@ -35,7 +35,7 @@ class LLM:
         self._owns_store = isinstance(store, StoreConfig)
         self.store = build_store(store) if isinstance(store, StoreConfig) else store
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), self.store)
-        self.tokenizer = _maybe_tokenizer(Path(model))
+        self.tokenizer = maybe_tokenizer(Path(model))
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``prompt`` (through the chat template if ``chat``)."""
@@ -119,7 +119,8 @@ class LLM:
         self.close()
 
 
-def _maybe_tokenizer(folder: Path) -> Any:
+def maybe_tokenizer(folder: Path) -> Any:
+    """The folder's Hugging Face tokenizer, or ``None`` when it has none (token-id models)."""
     if (
         not (folder / "tokenizer.json").is_file()
         and not (folder / "tokenizer_config.json").is_file()

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachetier.config import build_store
 from cachetier.store import TieredStore
-from engine.llm import _maybe_tokenizer as maybe_tokenizer
+from engine.llm import maybe_tokenizer
 from engine.llm_engine import LLMEngine
 from engine.loader import smollm2_path
 from engine.server import routes
