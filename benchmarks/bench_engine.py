@@ -90,8 +90,12 @@ def main() -> None:
                                  "threads": torch.get_num_threads(), "hf": "generate, batch 1"}
     for label, shared in (("", 0), ("_shared_prefix", args.shared_prefix)):
         requests = make_requests(args.num_requests, vocab, shared)
+        # Progress on stderr: a 32-request round takes minutes on two cores.
+        print(f"round{label or ' (no shared prefix)'}: engine ...", file=sys.stderr, flush=True)
         engine_s, engine_out, stats = run_engine(requests)
+        print(f"  engine {engine_s:.1f} s; HF generate ...", file=sys.stderr, flush=True)
         hf_s, hf_out = run_hf(hf, requests)
+        print(f"  HF {hf_s:.1f} s", file=sys.stderr, flush=True)
         tokens = sum(len(r) for r in requests) + OUTPUT_TOKENS * len(requests)
         result[f"engine_s{label}"] = engine_s
         result[f"hf_s{label}"] = hf_s
