@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from cachetier.report.figures import MAX_TENANTS_PLOTTED
+from cachetier.report.summary import format_tokens
 
 COLORS = {
     "pool": "#2ca02c",
@@ -34,11 +35,21 @@ COLORS = {
 }
 
 
-def _minutes(figure: dict[str, Any], key: str) -> tuple[np.ndarray, str]:
-    seconds = np.asarray(figure[key], dtype=np.float64)
-    if seconds.size and seconds.max() > 3 * 3600:
-        return seconds / 3600, "hours from the first lookup"
-    return seconds / 60, "minutes from the first lookup"
+def _time_axis(seconds: list[float], span_s: float) -> tuple[np.ndarray, float, str]:
+    """Times in the unit that suits the span: seconds, minutes or hours."""
+    for scale, name in ((1.0, "seconds"), (60.0, "minutes"), (3600.0, "hours")):
+        if span_s <= 120 * scale or name == "hours":
+            return np.asarray(seconds, dtype=np.float64) / scale, scale, name
+    raise AssertionError("unreachable: hours is always chosen last")
+
+
+def _unit(largest: float, units: tuple[tuple[float, str], ...]) -> tuple[float, str]:
+    """The largest unit that keeps ``largest`` at or above 1 (the first one otherwise)."""
+    chosen = units[0]
+    for scale, name in units:
+        if largest >= scale:
+            chosen = (scale, name)
+    return chosen
 
 
 def _values(ratios: list[float | None]) -> np.ndarray:
@@ -46,30 +57,37 @@ def _values(ratios: list[float | None]) -> np.ndarray:
 
 
 def draw_hit_rate_over_time(ax: Axes, fig: dict[str, Any]) -> None:
-    """Stacked token hit ratio per source per bin, and the infinite cache dashed."""
-    x, unit = _minutes(fig, "bin_start_s")
-    x = x + fig["bin_s"] / (3600 if "hours" in unit else 60) / 2  # bin centres
-    by_source = {s: np.nan_to_num(_values(r)) for s, r in fig["token_hit_ratio_by_source"].items()}
-    ax.stackplot(
-        x,
-        *by_source.values(),
-        labels=[f"hit from {s}" for s in by_source],
-        colors=[COLORS.get(s, "#888888") for s in by_source],
-        alpha=0.85,
-    )
-    if "ceiling_token_hit_ratio" in fig:
-        ax.plot(
+    """Token hit ratio per bin as stacked bars by source, and the infinite cache dashed.
+
+    Bars, not a filled area: a bin without lookups stays empty instead of reading as 0%.
+    """
+    width_s = fig["bin_s"]
+    span = len(fig["bin_start_s"]) * width_s
+    x, scale, unit = _time_axis(fig["bin_start_s"], span)
+    width = width_s / scale
+    bottom = np.zeros(len(x))
+    for source, ratios in fig["token_hit_ratio_by_source"].items():
+        values = _values(ratios)
+        ax.bar(
             x,
-            _values(fig["ceiling_token_hit_ratio"]),
-            "--",
-            color=COLORS["infinite"],
-            label="infinite cache",
+            values,
+            width,
+            bottom=bottom,
+            align="edge",
+            color=COLORS.get(source, "#888888"),
+            label=f"hit from {source}",
+            linewidth=0,
         )
-    top = np.nanmax([*_values(fig.get("ceiling_token_hit_ratio", [])), *sum(by_source.values())])
-    ax.set_xlabel(unit)
+        bottom = bottom + np.nan_to_num(values)
+    top = float(bottom.max(initial=0.0))
+    if "ceiling_token_hit_ratio" in fig:
+        ceiling = _values(fig["ceiling_token_hit_ratio"])
+        ax.plot(x + width / 2, ceiling, "--", color=COLORS["infinite"], label="infinite cache")
+        top = max(top, float(np.nanmax(ceiling, initial=0.0)))
+    ax.set_xlabel(f"{unit} from the first lookup")
     ax.set_ylabel("token hit ratio")
-    ax.set_ylim(0, min(1.0, max(float(top), 0.04) * 1.3))
-    ax.set_xlim(0, x.max() + x.min())
+    ax.set_ylim(0, min(1.0, max(top, 0.04) * 1.3))
+    ax.set_xlim(0, span / scale)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(fig["title"])
@@ -81,7 +99,7 @@ def draw_per_tier(ax: Axes, fig: dict[str, Any]) -> None:
     bars = ax.barh(sources, shares, color=[COLORS.get(s, "#888888") for s in sources])
     for bar, tokens, share in zip(bars, fig["hit_tokens"], shares):
         ax.annotate(
-            f" {share:.1%}  ({tokens / 1e6:.2f}M tokens)",
+            f" {share:.1%}  ({format_tokens(tokens)} tokens)",
             (bar.get_width(), bar.get_y() + bar.get_height() / 2),
             va="center",
             fontsize=9,
@@ -134,19 +152,29 @@ def draw_per_tenant(ax: Axes, fig: dict[str, Any]) -> None:
 
 def draw_saved(ax: Axes, fig: dict[str, Any]) -> None:
     """Cumulative estimated prefill time saved, with the tokens on a second axis."""
-    x, unit = _minutes(fig, "bin_end_s")
-    gross = np.asarray(fig["cumulative_hit_tokens"], dtype=np.float64) / fig["prefill_tokens_per_s"]
-    ax.plot(x, gross / 3600, color=COLORS["cpu"], label="estimated (hit tokens / prefill rate)")
-    if fig["restore_s"] > 0:
-        net = np.asarray(fig["cumulative_net_saved_s"]) / 3600
-        ax.plot(x, net, color=COLORS["disk"], label="net of restore time")
+    # Each curve starts at nothing saved at the first lookup.
+    x, _, unit = _time_axis([0.0, *fig["bin_end_s"]], fig["bin_end_s"][-1])
     rate = fig["prefill_tokens_per_s"]
-    tokens_axis = ax.secondary_yaxis(
-        "right", functions=(lambda h: h * 3600 * rate / 1e6, lambda m: m * 1e6 / rate / 3600)
+    gross_s = np.asarray([0, *fig["cumulative_hit_tokens"]], dtype=np.float64) / rate
+    t_scale, t_name = _unit(
+        float(gross_s.max()), ((1.0, "seconds"), (60.0, "minutes"), (3600.0, "hours"))
     )
-    tokens_axis.set_ylabel("prefill tokens saved (millions)")
-    ax.set_xlabel(unit)
-    ax.set_ylabel(f"prefill hours saved at {rate:.0f} tokens/s")
+    ax.plot(
+        x, gross_s / t_scale, color=COLORS["cpu"], label="estimated (hit tokens / prefill rate)"
+    )
+    if fig["restore_s"] > 0:
+        net = np.asarray([0.0, *fig["cumulative_net_saved_s"]]) / t_scale
+        ax.plot(x, net, color=COLORS["disk"], label="net of restore time")
+    n_scale, n_name = _unit(
+        float(gross_s.max() * rate), ((1.0, ""), (1e3, " (thousands)"), (1e6, " (millions)"))
+    )
+    tokens_axis = ax.secondary_yaxis(
+        "right",
+        functions=(lambda v: v * t_scale * rate / n_scale, lambda n: n * n_scale / rate / t_scale),
+    )
+    tokens_axis.set_ylabel(f"prefill tokens saved{n_name}")
+    ax.set_xlabel(f"{unit} from the first lookup")
+    ax.set_ylabel(f"prefill {t_name} saved at {rate:.0f} tokens/s")
     ax.set_ylim(bottom=0)
     ax.set_xlim(0, x.max())
     ax.legend(loc="upper left", fontsize=8)
@@ -185,7 +213,8 @@ def draw_alignment(ax: Axes, fig: dict[str, Any]) -> None:
             left += share
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(list(rows))
-    ax.set_ylim(len(rows) - 0.5 + max(0, 2 - len(rows)) * 0.5, -0.5)  # top to bottom
+    pad = max(0, 2 - len(rows)) * 0.25  # one bar alone stays as thick as one of two
+    ax.set_ylim(len(rows) - 0.5 + pad, -0.5 - pad)  # first row on top
     ax.set_xlim(0, 1)
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel(f"share of prompt tokens ({fig['alignment_lost_tokens']:,} lost to alignment)")

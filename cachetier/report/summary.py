@@ -19,7 +19,7 @@ def render_summary(doc: dict[str, Any]) -> str:
     if "num_lookups" in head:
         tokens = head["num_tokens"]
         by_source = "  ".join(
-            f"{s} {_tokens(n)}" for s, n in head["hit_tokens_by_source"].items() if n
+            f"{s} {format_tokens(n)}" for s, n in head["hit_tokens_by_source"].items() if n
         )
         lines += [
             f"  lookups            {head['num_lookups']:,} ({head['num_tenants']} tenant(s))",
@@ -68,13 +68,15 @@ def render_summary(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tokens(count: int) -> str:
+def format_tokens(count: int) -> str:
+    """A token count for people: ``812``, ``64.5k``, ``31.15M``."""
     if count >= 10**6:
         return f"{count / 1e6:.2f}M"
     return f"{count / 1e3:.1f}k" if count >= 10**4 else f"{count:,}"
 
 
 def _duration(seconds: float) -> str:
+    """Seconds for people: ``12.0 s``, ``3.5 min``, ``127.6 h``."""
     if abs(seconds) >= 3600:
         return f"{seconds / 3600:,.1f} h"
     return f"{seconds / 60:.1f} min" if abs(seconds) >= 60 else f"{seconds:.1f} s"
