@@ -216,6 +216,12 @@ def run_report(args: argparse.Namespace) -> int:
         )
         return 1
 
+    if args.png_out and not (args.trace or args.events):
+        print(
+            "cachetier report: --png-out needs --trace or --events (stats alone are a table)",
+            file=sys.stderr,
+        )
+        return 2
     fields = {f.name for f in dataclasses.fields(ReportConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     given.update(num_tenants=args.tenants, num_workers=args.jobs)

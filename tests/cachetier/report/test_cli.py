@@ -227,3 +227,20 @@ def test_the_command_exits_2_without_a_traceback(tmp_path: Path) -> None:
         "(Expecting property name enclosed in double quotes)\n"
     )
     assert "Traceback" not in proc.stderr and not (tmp_path / "report.html").exists()
+
+
+def test_png_out_draws_every_plot_on_one_picture(tmp_path: Path) -> None:
+    trace = tiny.write_tiny_trace(tmp_path / "tiny.jsonl")
+    png = tmp_path / "docs" / "report.png"
+    status, _, _ = _report(tmp_path, "--trace", str(trace), "--png-out", str(png))
+    assert status == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_png_out_of_stats_alone_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps(_stats_body()))
+    status, _, _ = _report(tmp_path, "--stats", str(stats), "--png-out", str(tmp_path / "x.png"))
+    assert status == 2 and "--png-out needs --trace or --events" in capsys.readouterr().err
