@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -25,6 +26,9 @@ BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest naming one full block of tokens under one namespace."""
 
 HASH_BYTES = 32
+# bytes.fromhex alone is not enough: it skips whitespace, so 64 characters with spaces in them
+# would parse to a shorter key.
+_HEX_KEY = re.compile(rf"[0-9a-fA-F]{{{2 * HASH_BYTES}}}")
 _NAMESPACE_DOMAIN = b"cachetier/namespace/v1\0"
 
 # Element sizes of the KV dtypes a layout may name (bytes).
@@ -247,7 +251,6 @@ def parse_key(text: str) -> BlockHash:
     """
     if len(text) != 2 * HASH_BYTES:
         raise ValueError(f"a key is {2 * HASH_BYTES} hex digits, got {len(text)} characters")
-    try:
-        return BlockHash(bytes.fromhex(text))
-    except ValueError:
-        raise ValueError(f"key {text[:16]!r}... is not hex") from None
+    if not _HEX_KEY.fullmatch(text):
+        raise ValueError(f"key {text[:16]!r}... is not {2 * HASH_BYTES} hex digits")
+    return BlockHash(bytes.fromhex(text))
