@@ -53,7 +53,9 @@ def check_client_namespace(namespace: str) -> str:
     Raises:
         ValueError: if it does not qualify; the message says what to change.
     """
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+    # fullmatch, not match: "$" also matches before a final newline, which would let "ns\n"
+    # through into folder names and Redis keys.
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
         raise ValueError(
             f"namespace {str(namespace)[:100]!r} must be 1-{MAX_NAMESPACE_CHARS} characters of "
             "[A-Za-z0-9._-] starting with a letter or digit"
