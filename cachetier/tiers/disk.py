@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cachetier.errors import CorruptBlockError
 from cachetier.eviction import make_policy
-from cachetier.keys import HASH_BYTES, BlockHash
+from cachetier.keys import HASH_BYTES, BlockHash, parse_key
 from cachetier.record import Compression, KVBlock, encode_parts, read_record
 from cachetier.tiers.base import Tier, check_namespace
 
@@ -118,7 +118,9 @@ class DiskTier(Tier):
                     if not name.endswith(SUFFIX) or len(name) != 2 * HASH_BYTES + len(SUFFIX):
                         continue
                     try:
-                        key = bytes.fromhex(name[: 2 * HASH_BYTES])
+                        # parse_key, not bytes.fromhex: a stray name with spaces in it would
+                        # give a short key that later breaks eviction.
+                        key = parse_key(name[: 2 * HASH_BYTES])
                         st = entry.stat(follow_symlinks=False)
                     except (ValueError, OSError):
                         continue
