@@ -114,6 +114,10 @@ class BlockService:
             if max_bytes is not None and out and nbytes >= max_bytes:
                 break
             for block in self.store.get_many(scope.storage, keys[first : first + step]):
+                if block is not None and scope.fingerprint not in (None, block.fingerprint):
+                    # Uploads here were checked against the fingerprint; a record that came
+                    # another way (a copied file) may be of another model: never serve it.
+                    block = None
                 out.append(None if block is None else encode_parts(block))
                 if block is not None:
                     hits += 1
