@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.config import build_store
 from cachetier.server import routes_admin, routes_blocks
+from cachetier.server.bodies import JsonBodyLimit, json_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
@@ -68,6 +69,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         description=_DESCRIPTION,
         lifespan=lifespan,
     )
+    # Added first, so it runs inside the metrics middleware and its 413s are counted.
+    app.add_middleware(JsonBodyLimit, max_bytes=json_body_limit(config))
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(routes_blocks.router)
     app.include_router(routes_admin.router)

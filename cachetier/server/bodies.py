@@ -7,7 +7,8 @@ from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachetier.record import Buffer
 from cachetier.server.config import ServerConfig
@@ -73,7 +74,7 @@ class PartsResponse(StreamingResponse):
 
 
 def _check_type(request: Request, expected: str) -> None:
-    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    given = _media_type(request.scope)
     if given != expected:
         raise api_error(
             415, "unsupported_media_type", f"send the body as {expected}, not {given or 'nothing'}"
@@ -142,3 +143,65 @@ async def read_record(request: Request, config: ServerConfig) -> memoryview:
     except ClientDisconnect:
         raise api_error(400, "bad_record", "the client went away before the body ended") from None
     return memoryview(body).toreadonly()
+
+
+def json_body_limit(config: ServerConfig) -> int:
+    """Largest body a JSON endpoint takes: room for its most keys, generously spaced.
+
+    A key is 64 hex digits in quotes and a comma; 128 bytes each leaves room for indentation.
+    """
+    return 128 * max(config.max_keys, config.max_batch_blocks) + (64 << 10)
+
+
+class JsonBodyLimit:
+    """Refuses a body that is not a record or a batch (413) once it passes ``max_bytes``.
+
+    The binary endpoints count their bodies while they read them (``read_batch``); FastAPI
+    reads a JSON body whole before any handler sees it, so without this a client could make
+    the server hold any amount of JSON in memory. Plain ASGI, like ``RequestMetricsMiddleware``.
+
+    Args:
+        app: the app to wrap.
+        max_bytes: the limit (``json_body_limit``).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _media_type(scope) in (RECORD_MEDIA_TYPE, BATCH_MEDIA_TYPE):
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length.isdigit() and int(length) > self.max_bytes:
+            body = {"error": "too_large", "message": self._message(f"body of {length} bytes")}
+            await JSONResponse(body, status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # Raised inside the handler's body read: the app's handlers answer it.
+                    raise api_error(413, "too_large", self._message("body"))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self, what: str) -> str:
+        return f"{what} is over the limit of {self.max_bytes} bytes for a JSON request"
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return ""
+
+
+def _media_type(scope: Scope) -> str:
+    return _header(scope, b"content-type").split(";")[0].strip().lower()
