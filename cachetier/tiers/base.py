@@ -27,7 +27,7 @@ def check_namespace(namespace: str) -> str:
     Returns:
         ``namespace`` unchanged.
     """
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
         raise ValueError(
             f"namespace {namespace!r} must be 1-128 characters of [A-Za-z0-9._-] starting "
             "with a letter or digit"

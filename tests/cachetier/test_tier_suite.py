@@ -198,7 +198,7 @@ def test_blocks_of_every_layout_round_trip(harness: TierHarness) -> None:
     assert got[0] is not None and got[0].dtype == "float32" and got[0].shape == (3, 2, 8, 1, 4)
 
 
-@pytest.mark.parametrize("bad", ["", "../etc", "a/b", ".hidden", "x" * 200, "sp ace"])
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", ".hidden", "x" * 200, "sp ace", "ns\n"])
 def test_bad_namespace_is_a_value_error(
     harness: TierHarness, bad: str, namespace: Namespace
 ) -> None:
