@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.faults.fuzzing import Tally
+
 REPORT_ENV = "CACHETIER_FAULTS_REPORT"
 
 
@@ -49,3 +51,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if str(item.path).startswith(here):
             item.add_marker(pytest.mark.faults)
+
+
+@pytest.fixture
+def tally(fault_figures: FaultFigures) -> Iterator[Tally]:
+    """A fuzz test's count of inputs and crashes, added to the figures when it ends."""
+    found = Tally()
+    yield found
+    fault_figures.add("fuzz_inputs", found.num_inputs)
+    fault_figures.add("fuzz_crashes", len(found.crashes))

@@ -1,6 +1,6 @@
-"""Issue 7, part 5: bad input. Generated inputs against the record decoder, the batch framing,
-the server's upload checks and every endpoint of a real server (schemathesis over its OpenAPI
-document, and hypothesis over raw bodies and tokens).
+"""Issue 7, part 5: bad input over HTTP. Generated inputs against every endpoint of a real
+server (schemathesis over its OpenAPI document, and hypothesis over raw bodies and tokens),
+and names that try to leave the disk root.
 
 What must hold: only the documented errors come out (``CorruptBlockError`` from the decoder,
 ``FrameError`` from the framing, ``ValueError`` for bad names), the server never answers 5xx,
@@ -14,418 +14,42 @@ Figures: ``fuzz_inputs`` (inputs generated, counted in each test body) and ``fuz
 from __future__ import annotations
 
 import http.client
-import io
 import json
-import math
 import os
 import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 import schemathesis
-import xxhash
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
-from cachetier.config import build_store
-from cachetier.errors import CorruptBlockError
-from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace, parse_key
-from cachetier.record import Compression, KVBlock, decode_record, encode_record, read_record
-from cachetier.server.auth import Scope
-from cachetier.server.service import BlockService
+from cachetier.keys import HASH_BYTES, BlockHash
+from cachetier.record import KVBlock, decode_record, encode_record
 from cachetier.server.wire import (
     BATCH_MEDIA_TYPE,
     RECORD_MEDIA_TYPE,
-    BatchReader,
-    FrameError,
-    batch_parts,
 )
 from cachetier.store import TieredStore
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from tests.faults.fuzzing import (
+    ALICE,
+    FUZZ_NS,
+    KNOWN_BLOCKS,
+    NAME_ALPHABET,
+    OTHER_NS,
+    Tally,
+    frame,
+    fuzz_settings,
+    head_len_of,
+    mutations,
+    near_namespaces,
+)
 from tests.server.live import TOKENS, ThreadServer, call, test_config
 from tests.support import make_blocks
-
-# Tiny blocks (64 bytes of payload): the fuzzers move many of them, not big ones.
-FUZZ_LAYOUT = KVLayout("float16", block_size=4, num_layers=1, num_kv_heads=1, head_dim=4)
-FUZZ_NS = Namespace("fuzz-model", FUZZ_LAYOUT)
-OTHER_NS = Namespace("fuzz-model", KVLayout("bfloat16", 4, 1, 1, 4))  # same model, other dtype
-ALICE = TOKENS["alice"]
-KNOWN_BLOCKS = make_blocks(FUZZ_NS, 4, seed=3)  # what schemathesis's record bodies are made of
-
-# Offsets and struct formats of the record header fields (the layout in cachetier.record).
-HEADER_FIELDS = {
-    "version": (4, "<H"),
-    "compression": (6, "<B"),
-    "dtype": (7, "<B"),
-    "ndim": (8, "<B"),
-    "pad": (9, "<B"),
-    "num_tokens": (10, "<I"),
-    "aux_len": (78, "<I"),
-    "payload_len": (82, "<Q"),
-    "raw_len": (90, "<Q"),
-    "shape0": (98, "<Q"),
-}
-FIXED_HEADER_BYTES = 98
-
-
-class Tally:
-    """What one fuzz test ran and saw; added to the session's figures when the test ends."""
-
-    def __init__(self) -> None:
-        self.num_inputs = 0
-        self.crashes: set[str] = set()
-
-    @contextmanager
-    def expect(self, *allowed: type[BaseException]) -> Iterator[None]:
-        """One input: the ``allowed`` errors are answers, anything else is a crash (re-raised).
-
-        Crashes are kept by type and message, so hypothesis shrinking one failure into many
-        runs still counts it once.
-        """
-        try:
-            yield
-        except allowed:
-            pass
-        except Exception as exc:
-            self.crashes.add(f"{type(exc).__name__}: {str(exc)[:100]}")
-            raise
-
-    def answer(self, what: str, status: int) -> int:
-        """Check one server answer: a 5xx is a crash."""
-        if status >= 500:
-            self.crashes.add(f"{what} -> {status}")
-        assert status < 500, f"{what} answered {status}"
-        return status
-
-
-@pytest.fixture
-def tally(fault_figures) -> Iterator[Tally]:
-    found = Tally()
-    yield found
-    fault_figures.add("fuzz_inputs", found.num_inputs)
-    fault_figures.add("fuzz_crashes", len(found.crashes))
-
-
-def fuzz_settings(num_examples: int) -> settings:
-    # No deadline: two shared cores make single examples slow now and then.
-    return settings(
-        max_examples=num_examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
-@st.composite
-def any_blocks(draw: st.DrawFn) -> KVBlock:
-    """A valid block of any dtype and a small shape; payloads random, zero or repetitive (so
-    that LZ4 records occur too)."""
-    dtype = draw(st.sampled_from(sorted(DTYPE_BYTES)))
-    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=1, max_size=4)))
-    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-    fill = draw(st.sampled_from(["random", "zeros", "repeat"]))
-    if fill == "random":
-        data = draw(st.binary(min_size=nbytes, max_size=nbytes))
-    elif fill == "zeros":
-        data = bytes(nbytes)
-    else:
-        data = (draw(st.binary(min_size=1, max_size=4)) * nbytes)[:nbytes]
-    return KVBlock(
-        BlockHash(draw(st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES))),
-        draw(st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES)),
-        dtype,
-        shape,
-        draw(st.integers(1, 2**32 - 1)),
-        data,
-        draw(st.binary(max_size=16)),
-    )
-
-
-def reseal(record: bytearray, head_len: int) -> None:
-    """Recompute the checksum as a writer would, so checks past the checksum are reached."""
-    digest = xxhash.xxh3_64(record[:head_len])
-    digest.update(record[head_len + 8 :])
-    record[head_len : head_len + 8] = digest.digest()
-
-
-@st.composite
-def mutations(draw: st.DrawFn, record: bytes, head_len: int | None) -> tuple[bytes, bool]:
-    """``record`` changed by bit flips, a cut, an extension, overwritten bytes or a header
-    field set to another value (then resealed or not).
-
-    Args:
-        record: a valid record (or any body when ``head_len`` is ``None``).
-        head_len: bytes before the record's checksum; ``None`` for bodies without record
-            header fields (no field changes then).
-
-    Returns:
-        The changed bytes, and whether the checksum was recomputed afterwards.
-    """
-    out = bytearray(record)
-    kinds = ["flip", "truncate", "extend", "overwrite"] + ([] if head_len is None else ["field"])
-    how = draw(st.sampled_from(kinds))
-    if how == "flip":
-        for at in draw(st.lists(st.integers(0, len(out) * 8 - 1), min_size=1, max_size=4)):
-            out[at // 8] ^= 1 << (at % 8)
-    elif how == "truncate":
-        del out[draw(st.integers(0, len(out) - 1)) :]
-    elif how == "extend":
-        out += draw(st.binary(min_size=1, max_size=64))
-    elif how == "overwrite":
-        at = draw(st.integers(0, len(out) - 1))
-        out[at : at + 8] = draw(st.binary(min_size=1, max_size=8))
-    else:
-        offset, fmt = HEADER_FIELDS[draw(st.sampled_from(sorted(HEADER_FIELDS)))]
-        width = struct.calcsize(fmt)
-        value = draw(
-            st.one_of(
-                st.integers(0, 2 ** (8 * width) - 1),
-                st.sampled_from([0, 1, 2, 8, 9, 2 ** (8 * width) - 1]),
-            )
-        )
-        struct.pack_into(fmt, out, offset, value)
-    resealed = how == "field" and draw(st.booleans())
-    if resealed:
-        assert head_len is not None, "field changes only happen to records"
-        reseal(out, head_len)
-    return bytes(out), resealed
-
-
-def head_len_of(block: KVBlock) -> int:
-    return FIXED_HEADER_BYTES + 8 * len(block.shape)
-
-
-def chunked_reader(data: bytes, sizes: list[int]) -> Callable[[memoryview], int]:
-    """A ``readinto`` over ``data`` that returns short reads of the given sizes in turn."""
-    stream = io.BytesIO(data)
-    turn = iter(sizes)
-
-    def readinto(buf: memoryview) -> int:
-        limit = next(turn, buf.nbytes)
-        return stream.readinto(buf[: max(1, min(limit, buf.nbytes))])
-
-    return readinto
-
-
-def test_decoder_takes_arbitrary_bytes(tally: Tally) -> None:
-    header_like = st.builds(
-        lambda version, rest: b"CTKV" + struct.pack("<H", version) + rest,
-        st.sampled_from([1, 1, 1, 0, 2, 65535]),
-        st.binary(max_size=300),
-    )
-
-    @fuzz_settings(2500)
-    @given(
-        data=st.one_of(st.binary(max_size=400), header_like),
-        key=st.none() | st.binary(min_size=32, max_size=32),
-        fingerprint=st.none() | st.binary(min_size=32, max_size=32),
-        streamed=st.booleans(),
-    )
-    def run(data: bytes, key: bytes | None, fingerprint: bytes | None, streamed: bool) -> None:
-        tally.num_inputs += 1
-        with tally.expect(CorruptBlockError):
-            if streamed:
-                read_record(io.BytesIO(data).readinto, len(data), key=key, fingerprint=fingerprint)
-            else:
-                decode_record(data, key=key, fingerprint=fingerprint)
-            pytest.fail("random bytes decoded as a record")
-
-    run()
-
-
-def test_a_changed_record_never_decodes_to_other_data(tally: Tally) -> None:
-    @fuzz_settings(3500)
-    @given(data=st.data(), block=any_blocks(), lz4=st.booleans(), check=st.booleans())
-    def run(data: st.DataObject, block: KVBlock, lz4: bool, check: bool) -> None:
-        tally.num_inputs += 1
-        record = encode_record(block, Compression.LZ4 if lz4 else Compression.NONE)
-        mutated, resealed = data.draw(mutations(record, head_len_of(block)))
-        key, fingerprint = (block.key, block.fingerprint) if check else (None, None)
-        with tally.expect(CorruptBlockError):
-            got = decode_record(mutated, key=key, fingerprint=fingerprint)
-            # The checksum covers every other byte: an unsealed change must always be caught.
-            assert resealed or mutated == record, "a changed record passed its checksum"
-            assert bytes(got.data) == bytes(block.data), "a changed record decoded to other data"
-            if check:
-                assert (got.key, got.fingerprint) == (block.key, block.fingerprint)
-
-    run()
-
-
-def test_streamed_reads_of_changed_records(tally: Tally) -> None:
-    @fuzz_settings(2000)
-    @given(
-        data=st.data(),
-        block=any_blocks(),
-        lz4=st.booleans(),
-        check=st.booleans(),
-        size_error=st.sampled_from([0, 0, 0, 0, -1, 1, -8, 8]),
-        chunks=st.lists(st.integers(1, 64), max_size=6),
-        into=st.booleans(),
-    )
-    def run(
-        data: st.DataObject,
-        block: KVBlock,
-        lz4: bool,
-        check: bool,
-        size_error: int,
-        chunks: list[int],
-        into: bool,
-    ) -> None:
-        tally.num_inputs += 1
-        record = encode_record(block, Compression.LZ4 if lz4 else Compression.NONE)
-        mutated, resealed = data.draw(mutations(record, head_len_of(block)))
-        size = max(0, len(mutated) + size_error)
-        dest = memoryview(bytearray(memoryview(block.data).nbytes)) if into else None
-        key, fingerprint = (block.key, block.fingerprint) if check else (None, None)
-        with tally.expect(CorruptBlockError):
-            got = read_record(
-                chunked_reader(mutated, chunks),
-                size,
-                key=key,
-                fingerprint=fingerprint,
-                payload_into=dest,
-            )
-            # Only the first `size` bytes are the record (a file's size): bytes after them are
-            # not its own.
-            unchanged = size == len(record) and mutated[:size] == record
-            assert resealed or unchanged, "a change was missed"
-            assert bytes(got.data) == bytes(block.data), "a changed record read as other data"
-
-    run()
-
-
-@st.composite
-def near_keys(draw: st.DrawFn) -> str:
-    """64 characters that look like a key: hex pairs with whitespace or other characters put
-    between or over some of them."""
-    pairs = [draw(st.binary(min_size=1, max_size=1)).hex() for _ in range(32)]
-    for _ in range(draw(st.integers(0, 3))):
-        at = draw(st.integers(0, len(pairs) - 1))
-        pairs.insert(at, draw(st.sampled_from([" ", "\t", "\n", "\r", "\x0b", "g", "-", "x"])))
-    return "".join(pairs)[:64]
-
-
-@st.composite
-def near_namespaces(draw: st.DrawFn) -> str:
-    """A valid namespace with path, control or other characters put before, in or after it."""
-    base = draw(st.text(alphabet="abcXYZ019._-", min_size=1, max_size=20))
-    odd = draw(st.text(alphabet="/\\\n\r\t\0 .%~:", min_size=1, max_size=3))
-    at = draw(st.integers(0, len(base)))
-    return base[:at] + odd + base[at:]
-
-
-NAME_ALPHABET = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def test_key_and_namespace_parsers_accept_only_their_alphabet(tally: Tally) -> None:
-    @fuzz_settings(800)
-    @given(
-        key=st.one_of(near_keys(), st.text(max_size=70)),
-        namespace=st.one_of(near_namespaces(), st.text(max_size=90)),
-    )
-    def run(key: str, namespace: str) -> None:
-        tally.num_inputs += 1
-        with tally.expect(ValueError):
-            parsed = parse_key(key)
-            # Whatever is accepted names exactly one 32-byte key, spelled exactly one way.
-            assert len(parsed) == HASH_BYTES and parsed.hex() == key.lower(), repr(key)
-        with tally.expect(ValueError):
-            scope = Scope.of("alice", namespace)
-            # A storage namespace becomes a folder and a Redis key: nothing outside its alphabet.
-            assert set(scope.storage) <= NAME_ALPHABET, repr(namespace)
-
-    run()
-
-
-def frame(records: list[bytes | None]) -> bytes:
-    parts, _ = batch_parts([None if r is None else [r] for r in records])
-    return b"".join(bytes(p) for p in parts)
-
-
-def feed_all(body: bytes, cuts: list[int]) -> list[memoryview | None]:
-    reader = BatchReader(max_records=8, max_record_bytes=512, max_batch_bytes=2048)
-    start = 0
-    for cut in sorted(c % (len(body) + 1) for c in cuts):
-        reader.feed(body[start:cut])
-        start = cut
-    reader.feed(body[start:])
-    return reader.finish()
-
-
-def test_batch_frames_parse_back_exactly_or_fail_cleanly(tally: Tally) -> None:
-    records = st.lists(st.none() | st.binary(min_size=1, max_size=200), max_size=8)
-
-    @fuzz_settings(2000)
-    @given(
-        data=st.data(),
-        body_kind=st.sampled_from(["valid", "mutated", "random", "magic"]),
-        cuts=st.lists(st.integers(0, 4096), max_size=5),
-    )
-    def run(data: st.DataObject, body_kind: str, cuts: list[int]) -> None:
-        tally.num_inputs += 1
-        sent = data.draw(records)
-        body = frame(sent)
-        if body_kind == "mutated":
-            body = data.draw(mutations(body, None))[0]
-        elif body_kind == "random":
-            body = data.draw(st.binary(max_size=600))
-        elif body_kind == "magic":
-            body = b"CTB1" + data.draw(st.binary(max_size=600))
-        with tally.expect(FrameError):
-            got = feed_all(body, cuts)
-            # The framing is canonical: what parses frames back to exactly the same bytes.
-            assert frame([None if g is None else bytes(g) for g in got]) == body
-            if body_kind == "valid":
-                assert [None if g is None else bytes(g) for g in got] == sent
-
-    run()
-
-
-def test_upload_checks_refuse_every_bad_record(tally: Tally, tmp_path: Path) -> None:
-    config = test_config(tmp_path, disk_bytes=0)
-    service = BlockService(config, build_store(config.store_config()))
-    good = make_blocks(FUZZ_NS, 3) + make_blocks(OTHER_NS, 1)
-
-    @fuzz_settings(600)
-    @given(
-        data=st.data(),
-        picks=st.lists(st.integers(0, len(good) - 1), min_size=1, max_size=4),
-        hex_namespace=st.booleans(),
-        named_keys=st.booleans(),
-    )
-    def run(data: st.DataObject, picks: list[int], hex_namespace: bool, named_keys: bool) -> None:
-        tally.num_inputs += 1
-        scope = Scope.of("alice", FUZZ_NS.id if hex_namespace else "plain-fuzz")
-        records: list[bytes | None] = []
-        must_fail = False
-        for i in picks:
-            what = data.draw(st.sampled_from(["as is", "as is", "mutated", "missing"]))
-            record = encode_record(good[i])
-            if what == "mutated":
-                record, resealed = data.draw(mutations(record, head_len_of(good[i])))
-                must_fail |= not resealed and record != encode_record(good[i])
-            must_fail |= what == "missing"
-            records.append(None if what == "missing" else record)
-        keys = None
-        if named_keys:
-            keys = [good[data.draw(st.sampled_from([i, picks[0]]))].key for i in picks]
-        with tally.expect(CorruptBlockError):
-            blocks = service.check_records(scope, records, keys)
-            assert not must_fail, "a missing or corrupt record was accepted"
-            for n, (block, i) in enumerate(zip(blocks, picks)):
-                assert bytes(block.data) == bytes(good[i].data)
-                assert keys is None or block.key == keys[n], "a record taken for another key"
-                if hex_namespace:
-                    assert block.fingerprint == FUZZ_NS.fingerprint, "foreign namespace taken"
-
-    try:
-        run()
-    finally:
-        service.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,200 @@
+"""Shared pieces of the fuzz tests: tiny blocks, the record header layout, the tally of
+inputs and crashes, and hypothesis strategies for blocks and record mutations."""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import xxhash
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace
+from cachetier.record import KVBlock
+from cachetier.server.wire import batch_parts
+from tests.server.live import TOKENS
+from tests.support import make_blocks
+
+# Tiny blocks (64 bytes of payload): the fuzzers move many of them, not big ones.
+FUZZ_LAYOUT = KVLayout("float16", block_size=4, num_layers=1, num_kv_heads=1, head_dim=4)
+FUZZ_NS = Namespace("fuzz-model", FUZZ_LAYOUT)
+OTHER_NS = Namespace("fuzz-model", KVLayout("bfloat16", 4, 1, 1, 4))  # same model, other dtype
+ALICE = TOKENS["alice"]
+KNOWN_BLOCKS = make_blocks(FUZZ_NS, 4, seed=3)  # what schemathesis's record bodies are made of
+
+# Offsets and struct formats of the record header fields (the layout in cachetier.record).
+HEADER_FIELDS = {
+    "version": (4, "<H"),
+    "compression": (6, "<B"),
+    "dtype": (7, "<B"),
+    "ndim": (8, "<B"),
+    "pad": (9, "<B"),
+    "num_tokens": (10, "<I"),
+    "aux_len": (78, "<I"),
+    "payload_len": (82, "<Q"),
+    "raw_len": (90, "<Q"),
+    "shape0": (98, "<Q"),
+}
+FIXED_HEADER_BYTES = 98
+
+
+class Tally:
+    """What one fuzz test ran and saw; added to the session's figures when the test ends."""
+
+    def __init__(self) -> None:
+        self.num_inputs = 0
+        self.crashes: set[str] = set()
+
+    @contextmanager
+    def expect(self, *allowed: type[BaseException]) -> Iterator[None]:
+        """One input: the ``allowed`` errors are answers, anything else is a crash (re-raised).
+
+        Crashes are kept by type and message, so hypothesis shrinking one failure into many
+        runs still counts it once.
+        """
+        try:
+            yield
+        except allowed:
+            pass
+        except Exception as exc:
+            self.crashes.add(f"{type(exc).__name__}: {str(exc)[:100]}")
+            raise
+
+    def answer(self, what: str, status: int) -> int:
+        """Check one server answer: a 5xx is a crash."""
+        if status >= 500:
+            self.crashes.add(f"{what} -> {status}")
+        assert status < 500, f"{what} answered {status}"
+        return status
+
+
+def fuzz_settings(num_examples: int) -> settings:
+    # No deadline: two shared cores make single examples slow now and then.
+    return settings(
+        max_examples=num_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+@st.composite
+def any_blocks(draw: st.DrawFn) -> KVBlock:
+    """A valid block of any dtype and a small shape; payloads random, zero or repetitive (so
+    that LZ4 records occur too)."""
+    dtype = draw(st.sampled_from(sorted(DTYPE_BYTES)))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=1, max_size=4)))
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    fill = draw(st.sampled_from(["random", "zeros", "repeat"]))
+    if fill == "random":
+        data = draw(st.binary(min_size=nbytes, max_size=nbytes))
+    elif fill == "zeros":
+        data = bytes(nbytes)
+    else:
+        data = (draw(st.binary(min_size=1, max_size=4)) * nbytes)[:nbytes]
+    return KVBlock(
+        BlockHash(draw(st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES))),
+        draw(st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES)),
+        dtype,
+        shape,
+        draw(st.integers(1, 2**32 - 1)),
+        data,
+        draw(st.binary(max_size=16)),
+    )
+
+
+def reseal(record: bytearray, head_len: int) -> None:
+    """Recompute the checksum as a writer would, so checks past the checksum are reached."""
+    digest = xxhash.xxh3_64(record[:head_len])
+    digest.update(record[head_len + 8 :])
+    record[head_len : head_len + 8] = digest.digest()
+
+
+@st.composite
+def mutations(draw: st.DrawFn, record: bytes, head_len: int | None) -> tuple[bytes, bool]:
+    """``record`` changed by bit flips, a cut, an extension, overwritten bytes or a header
+    field set to another value (then resealed or not).
+
+    Args:
+        record: a valid record (or any body when ``head_len`` is ``None``).
+        head_len: bytes before the record's checksum; ``None`` for bodies without record
+            header fields (no field changes then).
+
+    Returns:
+        The changed bytes, and whether the checksum was recomputed afterwards.
+    """
+    out = bytearray(record)
+    kinds = ["flip", "truncate", "extend", "overwrite"] + ([] if head_len is None else ["field"])
+    how = draw(st.sampled_from(kinds))
+    if how == "flip":
+        for at in draw(st.lists(st.integers(0, len(out) * 8 - 1), min_size=1, max_size=4)):
+            out[at // 8] ^= 1 << (at % 8)
+    elif how == "truncate":
+        del out[draw(st.integers(0, len(out) - 1)) :]
+    elif how == "extend":
+        out += draw(st.binary(min_size=1, max_size=64))
+    elif how == "overwrite":
+        at = draw(st.integers(0, len(out) - 1))
+        out[at : at + 8] = draw(st.binary(min_size=1, max_size=8))
+    else:
+        offset, fmt = HEADER_FIELDS[draw(st.sampled_from(sorted(HEADER_FIELDS)))]
+        width = struct.calcsize(fmt)
+        value = draw(
+            st.one_of(
+                st.integers(0, 2 ** (8 * width) - 1),
+                st.sampled_from([0, 1, 2, 8, 9, 2 ** (8 * width) - 1]),
+            )
+        )
+        struct.pack_into(fmt, out, offset, value)
+    resealed = how == "field" and draw(st.booleans())
+    if resealed:
+        assert head_len is not None, "field changes only happen to records"
+        reseal(out, head_len)
+    return bytes(out), resealed
+
+
+def head_len_of(block: KVBlock) -> int:
+    return FIXED_HEADER_BYTES + 8 * len(block.shape)
+
+
+def chunked_reader(data: bytes, sizes: list[int]) -> Callable[[memoryview], int]:
+    """A ``readinto`` over ``data`` that returns short reads of the given sizes in turn."""
+    stream = io.BytesIO(data)
+    turn = iter(sizes)
+
+    def readinto(buf: memoryview) -> int:
+        limit = next(turn, buf.nbytes)
+        return stream.readinto(buf[: max(1, min(limit, buf.nbytes))])
+
+    return readinto
+
+
+@st.composite
+def near_keys(draw: st.DrawFn) -> str:
+    """64 characters that look like a key: hex pairs with whitespace or other characters put
+    between or over some of them."""
+    pairs = [draw(st.binary(min_size=1, max_size=1)).hex() for _ in range(32)]
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(pairs) - 1))
+        pairs.insert(at, draw(st.sampled_from([" ", "\t", "\n", "\r", "\x0b", "g", "-", "x"])))
+    return "".join(pairs)[:64]
+
+
+@st.composite
+def near_namespaces(draw: st.DrawFn) -> str:
+    """A valid namespace with path, control or other characters put before, in or after it."""
+    base = draw(st.text(alphabet="abcXYZ019._-", min_size=1, max_size=20))
+    odd = draw(st.text(alphabet="/\\\n\r\t\0 .%~:", min_size=1, max_size=3))
+    at = draw(st.integers(0, len(base)))
+    return base[:at] + odd + base[at:]
+
+
+NAME_ALPHABET = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def frame(records: list[bytes | None]) -> bytes:
+    parts, _ = batch_parts([None if r is None else [r] for r in records])
+    return b"".join(bytes(p) for p in parts)
