@@ -392,6 +392,23 @@ def replay_infinite(trace: ReplayTrace) -> ReplayResult:
     return _result(trace, "infinite", None, hits, time.perf_counter() - start)
 
 
+def usable_hit(request: TraceRequest, num_hit_blocks: int, block_size: int) -> tuple[int, int]:
+    """What a hit of ``num_hit_blocks`` leading hash ids gives a request.
+
+    Args:
+        request: the request.
+        num_hit_blocks: leading hash ids found (the last one may cover a partial block).
+        block_size: tokens per hash id.
+
+    Returns:
+        (whole blocks reusable, tokens matched inside a partial last block, which a cache of
+        whole blocks cannot reuse).
+    """
+    usable = min(num_hit_blocks, request.input_length // block_size)
+    matched = min(num_hit_blocks * block_size, request.input_length)
+    return usable, matched - usable * block_size
+
+
 def _check_capacity(capacity_blocks: int) -> None:
     if not _is_count(capacity_blocks) or capacity_blocks == 0:
         raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
@@ -403,17 +420,15 @@ def _result(
     size = trace.block_size
     records = []
     for request, num_hit in zip(trace.requests, hits):
-        length = request.input_length
-        matched = min(num_hit * size, length)
-        usable = min(num_hit, length // size) * size
+        usable, lost = usable_hit(request, num_hit, size)
         records.append(
             RequestRecord(
                 request.timestamp_ms,
                 len(request.hash_ids),
                 num_hit,
-                length,
-                usable,
-                matched - usable,
+                request.input_length,
+                usable * size,
+                lost,
             )
         )
     return ReplayResult(policy, capacity, tuple(records), elapsed_s)

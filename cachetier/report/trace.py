@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from cachetier.events import LookupEvent
-from cachetier.replay import ReplayResult, ReplayTrace, TraceRequest, replay_infinite
+from cachetier.replay import (
+    ReplayResult,
+    ReplayTrace,
+    TraceRequest,
+    replay_infinite,
+    usable_hit,
+)
 from cachetier.report.config import ReportConfig
 from cachetier.report.workers import CurveRunner, Job
 from cachetier.store import TieredStore
@@ -91,10 +97,7 @@ def replay_hierarchy(
     with TieredStore(tiers) as store:
         for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
             hit = store.lookup(ns, keys)
-            # As cachetier.replay counts tokens: whole blocks only; a hit partial last block
-            # is matched but cannot be reused (tests check the two agree).
-            usable = min(hit.num_blocks, request.input_length // size)
-            matched = min(hit.num_blocks * size, request.input_length)
+            usable, lost = usable_hit(request, hit.num_blocks, size)
             per_tier = dict.fromkeys(TIER_NAMES, 0)
             for index, start, end in hit.spans:
                 per_tier[TIER_NAMES[index]] += max(0, min(end, usable) - start) * size
@@ -105,7 +108,7 @@ def replay_hierarchy(
                     num_tokens=request.input_length,
                     hit_tokens=per_tier,
                     block_size=size,
-                    num_alignment_lost_tokens=matched - usable * size,
+                    num_alignment_lost_tokens=lost,
                     origin="trace",
                 )
             )
