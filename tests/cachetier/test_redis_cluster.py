@@ -24,8 +24,8 @@ from cachetier.record import KVBlock
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from cachetier.tiers.redis_cluster import parse_cluster_url
 from tests.cachetier.test_backoff import FakeClock
-from tests.cachetier.test_redis_tier import FAST_FAIL, TIMEOUT_S, _free_port
-from tests.support import make_blocks
+from tests.cachetier.test_redis_tier import FAST_FAIL, TIMEOUT_S
+from tests.support import free_port, make_blocks
 
 NUM_MASTERS = 3
 NODE_TIMEOUT_MS = 2000  # how long a silent master takes to be flagged as failed
@@ -45,7 +45,7 @@ class LocalCluster:
         self.folder = folder
         ports: set[int] = set()
         while len(ports) < 2 * num_masters:  # a client port and a cluster bus port each
-            ports.add(_free_port())
+            ports.add(free_port())
         listed = sorted(ports)
         self.ports = listed[:num_masters]
         self._bus_ports = dict(zip(self.ports, listed[num_masters:], strict=True))
@@ -240,7 +240,7 @@ def test_unreachable_cluster_gives_bounded_misses_then_opens_the_breaker(
     namespace: Namespace,
 ) -> None:
     clock = FakeClock()
-    url = f"redis+cluster://127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     config = RedisTierConfig(url=url, failure_threshold=2, **FAST_FAIL)  # type: ignore[arg-type]
     blocks = make_blocks(namespace, 3)
     with RedisTier(config, clock=clock) as tier:  # no I/O yet: nothing raises
