@@ -5,14 +5,17 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
+import uvicorn
 
 from cachetier.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
@@ -129,3 +132,63 @@ class PrivateRedis:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+
+class AppThread:
+    """uvicorn serving an ASGI app in a thread of this process, on 127.0.0.1; restartable on the
+    same port. ``make_app`` builds a fresh app (and so a fresh lifespan) for every start.
+
+    Args:
+        make_app: returns the app to serve.
+        port: the port to listen on.
+        log_level: uvicorn's log level.
+        name: the thread's name, and what error messages call the server.
+        start_timeout_s: how long a start may take (an engine loads its model first).
+    """
+
+    def __init__(
+        self,
+        make_app: Callable[[], Any],
+        port: int,
+        *,
+        log_level: str = "warning",
+        name: str = "test-server",
+        start_timeout_s: float = 20,
+    ) -> None:
+        self.make_app = make_app
+        self.port = port
+        self.log_level = log_level
+        self.name = name
+        self.start_timeout_s = start_timeout_s
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_thread(self) -> None:
+        """Start uvicorn and wait until it listens (the caller checks its health)."""
+        config = uvicorn.Config(
+            self.make_app(),
+            host="127.0.0.1",
+            port=self.port,
+            log_level=self.log_level,
+            lifespan="on",
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.name} on {self.url} did not start")
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit (requests in flight finish, the lifespan ends) and wait."""
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=60)
+            assert not self._thread.is_alive(), f"the {self.name} did not stop"
+        self._server = self._thread = None

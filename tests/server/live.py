@@ -10,16 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
+from tests.support import AppThread
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {
@@ -60,44 +58,18 @@ def test_config(data_dir: Path, **overrides: Any) -> ServerConfig:
 test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
-class ThreadServer:
-    """uvicorn serving ``create_app(config)`` in a thread of this process; restartable on the
-    same port and data folder."""
+class ThreadServer(AppThread):
+    """The sidecar (``create_app(config)``) in a thread of this process; restartable on the same
+    port and data folder."""
 
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__(lambda: create_app(config), config.port, log_level=config.log_level)
         self.config = config
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.port}"
 
     def start(self) -> ThreadServer:
-        uv = uvicorn.Config(
-            create_app(self.config),
-            host=self.config.host,
-            port=self.config.port,
-            log_level=self.config.log_level,
-            lifespan="on",
-        )
-        self._server = uvicorn.Server(uv)
-        self._thread = threading.Thread(target=self._server.run, name="test-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on {self.url} did not start")
-            time.sleep(0.005)
+        self.start_thread()
         wait_healthy(self.url)
         return self
-
-    def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=30)
-            assert not self._thread.is_alive(), "the server did not stop"
-        self._server = self._thread = None
 
     def restart(self) -> None:
         self.stop()

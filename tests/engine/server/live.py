@@ -6,19 +6,17 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.server.app import create_app
 from engine.server.config import ServerConfig
 from tests.server.live import free_port, wait_healthy
+from tests.support import AppThread
 
 # Byte-level: token id b is byte b, so every text encodes and multi-byte characters span
 # several tokens (what incremental decoding must not split).
@@ -69,43 +67,23 @@ def server_config(model: Path, **overrides: Any) -> ServerConfig:
     return ServerConfig(**values)
 
 
-class EngineServer:
-    """uvicorn serving ``create_app(config)`` in a thread; restartable on the same port."""
+class EngineServer(AppThread):
+    """The engine server (``create_app(config)``) in a thread; restartable on the same port."""
 
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__(
+            lambda: create_app(config),
+            config.port,
+            log_level=config.log_level,
+            name="engine server",
+            start_timeout_s=60,
+        )
         self.config = config
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.port}"
 
     def start(self) -> EngineServer:
-        uv = uvicorn.Config(
-            create_app(self.config),
-            host="127.0.0.1",
-            port=self.config.port,
-            log_level=self.config.log_level,
-            lifespan="on",
-        )
-        self._server = uvicorn.Server(uv)
-        self._thread = threading.Thread(target=self._server.run, name="engine-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the engine server on {self.url} did not start")
-            time.sleep(0.01)
+        self.start_thread()
         wait_healthy(self.url)
         return self
-
-    def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=60)
-            assert not self._thread.is_alive(), "the engine server did not stop"
-        self._server = self._thread = None
 
     def with_config(self, **changes: Any) -> EngineServer:
         return EngineServer(replace(self.config, **changes))
