@@ -75,14 +75,28 @@ def _same(got: KVBlock, want: KVBlock) -> bool:
     )
 
 
-def _check_round(
-    got: list[KVBlock | None], blocks: list[KVBlock], acked: list[int]
-) -> tuple[int, int]:
-    """(acknowledged blocks lost, wrong blocks served) for one round's reads."""
-    acked_set = set(acked)
-    lost = sum(1 for i in acked_set if got[i] is None)
-    wrong = sum(1 for b, want in zip(got, blocks) if b is not None and not _same(b, want))
-    return lost, wrong
+class KillTally:
+    """Acknowledged, lost and wrongly served blocks over a test's kill rounds."""
+
+    def __init__(self, fault_figures) -> None:
+        self.figures = fault_figures
+        self.acked = self.lost = self.wrong = 0
+
+    def round(self, got: list[KVBlock | None], blocks: list[KVBlock], acked: list[int]) -> None:
+        """One round's reads after the restart, against the blocks the writer put."""
+        lost = sum(1 for i in set(acked) if got[i] is None)
+        wrong = sum(1 for b, want in zip(got, blocks) if b is not None and not _same(b, want))
+        self.acked += len(acked)
+        self.lost += lost
+        self.wrong += wrong
+        self.figures.add("kill_rounds")
+        self.figures.add("acknowledged_lost", lost)
+        self.figures.add("corrupt_served", wrong)
+
+    def check(self) -> None:
+        self.figures.add("acknowledged_blocks_checked", self.acked)
+        assert (self.lost, self.wrong) == (0, 0)
+        assert self.acked > 0, "no round acknowledged anything: the kills came too early"
 
 
 def _files(root: Path) -> tuple[list[Path], list[Path]]:
@@ -96,7 +110,7 @@ def _files(root: Path) -> tuple[list[Path], list[Path]]:
 def test_killed_disk_writer_loses_no_acknowledged_block(tmp_path: Path, fault_figures) -> None:
     root = tmp_path / "disk"
     rng = random.Random(7)
-    total_acked = total_lost = total_wrong = 0
+    tally = KillTally(fault_figures)
     for seed in range(DISK_ROUNDS):
         writer = KilledWriter("disk", str(root), str(seed), str(BLOCKS_PER_ROUND))
         time.sleep(rng.uniform(0.02, 0.5))
@@ -109,17 +123,9 @@ def test_killed_disk_writer_loses_no_acknowledged_block(tmp_path: Path, fault_fi
         assert tier.used_bytes == sum(p.stat().st_size for p in records)
         blocks = crash_blocks(seed, BLOCKS_PER_ROUND)
         got = tier.get_many(CRASH_NAMESPACE.id, [b.key for b in blocks])
-        lost, wrong = _check_round(got, blocks, acked)
-        total_acked += len(acked)
-        total_lost += lost
-        total_wrong += wrong
-        fault_figures.add("kill_rounds")
-        fault_figures.add("acknowledged_lost", lost)
-        fault_figures.add("corrupt_served", wrong)
+        tally.round(got, blocks, acked)
         tier.close()
-    fault_figures.add("acknowledged_blocks_checked", total_acked)
-    assert (total_lost, total_wrong) == (0, 0)
-    assert total_acked > 0, "no round acknowledged anything: the kills came too early"
+    tally.check()
 
 
 def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures) -> None:
@@ -131,7 +137,7 @@ def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures
     }
     args = ["--data-dir", str(tmp_path / "server")]
     rng = random.Random(11)
-    total_acked = total_lost = total_wrong = 0
+    tally = KillTally(fault_figures)
     for seed in range(SERVER_ROUNDS):
         server = ProcessServer(args, env, port).start()
         writer = KilledWriter(
@@ -150,16 +156,8 @@ def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures
         got = client.get_many(CRASH_NAMESPACE.id, [b.key for b in blocks])
         client.close()
         server.stop()
-        lost, wrong = _check_round(got, blocks, acked)
-        total_acked += len(acked)
-        total_lost += lost
-        total_wrong += wrong
-        fault_figures.add("kill_rounds")
-        fault_figures.add("acknowledged_lost", lost)
-        fault_figures.add("corrupt_served", wrong)
-    fault_figures.add("acknowledged_blocks_checked", total_acked)
-    assert (total_lost, total_wrong) == (0, 0)
-    assert total_acked > 0, "no round acknowledged anything: the kills came too early"
+        tally.round(got, blocks, acked)
+    tally.check()
 
 
 @pytest.mark.slow
