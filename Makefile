@@ -25,6 +25,12 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/bench_tiers.py --json
 
+# Side by side with LMCache 0.5.6 in its own .venv-peers (it pulls ~100 packages); `make test`
+# never needs it. The setup step is skipped while its stamp is newer than its inputs.
+bench-peers:
+	bash scripts/setup_peers.sh .venv-peers
+	LMCACHE_TRACK_USAGE=false .venv-peers/bin/python benchmarks/bench_peers.py --json
+
 lint: setup
 	$(PY) -m ruff check cachetier engine kernels connectors tests benchmarks
 

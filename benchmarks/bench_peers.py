@@ -1,0 +1,228 @@
+"""Side by side with LMCache 0.5.6 on this machine: the same KV chunks through its storage layer
+and through our tiers, in one run, and the chunks each finds after a restart.
+
+Chunks: 256 tokens (LMCache's chunk_size) of fp16 KV, random-normal, in two shapes: SmolLM2-135M
+(30 layers, 3 KV heads, 64 dims: 5.6 MiB) and a small model (4 layers, 2 KV heads, 64 dims:
+512 KiB). Each measurement runs in a fresh process that holds both sides and alternates between
+them (ours, LMCache, ours, ...) so drift hits both; every read is compared byte for byte with
+what was stored, after its clock stops. Ratios are ours over LMCache in speed (LMCache's median
+time / ours); > 1 means we are faster. ``peers_sections`` says exactly what each timed op does.
+
+    make bench-peers     # creates .venv-peers (LMCache + cachetier in one env), then runs:
+    .venv-peers/bin/python benchmarks/bench_peers.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import emit  # noqa: E402
+from benchmarks.peers_common import SHAPES, can_drop_all_caches, make_chunks  # noqa: E402
+
+TIERS = ("cpu", "disk", "redis", "server")
+SECTIONS = [f"{tier}:{shape}" for tier in TIERS for shape in SHAPES] + [
+    "restart:disk-write",
+    "restart:disk-read",
+    "restart:server",
+]
+MODES = {  # what one timed get does; peers_sections says it in full
+    "buf": "the batch landed in one caller-owned, pre-faulted buffer (a KV pool)",
+    "ret": "the batch as each API returns it (ours: KVBlocks; LMCache: MemoryObjs of its pool)",
+    "one": "as ret, one chunk per call",
+}
+
+
+def run_section(section: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One measurement in this (child) process; LMCache is imported only here."""
+    from benchmarks import peers_restart, peers_sections
+
+    kind, _, what = section.partition(":")
+    if kind == "restart":
+        sets = [make_chunks(shape, args.chunks) for shape in SHAPES]
+        root = work / "restart"
+        if what == "disk-write":
+            return peers_restart.write_disk(sets, root)
+        if what == "disk-read":
+            return peers_restart.read_disk(sets, root)
+        return peers_restart.restart_servers(sets, root)
+    chunks = make_chunks(what, args.chunks)
+    tmp = Path(tempfile.mkdtemp(dir=work, prefix=f"{kind}-{what}-"))
+    if kind == "cpu":
+        return peers_sections.bench_cpu(chunks, args.repeats)
+    if kind == "disk":
+        return peers_sections.bench_disk(chunks, args.repeats, tmp)
+    if kind == "redis":
+        return peers_sections.bench_redis(chunks, args.repeats, args.redis_url)
+    if kind == "server":
+        return peers_sections.bench_server(chunks, args.repeats, tmp)
+    raise ValueError(f"unknown section {section!r}")
+
+
+def speedups(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Every ours-over-LMCache ratio, per tier, shape and mode (``<tier>_get_<mode>_<shape>``)."""
+    out: dict[str, float] = {}
+    for tier in TIERS:
+        for shape in SHAPES:
+            t = raw[f"{tier}:{shape}"]
+            for suffix in ("", "_cold") if tier == "disk" else ("",):
+                for mode in MODES:
+                    name = f"{tier}{suffix}_get_{mode}_{shape}"
+                    out[name] = t[f"lmcache_get_{mode}{suffix}"] / t[f"ours_get_{mode}{suffix}"]
+            if "ours_put" in t:
+                out[f"{tier}_put_{shape}"] = t["lmcache_put"] / t["ours_put"]
+            if "ours_put_memonly" in t:
+                out[f"server_put_memonly_{shape}"] = t["lmcache_put"] / t["ours_put_memonly"]
+    return out
+
+
+def bounds(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Same-run bounds: the speedup over LMCache that the bare operation under each tier reaches
+    (``*_ceiling``: no tier could beat it by more), and ours against the bare operation."""
+    out: dict[str, float] = {}
+    for shape in SHAPES:
+        disk, red, srv = raw[f"disk:{shape}"], raw[f"redis:{shape}"], raw[f"server:{shape}"]
+        out[f"redis_get_ceiling_{shape}"] = red["lmcache_get_buf"] / red["raw_pipeline_get_ret"]
+        out[f"redis_put_ceiling_{shape}"] = red["lmcache_put"] / red["raw_pipeline_put"]
+        out[f"server_get_ceiling_{shape}"] = srv["lmcache_get_buf"] / srv["raw_tcp_get_buf"]
+        out[f"redis_ours_get_vs_raw_pipeline_{shape}"] = (
+            red["raw_pipeline_get_ret"] / red["ours_get_ret"]
+        )
+        for suffix in ("", "_cold"):
+            out[f"disk{suffix}_ours_get_ret_vs_raw_read_{shape}"] = (
+                disk[f"raw_read_get_ret{suffix}"] / disk[f"ours_get_ret{suffix}"]
+            )
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def headline(ratios: dict[str, float], raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's figures: each is the lower of the two shapes (we must hold at both)."""
+
+    def worst(prefix: str) -> float:
+        return round(min(ratios[f"{prefix}_{shape}"] for shape in SHAPES), 3)
+
+    out: dict[str, Any] = {}
+    for tier in ("cpu", "disk", "disk_cold", "redis", "server"):
+        out[f"{tier}_get_speedup"] = worst(f"{tier}_get_buf")
+    out["redis_put_speedup"] = worst("redis_put")
+    out["server_put_speedup"] = worst("server_put")
+    out["server_put_memory_only_speedup"] = worst("server_put_memonly")
+    for tier in ("cpu", "disk", "disk_cold", "redis", "server"):
+        out[f"{tier}_get_as_returned_speedup"] = worst(f"{tier}_get_ret")
+        out[f"{tier}_get_one_chunk_speedup"] = worst(f"{tier}_get_one")
+    disk = raw["restart:disk-read"]
+    server = raw["restart:server"]
+    out["chunks"] = raw["restart:disk-write"]["stored"]
+    # The fewer of the two restarts (disk tier, server process); both are also given.
+    out["ours_found_after_restart"] = min(disk["ours_disk_found"], server["ours_server_found"])
+    out["lmcache_found_after_restart"] = min(
+        disk["lmcache_disk_found"], server["lmcache_server_found"]
+    )
+    out["ours_disk_found_after_restart"] = disk["ours_disk_found"]
+    out["lmcache_disk_found_after_restart"] = disk["lmcache_disk_found"]
+    out["lmcache_disk_files_after_restart"] = disk["lmcache_disk_files"]
+    out["ours_server_found_after_restart"] = server["ours_server_found"]
+    out["lmcache_server_found_after_restart"] = server["lmcache_server_found"]
+    return out
+
+
+def table(raw: dict[str, dict[str, Any]], num_chunks: int) -> str:
+    """Absolute medians, ms per batch of ``num_chunks`` chunks, and LMCache / ours."""
+    lines = [f"{'tier:shape':<14} {'op':<22} {'ours ms':>9} {'LMCache ms':>11} {'ratio':>6}"]
+    for section, t in raw.items():
+        if section.startswith("restart"):
+            continue
+        for name, ours in sorted(t.items()):
+            if not isinstance(ours, float) or name.startswith("lmcache_"):
+                continue
+            op = name.removeprefix("ours_")
+            if name.startswith("raw_"):  # a bound, against LMCache's op of the same kind
+                theirs = t[f"lmcache_{name.split('_', 2)[2]}"]  # raw_<what>_<op>
+                op = f"bound: {op.removeprefix('raw_')}"
+            else:  # ours_put_memonly is against LMCache's (memory-only) put
+                theirs = t[f"lmcache_{op.removesuffix('_memonly')}"]
+            lines.append(
+                f"{section:<14} {op:<22} {1e3 * ours:>9.2f} {1e3 * theirs:>11.2f} "
+                f"{theirs / ours:>6.2f}"
+            )
+    lines.append(f"(one batch = {num_chunks} chunks; ratio > 1: ours (or the bound) is faster)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per shape")
+    parser.add_argument("--repeats", type=int, default=15, help="samples per op (CPU: 4x)")
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument("--data-dir", default=None, help="parent of the temp folders")
+    parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if importlib.util.find_spec("lmcache") is None:
+        sys.exit("LMCache is not installed in this environment: run `make bench-peers`")
+    if args.section:  # a child run: one section, its figures as JSON
+        print(json.dumps(run_section(args.section, args, Path(args.work))))
+        os._exit(0)  # LMCache leaves non-daemon threads behind; the figures are out
+    raw: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(dir=args.data_dir, prefix="bench-peers-") as work:
+        for section in SECTIONS:
+            print(f"bench_peers: {section} ...", file=sys.stderr, flush=True)
+            cmd = [sys.executable, __file__, "--section", section, "--work", work]
+            cmd += ["--chunks", str(args.chunks), "--repeats", str(args.repeats)]
+            cmd += ["--redis-url", args.redis_url]
+            env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                sys.exit(f"bench_peers: section {section} failed:\n{out.stderr[-4000:]}")
+            raw[section] = json.loads(out.stdout.strip().splitlines()[-1])
+    ratios = speedups(raw)
+    result: dict[str, Any] = headline(ratios, raw)
+    result.update(
+        {
+            "chunks_per_shape": args.chunks,
+            "chunk_bytes": {s: make_chunks(s, 1).chunk_bytes for s in SHAPES},
+            "repeats": args.repeats,
+            "lmcache_version": _version("lmcache"),
+            "headline": "min over the two shapes of the get into a caller-owned buffer",
+            "modes": MODES,
+            "disk_cold_method": "page cache dropped per file (fsync + posix_fadvise "
+            "DONTNEED) before each sample; resident bytes after the drop: "
+            + str(max(raw[f"disk:{s}"]["resident_bytes_after_drop"] for s in SHAPES)),
+            "drop_caches_writable": can_drop_all_caches(),
+            "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            "bounds": bounds(raw),
+            "minor_faults_per_batch": {
+                sec: {k.removesuffix("_minflt"): v for k, v in t.items() if k.endswith("_minflt")}
+                for sec, t in raw.items()
+            },
+            "medians_ms": {
+                sec: {k: round(1e3 * v, 3) for k, v in t.items() if isinstance(v, float)}
+                for sec, t in raw.items()
+            },
+        }
+    )
+    print(table(raw, args.chunks), file=sys.stderr if args.json else sys.stdout)
+    emit(result, args.json)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+if __name__ == "__main__":
+    main()

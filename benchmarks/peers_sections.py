@@ -1,0 +1,304 @@
+"""The measurements of ``bench_peers``: each runs ours and LMCache's side in one process, in turn.
+
+Every function takes a ``ChunkSet`` (the same bytes for both sides) and returns plain figures:
+median seconds per batch under ``<side>_<op>`` (sides ``ours``, ``lmcache``, and ``raw`` for
+the bare operation under a tier, a bound) and median minor page faults under ``..._minflt``.
+Each read is compared byte for byte with what was stored, after its clock stops.
+
+Timed operations (one call = the whole batch of chunks):
+
+- ``get_ret``: the tier's get as each API returns it. Ours: ``get_many`` -> ``KVBlock``s (CPU: the
+  stored immutable bytes, no copy; disk/Redis/server: fresh buffers, record checksum verified).
+  LMCache: ``StorageManager.batched_get`` -> ``MemoryObj``s (CPU: the stored object, no copy;
+  other tiers: a slot of its pre-allocated pool, nothing verified); their ``ref_count_down``
+  runs after the clock stops.
+- ``get_one``: as ``get_ret``, one chunk per call (ours ``get_many([key])``, LMCache
+  ``StorageManager.get(key)``): the latency of a single chunk, the unit of the issue's probe.
+- ``get_buf``: the chunks landed in one caller-owned, pre-faulted buffer (what a restore into a
+  KV pool does). Ours: ``get_into`` (disk reads straight into it; other tiers copy). LMCache:
+  ``batched_get`` then a copy of each object into the buffer.
+- ``put``: store the batch and return once the tier holds it (ours: ``put_many`` returns after
+  the write is acknowledged; LMCache: ``batched_put`` plus waiting for its queued writes, see
+  ``PeerStore.put``). Keys are deleted before each sample, untimed (not on the servers:
+  ``lm://`` has no delete, so both overwrite there).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchmarks.bench_server import TOKEN, Server
+from benchmarks.peers_common import (
+    ChunkSet,
+    Destination,
+    Timed,
+    check_buffers,
+    drop_from_page_cache,
+    files_under,
+    interleaved_checked,
+    recv_exactly,
+    resident_bytes,
+)
+from benchmarks.peers_lmcache import LMServer, PeerStore, byte_view, release
+from cachetier.record import encode_record
+from cachetier.tiers.base import Tier
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.redis import RedisTier, RedisTierConfig
+from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from tests.server.live import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def get_runs(ours: Tier, theirs: PeerStore, chunks: ChunkSet, suffix: str = "") -> dict[str, Timed]:
+    """The get measurements of one tier pair (see the module docstring)."""
+    ns, keys, payloads = chunks.namespace.id, [b.key for b in chunks.blocks], chunks.payloads
+    dest = Destination(chunks)
+
+    def check_ours(got: list) -> None:
+        check_buffers([None if g is None else g.data for g in got], payloads, "ours")
+
+    def check_theirs(got: list) -> None:
+        try:
+            check_buffers([None if g is None else byte_view(g) for g in got], payloads, "LMCache")
+        finally:
+            release(got)
+
+    def check_dest_theirs(got: list) -> None:
+        try:
+            if any(g is None for g in got):
+                raise AssertionError("LMCache missed a chunk")
+            dest.check()
+        finally:
+            release(got)
+
+    def ours_one_by_one() -> list:
+        return [ours.get_many(ns, [key])[0] for key in keys]
+
+    return {
+        f"ours_get_one{suffix}": Timed(ours_one_by_one, check_ours),
+        f"lmcache_get_one{suffix}": Timed(theirs.get_one_by_one, check_theirs),
+        f"ours_get_ret{suffix}": Timed(lambda: ours.get_many(ns, keys), check_ours),
+        f"lmcache_get_ret{suffix}": Timed(theirs.get, check_theirs),
+        f"ours_get_buf{suffix}": Timed(
+            lambda: ours.get_into(ns, keys, dest.views), lambda _: dest.check(), dest.scrub
+        ),
+        f"lmcache_get_buf{suffix}": Timed(
+            lambda: theirs.get_into(dest.views), check_dest_theirs, dest.scrub
+        ),
+    }
+
+
+def ours_put_run(ours: Tier, chunks: ChunkSet) -> Timed:
+    """Our ``put_many`` of the batch; keys deleted before each sample (untimed)."""
+    ns, keys, blocks = chunks.namespace.id, [b.key for b in chunks.blocks], list(chunks.blocks)
+
+    def check(stored: int) -> None:
+        if stored != len(blocks) or ours.contains_prefix(ns, keys) != len(keys):
+            raise AssertionError(f"ours stored {stored} of {len(blocks)} chunks")
+
+    return Timed(lambda: ours.put_many(ns, blocks), check, lambda: ours.delete(ns, keys))
+
+
+def put_runs(
+    ours: Tier, theirs: PeerStore, chunks: ChunkSet, forget_theirs: Any
+) -> dict[str, Timed]:
+    """Put measurements; ``forget_theirs()`` removes LMCache's copies before each sample."""
+    staged = theirs.stage(chunks.payloads)
+
+    def check_theirs(_: None) -> None:
+        if theirs.count_found() != len(chunks.blocks):
+            raise AssertionError("LMCache does not hold every chunk after its put")
+
+    return {
+        "ours_put": ours_put_run(ours, chunks),
+        "lmcache_put": Timed(lambda: theirs.put(staged), check_theirs, forget_theirs),
+    }
+
+
+def fill(ours: Tier, theirs: PeerStore, chunks: ChunkSet) -> None:
+    """Store the chunk set on both sides (untimed)."""
+    stored = ours.put_many(chunks.namespace.id, list(chunks.blocks))
+    assert stored == len(chunks.blocks), f"ours stored {stored} of {len(chunks.blocks)} chunks"
+    staged = theirs.stage(chunks.payloads)
+    theirs.put(staged)
+    release(staged)
+
+
+def bench_cpu(chunks: ChunkSet, repeats: int) -> dict[str, Any]:
+    ours = CPUTier(CPUTierConfig(capacity_bytes=4 << 30))
+    theirs = PeerStore("cpu", chunks, f"peers-{os.getpid()}")
+    try:
+        fill(ours, theirs, chunks)
+        return interleaved_checked(get_runs(ours, theirs, chunks), repeats * 4, warmup=3)
+    finally:
+        theirs.close()
+
+
+def bench_disk(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
+    ours = DiskTier(DiskTierConfig(str(tmp / "ours"), 1 << 40, fsync=False))
+    theirs = PeerStore("disk", chunks, f"peers-{os.getpid()}", disk_path=str(tmp / "lmcache"))
+    try:
+        fill(ours, theirs, chunks)
+        files = files_under(tmp)
+        ours_files = [ours.path_of(chunks.namespace.id, b.key) for b in chunks.blocks]
+        warm_runs = get_runs(ours, theirs, chunks)
+        warm_runs["raw_read_get_ret"] = raw_read_run(ours_files, chunks)
+        warm = interleaved_checked(warm_runs, repeats, warmup=2)
+
+        def drop() -> None:
+            drop_from_page_cache(files)
+
+        cold_runs = get_runs(ours, theirs, chunks, suffix="_cold")
+        cold_runs["raw_read_get_ret_cold"] = raw_read_run(ours_files, chunks)
+        for run in cold_runs.values():
+            inner = run.before
+            run.before = drop if inner is None else (lambda inner=inner: (inner(), drop()))
+        drop()
+        left = resident_bytes(files)
+        cold = interleaved_checked(cold_runs, repeats, warmup=1)
+        return {**warm, **cold, "resident_bytes_after_drop": left}
+    finally:
+        theirs.close()
+
+
+def raw_read_run(paths: list[Path], chunks: ChunkSet) -> Timed:
+    """The bound of any reader that hands back fresh buffers: ``open().read()`` of our record
+    files, one thread, nothing checked but (after the clock) that each ends with its payload."""
+
+    def read_all() -> list[bytes]:
+        out = []
+        for path in paths:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        return out
+
+    def check(got: list[bytes]) -> None:
+        if not all(r.endswith(p) for r, p in zip(got, chunks.payloads)):
+            raise AssertionError("a record file does not end with its chunk's bytes")
+
+    return Timed(read_all, check)
+
+
+def bench_redis(chunks: ChunkSet, repeats: int, redis_url: str) -> dict[str, Any]:
+    prefix = f"peers-{os.getpid()}"
+    ours = RedisTier(RedisTierConfig(url=redis_url, key_prefix=prefix, socket_timeout_s=30))
+    theirs = PeerStore("redis", chunks, f"{prefix}-lmcache", remote_url=redis_url)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        fill(ours, theirs, chunks)
+        runs = get_runs(ours, theirs, chunks)
+        # The bound of any redis-py client: a pipeline GET of our records, nothing checked.
+        names = [ours.storage_key(chunks.namespace.id, b.key) for b in chunks.blocks]
+        runs["raw_pipeline_get_ret"] = Timed(lambda: _pipeline_get(client, names))
+        out = interleaved_checked(runs, repeats, warmup=1)
+        runs = put_runs(ours, theirs, chunks, lambda: client.delete(*theirs.redis_names()))
+        # The bound of one redis-py pipeline: SET of our encoded records under other names.
+        records = [encode_record(b) for b in chunks.blocks]
+        raw_names = [f"{prefix}-raw:{i}" for i in range(len(records))]
+        runs["raw_pipeline_put"] = Timed(
+            lambda: _pipeline_set(client, raw_names, records),
+            before=lambda: client.delete(*raw_names),
+        )
+        out.update(interleaved_checked(runs, repeats, warmup=1))
+        return out
+    finally:
+        ours.clear(chunks.namespace.id)
+        ours.close()
+        client.delete(*theirs.redis_names())
+        for match in (f"{prefix}-raw:*", f"{prefix}-lmcache*"):
+            for name in client.scan_iter(match=match, count=1000):
+                client.delete(name)
+        client.close()
+        theirs.close()
+
+
+def raw_tcp_run(chunks: ChunkSet, port: int) -> tuple[Timed, Any]:
+    """The floor of a TCP server on this machine: the same bytes from another process over one
+    loopback connection, no protocol, straight into the caller's buffer (``serve_raw``)."""
+    code = (
+        f"from benchmarks.peers_common import serve_raw; serve_raw({chunks.name!r}, "
+        f"{len(chunks.blocks)}, {port})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the raw TCP sender did not start") from None
+            time.sleep(0.05)
+    dest = Destination(chunks)
+    whole = memoryview(dest.array)
+
+    def fetch() -> None:
+        sock.sendall(b"g")
+        recv_exactly(sock, whole)
+
+    def stop() -> None:
+        sock.close()
+        proc.wait(timeout=30)
+
+    return Timed(fetch, lambda _: dest.check(), dest.scrub), stop
+
+
+def _pipeline_get(client: redis.Redis, names: list[str]) -> list:
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(name)
+    return pipe.execute()
+
+
+def _pipeline_set(client: redis.Redis, names: list[str], records: list[bytes]) -> list:
+    pipe = client.pipeline(transaction=False)
+    for name, record in zip(names, records):
+        pipe.set(name, record)
+    return pipe.execute()
+
+
+def bench_server(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
+    ours_server = Server(str(tmp / "server"), fsync=False)
+    # Ours with the disk tier left out: memory only, like LMCache's server (for the put).
+    mem_server = Server(str(tmp / "server-mem"), fsync=False)
+    mem_server.env["CACHETIER_DISK_BYTES"] = "0"
+    lm_server = LMServer(free_port())
+    ours_server.start()
+    mem_server.start()
+    lm_server.start()
+    ours = RemoteTier(RemoteTierConfig(url=ours_server.url, token=TOKEN, timeout_s=60))
+    ours_mem = RemoteTier(RemoteTierConfig(url=mem_server.url, token=TOKEN, timeout_s=60))
+    theirs = PeerStore("server", chunks, f"peers-{os.getpid()}", remote_url=lm_server.url)
+    try:
+        fill(ours, theirs, chunks)
+        runs = get_runs(ours, theirs, chunks)
+        runs["raw_tcp_get_buf"], stop_raw = raw_tcp_run(chunks, free_port())
+        try:
+            out = interleaved_checked(runs, repeats, warmup=1)
+        finally:
+            stop_raw()
+        # lm:// has no delete: its puts overwrite, so ours overwrite too (no delete before).
+        runs = put_runs(ours, theirs, chunks, None)
+        runs["ours_put"].before = None
+        runs["ours_put_memonly"] = ours_put_run(ours_mem, chunks)
+        runs["ours_put_memonly"].before = None
+        out.update(interleaved_checked(runs, repeats, warmup=1))
+        out["ours_errors"] = ours.stats()["errors"] + ours_mem.stats()["errors"]
+        return out
+    finally:
+        ours.close()
+        ours_mem.close()
+        theirs.close()
+        ours_server.stop()
+        mem_server.stop()
+        lm_server.kill()
