@@ -48,17 +48,19 @@ def run_hf(model: torch.nn.Module, requests: list[list[int]]) -> tuple[float, li
     with torch.inference_mode():
         for ids in requests:
             out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=OUTPUT_TOKENS,
+                min_new_tokens=OUTPUT_TOKENS,
+                do_sample=False,
                 pad_token_id=0,
             )
-            outs.append(out[0, len(ids):].tolist())
+            outs.append(out[0, len(ids) :].tolist())
     return time.perf_counter() - start, outs
 
 
 def run_engine(requests: list[list[int]]) -> tuple[float, list[list[int]], dict]:
-    llm = LLM(smollm2_path(), kv_cache_bytes=6 << 30, max_num_batched_tokens=2048,
-              max_num_seqs=64)
+    llm = LLM(smollm2_path(), kv_cache_bytes=6 << 30, max_num_batched_tokens=2048, max_num_seqs=64)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(requests, params)
@@ -85,9 +87,14 @@ def main() -> None:
     folder = smollm2_path()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
-    result: dict[str, object] = {"model": "SmolLM2-135M-Instruct", "dtype": "float32",
-                                 "requests": args.num_requests, "output_tokens": OUTPUT_TOKENS,
-                                 "threads": torch.get_num_threads(), "hf": "generate, batch 1"}
+    result: dict[str, object] = {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": "float32",
+        "requests": args.num_requests,
+        "output_tokens": OUTPUT_TOKENS,
+        "threads": torch.get_num_threads(),
+        "hf": "generate, batch 1",
+    }
     for label, shared in (("", 0), ("_shared_prefix", args.shared_prefix)):
         requests = make_requests(args.num_requests, vocab, shared)
         # Progress on stderr: a 32-request round takes minutes on two cores.
