@@ -39,6 +39,28 @@ from engine.server.serving import (
     usage_of,
 )
 
+
+def usage_event(
+    chunk_type: type[CompletionResponse] | type[ChatCompletionChunk],
+    request_id: str,
+    created: int,
+    name: str,
+    piece: Piece,
+) -> str:
+    """The last event of a stream with ``stream_options.include_usage``: no choices, the usage
+    (with cached tokens) and our cache extension, as OpenAI sends it."""
+    return sse(
+        chunk_type(
+            id=request_id,
+            created=created,
+            model=name,
+            choices=[],
+            usage=usage_of(piece.output),
+            cachetier=cache_info_of(piece.output),
+        )
+    )
+
+
 # Status 499 (nginx's "client closed request"): logged, never read by anyone.
 CLIENT_GONE = 499
 _ERRORS = {
@@ -133,16 +155,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                         )
                         yield sse(chunk)
                     if piece.finish_reason and body.include_usage:
-                        yield sse(
-                            CompletionResponse(
-                                id=request_id,
-                                created=created,
-                                model=name,
-                                choices=[],
-                                usage=usage_of(piece.output),
-                                cachetier=cache_info_of(piece.output),
-                            )
-                        )
+                        yield usage_event(CompletionResponse, request_id, created, name, piece)
 
         return serving.stream(events())
     last = await _finish(request, pieces)
@@ -186,16 +199,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     if piece.finish_reason:
                         yield chunk(ChatDelta(), piece.finish_reason)
                         if body.include_usage:
-                            yield sse(
-                                ChatCompletionChunk(
-                                    id=request_id,
-                                    created=created,
-                                    model=name,
-                                    choices=[],
-                                    usage=usage_of(piece.output),
-                                    cachetier=cache_info_of(piece.output),
-                                )
-                            )
+                            yield usage_event(ChatCompletionChunk, request_id, created, name, piece)
 
         return serving.stream(events())
     last = await _finish(request, pieces)
