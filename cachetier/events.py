@@ -181,13 +181,16 @@ class EventLog:
         self.close()
 
 
-def read_events(path: str | Path, *, strict: bool = False) -> Iterator[LookupEvent]:
+def read_events(
+    path: str | Path, *, strict: bool = False, allow_torn_tail: bool = False
+) -> Iterator[LookupEvent]:
     """The events of a log, in file order.
 
     Args:
         path: a file written by ``EventLog``.
-        strict: raise on a bad line instead of skipping it (a log cut mid-line by a crash
-            ends in one partial line, which a report should survive).
+        strict: raise on a bad line instead of skipping it.
+        allow_torn_tail: even with ``strict``, skip (with a warning) a bad last line that has
+            no newline: ``EventLog`` writes whole lines, so that is a write a crash cut short.
 
     Raises:
         OSError: the file cannot be read.
@@ -200,6 +203,7 @@ def read_events(path: str | Path, *, strict: bool = False) -> Iterator[LookupEve
             try:
                 yield LookupEvent.from_json(line)
             except ValueError as exc:
-                if strict:
+                torn = allow_torn_tail and not line.endswith("\n")  # only a last line can be
+                if strict and not torn:
                     raise ValueError(f"{os.fspath(path)}:{number}: {exc}") from exc
                 log.warning("%s:%d skipped: %s", path, number, exc)

@@ -47,7 +47,7 @@ def load_trace(path: str) -> ReplayTrace:
 
 
 def load_events(path: str) -> list[LookupEvent]:
-    """Read an event log, forgiving one bad line (a log cut mid-line by a crash).
+    """Read an event log, forgiving a last line a crash cut short.
 
     Args:
         path: a file written by ``cachetier.events.EventLog``.
@@ -56,21 +56,11 @@ def load_events(path: str) -> list[LookupEvent]:
         The events, in file order.
 
     Raises:
-        ValueError: unreadable, empty, or more than one line that is not an event (the message
-            names the first).
+        ValueError: unreadable, empty, or a whole line that is not an event (the message
+            names it).
     """
-    events: list[LookupEvent] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            num_lines = sum(1 for line in f if line.strip())
-        try:
-            events.extend(read_events(path, strict=True))
-        except ValueError as exc:
-            # The strict reader stops at the first bad line: it was the last line exactly
-            # when every line before it was an event.
-            if isinstance(exc, UnicodeDecodeError) or len(events) != num_lines - 1:
-                raise
-            log.warning("%s (skipped: the log was cut mid-line?)", exc)
+        events = list(read_events(path, strict=True, allow_torn_tail=True))
     except OSError as exc:
         raise ValueError(f"cannot read event log {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

@@ -83,3 +83,18 @@ def test_invalid_events_are_refused(kwargs):
     base = {"time_s": 0.0, "tenant": "", "num_tokens": 100}
     with pytest.raises(ValueError):
         LookupEvent(**{**base, **kwargs})
+
+
+def test_a_torn_tail_is_forgiven_only_where_asked_and_only_at_the_end(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as events:
+        events.record(_event(0))
+    with open(path, "a") as f:
+        f.write('{"time_s": 3, "tenant"')  # a crash mid-line: no newline
+    assert list(read_events(path, strict=True, allow_torn_tail=True)) == [_event(0)]
+    # The same bad text as a whole line is not a torn write: strict still refuses it.
+    with open(path, "a") as f:
+        f.write("\n")
+        f.write(_event(1).to_json() + "\n")
+    with pytest.raises(ValueError, match=r"events.jsonl:2"):
+        list(read_events(path, strict=True, allow_torn_tail=True))
