@@ -3,6 +3,7 @@ prefilled tokens, restores after a restart from disk, never another model's bloc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -383,14 +384,4 @@ def _stored_blocks(store: TieredStore, namespace: Namespace, tokens: list[int]) 
 
 
 def _with(block: KVBlock, **changes: object) -> KVBlock:
-    fields = dict(
-        key=block.key,
-        fingerprint=block.fingerprint,
-        dtype=block.dtype,
-        shape=block.shape,
-        num_tokens=block.num_tokens,
-        data=block.data,
-        aux=block.aux,
-    )
-    fields.update(changes)
-    return KVBlock(**fields)  # type: ignore[arg-type]
+    return dataclasses.replace(block, **changes)  # checked again by __post_init__
