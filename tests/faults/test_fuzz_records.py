@@ -2,12 +2,10 @@
 batch framing, the key and namespace parsers and the server's upload checks.
 
 What must hold: only the documented errors come out (``CorruptBlockError`` from the decoder,
-``FrameError`` from the framing, ``ValueError`` for bad names), the server never answers 5xx,
-a changed record never decodes to other data under the same key, and nothing is read or
-written outside the disk root.
+``FrameError`` from the framing, ``ValueError`` for bad names), and a changed record never
+decodes to other data under the same key.
 
-Figures: ``fuzz_inputs`` (inputs generated, counted in each test body) and ``fuzz_crashes``
-(distinct unexpected failures; any one also fails its test).
+Figures: ``fuzz_inputs`` and ``fuzz_crashes`` (see ``tests.faults.fuzzing.Tally``).
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 server (schemathesis over its OpenAPI document, and hypothesis over raw bodies and tokens),
 and names that try to leave the disk root.
 
-What must hold: only the documented errors come out (``CorruptBlockError`` from the decoder,
-``FrameError`` from the framing, ``ValueError`` for bad names), the server never answers 5xx,
-a changed record never decodes to other data under the same key, and nothing is read or
-written outside the disk root.
+What must hold: the server never answers 5xx, a forged token or an oversized body gets its 4xx,
+and nothing is read or written outside the disk root.
 
-Figures: ``fuzz_inputs`` (inputs generated, counted in each test body) and ``fuzz_crashes``
-(distinct unexpected failures; any one also fails its test).
+Figures: ``fuzz_inputs`` and ``fuzz_crashes`` (see ``tests.faults.fuzzing.Tally``).
 """
 
 from __future__ import annotations
