@@ -80,10 +80,16 @@ def free_port() -> int:
 class PrivateRedis:
     """A redis-server of this test's own, on a free port, that the test can stop and restart."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, password: str | None = None) -> None:
         self.port = free_port()
         self.folder = folder
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        """Its Unix socket (it listens there too)."""
+        return self.folder / "redis.sock"
 
     @property
     def url(self) -> str:
@@ -94,9 +100,13 @@ class PrivateRedis:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
             + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
-            + ["--logfile", str(self.folder / "redis.log")],
+            + ["--logfile", str(self.folder / "redis.log")]
+            + ["--unixsocket", str(self.socket_path)]
+            + ([] if self.password is None else ["--requirepass", self.password]),
         )
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + 10
         try:
             while True:

@@ -16,7 +16,8 @@ STDLIB = set(sys.stdlib_module_names)
 EDGE = {"cachetier.server", "cachetier.tiers.remote", "cachetier.cli"}
 HTTP_LIBS = {"fastapi", "uvicorn", "aiohttp", "starlette", "prometheus_client"}
 # The one place that turns a StoreConfig into tiers may name the remote tier, inside a function
-# only: importing the core still never imports the edge (test_the_core_imports_without_http_libraries).
+# only: importing the core still never imports the edge
+# (test_the_core_imports_without_http_libraries).
 LAZY_EDGE_IMPORTS = {"cachetier.config": {"cachetier.tiers.remote"}}
 
 

@@ -96,7 +96,7 @@ class Tier(ABC):
         for block, dest in zip(found, dests):
             if block is not None and memoryview(block.data).nbytes == memoryview(dest).nbytes:
                 memoryview(dest).cast("B")[:] = memoryview(block.data).cast("B")
-                block = _with_data(block, dest)
+                block = with_data(block, dest)
             out.append(block)
         return out
 
@@ -164,7 +164,8 @@ def first_miss(found: Sequence[Any]) -> int:
     return len(found)
 
 
-def _with_data(block: KVBlock, data: memoryview) -> KVBlock:
+def with_data(block: KVBlock, data: memoryview) -> KVBlock:
+    """``block`` with its payload in ``data`` (which must hold the same bytes)."""
     return KVBlock(
         block.key, block.fingerprint, block.dtype, block.shape, block.num_tokens, data, block.aux
     )

@@ -1,0 +1,484 @@
+"""A lean RESP2 client for the Redis tier's bulk path: GETs and SETs of block records.
+
+redis-py turns every reply into a fresh ``bytes`` (its parser buffers it once more on the way)
+and, with hiredis, packs every command into one ``bytes`` that copies the value: for blocks of
+megabytes those copies cost more than Redis itself. This module does only what the hot path
+needs, without them:
+
+- ``RespPool.get_records``: pipelined ``GET``s whose records are read from the socket straight
+  into the caller's buffers (a KV pool block) or fresh ones, checksummed chunk by chunk while
+  each chunk is still in the CPU cache (``record.read_record``);
+- ``RespPool.set_records``: pipelined ``SET``s sent from a record's parts (``encode_parts``) in
+  vectored writes, without joining them.
+
+A large batch is spread over a few connections, one thread each: Redis writes a big reply in
+64 KiB steps of its event loop, so one connection leaves both Redis and us idle part of the
+time; socket waits release the GIL, so the streams overlap. Everything else (scripts, scans,
+deletes, TLS, Redis Cluster) stays on redis-py.
+
+Errors: socket failures and timeouts raise ``OSError`` (``TimeoutError``, ``ConnectionError``);
+bytes that are not the reply expected raise ``RespProtocolError``. Either way the connection is
+dropped, never reused out of step. An error reply to one command (``-OOM ...``) is not raised:
+it comes back as an ``ErrorReply`` in that command's place.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from redis.connection import UnixDomainSocketConnection, parse_url
+
+from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier.record import Buffer, KVBlock, read_record
+
+_T = TypeVar("_T")
+_CRLF = b"\r\n"
+_RECV_BYTES = 64 * 1024  # reads smaller than this go through the connection's own buffer
+_MAX_LINE = _RECV_BYTES  # longest status or error line accepted (it must fit the buffer)
+_MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
+# A bulk reply longer than this is not a record of ours: refuse it instead of reading it.
+MAX_BULK_BYTES = 512 * 1024 * 1024
+
+
+class RespProtocolError(TierUnavailableError):
+    """Redis sent bytes that are not the reply expected; the connection is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """Redis answered one command with an error (e.g. ``OOM`` over ``maxmemory``)."""
+
+    message: str
+
+
+class Corrupt:
+    """A record that failed its checks (``CORRUPT``): the caller counts and removes it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CORRUPT"
+
+
+CORRUPT = Corrupt()
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A record that passed its checks: its block, and its length in Redis (for counters)."""
+
+    block: KVBlock
+    nbytes: int
+
+
+GetResult = Hit | None | ErrorReply | Corrupt
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a Redis listens and how to log in.
+
+    Args:
+        host: TCP host, or ``None`` for a Unix socket.
+        port: TCP port.
+        path: Unix socket path, or ``None`` for TCP.
+        username: ACL user name (``None``: the default user).
+        password: password (``None``: no ``AUTH``).
+        db: database number (``SELECT`` when not 0).
+        connect_timeout_s: longest wait for a connection, in seconds.
+        timeout_s: longest wait for one read or write, in seconds.
+    """
+
+    host: str | None
+    port: int
+    path: str | None
+    username: str | None
+    password: str | None
+    db: int
+    connect_timeout_s: float
+    timeout_s: float
+
+    @classmethod
+    def from_url(cls, url: str, connect_timeout_s: float, timeout_s: float) -> Endpoint | None:
+        """The endpoint of a ``redis://`` or ``unix://`` url; ``None`` for ``rediss://`` (TLS
+        stays on redis-py: an SSL socket has no vectored send)."""
+        options = parse_url(url)
+        if options.get("connection_class") not in (None, UnixDomainSocketConnection):
+            return None
+        path = options.get("path")
+        return cls(
+            host=None if path else options.get("host", "localhost"),
+            port=int(options.get("port", 6379)),
+            path=path,
+            username=options.get("username"),
+            password=options.get("password"),
+            db=int(options.get("db", 0)),
+            connect_timeout_s=connect_timeout_s,
+            timeout_s=timeout_s,
+        )
+
+
+def command(*args: bytes | str | int) -> bytes:
+    """One RESP command (small arguments only: values are sent as parts, see ``set_records``)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class RespConnection:
+    """One connection, logged in and on its database. Not thread-safe: a pool hands it to one
+    thread at a time.
+
+    Args:
+        endpoint: where to connect.
+
+    Raises:
+        OSError: the connection could not be made.
+        RespProtocolError: ``AUTH`` or ``SELECT`` was refused.
+    """
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        if endpoint.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(endpoint.connect_timeout_s)
+            try:
+                sock.connect(endpoint.path)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(
+                (endpoint.host, endpoint.port), timeout=endpoint.connect_timeout_s
+            )
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(endpoint.timeout_s)
+        self._sock = sock
+        self._buf = bytearray(_RECV_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+        try:
+            self._log_in(endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def _log_in(self, endpoint: Endpoint) -> None:
+        commands = []
+        if endpoint.password is not None:
+            user = () if endpoint.username is None else (endpoint.username,)
+            commands.append(command("AUTH", *user, endpoint.password))
+        if endpoint.db:
+            commands.append(command("SELECT", endpoint.db))
+        if not commands:
+            return
+        self.send([b"".join(commands)])
+        for _ in commands:
+            line = self.read_line()
+            if line[:1] != b"+":
+                raise RespProtocolError(f"Redis refused the login: {_text(line)}")
+
+    def send(self, buffers: Sequence[Buffer]) -> None:
+        """Send every byte of ``buffers``, in order, in vectored writes (no join)."""
+        views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        i = 0
+        while i < len(views):
+            sent = self._sock.sendmsg(views[i : i + _MAX_IOV])
+            while sent:  # drop what went out; a partly sent buffer keeps its tail
+                n = views[i].nbytes
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+
+    def _fill(self) -> None:
+        """Read more into the connection's buffer (which must be drained or compacted)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            self._buf[: self._end - self._start] = self._buf[self._start : self._end]
+            self._end -= self._start
+            self._start = 0
+        n = self._sock.recv_into(self._view[self._end :])
+        if n == 0:
+            raise ConnectionResetError("Redis closed the connection")
+        self._end += n
+
+    def read_line(self) -> bytes:
+        """The next line, without its CRLF."""
+        while True:  # lines are short: searching again from their start costs nothing
+            at = self._buf.find(_CRLF, self._start, self._end)
+            if at >= 0:
+                line = bytes(self._buf[self._start : at])
+                self._start = at + 2
+                return line
+            if self._end - self._start >= _MAX_LINE:
+                raise RespProtocolError(f"Redis sent a line longer than {_MAX_LINE} bytes")
+            self._fill()
+
+    def readinto(self, dest: memoryview) -> int:
+        """Read up to ``dest.nbytes`` bytes into ``dest``; large reads skip the buffer."""
+        if self._start < self._end:
+            n = min(dest.nbytes, self._end - self._start)
+            dest[:n] = self._view[self._start : self._start + n]
+            self._start += n
+            return n
+        if dest.nbytes >= _RECV_BYTES:
+            n = self._sock.recv_into(dest)
+            if n == 0:
+                raise ConnectionResetError("Redis closed the connection")
+            return n
+        self._fill()
+        return self.readinto(dest)
+
+    def skip(self, nbytes: int) -> None:
+        """Read and drop ``nbytes`` bytes."""
+        while nbytes:
+            if self._start == self._end:
+                self._fill()
+            n = min(nbytes, self._end - self._start)
+            self._start += n
+            nbytes -= n
+
+    def expect_crlf(self) -> None:
+        """Read the CRLF that ends a bulk string."""
+        while self._end - self._start < 2:
+            self._fill()
+        if self._buf[self._start : self._start + 2] != _CRLF:
+            raise RespProtocolError("a bulk string does not end with CRLF")
+        self._start += 2
+
+    def is_stale(self) -> bool:
+        """Whether an idle connection cannot be used: Redis closed it (it restarted, or timed
+        the client out) or it holds unread bytes. One non-blocking peek, no round trip."""
+        if self._start != self._end:
+            return True
+        # poll, not a MSG_DONTWAIT peek: a socket with a timeout waits out the timeout on it.
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        # Readable means closed by Redis or bytes nobody asked for; either way, not usable.
+        return bool(poller.poll(0))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class _Bounded:
+    """Reads of one bulk string: never past its end (a record cannot run into the next reply)."""
+
+    def __init__(self, conn: RespConnection, nbytes: int) -> None:
+        self._conn = conn
+        self.left = nbytes
+
+    def readinto(self, dest: memoryview) -> int:
+        if self.left == 0:
+            return 0  # read_record takes this as "the record is shorter than it claims"
+        n = self._conn.readinto(dest[: self.left] if dest.nbytes > self.left else dest)
+        self.left -= n
+        return n
+
+
+def read_bulk_record(
+    conn: RespConnection, key: bytes, payload_into: memoryview | None
+) -> GetResult:
+    """Read one ``GET`` reply as a record of ``key``.
+
+    Args:
+        conn: a connection whose next reply is that of a ``GET``.
+        key: the key the record must carry.
+        payload_into: where an uncompressed payload of exactly its size is read to, or ``None``.
+
+    Returns:
+        The checked block as a ``Hit``, ``None`` for a missing key, ``CORRUPT`` for a record
+        that failed a check (its bytes are read to the end, so the connection stays in step),
+        or the ``ErrorReply``.
+    """
+    line = conn.read_line()
+    kind = line[:1]
+    if kind == b"-":
+        return ErrorReply(_text(line[1:]))
+    if kind != b"$":
+        raise RespProtocolError(f"expected a bulk string, got {_text(line)}")
+    try:
+        size = int(line[1:])
+    except ValueError:
+        raise RespProtocolError(f"bad bulk length {_text(line)}") from None
+    if size == -1:
+        return None
+    if not 0 <= size <= MAX_BULK_BYTES:
+        raise RespProtocolError(f"bulk length {size} is out of range")
+    body = _Bounded(conn, size)
+    result: GetResult
+    try:
+        result = Hit(read_record(body.readinto, size, key=key, payload_into=payload_into), size)
+    except CorruptBlockError:
+        result = CORRUPT
+    conn.skip(body.left)
+    conn.expect_crlf()
+    return result
+
+
+def read_status(conn: RespConnection) -> bool | ErrorReply:
+    """Read a ``+OK``-style reply: ``True``, or the ``ErrorReply``."""
+    line = conn.read_line()
+    if line[:1] == b"+":
+        return True
+    if line[:1] == b"-":
+        return ErrorReply(_text(line[1:]))
+    raise RespProtocolError(f"expected a status reply, got {_text(line)}")
+
+
+def _text(line: bytes) -> str:
+    return line[:200].decode("utf-8", "replace")
+
+
+class RespPool:
+    """Connections to one Redis, made on demand, and the threads that spread a batch over them.
+
+    Args:
+        endpoint: where Redis is.
+        max_connections: most connections open at once; a call waits up to
+            ``endpoint.timeout_s`` for one, then raises ``TimeoutError``.
+        streams: most connections one batch is spread over.
+    """
+
+    def __init__(self, endpoint: Endpoint, max_connections: int, streams: int) -> None:
+        self._endpoint = endpoint
+        self._streams = max(1, min(streams, max_connections))
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._idle: list[RespConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: ThreadPoolExecutor | None = None
+
+    @contextmanager
+    def connection(self) -> Iterator[RespConnection]:
+        """A connection for one exchange; dropped, not reused, if the exchange raises."""
+        if not self._slots.acquire(timeout=self._endpoint.timeout_s):
+            raise TimeoutError(f"no free Redis connection within {self._endpoint.timeout_s} s")
+        conn: RespConnection | None = None
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is not None and conn.is_stale():
+                conn.close()
+                conn = None
+            if conn is None:
+                conn = RespConnection(self._endpoint)
+            yield conn
+        except BaseException:
+            if conn is not None:
+                conn.close()
+                conn = None
+            raise
+        finally:
+            if conn is not None:
+                with self._lock:
+                    if self._closed:
+                        conn.close()
+                    else:
+                        self._idle.append(conn)
+            self._slots.release()
+
+    def get_records(
+        self,
+        skeys: Sequence[bytes],
+        keys: Sequence[bytes],
+        dests: Sequence[memoryview | None] | None = None,
+    ) -> list[GetResult]:
+        """``GET`` each storage key and read its reply as a record of the matching block key.
+
+        Args:
+            skeys: Redis keys.
+            keys: the block key each record must carry.
+            dests: per key, where its payload should land (see ``read_bulk_record``).
+
+        Returns:
+            One ``GetResult`` per key, in order.
+        """
+        targets = dests if dests is not None else [None] * len(skeys)
+
+        def fetch(lo: int, hi: int) -> list[GetResult]:
+            with self.connection() as conn:
+                conn.send([b"".join(command(b"GET", skey) for skey in skeys[lo:hi])])
+                return [read_bulk_record(conn, keys[i], targets[i]) for i in range(lo, hi)]
+
+        return self._spread(len(skeys), fetch)
+
+    def set_records(
+        self, skeys: Sequence[bytes], records: Sequence[Sequence[Buffer]], px_ms: int | None
+    ) -> list[bool | ErrorReply]:
+        """``SET`` each storage key to a record given as parts, with an optional expiry.
+
+        Args:
+            skeys: Redis keys.
+            records: per key, the record's parts (``encode_parts``), sent without a join.
+            px_ms: expiry in milliseconds, or ``None``.
+
+        Returns:
+            Per key, ``True`` when stored or the ``ErrorReply``.
+        """
+        expiry = b"" if px_ms is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px_ms)), px_ms)
+        arity = b"*3\r\n" if px_ms is None else b"*5\r\n"
+
+        def store(lo: int, hi: int) -> list[bool | ErrorReply]:
+            out: list[Buffer] = []
+            for skey, parts in zip(skeys[lo:hi], records[lo:hi], strict=True):
+                size = sum(memoryview(p).nbytes for p in parts)
+                out.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (arity, len(skey), skey, size))
+                out.extend(parts)
+                out.append(_CRLF + expiry)
+            with self.connection() as conn:
+                conn.send(out)
+                return [read_status(conn) for _ in range(lo, hi)]
+
+        return self._spread(len(skeys), store)
+
+    def _spread(self, count: int, run: Callable[[int, int], list[_T]]) -> list[_T]:
+        """``run`` over contiguous ranges of ``count`` items, one per stream, in parallel."""
+        streams = min(self._streams, count // 2) if count >= 4 else 1
+        if streams <= 1:
+            return run(0, count)
+        bounds = [count * i // streams for i in range(streams + 1)]
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(
+                    self._streams - 1, thread_name_prefix="cachetier-redis"
+                )
+            threads = self._threads
+        futures = [threads.submit(run, bounds[i], bounds[i + 1]) for i in range(1, streams)]
+        out: list[_T] = []
+        error: BaseException | None = None
+        try:
+            out.extend(run(bounds[0], bounds[1]))
+        except BaseException as exc:  # still wait for the others: they use our buffers
+            error = exc
+        for future in futures:
+            try:
+                out.extend(future.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return out
+
+    def close(self) -> None:
+        """Close idle connections (busy ones close when returned) and stop the threads."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            threads, self._threads = self._threads, None
+        for conn in idle:
+            conn.close()
+        if threads is not None:
+            threads.shutdown(wait=False)
