@@ -24,12 +24,10 @@ it comes back as an ``ErrorReply`` in that command's place.
 
 from __future__ import annotations
 
-import select
-import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,12 +35,10 @@ from redis.connection import UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.sockets import RECV_BYTES, BufferedSocket, SocketPool
 
 _T = TypeVar("_T")
 _CRLF = b"\r\n"
-_RECV_BYTES = 64 * 1024  # reads smaller than this go through the connection's own buffer
-_MAX_LINE = _RECV_BYTES  # longest status or error line accepted (it must fit the buffer)
-_MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 # A bulk reply longer than this is not a record of ours: refuse it instead of reading it.
 MAX_BULK_BYTES = 512 * 1024 * 1024
 
@@ -135,8 +131,7 @@ def command(*args: bytes | str | int) -> bytes:
 
 
 class RespConnection:
-    """One connection, logged in and on its database. Not thread-safe: a pool hands it to one
-    thread at a time.
+    """One connection, logged in and on its database (a ``BufferedSocket`` that speaks RESP).
 
     Args:
         endpoint: where to connect.
@@ -148,27 +143,19 @@ class RespConnection:
 
     def __init__(self, endpoint: Endpoint) -> None:
         if endpoint.path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(endpoint.connect_timeout_s)
-            try:
-                sock.connect(endpoint.path)
-            except OSError:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(
-                (endpoint.host, endpoint.port), timeout=endpoint.connect_timeout_s
+            io = BufferedSocket.connect_unix(
+                endpoint.path, endpoint.connect_timeout_s, endpoint.timeout_s
             )
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(endpoint.timeout_s)
-        self._sock = sock
-        self._buf = bytearray(_RECV_BYTES)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+        else:
+            assert endpoint.host is not None
+            io = BufferedSocket.connect_tcp(
+                endpoint.host, endpoint.port, endpoint.connect_timeout_s, endpoint.timeout_s
+            )
+        self.io = io
         try:
             self._log_in(endpoint)
         except BaseException:
-            self.close()
+            io.close()
             raise
 
     def _log_in(self, endpoint: Endpoint) -> None:
@@ -180,97 +167,29 @@ class RespConnection:
             commands.append(command("SELECT", endpoint.db))
         if not commands:
             return
-        self.send([b"".join(commands)])
+        self.io.send([b"".join(commands)])
         for _ in commands:
             line = self.read_line()
             if line[:1] != b"+":
                 raise RespProtocolError(f"Redis refused the login: {_text(line)}")
 
-    def send(self, buffers: Sequence[Buffer]) -> None:
-        """Send every byte of ``buffers``, in order, in vectored writes (no join)."""
-        views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-        i = 0
-        while i < len(views):
-            sent = self._sock.sendmsg(views[i : i + _MAX_IOV])
-            while sent:  # drop what went out; a partly sent buffer keeps its tail
-                n = views[i].nbytes
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
-
-    def _fill(self) -> None:
-        """Read more into the connection's buffer (which must be drained or compacted)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buf):
-            self._buf[: self._end - self._start] = self._buf[self._start : self._end]
-            self._end -= self._start
-            self._start = 0
-        n = self._sock.recv_into(self._view[self._end :])
-        if n == 0:
-            raise ConnectionResetError("Redis closed the connection")
-        self._end += n
-
     def read_line(self) -> bytes:
-        """The next line, without its CRLF."""
-        while True:  # lines are short: searching again from their start costs nothing
-            at = self._buf.find(_CRLF, self._start, self._end)
-            if at >= 0:
-                line = bytes(self._buf[self._start : at])
-                self._start = at + 2
-                return line
-            if self._end - self._start >= _MAX_LINE:
-                raise RespProtocolError(f"Redis sent a line longer than {_MAX_LINE} bytes")
-            self._fill()
-
-    def readinto(self, dest: memoryview) -> int:
-        """Read up to ``dest.nbytes`` bytes into ``dest``; large reads skip the buffer."""
-        if self._start < self._end:
-            n = min(dest.nbytes, self._end - self._start)
-            dest[:n] = self._view[self._start : self._start + n]
-            self._start += n
-            return n
-        if dest.nbytes >= _RECV_BYTES:
-            n = self._sock.recv_into(dest)
-            if n == 0:
-                raise ConnectionResetError("Redis closed the connection")
-            return n
-        self._fill()
-        return self.readinto(dest)
-
-    def skip(self, nbytes: int) -> None:
-        """Read and drop ``nbytes`` bytes."""
-        while nbytes:
-            if self._start == self._end:
-                self._fill()
-            n = min(nbytes, self._end - self._start)
-            self._start += n
-            nbytes -= n
+        """The next reply line, without its CRLF."""
+        line = self.io.read_line()
+        if line is None:
+            raise RespProtocolError(f"Redis sent a line longer than {RECV_BYTES} bytes")
+        return line
 
     def expect_crlf(self) -> None:
         """Read the CRLF that ends a bulk string."""
-        while self._end - self._start < 2:
-            self._fill()
-        if self._buf[self._start : self._start + 2] != _CRLF:
+        if self.io.read_exactly(2) != _CRLF:
             raise RespProtocolError("a bulk string does not end with CRLF")
-        self._start += 2
 
     def is_stale(self) -> bool:
-        """Whether an idle connection cannot be used: Redis closed it (it restarted, or timed
-        the client out) or it holds unread bytes. One non-blocking peek, no round trip."""
-        if self._start != self._end:
-            return True
-        # poll, not a MSG_DONTWAIT peek: a socket with a timeout waits out the timeout on it.
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN)
-        # Readable means closed by Redis or bytes nobody asked for; either way, not usable.
-        return bool(poller.poll(0))
+        return self.io.is_stale()
 
     def close(self) -> None:
-        self._sock.close()
+        self.io.close()
 
 
 class _Bounded:
@@ -283,7 +202,7 @@ class _Bounded:
     def readinto(self, dest: memoryview) -> int:
         if self.left == 0:
             return 0  # read_record takes this as "the record is shorter than it claims"
-        n = self._conn.readinto(dest[: self.left] if dest.nbytes > self.left else dest)
+        n = self._conn.io.readinto(dest[: self.left] if dest.nbytes > self.left else dest)
         self.left -= n
         return n
 
@@ -323,7 +242,7 @@ def read_bulk_record(
         result = Hit(read_record(body.readinto, size, key=key, payload_into=payload_into), size)
     except CorruptBlockError:
         result = CORRUPT
-    conn.skip(body.left)
+    conn.io.skip(body.left)
     conn.expect_crlf()
     return result
 
@@ -353,42 +272,22 @@ class RespPool:
     """
 
     def __init__(self, endpoint: Endpoint, max_connections: int, streams: int) -> None:
-        self._endpoint = endpoint
+        self.endpoint = endpoint
         self._streams = max(1, min(streams, max_connections))
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._idle: list[RespConnection] = []
+        self._pool: SocketPool[RespConnection] = SocketPool(
+            lambda: RespConnection(endpoint), max_connections, endpoint.timeout_s
+        )
         self._lock = threading.Lock()
-        self._closed = False
         self._threads: ThreadPoolExecutor | None = None
 
-    @contextmanager
-    def connection(self) -> Iterator[RespConnection]:
+    @property
+    def num_idle(self) -> int:
+        """Connections open and waiting for use."""
+        return self._pool.num_idle
+
+    def connection(self) -> AbstractContextManager[RespConnection]:
         """A connection for one exchange; dropped, not reused, if the exchange raises."""
-        if not self._slots.acquire(timeout=self._endpoint.timeout_s):
-            raise TimeoutError(f"no free Redis connection within {self._endpoint.timeout_s} s")
-        conn: RespConnection | None = None
-        try:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is not None and conn.is_stale():
-                conn.close()
-                conn = None
-            if conn is None:
-                conn = RespConnection(self._endpoint)
-            yield conn
-        except BaseException:
-            if conn is not None:
-                conn.close()
-                conn = None
-            raise
-        finally:
-            if conn is not None:
-                with self._lock:
-                    if self._closed:
-                        conn.close()
-                    else:
-                        self._idle.append(conn)
-            self._slots.release()
+        return self._pool.connection()
 
     def get_records(
         self,
@@ -410,7 +309,7 @@ class RespPool:
 
         def fetch(lo: int, hi: int) -> list[GetResult]:
             with self.connection() as conn:
-                conn.send([b"".join(command(b"GET", skey) for skey in skeys[lo:hi])])
+                conn.io.send([b"".join(command(b"GET", skey) for skey in skeys[lo:hi])])
                 return [read_bulk_record(conn, keys[i], targets[i]) for i in range(lo, hi)]
 
         return self._spread(len(skeys), fetch)
@@ -439,7 +338,7 @@ class RespPool:
                 out.extend(parts)
                 out.append(_CRLF + expiry)
             with self.connection() as conn:
-                conn.send(out)
+                conn.io.send(out)
                 return [read_status(conn) for _ in range(lo, hi)]
 
         return self._spread(len(skeys), store)
@@ -474,11 +373,8 @@ class RespPool:
 
     def close(self) -> None:
         """Close idle connections (busy ones close when returned) and stop the threads."""
+        self._pool.close()
         with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
             threads, self._threads = self._threads, None
-        for conn in idle:
-            conn.close()
         if threads is not None:
             threads.shutdown(wait=False)

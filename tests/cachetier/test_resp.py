@@ -184,7 +184,7 @@ def test_a_connection_redis_closed_is_replaced(
     skeys = names(redis_prefix, big_blocks[:1])
     pool.set_records(skeys, [encode_parts(big_blocks[0])], None)
     with pool.connection() as conn:
-        conn.send([command("CLIENT", "SETNAME", "resp-victim")])
+        conn.io.send([command("CLIENT", "SETNAME", "resp-victim")])
         assert conn.read_line() == b"+OK"
     victims = [c["id"] for c in raw.client_list() if c.get("name") == "resp-victim"]
     assert len(victims) == 1
@@ -244,7 +244,7 @@ def test_garbage_or_silence_raises_and_drops_the_connection(
     try:
         with pytest.raises(error):
             pool.get_records([b"k"], [bytes(32)])
-        assert pool._idle == []  # noqa: SLF001 -- a connection out of step is never reused
+        assert pool.num_idle == 0  # a connection out of step is never reused
     finally:
         pool.close()
         liar.close()
@@ -266,7 +266,7 @@ def test_a_connection_closed_mid_reply_is_an_error_not_a_corrupt_record() -> Non
 def test_send_survives_partial_writes(redis_url: str, redis_prefix: str) -> None:
     # 600 buffers (more than one sendmsg takes) of mixed sizes, then one reply per SET.
     pool = pool_for(redis_url, streams=1)
-    conn = RespConnection(pool._endpoint)  # noqa: SLF001
+    conn = RespConnection(pool.endpoint)
     try:
         parts: list[bytes | memoryview] = []
         values = [bytes([i % 251]) * (1 + (i * 7919) % 300_000) for i in range(200)]
@@ -274,7 +274,7 @@ def test_send_survives_partial_writes(redis_url: str, redis_prefix: str) -> None
             key = f"{redis_prefix}:p{i}".encode()
             parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))]
             parts += [memoryview(value), b"\r\n"]
-        conn.send(parts)
+        conn.io.send(parts)
         assert all(conn.read_line() == b"+OK" for _ in values)
         client = redis.Redis.from_url(redis_url)
         assert client.get(f"{redis_prefix}:p199") == values[199]
