@@ -62,6 +62,8 @@ class Server:
             "CACHETIER_TENANTS": f"bench:{TOKEN}",
             "CACHETIER_CPU_BYTES": str(4 << 30),
             "CACHETIER_FSYNC": "1" if fsync else "0",
+            # Block gets and puts go over the transfer port (the remote tier finds it).
+            "CACHETIER_TRANSFER_PORT": str(free_port()),
             "CACHETIER_LOG_LEVEL": "warning",
         }
         self.data_dir = data_dir

@@ -30,6 +30,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="a .toml or .json file of ServerConfig settings")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8470)")
+    p.add_argument(
+        "--transfer-port",
+        type=int,
+        help="also serve batch gets and puts over the block transfer protocol on this port "
+        "(0: a free one; default: off)",
+    )
     p.add_argument("--data-dir", help="folder of the disk tier")
     p.add_argument("--redis-url", help="a Redis behind the server, redis://host:port/db")
     p.add_argument(
@@ -63,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.config,
             host=args.host,
             port=args.port,
+            transfer_port=args.transfer_port,
             data_dir=args.data_dir,
             redis_url=args.redis_url,
             open_mode=args.open_mode,

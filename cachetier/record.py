@@ -339,7 +339,7 @@ def read_record(
         and memoryview(payload_into).nbytes == h.payload_len
     )
     if direct:
-        stored = _byte_view(payload_into)  # type: ignore[arg-type]
+        stored = byte_view(payload_into)  # type: ignore[arg-type]
     else:
         stored = memoryview(np.empty(h.payload_len, dtype=np.uint8)).cast("B")
     _read_exactly(readinto, stored, digest, size)
@@ -348,7 +348,7 @@ def read_record(
     return _build(h, head, aux, stored, digest.digest(), key, fingerprint)
 
 
-def _byte_view(buffer: Buffer) -> memoryview:
+def byte_view(buffer: Buffer) -> memoryview:
     """``buffer`` as flat bytes; a view that already is one is returned itself, so a caller can
     tell by identity that its buffer was filled."""
     view = memoryview(buffer) if not isinstance(buffer, memoryview) else buffer

@@ -155,6 +155,28 @@ class BufferedSocket:
         self.sock.close()
 
 
+class BoundedReader:
+    """Reads of one length-prefixed item (a record): never past its end, so a bad one cannot
+    run into what follows it on the stream; ``left`` bytes then remain to ``skip``.
+
+    Args:
+        io: the connection.
+        nbytes: the item's length.
+    """
+
+    def __init__(self, io: BufferedSocket, nbytes: int) -> None:
+        self._io = io
+        self.left = nbytes
+
+    def readinto(self, dest: memoryview) -> int:
+        """As ``BufferedSocket.readinto``, but 0 once the item's bytes are all read."""
+        if self.left == 0:
+            return 0
+        n = self._io.readinto(dest[: self.left] if dest.nbytes > self.left else dest)
+        self.left -= n
+        return n
+
+
 class Closable(Protocol):
     def is_stale(self) -> bool: ...
 

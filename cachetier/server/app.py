@@ -20,6 +20,7 @@ from cachetier.server.bodies import JsonBodyLimit, json_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
+from cachetier.server.transfer import TransferServer
 
 logger = logging.getLogger("cachetier.server")
 
@@ -53,12 +54,27 @@ def create_app(config: ServerConfig) -> FastAPI:
         # Opening the disk tier scans its folder: not on the event loop.
         store = await run_in_threadpool(build_store, config.store_config())
         service = BlockService(config, store)
+        transfer: TransferServer | None = None
+        if config.transfer_port is not None:
+            transfer = TransferServer(
+                service,
+                config.host,
+                config.transfer_port,
+                max_connections=config.transfer_connections,
+            )
+            try:
+                service.transfer_port = transfer.start()
+            except OSError:
+                await run_in_threadpool(service.close)
+                raise
         if config.open_mode:
             logger.warning(OPEN_MODE_WARNING)
         logger.info("cachetier serving tiers %s", [t.name for t in store.tiers])
         try:
             yield {"service": service, "metrics": ServerMetrics(service)}
         finally:
+            if transfer is not None:  # first: its puts in flight still reach the store
+                await run_in_threadpool(transfer.stop)
             # Waits for every queued write to the lower tiers: nothing acknowledged is dropped.
             await run_in_threadpool(service.close)
             logger.info("cachetier store flushed and closed")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException
 
+from cachetier.errors import RequestRefusedError
 from cachetier.server.config import OPEN_TENANT, ServerConfig
 from cachetier.server.schemas import api_error
 from cachetier.server.wire import check_client_namespace
@@ -67,13 +68,42 @@ class TokenIndex:
                 found = tenant
         return found
 
-    def caller(self, token: str | None, claimed_tenant: str | None) -> Caller:
-        """Who is calling.
+    def resolve(self, token: str | None, claimed_tenant: str | None) -> str:
+        """The tenant a request acts as.
 
         Args:
             token: the bearer token, ``None`` if the request carried none.
-            claimed_tenant: the ``X-Cachetier-Tenant`` header, if sent (optional: a client may
-                name the tenant it expects its token to act as).
+            claimed_tenant: the tenant the client expects its token to act as, if it names one
+                (``X-Cachetier-Tenant``; optional).
+
+        Returns:
+            The tenant.
+
+        Raises:
+            AuthFailure: ``status`` 401 for a missing or unknown token, 403 when the claimed
+                tenant is not the token's.
+        """
+        if token is None:
+            if not self._open:
+                raise AuthFailure(
+                    401, "this server needs a bearer token (Authorization: Bearer ...)"
+                )
+            tenant = OPEN_TENANT
+        else:
+            found = self.tenant_of(token)
+            if found is None:
+                raise AuthFailure(401, "the bearer token is not one of this server's tokens")
+            tenant = found
+        if claimed_tenant is not None and claimed_tenant != tenant:
+            raise AuthFailure(403, f"this token may not act as tenant {claimed_tenant[:40]!r}")
+        return tenant
+
+    def caller(self, token: str | None, claimed_tenant: str | None) -> Caller:
+        """Who is calling over HTTP.
+
+        Args:
+            token: the bearer token, ``None`` if the request carried none.
+            claimed_tenant: the ``X-Cachetier-Tenant`` header, if sent.
 
         Returns:
             The caller.
@@ -82,20 +112,22 @@ class TokenIndex:
             HTTPException: 401 for a missing or unknown token, 403 when the claimed tenant is
                 not the token's.
         """
-        if token is None:
-            if not self._open:
-                raise _unauthorized("this server needs a bearer token (Authorization: Bearer ...)")
-            tenant = OPEN_TENANT
-        else:
-            found = self.tenant_of(token)
-            if found is None:
-                raise _unauthorized("the bearer token is not one of this server's tokens")
-            tenant = found
-        if claimed_tenant is not None and claimed_tenant != tenant:
-            raise api_error(
-                403, "forbidden", f"this token may not act as tenant {claimed_tenant[:40]!r}"
-            )
+        try:
+            tenant = self.resolve(token, claimed_tenant)
+        except AuthFailure as exc:
+            if exc.status == 401:
+                raise _unauthorized(exc.message) from None
+            raise api_error(403, "forbidden", exc.message) from None
         return Caller(tenant, tenant in self._admins or tenant == OPEN_TENANT)
+
+
+class AuthFailure(RequestRefusedError):
+    """A request's token does not let it act (``status``: 401 or 403, as in HTTP)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 def _unauthorized(message: str) -> HTTPException:

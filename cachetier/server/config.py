@@ -61,6 +61,10 @@ class ServerConfig:
     max_batch_bytes: largest batch body accepted.
     max_batch_blocks: most records in a batch put and most keys in a batch get.
     max_keys: most keys in a lookup, exists or delete request.
+    transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
+        and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. Plain TCP,
+        token in the clear like HTTP here: keep it on the pod or node network.
+    transfer_connections: most transfer connections served at once.
     log_level: uvicorn's log level.
     """
 
@@ -82,14 +86,30 @@ class ServerConfig:
     max_batch_bytes: int = 512 * MiB
     max_batch_blocks: int = 1024
     max_keys: int = 4096
+    transfer_port: int | None = None
+    transfer_connections: int = 64
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port!r}")
+        if self.transfer_port is not None and (
+            isinstance(self.transfer_port, bool)
+            or not isinstance(self.transfer_port, int)
+            or not 0 <= self.transfer_port <= 65535
+        ):
+            raise ValueError(f"transfer_port must be 0-65535 or None, got {self.transfer_port!r}")
+        if self.transfer_port is not None and self.transfer_port == self.port != 0:
+            raise ValueError(f"transfer_port and port are both {self.port}")
         if not self.host:
             raise ValueError("host must name an address, e.g. 127.0.0.1")
-        for name in ("max_block_bytes", "max_batch_bytes", "max_batch_blocks", "max_keys"):
+        for name in (
+            "max_block_bytes",
+            "max_batch_bytes",
+            "max_batch_blocks",
+            "max_keys",
+            "transfer_connections",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

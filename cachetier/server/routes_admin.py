@@ -26,13 +26,15 @@ async def healthz() -> HealthPublic:
 
 @router.get("/v1/limits", response_model=LimitsPublic)
 async def limits(service: ServiceDep) -> LimitsPublic:
-    """Request size limits (no token needed: they say nothing about any tenant)."""
+    """Request size limits and the block transfer port (no token needed: they say nothing
+    about any tenant)."""
     c = service.config
     return LimitsPublic(
         max_block_bytes=c.max_block_bytes,
         max_batch_bytes=c.max_batch_bytes,
         max_batch_blocks=c.max_batch_blocks,
         max_keys=c.max_keys,
+        transfer_port=service.transfer_port,
     )
 
 

@@ -60,6 +60,11 @@ class LimitsPublic(BaseModel):
     max_batch_bytes: int = Field(description="largest batch body")
     max_batch_blocks: int = Field(description="most records per batch put, keys per batch get")
     max_keys: int = Field(description="most keys per lookup, exists or delete")
+    transfer_port: int | None = Field(
+        default=None,
+        description="TCP port of the block transfer protocol on this server's host (batch "
+        "gets and puts without HTTP), or null when it is off",
+    )
 
 
 class StatsPublic(BaseModel):

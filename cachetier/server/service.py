@@ -40,6 +40,8 @@ class BlockService:
         # Fixed at start: a tenant exists only if the config names it.
         self._tenant_stats = {name: TierStats() for name in names}
         self._closed = threading.Event()
+        # The block transfer port once it listens (``server.transfer``), for ``/v1/limits``.
+        self.transfer_port: int | None = None
 
     def check_records(
         self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
@@ -66,9 +68,13 @@ class BlockService:
                 key = None if keys is None else keys[i]
                 blocks.append(decode_record(record, key=key, fingerprint=scope.fingerprint))
             except CorruptBlockError as exc:
-                self._tenant(scope).add(rejected=len(records))  # the whole request is refused
+                self.refuse(scope, len(records))  # the whole request is refused
                 raise CorruptBlockError(f"record {i}: {exc}") from None
         return blocks
+
+    def refuse(self, scope: Scope, num_records: int) -> None:
+        """Count uploaded records refused (a request with a bad record stores none of its)."""
+        self._tenant(scope).add(rejected=num_records)
 
     def put(self, scope: Scope, blocks: Sequence[KVBlock]) -> dict[str, int]:
         """Store checked blocks.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetier.keys import BlockHash
-from cachetier.record import KVBlock
+from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -91,14 +91,7 @@ class Tier(ABC):
         """
         if len(dests) != len(keys):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
-        found = self.get_many(namespace, keys)
-        out: list[KVBlock | None] = []
-        for block, dest in zip(found, dests):
-            if block is not None and memoryview(block.data).nbytes == memoryview(dest).nbytes:
-                memoryview(dest).cast("B")[:] = memoryview(block.data).cast("B")
-                block = with_data(block, dest)
-            out.append(block)
-        return out
+        return land_in(self.get_many(namespace, keys), [byte_view(d) for d in dests])
 
     @abstractmethod
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -162,6 +155,27 @@ def first_miss(found: Sequence[Any]) -> int:
         if item is None:
             return i
     return len(found)
+
+
+def land_in(found: list[KVBlock | None], dests: Sequence[memoryview]) -> list[KVBlock | None]:
+    """Copy each block whose payload is not already in its destination there, when sizes match.
+
+    Args:
+        found: blocks fetched for ``dests`` (some may already have been read into them).
+        dests: one flat byte view per block.
+
+    Returns:
+        ``found`` with those blocks' payloads now in their destinations (``get_into``'s
+        answer).
+    """
+    for i, (block, dest) in enumerate(zip(found, dests, strict=True)):
+        if block is None or block.data is dest:
+            continue
+        data = memoryview(block.data).cast("B")
+        if data.nbytes == dest.nbytes:
+            dest[:] = data
+            found[i] = with_data(block, dest)
+    return found
 
 
 def with_data(block: KVBlock, data: memoryview) -> KVBlock:

@@ -54,8 +54,15 @@ from redis.retry import Retry
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import Compression, KVBlock, decode_record, encode_parts, encode_record
-from cachetier.tiers.base import Tier, check_namespace, first_miss, with_data
+from cachetier.record import (
+    Compression,
+    KVBlock,
+    byte_view,
+    decode_record,
+    encode_parts,
+    encode_record,
+)
+from cachetier.tiers.base import Tier, check_namespace, first_miss, land_in
 from cachetier.tiers.redis_cluster import CLUSTER_SCHEMES, ClusterRouter, parse_cluster_url
 from cachetier.tiers.redis_scripts import FORGET_SCRIPT, LEADING_SCRIPT, PUT_SCRIPT, TOUCH_SCRIPT
 from cachetier.tiers.resp import CORRUPT, Endpoint, ErrorReply, GetResult, Hit, RespPool
@@ -435,16 +442,9 @@ class RedisTier(Tier):
         skeys = self._storage_keys(namespace, keys)
         if not keys:
             return []
-        targets = [memoryview(d).cast("B") for d in dests]
-        out = self._get_bulk(skeys, keys, targets)
-        for i, block in enumerate(out):
-            # A compressed record was decompressed elsewhere: copy it where it was asked for.
-            if block is not None and block.data is not targets[i]:
-                data = memoryview(block.data).cast("B")
-                if data.nbytes == targets[i].nbytes:
-                    targets[i][:] = data
-                    out[i] = with_data(block, targets[i])
-        return out
+        targets = [byte_view(d) for d in dests]
+        # A compressed record is decompressed elsewhere; land_in copies it where it belongs.
+        return land_in(self._get_bulk(skeys, keys, targets), targets)
 
     def _get_bulk(
         self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None

@@ -35,7 +35,7 @@ from redis.connection import UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.record import Buffer, KVBlock, read_record
-from cachetier.sockets import RECV_BYTES, BufferedSocket, SocketPool
+from cachetier.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 
 _T = TypeVar("_T")
 _CRLF = b"\r\n"
@@ -192,21 +192,6 @@ class RespConnection:
         self.io.close()
 
 
-class _Bounded:
-    """Reads of one bulk string: never past its end (a record cannot run into the next reply)."""
-
-    def __init__(self, conn: RespConnection, nbytes: int) -> None:
-        self._conn = conn
-        self.left = nbytes
-
-    def readinto(self, dest: memoryview) -> int:
-        if self.left == 0:
-            return 0  # read_record takes this as "the record is shorter than it claims"
-        n = self._conn.io.readinto(dest[: self.left] if dest.nbytes > self.left else dest)
-        self.left -= n
-        return n
-
-
 def read_bulk_record(
     conn: RespConnection, key: bytes, payload_into: memoryview | None
 ) -> GetResult:
@@ -236,7 +221,7 @@ def read_bulk_record(
         return None
     if not 0 <= size <= MAX_BULK_BYTES:
         raise RespProtocolError(f"bulk length {size} is out of range")
-    body = _Bounded(conn, size)
+    body = BoundedReader(conn.io, size)
     result: GetResult
     try:
         result = Hit(read_record(body.readinto, size, key=key, payload_into=payload_into), size)

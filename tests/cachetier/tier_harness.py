@@ -123,16 +123,18 @@ def tiered_harness(tmp: Path) -> TierHarness:
     return TierHarness(make=make, corrupt=corrupt)
 
 
-def remote_harness(tmp: Path) -> TierHarness:
-    """A ``RemoteTier`` against a real server (CPU + disk tiers) on 127.0.0.1, as tenant alice.
+def remote_harness(tmp: Path, *, transfer: bool = False) -> TierHarness:
+    """A ``RemoteTier`` against a real server (CPU + disk tiers) on 127.0.0.1, as tenant alice;
+    with ``transfer``, the server has a block transfer port and gets and puts go over it.
 
     Every tier after the first finds the server restarted on the same data folder, so the
     restart test restarts the server, not just the client.
     """
     from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-    from tests.server.live import TOKENS, ThreadServer, call, test_config
+    from tests.server.live import TOKENS, ThreadServer, call, free_port, test_config
 
-    server = ThreadServer(test_config(tmp / "remote-server"))
+    port = free_port() if transfer else None
+    server = ThreadServer(test_config(tmp / "remote-server", transfer_port=port))
     running: list[bool] = []
 
     def make(cap: int) -> Tier:
@@ -142,7 +144,9 @@ def remote_harness(tmp: Path) -> TierHarness:
         else:
             server.start()
             running.append(True)
-        return RemoteTier(RemoteTierConfig(url=server.url, token=TOKENS["alice"]))
+        return RemoteTier(
+            RemoteTierConfig(url=server.url, token=TOKENS["alice"], transfer=transfer)
+        )
 
     def corrupt(tier: Tier, ns: str, key: BlockHash) -> None:
         server.restart()  # the server's CPU tier forgets: the read reaches the disk copy
@@ -170,6 +174,7 @@ _TRAITS = {
     "tiered": (True, False, True),
     # The server's tiers each keep exact LRU, but a stack of them does not (like "tiered").
     "remote": (True, False, True),
+    "remote-transfer": (True, False, True),
 }
 
 
@@ -192,5 +197,6 @@ def build(kind: str, tmp: Path, redis_url: str, redis_prefix: str) -> TierHarnes
         "disk": disk_harness,
         "tiered": tiered_harness,
         "remote": remote_harness,
+        "remote-transfer": lambda tmp: remote_harness(tmp, transfer=True),
     }
     return builders[kind](tmp)

@@ -83,11 +83,18 @@ class RemoteClient:
         return self._session
 
     async def limits(self) -> dict[str, int]:
-        """The server's request limits (``LimitsPublic``)."""
+        """The server's request limits (``LimitsPublic``), with ``transfer_port`` when the
+        server has a block transfer port."""
         async with self._open().get(self._config.base_url + "/v1/limits") as resp:
             answer = await _json(resp)
         names = ("max_block_bytes", "max_batch_bytes", "max_batch_blocks", "max_keys")
-        return {name: int(answer[name]) for name in names}
+        out = {name: int(answer[name]) for name in names}
+        port = answer.get("transfer_port")
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise TierUnavailableError(f"server named transfer port {port!r}")
+            out["transfer_port"] = port
+        return out
 
     async def put(self, namespace: str, records: list[list[Buffer]]) -> int:
         """Store records in one batch request.

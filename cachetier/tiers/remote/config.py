@@ -31,6 +31,9 @@ class RemoteTierConfig:
     max_batch_bytes: most record bytes per put request; larger puts are split.
     max_keys: most keys per lookup, exists or delete request.
     max_record_bytes: largest record accepted from the server.
+    transfer: move block batches over the server's block transfer port when it has one
+        (``/v1/limits`` says; plain TCP to the url's host, so only for ``http://`` urls):
+        gets and puts then run on the calling thread without HTTP. ``False`` keeps to HTTP.
     """
 
     url: str
@@ -47,6 +50,7 @@ class RemoteTierConfig:
     max_batch_bytes: int = 256 * MiB
     max_keys: int = 4096
     max_record_bytes: int = 1024 * MiB
+    transfer: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -79,6 +83,13 @@ class RemoteTierConfig:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid
+
+    @property
+    def transfer_host(self) -> str | None:
+        """The host to reach the transfer port on; ``None`` when transfers are off (by the
+        setting, or because the url is https: the port has no TLS)."""
+        parts = urlsplit(self.url)
+        return parts.hostname if self.transfer and parts.scheme == "http" else None
 
     @property
     def base_url(self) -> str:

@@ -7,6 +7,11 @@ aiohttp session):
   engine loop: each submits a coroutine to the private loop and waits a bounded time;
 - ``aget_many``, ``aput_many``, ... for async callers, awaitable from any event loop.
 
+When the server has a block transfer port (``/v1/limits`` names it) and the url is
+``http://``, the blocking ``get_many``, ``get_into`` and ``put_many`` move their blocks over
+it instead (``transfer``): from the caller's thread, records read straight into the caller's
+buffers, no HTTP. Lookups, deletes and the async API stay on HTTP.
+
 A server that is down, slow or restarting turns into misses and counted errors: each request
 is retried with exponential backoff, and a circuit breaker stops calling after
 ``failure_threshold`` failed calls in a row until a backoff has passed. Every record fetched is
@@ -27,14 +32,15 @@ import aiohttp
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import KVBlock, decode_record, encode_parts
+from cachetier.record import Buffer, KVBlock, byte_view, decode_record, encode_parts
 from cachetier.server.wire import check_client_namespace
 from cachetier.store import PrefixHit
-from cachetier.tiers.base import Tier
+from cachetier.tiers.base import Tier, land_in
 from cachetier.tiers.remote.batching import RequestLimits
 from cachetier.tiers.remote.client import RemoteClient
 from cachetier.tiers.remote.config import RemoteTierConfig
 from cachetier.tiers.remote.loop import LoopThread
+from cachetier.tiers.remote.transfer import TransferClient
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -75,6 +81,7 @@ class RemoteTier(Tier):
         self._limits = config.limits
         self._limits_known = False
         self._loop = LoopThread("cachetier-remote")
+        self._transfer: TransferClient | None = None  # set once the server names its port
 
     @property
     def config(self) -> RemoteTierConfig:
@@ -94,14 +101,32 @@ class RemoteTier(Tier):
 
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         _check_blocks(namespace, blocks)
+        transfer = self._transfer_client()
+        if transfer is not None:
+            return self._put_transfer(transfer, namespace, blocks)
         num_requests = self._limits.num_put_requests(blocks)
         return self._wait(self._put_many(namespace, blocks), 0, num_requests)
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         _check_keys(namespace, keys)
+        transfer = self._transfer_client()
+        if transfer is not None:
+            return self._get_transfer(transfer, namespace, keys, None)
         misses: list[KVBlock | None] = [None] * len(keys)
         num_requests = self._limits.num_requests(len(keys), self._limits.max_batch_blocks)
         return self._wait(self._get_many(namespace, keys), misses, num_requests)
+
+    def get_into(
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+    ) -> list[KVBlock | None]:
+        transfer = self._transfer_client()
+        if transfer is None:
+            return super().get_into(namespace, keys, dests)
+        _check_keys(namespace, keys)
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
+        targets = [byte_view(d) for d in dests]
+        return land_in(self._get_transfer(transfer, namespace, keys, targets), targets)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
@@ -171,16 +196,76 @@ class RemoteTier(Tier):
         start = time.perf_counter()
         limits = await self._fetch_limits()
         chunks, too_large = limits.put_chunks([encode_parts(b) for b in blocks])
-        stored = nbytes = 0
+        stored: list[int] = []
         for chunk in chunks:
             got = await self._call(lambda c=chunk: self._client.put(namespace, c), None)
             if got is None:
                 break
-            stored += got
-            nbytes += sum(memoryview(p).nbytes for parts in chunk for p in parts)
-        self._stats.add(puts=stored, bytes_in=nbytes, rejected=too_large)
+            stored.append(got)
+        return self._count_put(chunks, stored, too_large, start)
+
+    def _put_transfer(
+        self, transfer: TransferClient, namespace: str, blocks: Sequence[KVBlock]
+    ) -> int:
+        """``_put_many`` over the transfer port, on the calling thread."""
+        if self._breaker.is_open:
+            self._count(skipped=1)
+            return 0
+        start = time.perf_counter()
+        chunks, too_large = self._limits.put_chunks([encode_parts(b) for b in blocks])
+        stored: list[int] = []
+        for chunk in chunks:
+            got = self._call_blocking(lambda c=chunk: transfer.put(namespace, c), None)
+            if got is None:
+                break
+            stored.append(got)
+        return self._count_put(chunks, stored, too_large, start)
+
+    def _count_put(
+        self, chunks: list[list[list[Buffer]]], stored: list[int], too_large: int, start: float
+    ) -> int:
+        """Count a put whose first ``len(stored)`` requests were answered; returns the blocks
+        stored."""
+        nbytes = sum(
+            memoryview(p).nbytes
+            for chunk in chunks[: len(stored)]
+            for parts in chunk
+            for p in parts
+        )
+        self._stats.add(puts=sum(stored), bytes_in=nbytes, rejected=too_large)
         self._stats.observe(time.perf_counter() - start)
-        return stored
+        return sum(stored)
+
+    def _get_transfer(
+        self,
+        transfer: TransferClient,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        dests: Sequence[memoryview] | None,
+    ) -> list[KVBlock | None]:
+        """``_get_many`` over the transfer port, on the calling thread."""
+        start = time.perf_counter()
+        out: list[KVBlock | None] = [None] * len(keys)
+        hits = nbytes = corrupt = 0
+        step = self._limits.max_batch_blocks
+        first = 0
+        while first < len(keys):
+            chunk, into = keys[first : first + step], dests and dests[first : first + step]
+            got = self._call_blocking(
+                lambda c=chunk, d=into: transfer.get(namespace, c, d or None), None
+            )
+            if got is None:
+                break
+            for i, block in enumerate(got.blocks):
+                if block is not None:
+                    out[first + i] = block
+                    hits += 1
+            nbytes += got.nbytes
+            corrupt += got.corrupt
+            first += len(got.blocks)  # the server may answer the leading keys only: ask again
+        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=corrupt)
+        self._stats.observe(time.perf_counter() - start)
+        return out
 
     async def _get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         start = time.perf_counter()
@@ -254,8 +339,38 @@ class RemoteTier(Tier):
             except _TRANSIENT + (RequestRefusedError,):
                 return self._limits  # the call that follows counts the failure
             self._limits = self._config.limits.narrowed(server)
+            self._use_transfer_port(server.get("transfer_port"))
             self._limits_known = True
         return self._limits
+
+    def _use_transfer_port(self, port: int | None) -> None:
+        """Make (or drop) the transfer client for the port the server named."""
+        host = self._config.transfer_host
+        old = self._transfer
+        if host is None or port is None:
+            self._transfer = None
+        elif old is None or old.port != port:  # a restarted server may listen elsewhere
+            c = self._config
+            self._transfer = TransferClient(
+                host,
+                port,
+                token=c.token,
+                tenant=c.tenant,
+                connect_timeout_s=c.connect_timeout_s,
+                timeout_s=c.timeout_s,
+                max_connections=c.max_connections,
+                max_record_bytes=c.max_record_bytes,
+            )
+        if old is not None and old is not self._transfer:
+            old.close()
+
+    def _transfer_client(self) -> TransferClient | None:
+        """The transfer client, reading the server's limits first if they are not known."""
+        if self._config.transfer_host is None:
+            return None
+        if not self._limits_known and not self._breaker.is_open:
+            self._wait(self._fetch_limits(), self._limits, 1)
+        return self._transfer
 
     async def _call(self, op: Callable[[], Awaitable[_T]], failed: Any) -> Any:
         """Run one request with retries, unless the breaker is open; ``failed`` if it fails."""
@@ -266,30 +381,59 @@ class RemoteTier(Tier):
         while True:
             try:
                 result = await op()
-            except RequestRefusedError as exc:
-                self._breaker.record_success()  # the server is up; it said no
-                self._limits_known = False  # e.g. its limits went down: ask again
-                self._stats.add(errors=1)
-                logger.warning("cachetier server refused a request: %s", exc)
-                return failed
-            except _TRANSIENT as exc:
-                # A timeout is not retried: a server that was too slow once is likely to be
-                # again, and the caller is waiting. A refused or reset connection (a restart)
-                # or a 5xx is.
-                if attempt < self._config.retries and not isinstance(exc, TimeoutError):
-                    self._count(retries=1)
-                    await asyncio.sleep(self._backoff.delay_s(attempt))
-                    attempt += 1
-                    continue
-                self._breaker.record_failure()
-                self._stats.add(errors=1)
-                logger.debug("cachetier server call failed: %r", exc)
-                return failed
+            except (RequestRefusedError, *_TRANSIENT) as exc:
+                delay = self._after_failure(exc, attempt)
+                if delay is None:
+                    return failed
+                await asyncio.sleep(delay)
+                attempt += 1
+                continue
             except BaseException:  # cancelled (the caller stopped waiting) or a bug
                 self._breaker.record_failure()
                 raise
             self._breaker.record_success()
             return result
+
+    def _call_blocking(self, op: Callable[[], _T], failed: Any) -> Any:
+        """``_call`` for a transfer on the calling thread."""
+        if not self._breaker.allow():
+            self._count(skipped=1)
+            return failed
+        attempt = 0
+        while True:
+            try:
+                result = op()
+            except (RequestRefusedError, *_TRANSIENT) as exc:
+                delay = self._after_failure(exc, attempt)
+                if delay is None:
+                    self._limits_known = False  # read them again: the port may have moved
+                    return failed
+                time.sleep(delay)
+                attempt += 1
+                continue
+            except BaseException:
+                self._breaker.record_failure()
+                raise
+            self._breaker.record_success()
+            return result
+
+    def _after_failure(self, exc: BaseException, attempt: int) -> float | None:
+        """Account for a failed attempt; the wait before the next one, or ``None`` to stop."""
+        if isinstance(exc, RequestRefusedError):
+            self._breaker.record_success()  # the server is up; it said no
+            self._limits_known = False  # e.g. its limits went down: ask again
+            self._stats.add(errors=1)
+            logger.warning("cachetier server refused a request: %s", exc)
+            return None
+        # A timeout is not retried: a server that was too slow once is likely to be again, and
+        # the caller is waiting. A refused or reset connection (a restart) or a 5xx is.
+        if attempt < self._config.retries and not isinstance(exc, TimeoutError):
+            self._count(retries=1)
+            return self._backoff.delay_s(attempt)
+        self._breaker.record_failure()
+        self._stats.add(errors=1)
+        logger.debug("cachetier server call failed: %r", exc)
+        return None
 
     # Plumbing between the callers' threads and loops and the private loop.
 
@@ -318,6 +462,8 @@ class RemoteTier(Tier):
         return out
 
     def close(self) -> None:
+        if self._transfer is not None:
+            self._transfer.close()
         self._loop.close(self._client.close())
 
 

@@ -1,0 +1,265 @@
+"""The sidecar's block transfer port: batch gets and puts over plain TCP (``transfer_wire``).
+
+One thread per connection, blocking sockets: a put's records are read with ``recv_into``
+straight into the buffers the CPU tier then keeps, checksummed chunk by chunk as they arrive; a
+get's records are sent from the tier's buffers with vectored writes. Socket waits release the
+GIL, so transfers on several connections overlap each other and the HTTP event loop.
+
+Limits are the server's own (``max_block_bytes``, ``max_batch_bytes``, ``max_batch_blocks``),
+checked from the lengths before any record is read; ``max_connections`` bounds the threads.
+A connection idle longer than ``idle_timeout_s`` is closed, and so is one that stalls for
+``io_timeout_s`` inside a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+from cachetier.errors import CorruptBlockError
+from cachetier.keys import BlockHash
+from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.server.auth import AuthFailure, Scope
+from cachetier.server.service import BlockService
+from cachetier.server.transfer_wire import (
+    HELLO,
+    KEY_BYTES,
+    LENGTH,
+    MAGIC,
+    MAX_TENANT_BYTES,
+    MAX_TOKEN_BYTES,
+    REPLY,
+    REQUEST,
+    Op,
+    Status,
+    error_reply,
+)
+from cachetier.sockets import BoundedReader, BufferedSocket
+
+logger = logging.getLogger("cachetier.server.transfer")
+
+
+class _Refused(Exception):
+    """A request answered with an error; ``close`` when the stream is out of step after it."""
+
+    def __init__(self, status: Status, message: str, *, close: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.close = close
+
+
+class TransferServer:
+    """Serves a ``BlockService`` on its own TCP port.
+
+    Args:
+        service: the server's blocks, tenants and tokens.
+        host: address to listen on.
+        port: port to listen on (0 picks a free one; ``port`` says which after ``start``).
+        max_connections: most connections served at once; more are answered ``BUSY``.
+        idle_timeout_s: longest wait for the next request on a connection, in seconds.
+        io_timeout_s: longest wait for one read or write inside a request, in seconds.
+    """
+
+    def __init__(
+        self,
+        service: BlockService,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 64,
+        idle_timeout_s: float = 75.0,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        self._service = service
+        self._host = host
+        self.port = port
+        self._idle_timeout_s = idle_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._listener: socket.socket | None = None
+        self._accepting: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def start(self) -> int:
+        """Listen and accept in a background thread; returns the port."""
+        self._listener = socket.create_server((self._host, self.port), backlog=128)
+        self.port = self._listener.getsockname()[1]
+        self._accepting = threading.Thread(
+            target=self._accept_loop, name="cachetier-transfer-accept", daemon=True
+        )
+        self._accepting.start()
+        logger.info("cachetier block transfer on %s:%d", self._host, self.port)
+        return self.port
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, close every connection, and wait for requests in flight (their
+        stores complete; only their replies are lost)."""
+        self._stopping.set()
+        if self._listener is not None:
+            try:  # wakes the accepting thread: close() alone leaves it blocked (and the port bound)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected in some kernels' view; close() below still frees it
+            self._listener.close()
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by its peer
+        if self._accepting is not None:
+            self._accepting.join(timeout_s)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: stop() was called
+            if not self._slots.acquire(blocking=False):
+                _send_and_close(sock, error_reply(Status.BUSY, "too many connections"))
+                continue
+            thread = threading.Thread(
+                target=self._serve, args=(sock,), name="cachetier-transfer", daemon=True
+            )
+            with self._lock:
+                self._conns.add(sock)
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        io = BufferedSocket(sock)
+        try:
+            sock.settimeout(self._io_timeout_s)
+            tenant = self._hello(io)
+            while not self._stopping.is_set():
+                sock.settimeout(self._idle_timeout_s)
+                head = io.read_exactly(REQUEST.size)
+                sock.settimeout(self._io_timeout_s)
+                try:
+                    io.send(self._request(io, tenant, *REQUEST.unpack(head)))
+                except _Refused as refused:
+                    io.send([error_reply(refused.status, refused.message)])
+                    if refused.close:
+                        return
+        except _Refused as refused:  # at hello
+            _send_quietly(io, error_reply(refused.status, refused.message))
+        except (OSError, struct.error):
+            pass  # the client went away or stalled: nothing to answer
+        except Exception:
+            logger.exception("block transfer connection failed")
+            _send_quietly(io, error_reply(Status.FAILED, "the server failed; see its log"))
+        finally:
+            io.close()
+            self._slots.release()
+            with self._lock:
+                self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
+
+    def _hello(self, io: BufferedSocket) -> str:
+        magic, token_len, tenant_len = HELLO.unpack(io.read_exactly(HELLO.size))
+        if magic != MAGIC:
+            raise _Refused(Status.BAD_REQUEST, f"expected {MAGIC!r}, this is not a transfer client")
+        if token_len > MAX_TOKEN_BYTES or tenant_len > MAX_TENANT_BYTES:
+            raise _Refused(Status.BAD_REQUEST, "token or tenant too long")
+        token = io.read_exactly(token_len).decode("utf-8", "surrogateescape") or None
+        claimed = io.read_exactly(tenant_len).decode("utf-8", "replace") or None
+        try:
+            tenant = self._service.tokens.resolve(token, claimed)
+        except AuthFailure as exc:
+            status = Status.UNAUTHORIZED if exc.status == 401 else Status.FORBIDDEN
+            raise _Refused(status, exc.message) from None
+        io.send([REPLY.pack(Status.OK, 0)])
+        return tenant
+
+    def _request(
+        self, io: BufferedSocket, tenant: str, op: int, name_len: int, count: int
+    ) -> list[Buffer]:
+        """Serve one request whose head was read; returns the reply's buffers."""
+        name = io.read_exactly(name_len)
+        try:
+            scope = Scope.of(tenant, name.decode("ascii"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _Refused(Status.BAD_REQUEST, f"bad namespace: {exc}") from None
+        config = self._service.config
+        if count > config.max_batch_blocks:
+            raise _Refused(
+                Status.TOO_LARGE, f"{count} blocks, at most {config.max_batch_blocks} per request"
+            )
+        if op == Op.GET:
+            raw = io.read_exactly(count * KEY_BYTES)
+            keys = [BlockHash(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
+            return self._get(scope, keys)
+        if op == Op.PUT:
+            lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
+            return self._put(io, scope, lengths)
+        raise _Refused(Status.BAD_REQUEST, f"unknown operation {op}")
+
+    def _get(self, scope: Scope, keys: Sequence[BlockHash]) -> list[Buffer]:
+        budget = self._service.config.max_batch_bytes
+        records = self._service.get_records(scope, keys, budget)
+        lengths = [0 if r is None else sum(memoryview(p).nbytes for p in r) for r in records]
+        out: list[Buffer] = [
+            REPLY.pack(Status.OK, len(records)),
+            struct.pack(f"<{len(lengths)}Q", *lengths),
+        ]
+        for parts in records:
+            if parts is not None:
+                out.extend(parts)
+        return out
+
+    def _put(self, io: BufferedSocket, scope: Scope, lengths: Sequence[int]) -> list[Buffer]:
+        config = self._service.config
+        for i, length in enumerate(lengths):
+            if not 0 < length <= config.max_block_bytes:
+                raise _Refused(
+                    Status.TOO_LARGE if length else Status.BAD_REQUEST,
+                    f"record {i} is {length} bytes; 1 to {config.max_block_bytes} are allowed",
+                )
+        if sum(lengths) > config.max_batch_bytes:
+            raise _Refused(
+                Status.TOO_LARGE,
+                f"batch of {sum(lengths)} bytes, at most {config.max_batch_bytes} per request",
+            )
+        blocks: list[KVBlock] = []
+        for i, length in enumerate(lengths):
+            body = BoundedReader(io, length)
+            try:
+                blocks.append(read_record(body.readinto, length, fingerprint=scope.fingerprint))
+            except CorruptBlockError as exc:
+                # Read the rest of the request (its size was checked) so the connection stays
+                # in step, then refuse all of it: nothing of a request with a bad record is kept.
+                io.skip(body.left + sum(lengths[i + 1 :]))
+                self._service.refuse(scope, len(lengths))
+                raise _Refused(Status.BAD_REQUEST, f"record {i}: {exc}", close=False) from None
+        stored = self._service.put(scope, blocks)
+        return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
+
+
+def _send_quietly(io: BufferedSocket, reply: bytes) -> None:
+    try:
+        io.send([reply])
+    except OSError:
+        pass  # the client is gone; it cannot be told
+
+
+def _send_and_close(sock: socket.socket, reply: bytes) -> None:
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(reply)
+    except OSError:
+        pass  # the client is gone
+    finally:
+        sock.close()

@@ -1,0 +1,94 @@
+"""The sidecar's block transfer protocol: batch gets and puts of records over plain TCP.
+
+The HTTP API carries every operation; this second port carries only the two that move
+megabytes, without HTTP's costs (uvicorn hands a body over in 256 KiB ``bytes`` chunks through
+the event loop, and aiohttp copies each again). Both ends read records straight into their
+destination with ``recv_into`` and checksum them chunk by chunk. Little-endian throughout::
+
+    hello    client: "CTX1" | token_len u16 | tenant_len u16 | token | tenant
+             server: reply head (value 0)
+    request  op u8 | namespace_len u8 | count u32 | namespace, then
+               GET: count x key (32 B)
+               PUT: count x length u64 | count records
+    reply    status u8 | value u32, then
+               OK to GET: value = records answered (<= count; fewer when the server's byte
+                 budget ran out: ask again for the rest) | value x length u64 | records
+                 (length 0 = miss)
+               OK to PUT: value = records stored
+               not OK: value = message length | message (UTF-8)
+
+A record is a ``cachetier.record`` record, checked on arrival (checksum, key, fingerprint);
+the tenant comes from the hello's token, exactly as with HTTP. After an error reply to a
+malformed request the server closes the connection; after a refused put (a bad record) the
+body has been read to its end and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+
+from cachetier.errors import RequestRefusedError, TierUnavailableError
+
+MAGIC = b"CTX1"
+HELLO = struct.Struct("<4sHH")
+REQUEST = struct.Struct("<BBI")
+REPLY = struct.Struct("<BI")
+LENGTH = struct.Struct("<Q")
+KEY_BYTES = 32
+MAX_TOKEN_BYTES = 1024
+MAX_TENANT_BYTES = 64
+MAX_MESSAGE_BYTES = 1024
+
+
+class Op(IntEnum):
+    GET = 1
+    PUT = 2
+
+
+class Status(IntEnum):
+    OK = 0
+    BAD_REQUEST = 1  # malformed request, bad namespace, or a record that fails its checks
+    UNAUTHORIZED = 2
+    FORBIDDEN = 3
+    TOO_LARGE = 4
+    BUSY = 5  # the server has all the connections it accepts
+    FAILED = 6  # the server failed (its log says why)
+
+
+def hello(token: str | None, tenant: str | None) -> bytes:
+    """The client's first message."""
+    token_b = (token or "").encode()
+    tenant_b = (tenant or "").encode()
+    if len(token_b) > MAX_TOKEN_BYTES or len(tenant_b) > MAX_TENANT_BYTES:
+        raise ValueError("token or tenant too long for the transfer protocol")
+    return HELLO.pack(MAGIC, len(token_b), len(tenant_b)) + token_b + tenant_b
+
+
+def request(op: Op, namespace: str, count: int) -> bytes:
+    """A request head and its namespace (the body follows)."""
+    name = namespace.encode("ascii")
+    return REQUEST.pack(op, len(name), count) + name
+
+
+def error_reply(status: Status, message: str) -> bytes:
+    """A reply that is not OK, with its message."""
+    text = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
+    return REPLY.pack(status, len(text)) + text
+
+
+def failure(status: int, message: str) -> Exception:
+    """The client-side error of a reply that is not OK.
+
+    Returns:
+        ``RequestRefusedError`` when the request itself was refused (retrying cannot help),
+        ``TierUnavailableError`` when the server is busy, failed or said something unknown.
+    """
+    try:
+        name = Status(status).name.lower()
+    except ValueError:
+        return TierUnavailableError(f"transfer server answered unknown status {status}")
+    what = f"transfer server answered {name}: {message}"
+    if status in (Status.BUSY, Status.FAILED):
+        return TierUnavailableError(what)
+    return RequestRefusedError(what)

@@ -1,0 +1,185 @@
+"""The remote tier's block transfer client: batch gets and puts on the server's transfer port
+(``cachetier.server.transfer_wire``), from the caller's thread, over pooled blocking sockets.
+
+A get reads each record straight into the caller's buffer (a KV pool block) or a fresh one,
+checksummed chunk by chunk as it arrives; a put sends each record's parts with vectored writes.
+Errors: ``OSError`` (refused, reset, timed out) and ``TierUnavailableError`` (garbage, busy)
+are worth a retry; ``RequestRefusedError`` is not.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier.keys import BlockHash
+from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.server.transfer_wire import (
+    LENGTH,
+    MAX_MESSAGE_BYTES,
+    REPLY,
+    Op,
+    Status,
+    failure,
+    hello,
+    request,
+)
+from cachetier.sockets import BoundedReader, BufferedSocket, SocketPool
+
+
+class TransferConnection:
+    """One connection, past its hello (the server knows its tenant).
+
+    Raises:
+        OSError: no connection.
+        RequestRefusedError: the server refused the token.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        tenant: str | None,
+        connect_timeout_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.io = BufferedSocket.connect_tcp(host, port, connect_timeout_s, timeout_s)
+        try:
+            self.io.send([hello(token, tenant)])
+            read_reply(self.io)
+        except BaseException:
+            self.io.close()
+            raise
+
+    def is_stale(self) -> bool:
+        return self.io.is_stale()
+
+    def close(self) -> None:
+        self.io.close()
+
+
+def read_reply(io: BufferedSocket) -> int:
+    """Read a reply head: its value when OK; raises the reply's error otherwise."""
+    status, value = REPLY.unpack(io.read_exactly(REPLY.size))
+    if status == Status.OK:
+        return int(value)
+    message = io.read_exactly(min(value, MAX_MESSAGE_BYTES)).decode("utf-8", "replace")
+    raise failure(status, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What one get request brought back.
+
+    Args:
+        blocks: per answered key (the leading ones), its checked block or ``None``; a record
+            that failed its checks is ``None`` too, and counted in ``corrupt``.
+        nbytes: record bytes of the blocks.
+        corrupt: records that failed their checks.
+    """
+
+    blocks: list[KVBlock | None]
+    nbytes: int
+    corrupt: int
+
+
+class TransferClient:
+    """Requests to one server's transfer port; safe to use from many threads.
+
+    Args:
+        host: the server's host.
+        port: its transfer port.
+        token: bearer token (names the tenant), ``None`` in open mode.
+        tenant: the tenant the token must act as, if set.
+        connect_timeout_s: longest wait for a connection.
+        timeout_s: longest wait for one read or write.
+        max_connections: connections kept at most.
+        max_record_bytes: largest record accepted from the server.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        tenant: str | None,
+        connect_timeout_s: float,
+        timeout_s: float,
+        max_connections: int,
+        max_record_bytes: int,
+    ) -> None:
+        self.port = port
+        self._max_record_bytes = max_record_bytes
+        self._pool: SocketPool[TransferConnection] = SocketPool(
+            lambda: TransferConnection(host, port, token, tenant, connect_timeout_s, timeout_s),
+            max_connections,
+            timeout_s,
+        )
+
+    def get(
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        dests: Sequence[memoryview] | None = None,
+    ) -> Fetched:
+        """Fetch records of ``keys`` and check them against the keys.
+
+        Args:
+            namespace: the client's namespace.
+            keys: keys to fetch (at least one).
+            dests: per key, where an uncompressed payload of exactly its size should land.
+
+        Returns:
+            The blocks of the leading keys the server answered (at least one).
+        """
+        with self._pool.connection() as conn:
+            io = conn.io
+            io.send([request(Op.GET, namespace, len(keys)), b"".join(keys)])
+            count = read_reply(io)
+            if not 0 < count <= len(keys):
+                raise TierUnavailableError(f"server answered {count} records for {len(keys)}")
+            lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
+            if max(lengths) > self._max_record_bytes:
+                raise TierUnavailableError(f"server sent a record of {max(lengths)} bytes")
+            blocks: list[KVBlock | None] = []
+            nbytes = corrupt = 0
+            for i, length in enumerate(lengths):
+                if length == 0:
+                    blocks.append(None)
+                    continue
+                body = BoundedReader(io, length)
+                into = None if dests is None else dests[i]
+                try:
+                    blocks.append(
+                        read_record(body.readinto, length, key=keys[i], payload_into=into)
+                    )
+                    nbytes += length
+                except CorruptBlockError:
+                    io.skip(body.left)  # stay in step for the records after it
+                    blocks.append(None)
+                    corrupt += 1
+            return Fetched(blocks, nbytes, corrupt)
+
+    def put(self, namespace: str, records: Sequence[Sequence[Buffer]]) -> int:
+        """Store records (each as its parts, ``encode_parts``) in one request.
+
+        Returns:
+            How many the server stored.
+        """
+        lengths = [sum(memoryview(p).nbytes for p in parts) for parts in records]
+        out: list[Buffer] = [
+            request(Op.PUT, namespace, len(records)),
+            struct.pack(f"<{len(lengths)}Q", *lengths),
+        ]
+        for parts in records:
+            out.extend(parts)
+        with self._pool.connection() as conn:
+            conn.io.send(out)
+            return read_reply(conn.io)
+
+    def close(self) -> None:
+        self._pool.close()
