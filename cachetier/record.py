@@ -357,6 +357,12 @@ def byte_view(buffer: Buffer) -> memoryview:
     return view.cast("B")
 
 
+def record_checksum(parts: Sequence[Buffer]) -> bytes:
+    """The checksum of a record given as parts (``encode_parts``): the last 8 bytes of its
+    head. Equal checksums mean equal records (up to xxh3-64 collisions)."""
+    return bytes(memoryview(parts[0])[-8:])
+
+
 def record_nbytes(parts: Sequence[Buffer]) -> int:
     """Total length of a record given as parts."""
     return sum(memoryview(p).nbytes for p in parts)

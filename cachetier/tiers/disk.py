@@ -23,7 +23,7 @@ from pathlib import Path
 from cachetier.errors import CorruptBlockError
 from cachetier.eviction import make_policy
 from cachetier.keys import HASH_BYTES, BlockHash, parse_key
-from cachetier.record import Compression, KVBlock, encode_parts, read_record
+from cachetier.record import Compression, KVBlock, encode_parts, read_record, record_checksum
 from cachetier.tiers.base import Tier, check_namespace
 
 SUFFIX = ".ctkv"
@@ -68,6 +68,9 @@ class DiskTier(Tier):
         self._root.mkdir(parents=True, exist_ok=True)
         self._compression = Compression.LZ4 if config.compression == "lz4" else Compression.NONE
         self._sizes: dict[tuple[str, bytes], int] = {}
+        # Checksums of the records this tier wrote (not those found at start): a put of the
+        # same record again only refreshes it.
+        self._checksums: dict[tuple[str, bytes], bytes] = {}
         self._policy = make_policy(config.policy)
         self._used = 0
         self._lock = threading.Lock()
@@ -141,6 +144,9 @@ class DiskTier(Tier):
         for block in blocks:
             path = self.path_of(namespace, block.key)
             parts = encode_parts(block, self._compression)
+            if self._refresh_if_same(namespace, block.key, path, record_checksum(parts)):
+                stored += 1  # the file already holds exactly this record
+                continue
             size = sum(memoryview(p).nbytes for p in parts)
             if size > self._config.capacity_bytes:
                 rejected += 1
@@ -159,6 +165,7 @@ class DiskTier(Tier):
                     self._used -= old
                     self._policy.touch(slot)
                 self._sizes[slot] = size
+                self._checksums[slot] = record_checksum(parts)
                 self._used += size
                 self._evict_over_capacity()
             stored += 1
@@ -166,6 +173,28 @@ class DiskTier(Tier):
         self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, errors=errors)
         self._stats.observe(time.perf_counter() - start)
         return stored
+
+    def _refresh_if_same(self, namespace: str, key: BlockHash, path: Path, checksum: bytes) -> bool:
+        """Mark a block as just used instead of writing it, if this tier wrote exactly this
+        record (same checksum) and its file is still there; ``False`` otherwise.
+
+        Rewriting it would cost a full write (and freeing the old file's pages) for the same
+        bytes: engines put the blocks of a shared prompt again after every request. Another
+        record under the key is written as usual (a put replaces). A file damaged since is
+        found by the checksum on its next read, removed, and written again by the next put.
+        """
+        slot = (namespace, bytes(key))
+        with self._lock:
+            if self._checksums.get(slot) != checksum:
+                return False
+        if not path.exists():  # removed behind our back: write it again
+            return False
+        with self._lock:
+            if self._checksums.get(slot) != checksum:  # evicted or replaced meanwhile
+                return False
+            self._policy.touch(slot)
+        _touch_quietly(path)  # mtime carries the LRU order across restarts
+        return True
 
     def _write_atomically(self, path: Path, parts: list) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +225,7 @@ class DiskTier(Tier):
             if victim is None:
                 break
             size = self._sizes.pop(victim)  # type: ignore[call-overload]
+            self._checksums.pop(victim, None)  # type: ignore[call-overload]
             self._used -= size
             ns, key = victim  # type: ignore[misc]
             _unlink_quietly(self.path_of(ns, BlockHash(key)))
@@ -306,6 +336,7 @@ class DiskTier(Tier):
             self._forget_locked(namespace, key)
 
     def _forget_locked(self, namespace: str, key: BlockHash) -> None:
+        self._checksums.pop((namespace, bytes(key)), None)
         size = self._sizes.pop((namespace, bytes(key)), None)
         if size is not None:
             self._used -= size
