@@ -19,16 +19,18 @@ Timed operations (one call = the whole batch of chunks):
   ``batched_get`` then a copy of each object into the buffer.
 - ``put``: store the batch and return once the tier holds it (ours: ``put_many`` returns after
   the write is acknowledged; LMCache: ``batched_put`` plus waiting for its queued writes, see
-  ``PeerStore.put``). Keys are deleted before each sample, untimed (not on the servers:
-  ``lm://`` has no delete, so both overwrite there).
+  ``PeerStore.put``). Keys are deleted before each sample, untimed (``lm://`` has no delete:
+  LMCache's server puts overwrite).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ from benchmarks.peers_common import (
     resident_bytes,
 )
 from benchmarks.peers_lmcache import LMServer, PeerStore, byte_view, release
-from cachetier.record import encode_record
+from cachetier.record import encode_parts, encode_record
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
@@ -268,37 +270,85 @@ def _pipeline_set(client: redis.Redis, names: list[str], records: list[bytes]) -
 
 
 def bench_server(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
+    """Our sidecar against ``lm://``. Ours over TCP (its transfer port: the like-for-like
+    transport) and, as ``ours_unix_*``, over the Unix socket it offers engines on its host.
+    Puts: ours acknowledges after its disk write (``ours_put``, the default) or, like LMCache's
+    memory-only server, with the disk tier left out (``ours_put_memonly``)."""
     ours_server = Server(str(tmp / "server"), fsync=False)
-    # Ours with the disk tier left out: memory only, like LMCache's server (for the put).
     mem_server = Server(str(tmp / "server-mem"), fsync=False)
     mem_server.env["CACHETIER_DISK_BYTES"] = "0"
+    # A Unix socket path must fit in 107 bytes: a short folder of its own.
+    sock_dir = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
+    for server, name in ((ours_server, "ours.sock"), (mem_server, "mem.sock")):
+        server.env["CACHETIER_TRANSFER_SOCKET"] = str(sock_dir / name)
     lm_server = LMServer(free_port())
     ours_server.start()
     mem_server.start()
     lm_server.start()
-    ours = RemoteTier(RemoteTierConfig(url=ours_server.url, token=TOKEN, timeout_s=60))
-    ours_mem = RemoteTier(RemoteTierConfig(url=mem_server.url, token=TOKEN, timeout_s=60))
+
+    def remote(server: Server, via_socket: bool) -> RemoteTier:
+        config = RemoteTierConfig(
+            url=server.url, token=TOKEN, timeout_s=60, transfer_socket=via_socket
+        )
+        return RemoteTier(config)
+
+    ours, ours_mem = remote(ours_server, False), remote(mem_server, False)
+    ours_unix, ours_mem_unix = remote(ours_server, True), remote(mem_server, True)
     theirs = PeerStore("server", chunks, f"peers-{os.getpid()}", remote_url=lm_server.url)
     try:
         fill(ours, theirs, chunks)
+        for tier, kind in ((ours, "tcp:"), (ours_unix, "unix:")):
+            tier.get_many(chunks.namespace.id, [chunks.blocks[0].key])  # finds its endpoint
+            where = tier.stats()["transfer"]
+            assert where and where.startswith(kind), f"transfers go to {where}, not {kind}"
         runs = get_runs(ours, theirs, chunks)
+        unix = get_runs(ours_unix, theirs, chunks)
+        runs["ours_unix_get_buf"] = unix["ours_get_buf"]
+        runs["ours_unix_get_ret"] = unix["ours_get_ret"]
         runs["raw_tcp_get_buf"], stop_raw = raw_tcp_run(chunks, free_port())
         try:
             out = interleaved_checked(runs, repeats, warmup=1)
         finally:
             stop_raw()
-        # lm:// has no delete: its puts overwrite, so ours overwrite too (no delete before).
+        # lm:// has no delete: its puts overwrite (a dict entry replaced). Ours delete first,
+        # untimed, so each put writes: the disk tier skips a record it already holds.
         runs = put_runs(ours, theirs, chunks, None)
-        runs["ours_put"].before = None
-        runs["ours_put_memonly"] = ours_put_run(ours_mem, chunks)
-        runs["ours_put_memonly"].before = None
+        for name, tier in (
+            ("ours_put_memonly", ours_mem),
+            ("ours_unix_put_memonly", ours_mem_unix),
+        ):
+            runs[name] = ours_put_run(tier, chunks)
+        runs["raw_write_put"] = raw_write_run(chunks, tmp / "raw-write")
         out.update(interleaved_checked(runs, repeats, warmup=1))
-        out["ours_errors"] = ours.stats()["errors"] + ours_mem.stats()["errors"]
+        tiers = (ours, ours_mem, ours_unix, ours_mem_unix)
+        out["ours_errors"] = sum(t.stats()["errors"] for t in tiers)
         return out
     finally:
-        ours.close()
-        ours_mem.close()
+        for tier in (ours, ours_mem, ours_unix, ours_mem_unix):
+            tier.close()
         theirs.close()
         ours_server.stop()
         mem_server.stop()
         lm_server.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def raw_write_run(chunks: ChunkSet, folder: Path) -> Timed:
+    """The bound of a put acknowledged after its disk write: our records written to files in
+    one thread, one ``writev`` each (no rename, no fsync, as the server here), nothing else."""
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [encode_parts(b) for b in chunks.blocks]
+
+    def write_all() -> None:
+        for i, parts in enumerate(records):
+            fd = os.open(folder / f"{i}.ctkv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.writev(fd, parts)
+            finally:
+                os.close(fd)
+
+    def remove() -> None:
+        for path in folder.iterdir():
+            path.unlink()
+
+    return Timed(write_all, before=remove)

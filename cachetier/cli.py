@@ -36,6 +36,11 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="also serve batch gets and puts over the block transfer protocol on this port "
         "(0: a free one; default: off)",
     )
+    p.add_argument(
+        "--transfer-socket",
+        help="also serve the block transfer protocol on this Unix socket, for engines on the "
+        "same host (default: off)",
+    )
     p.add_argument("--data-dir", help="folder of the disk tier")
     p.add_argument("--redis-url", help="a Redis behind the server, redis://host:port/db")
     p.add_argument(
@@ -70,6 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             transfer_port=args.transfer_port,
+            transfer_socket=args.transfer_socket,
             data_dir=args.data_dir,
             redis_url=args.redis_url,
             open_mode=args.open_mode,

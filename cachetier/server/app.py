@@ -55,15 +55,16 @@ def create_app(config: ServerConfig) -> FastAPI:
         store = await run_in_threadpool(build_store, config.store_config())
         service = BlockService(config, store)
         transfer: TransferServer | None = None
-        if config.transfer_port is not None:
+        if config.transfer_port is not None or config.transfer_socket:
             transfer = TransferServer(
                 service,
                 config.host,
                 config.transfer_port,
+                config.transfer_socket or None,
                 max_connections=config.transfer_connections,
             )
             try:
-                service.transfer_port = transfer.start()
+                service.transfer = transfer.start()
             except OSError:
                 await run_in_threadpool(service.close)
                 raise

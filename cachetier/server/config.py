@@ -64,6 +64,8 @@ class ServerConfig:
     transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
         and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. Plain TCP,
         token in the clear like HTTP here: keep it on the pod or node network.
+    transfer_socket: Unix socket path the block transfer protocol also listens on, for engines
+        on the same host (share its folder with their pods); ``None`` for none.
     transfer_connections: most transfer connections served at once.
     log_level: uvicorn's log level.
     """
@@ -87,6 +89,7 @@ class ServerConfig:
     max_batch_blocks: int = 1024
     max_keys: int = 4096
     transfer_port: int | None = None
+    transfer_socket: str | None = None
     transfer_connections: int = 64
     log_level: str = "info"
 
@@ -101,6 +104,13 @@ class ServerConfig:
             raise ValueError(f"transfer_port must be 0-65535 or None, got {self.transfer_port!r}")
         if self.transfer_port is not None and self.transfer_port == self.port != 0:
             raise ValueError(f"transfer_port and port are both {self.port}")
+        if self.transfer_socket is not None and not (
+            isinstance(self.transfer_socket, str) and 0 < len(self.transfer_socket.encode()) < 108
+        ):
+            raise ValueError(  # 108: sun_path's size on Linux, terminator included
+                f"transfer_socket must be a path of 1-107 bytes or None, "
+                f"got {self.transfer_socket!r}"
+            )
         if not self.host:
             raise ValueError("host must name an address, e.g. 127.0.0.1")
         for name in (

@@ -34,7 +34,9 @@ async def limits(service: ServiceDep) -> LimitsPublic:
         max_batch_bytes=c.max_batch_bytes,
         max_batch_blocks=c.max_batch_blocks,
         max_keys=c.max_keys,
-        transfer_port=service.transfer_port,
+        transfer_port=None if service.transfer is None else service.transfer.port,
+        transfer_socket=None if service.transfer is None else service.transfer.socket_path,
+        transfer_id=None if service.transfer is None else service.transfer.server_id,
     )
 
 

@@ -63,7 +63,16 @@ class LimitsPublic(BaseModel):
     transfer_port: int | None = Field(
         default=None,
         description="TCP port of the block transfer protocol on this server's host (batch "
-        "gets and puts without HTTP), or null when it is off",
+        "gets and puts without HTTP), or null",
+    )
+    transfer_socket: str | None = Field(
+        default=None,
+        description="Unix socket of the block transfer protocol, for clients on this host",
+    )
+    transfer_id: int | None = Field(
+        default=None,
+        description="the id the transfer protocol's hello answers with: a client checks it "
+        "reached this server",
     )
 
 

@@ -16,6 +16,7 @@ from cachetier.keys import BlockHash
 from cachetier.record import Buffer, KVBlock, decode_record, encode_parts
 from cachetier.server.auth import Scope, TokenIndex
 from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.server.transfer_wire import TransferAddress
 from cachetier.stats import TierStats
 from cachetier.store import PrefixHit, TieredStore
 
@@ -40,8 +41,8 @@ class BlockService:
         # Fixed at start: a tenant exists only if the config names it.
         self._tenant_stats = {name: TierStats() for name in names}
         self._closed = threading.Event()
-        # The block transfer port once it listens (``server.transfer``), for ``/v1/limits``.
-        self.transfer_port: int | None = None
+        # Where the block transfer protocol listens, once it does (for ``/v1/limits``).
+        self.transfer: TransferAddress | None = None
 
     def check_records(
         self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None

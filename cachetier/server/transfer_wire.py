@@ -6,7 +6,8 @@ the event loop, and aiohttp copies each again). Both ends read records straight 
 destination with ``recv_into`` and checksum them chunk by chunk. Little-endian throughout::
 
     hello    client: "CTX1" | token_len u16 | tenant_len u16 | token | tenant
-             server: reply head (value 0)
+             server: reply head (value: the server's id, as /v1/limits gives it, so a client
+               knows the port or socket it reached is the server it asked over HTTP)
     request  op u8 | namespace_len u8 | count u32 | namespace, then
                GET: count x key (32 B)
                PUT: count x length u64 | count records
@@ -26,6 +27,7 @@ body has been read to its end and the connection stays usable.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from enum import IntEnum
 
 from cachetier.errors import RequestRefusedError, TierUnavailableError
@@ -54,6 +56,22 @@ class Status(IntEnum):
     TOO_LARGE = 4
     BUSY = 5  # the server has all the connections it accepts
     FAILED = 6  # the server failed (its log says why)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferAddress:
+    """Where a server takes transfers (``/v1/limits`` publishes it).
+
+    Args:
+        port: its TCP port on the server's host, or ``None``.
+        socket_path: its Unix socket, for clients on the same host (or sharing the folder),
+            or ``None``.
+        server_id: the id its hello replies carry (random per server start).
+    """
+
+    port: int | None
+    socket_path: str | None
+    server_id: int
 
 
 def hello(token: str | None, tenant: str | None) -> bytes:

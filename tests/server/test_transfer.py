@@ -3,8 +3,12 @@ tenancy and limits it enforces, and what it does with bad or stalled clients (ra
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +51,7 @@ def client_for(port: int, who: str = "alice", **options: object) -> TransferClie
         max_record_bytes=1 << 20,
     )
     settings.update(options)
-    return TransferClient("127.0.0.1", port, **settings)
+    return TransferClient(("127.0.0.1", port), None, **settings)
 
 
 def tier_for(server: ThreadServer, tenant: str = "alice", **options: object) -> RemoteTier:
@@ -203,7 +207,8 @@ def test_stalled_and_idle_clients_are_dropped_and_stop_is_prompt(tmp_path: Path)
     config = test_config(tmp_path, open_mode=True)
     service = BlockService(config, build_store(config.store_config()))
     transfer = TransferServer(service, "127.0.0.1", 0, idle_timeout_s=0.5, io_timeout_s=0.3)
-    port = transfer.start()
+    port = transfer.start().port
+    assert port is not None
     try:
         with _raw(port, token=None) as idle:
             assert idle.recv(1) == b""  # nothing asked within idle_timeout_s: closed
@@ -240,19 +245,85 @@ def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
 def test_a_server_restarted_on_another_port_is_found_again(tmp_path: Path) -> None:
     server = ThreadServer(test_config(tmp_path, transfer_port=0)).start()
     blocks = make_blocks(NS, 2)
-    tier = tier_for(server, retries=0, failure_threshold=100)
+    tier = tier_for(server)
     try:
         assert tier.put_many(NS.id, blocks) == 2
-        server.restart()  # a new free transfer port; the blocks are on the server's disk
-        keys = [b.key for b in blocks]
-        got = tier.get_many(NS.id, keys)  # may miss: the old port is gone
-        if got != [None, None]:
-            assert [bytes(g.data) for g in got if g] == [b.data for b in blocks]
-        again = tier.get_many(NS.id, keys)  # the port was read again from /v1/limits
-        assert [g and bytes(g.data) for g in again] == [b.data for b in blocks]
+        server.restart()  # a new id and a new free port; the blocks are on the server's disk
+        # The first attempt fails on the old port; the retry reads /v1/limits again.
+        got = tier.get_many(NS.id, [b.key for b in blocks])
+        assert [g and bytes(g.data) for g in got] == [b.data for b in blocks]
+        assert tier.stats()["retries"] >= 1
     finally:
         tier.close()
         server.stop()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: a Unix socket path must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_same_host_client_uses_the_unix_socket(tmp_path: Path, short_dir: Path) -> None:
+    sock_path = str(short_dir / "transfer.sock")
+    server = ThreadServer(test_config(tmp_path, transfer_socket=sock_path)).start()
+    blocks = make_blocks(NS, 6)
+    tier = tier_for(server)
+    try:
+        _, _, body = call(server.url, "GET", "/v1/limits")
+        limits = json.loads(body)
+        assert (limits["transfer_port"], limits["transfer_socket"]) == (None, sock_path)
+        assert tier.put_many(NS.id, blocks) == 6
+        got = tier.get_many(NS.id, [b.key for b in blocks])
+        assert [g and bytes(g.data) for g in got] == [b.data for b in blocks]
+        assert tier.stats()["errors"] == 0
+    finally:
+        tier.close()
+        server.stop()
+    assert not os.path.exists(sock_path)  # removed on stop
+
+
+def test_a_socket_of_another_server_is_refused(tmp_path: Path, short_dir: Path) -> None:
+    sock_path = str(short_dir / "transfer.sock")
+    server = ThreadServer(test_config(tmp_path, transfer_socket=sock_path)).start()
+    try:
+        _, _, body = call(server.url, "GET", "/v1/limits")
+        server_id = json.loads(body)["transfer_id"]
+        settings = dict(token=TOKENS["alice"], tenant=None, connect_timeout_s=1.0)
+        settings.update(timeout_s=2.0, max_connections=1, max_record_bytes=1 << 20)
+        right = TransferClient(sock_path, server_id, **settings)  # type: ignore[arg-type]
+        assert right.get(NS.id, [bytes(32)]).blocks == [None]
+        right.close()
+        wrong = TransferClient(sock_path, server_id ^ 1, **settings)  # type: ignore[arg-type]
+        with pytest.raises(TierUnavailableError, match="another server"):
+            wrong.get(NS.id, [bytes(32)])
+        wrong.close()
+    finally:
+        server.stop()
+
+
+def test_a_stale_socket_file_is_replaced_and_any_other_file_is_kept(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    config = test_config(tmp_path, open_mode=True)
+    service = BlockService(config, build_store(config.store_config()))
+    try:
+        stale = short_dir / "stale.sock"
+        left = socket.socket(socket.AF_UNIX)
+        left.bind(str(stale))  # bound, never listening: what a killed server leaves
+        left.close()
+        transfer = TransferServer(service, "127.0.0.1", None, str(stale))
+        assert transfer.start().socket_path == str(stale)
+        transfer.stop()
+        precious = short_dir / "data.bin"
+        precious.write_bytes(b"keep me")
+        with pytest.raises(FileExistsError):
+            TransferServer(service, "127.0.0.1", None, str(precious)).start()
+        assert precious.read_bytes() == b"keep me"
+    finally:
+        service.close()
 
 
 def test_transfers_stay_off_for_https_and_when_disabled() -> None:
@@ -267,7 +338,7 @@ class _raw:
     def __init__(self, port: int, token: str | None = TOKENS["alice"]) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.sock.sendall(hello(token, None))
-        assert _reply(self.sock) == (Status.OK, 0)
+        assert _reply(self.sock)[0] == Status.OK
 
     def __enter__(self) -> socket.socket:
         return self.sock

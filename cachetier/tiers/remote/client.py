@@ -16,6 +16,7 @@ import aiohttp
 from cachetier.errors import RequestRefusedError, TierUnavailableError
 from cachetier.keys import BlockHash
 from cachetier.record import Buffer
+from cachetier.server.transfer_wire import TransferAddress
 from cachetier.server.wire import (
     BATCH_MEDIA_TYPE,
     BatchReader,
@@ -82,18 +83,14 @@ class RemoteClient:
             )
         return self._session
 
-    async def limits(self) -> dict[str, int]:
-        """The server's request limits (``LimitsPublic``), with ``transfer_port`` when the
-        server has a block transfer port."""
+    async def limits(self) -> dict[str, Any]:
+        """The server's request limits (``LimitsPublic``): its four sizes, and where it takes
+        block transfers (``transfer``: a ``TransferAddress``, or ``None``)."""
         async with self._open().get(self._config.base_url + "/v1/limits") as resp:
             answer = await _json(resp)
         names = ("max_block_bytes", "max_batch_bytes", "max_batch_blocks", "max_keys")
-        out = {name: int(answer[name]) for name in names}
-        port = answer.get("transfer_port")
-        if port is not None:
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                raise TierUnavailableError(f"server named transfer port {port!r}")
-            out["transfer_port"] = port
+        out: dict[str, Any] = {name: int(answer[name]) for name in names}
+        out["transfer"] = _transfer_address(answer)
         return out
 
     async def put(self, namespace: str, records: list[list[Buffer]]) -> int:
@@ -203,6 +200,23 @@ class RemoteClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _transfer_address(answer: dict[str, Any]) -> TransferAddress | None:
+    port, path, server_id = (
+        answer.get(k) for k in ("transfer_port", "transfer_socket", "transfer_id")
+    )
+    if port is None and path is None:
+        return None
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise TierUnavailableError(f"server named transfer port {port!r}")
+    if path is not None and not isinstance(path, str):
+        raise TierUnavailableError(f"server named transfer socket {path!r}")
+    if isinstance(server_id, bool) or not isinstance(server_id, int):
+        raise TierUnavailableError(f"server named transfer id {server_id!r}")
+    return TransferAddress(port, path, server_id)
 
 
 def _keys_body(keys: Sequence[BlockHash]) -> bytes:

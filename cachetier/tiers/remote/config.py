@@ -34,6 +34,9 @@ class RemoteTierConfig:
     transfer: move block batches over the server's block transfer port when it has one
         (``/v1/limits`` says; plain TCP to the url's host, so only for ``http://`` urls):
         gets and puts then run on the calling thread without HTTP. ``False`` keeps to HTTP.
+    transfer_socket: when the server also names a Unix socket and that path exists here (same
+        host, or a folder shared with the server's pod), transfer over it instead of TCP
+        (the server's hello id confirms it is the same server).
     """
 
     url: str
@@ -51,6 +54,7 @@ class RemoteTierConfig:
     max_keys: int = 4096
     max_record_bytes: int = 1024 * MiB
     transfer: bool = True
+    transfer_socket: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):

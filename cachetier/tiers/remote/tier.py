@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -33,6 +34,7 @@ from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.record import Buffer, KVBlock, byte_view, decode_record, encode_parts
+from cachetier.server.transfer_wire import TransferAddress
 from cachetier.server.wire import check_client_namespace
 from cachetier.store import PrefixHit
 from cachetier.tiers.base import Tier, land_in
@@ -101,17 +103,15 @@ class RemoteTier(Tier):
 
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         _check_blocks(namespace, blocks)
-        transfer = self._transfer_client()
-        if transfer is not None:
-            return self._put_transfer(transfer, namespace, blocks)
+        if self._transfer_client() is not None:
+            return self._put_transfer(namespace, blocks)
         num_requests = self._limits.num_put_requests(blocks)
         return self._wait(self._put_many(namespace, blocks), 0, num_requests)
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         _check_keys(namespace, keys)
-        transfer = self._transfer_client()
-        if transfer is not None:
-            return self._get_transfer(transfer, namespace, keys, None)
+        if self._transfer_client() is not None:
+            return self._get_transfer(namespace, keys, None)
         misses: list[KVBlock | None] = [None] * len(keys)
         num_requests = self._limits.num_requests(len(keys), self._limits.max_batch_blocks)
         return self._wait(self._get_many(namespace, keys), misses, num_requests)
@@ -119,14 +119,13 @@ class RemoteTier(Tier):
     def get_into(
         self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
     ) -> list[KVBlock | None]:
-        transfer = self._transfer_client()
-        if transfer is None:
+        if self._transfer_client() is None:
             return super().get_into(namespace, keys, dests)
         _check_keys(namespace, keys)
         if len(dests) != len(keys):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
         targets = [byte_view(d) for d in dests]
-        return land_in(self._get_transfer(transfer, namespace, keys, targets), targets)
+        return land_in(self._get_transfer(namespace, keys, targets), targets)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
@@ -204,9 +203,7 @@ class RemoteTier(Tier):
             stored.append(got)
         return self._count_put(chunks, stored, too_large, start)
 
-    def _put_transfer(
-        self, transfer: TransferClient, namespace: str, blocks: Sequence[KVBlock]
-    ) -> int:
+    def _put_transfer(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         """``_put_many`` over the transfer port, on the calling thread."""
         if self._breaker.is_open:
             self._count(skipped=1)
@@ -215,7 +212,7 @@ class RemoteTier(Tier):
         chunks, too_large = self._limits.put_chunks([encode_parts(b) for b in blocks])
         stored: list[int] = []
         for chunk in chunks:
-            got = self._call_blocking(lambda c=chunk: transfer.put(namespace, c), None)
+            got = self._call_blocking(lambda t, c=chunk: t.put(namespace, c), None)
             if got is None:
                 break
             stored.append(got)
@@ -238,7 +235,6 @@ class RemoteTier(Tier):
 
     def _get_transfer(
         self,
-        transfer: TransferClient,
         namespace: str,
         keys: Sequence[BlockHash],
         dests: Sequence[memoryview] | None,
@@ -252,7 +248,7 @@ class RemoteTier(Tier):
         while first < len(keys):
             chunk, into = keys[first : first + step], dests and dests[first : first + step]
             got = self._call_blocking(
-                lambda c=chunk, d=into: transfer.get(namespace, c, d or None), None
+                lambda t, c=chunk, d=into: t.get(namespace, c, d or None), None
             )
             if got is None:
                 break
@@ -339,21 +335,29 @@ class RemoteTier(Tier):
             except _TRANSIENT + (RequestRefusedError,):
                 return self._limits  # the call that follows counts the failure
             self._limits = self._config.limits.narrowed(server)
-            self._use_transfer_port(server.get("transfer_port"))
+            self._use_transfer(server.get("transfer"))
             self._limits_known = True
         return self._limits
 
-    def _use_transfer_port(self, port: int | None) -> None:
-        """Make (or drop) the transfer client for the port the server named."""
+    def _use_transfer(self, address: TransferAddress | None) -> None:
+        """Make (or drop) the transfer client for where the server takes transfers: its Unix
+        socket when that path exists here (same host), else its TCP port."""
         host = self._config.transfer_host
+        where: tuple[str, int] | str | None = None
+        if host is not None and address is not None:
+            path = address.socket_path if self._config.transfer_socket else None
+            if path is not None and os.path.exists(path):
+                where = path
+            elif address.port is not None:
+                where = (host, address.port)
         old = self._transfer
-        if host is None or port is None:
+        if where is None:
             self._transfer = None
-        elif old is None or old.port != port:  # a restarted server may listen elsewhere
-            c = self._config
+        elif old is None or (old.where, old.server_id) != (where, address.server_id):
+            c = self._config  # a restarted server has a new id, maybe a new port
             self._transfer = TransferClient(
-                host,
-                port,
+                where,
+                address.server_id,
                 token=c.token,
                 tenant=c.tenant,
                 connect_timeout_s=c.connect_timeout_s,
@@ -394,19 +398,24 @@ class RemoteTier(Tier):
             self._breaker.record_success()
             return result
 
-    def _call_blocking(self, op: Callable[[], _T], failed: Any) -> Any:
-        """``_call`` for a transfer on the calling thread."""
+    def _call_blocking(self, op: Callable[[TransferClient], _T], failed: Any) -> Any:
+        """``_call`` for a transfer on the calling thread. A failed attempt makes the next
+        one read the server's limits again first: a restarted server has a new id and maybe a
+        new port, and the retry then reaches it."""
         if not self._breaker.allow():
             self._count(skipped=1)
             return failed
         attempt = 0
         while True:
             try:
-                result = op()
+                transfer = self._transfer_client() if attempt else self._transfer
+                if transfer is None:
+                    raise TierUnavailableError("the server no longer names a transfer endpoint")
+                result = op(transfer)
             except (RequestRefusedError, *_TRANSIENT) as exc:
+                self._limits_known = False
                 delay = self._after_failure(exc, attempt)
                 if delay is None:
-                    self._limits_known = False  # read them again: the port may have moved
                     return failed
                 time.sleep(delay)
                 attempt += 1
@@ -452,9 +461,17 @@ class RemoteTier(Tier):
             self._num_retries += retries
 
     def stats(self) -> dict[str, Any]:
-        """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries`` and
-        ``breaker`` (``CircuitBreaker.snapshot``)."""
+        """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries``,
+        ``breaker`` (``CircuitBreaker.snapshot``) and ``transfer`` (where block transfers go:
+        ``"unix:<path>"``, ``"tcp:<host>:<port>"``, or ``None`` for HTTP)."""
         out = super().stats()
+        transfer = self._transfer
+        if transfer is None:
+            out["transfer"] = None
+        elif isinstance(transfer.where, str):
+            out["transfer"] = f"unix:{transfer.where}"
+        else:
+            out["transfer"] = "tcp:{}:{}".format(*transfer.where)
         with self._lock:
             out["skipped"] = self._num_skipped
             out["retries"] = self._num_retries

@@ -32,24 +32,41 @@ from cachetier.sockets import BoundedReader, BufferedSocket, SocketPool
 class TransferConnection:
     """One connection, past its hello (the server knows its tenant).
 
+    Args:
+        where: ``(host, port)`` or a Unix socket path.
+        server_id: the id the server's hello must answer with (``None``: any).
+        token: bearer token, ``None`` in open mode.
+        tenant: the tenant the token must act as, if set.
+        connect_timeout_s: longest wait for the connection.
+        timeout_s: longest wait for one read or write.
+
     Raises:
         OSError: no connection.
         RequestRefusedError: the server refused the token.
+        TierUnavailableError: another server answered.
     """
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        where: tuple[str, int] | str,
+        server_id: int | None,
         token: str | None,
         tenant: str | None,
         connect_timeout_s: float,
         timeout_s: float,
     ) -> None:
-        self.io = BufferedSocket.connect_tcp(host, port, connect_timeout_s, timeout_s)
+        if isinstance(where, str):
+            self.io = BufferedSocket.connect_unix(where, connect_timeout_s, timeout_s)
+        else:
+            self.io = BufferedSocket.connect_tcp(*where, connect_timeout_s, timeout_s)
         try:
             self.io.send([hello(token, tenant)])
-            read_reply(self.io)
+            answered = read_reply(self.io)
+            if server_id is not None and answered != server_id:
+                # E.g. a socket path that exists here but belongs to another server.
+                raise TierUnavailableError(
+                    f"the transfer endpoint {where!r} belongs to another server"
+                )
         except BaseException:
             self.io.close()
             raise
@@ -87,11 +104,11 @@ class Fetched:
 
 
 class TransferClient:
-    """Requests to one server's transfer port; safe to use from many threads.
+    """Requests to one server's transfer endpoint; safe to use from many threads.
 
     Args:
-        host: the server's host.
-        port: its transfer port.
+        where: ``(host, port)`` of its transfer port, or the path of its transfer socket.
+        server_id: the id its hello must answer with (``None``: any).
         token: bearer token (names the tenant), ``None`` in open mode.
         tenant: the tenant the token must act as, if set.
         connect_timeout_s: longest wait for a connection.
@@ -102,8 +119,8 @@ class TransferClient:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        where: tuple[str, int] | str,
+        server_id: int | None,
         *,
         token: str | None,
         tenant: str | None,
@@ -112,10 +129,13 @@ class TransferClient:
         max_connections: int,
         max_record_bytes: int,
     ) -> None:
-        self.port = port
+        self.where = where
+        self.server_id = server_id
         self._max_record_bytes = max_record_bytes
         self._pool: SocketPool[TransferConnection] = SocketPool(
-            lambda: TransferConnection(host, port, token, tenant, connect_timeout_s, timeout_s),
+            lambda: TransferConnection(
+                where, server_id, token, tenant, connect_timeout_s, timeout_s
+            ),
             max_connections,
             timeout_s,
         )
