@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetier.keys import BlockHash
+from cachetier.parallel import copy_into
 from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
 
@@ -168,13 +169,16 @@ def land_in(found: list[KVBlock | None], dests: Sequence[memoryview]) -> list[KV
         ``found`` with those blocks' payloads now in their destinations (``get_into``'s
         answer).
     """
+    todo = []
     for i, (block, dest) in enumerate(zip(found, dests, strict=True)):
         if block is None or block.data is dest:
             continue
-        data = memoryview(block.data).cast("B")
+        data = byte_view(block.data)
         if data.nbytes == dest.nbytes:
-            dest[:] = data
-            found[i] = with_data(block, dest)
+            todo.append((i, dest, data))
+    copy_into([(dest, data) for _, dest, data in todo])  # a few threads for a large batch
+    for i, dest, _ in todo:
+        found[i] = with_data(found[i], dest)  # type: ignore[arg-type]
     return found
 
 

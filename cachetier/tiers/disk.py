@@ -23,6 +23,7 @@ from pathlib import Path
 from cachetier.errors import CorruptBlockError
 from cachetier.eviction import make_policy
 from cachetier.keys import HASH_BYTES, BlockHash, parse_key
+from cachetier.parallel import map_in_threads
 from cachetier.record import Compression, KVBlock, encode_parts, read_record, record_checksum
 from cachetier.tiers.base import Tier, check_namespace
 
@@ -254,23 +255,32 @@ class DiskTier(Tier):
         start = time.perf_counter()
         out: list[KVBlock | None] = []
         hits = nbytes = errors = corrupt = 0
-        for index, key in enumerate(keys):
-            path = self.path_of(namespace, key)
-            try:
-                block, size = _read_block(path, key, None if dests is None else dests[index])
-            except FileNotFoundError:
+        paths = [self.path_of(namespace, key) for key in keys]
+
+        def read(index: int) -> tuple[KVBlock, int]:
+            into = None if dests is None else dests[index]
+            return _read_block(paths[index], keys[index], into)
+
+        # Reads (and their checksums) on a few threads: cold files keep several requests in
+        # flight, cached ones copy on every core. The index is updated after, in order.
+        results = map_in_threads(read, range(len(keys)))
+        for key, path, result in zip(keys, paths, results, strict=True):
+            if isinstance(result, FileNotFoundError):
                 self._forget(namespace, key)
                 out.append(None)
                 continue
-            except CorruptBlockError:
+            if isinstance(result, CorruptBlockError):
                 corrupt += 1
                 self._drop(namespace, key, path)
                 out.append(None)
                 continue
-            except OSError:
+            if isinstance(result, OSError):
                 errors += 1
                 out.append(None)
                 continue
+            if isinstance(result, BaseException):
+                raise result
+            block, size = result
             with self._lock:
                 slot = (namespace, bytes(key))
                 if slot in self._sizes:
