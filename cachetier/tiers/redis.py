@@ -55,6 +55,7 @@ from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.record import (
+    Buffer,
     Compression,
     KVBlock,
     byte_view,
@@ -360,14 +361,20 @@ class RedisTier(Tier):
     def _put_bulk(self, skeys: list[str], blocks: Sequence[KVBlock]) -> tuple[int, int, int]:
         """Pipelined SETs of records sent as parts; (stored, record bytes stored, refused)."""
         assert self._bulk is not None
-        records = [encode_parts(block, self._compression) for block in blocks]
+        sizes = [0] * len(blocks)
+
+        def record_of(i: int) -> list[Buffer]:  # on the sending stream's thread
+            parts = encode_parts(blocks[i], self._compression)
+            sizes[i] = sum(memoryview(p).nbytes for p in parts)
+            return parts
+
         names = [skey.encode() for skey in skeys]
-        replies = self._call_bulk(lambda pool: pool.set_records(names, records, self._ttl_ms))
+        replies = self._call_bulk(lambda pool: pool.set_records(names, record_of, self._ttl_ms))
         stored = nbytes = rejected = 0
-        for parts, reply in zip(records, replies or (), strict=False):
+        for size, reply in zip(sizes, replies or (), strict=False):
             if reply is True:
                 stored += 1
-                nbytes += sum(memoryview(p).nbytes for p in parts)
+                nbytes += size
             else:  # refused by Redis (e.g. over maxmemory with noeviction)
                 rejected += 1
         return stored, nbytes, rejected

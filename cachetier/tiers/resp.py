@@ -300,13 +300,18 @@ class RespPool:
         return self._spread(len(skeys), fetch)
 
     def set_records(
-        self, skeys: Sequence[bytes], records: Sequence[Sequence[Buffer]], px_ms: int | None
+        self,
+        skeys: Sequence[bytes],
+        record_of: Callable[[int], Sequence[Buffer]],
+        px_ms: int | None,
     ) -> list[bool | ErrorReply]:
         """``SET`` each storage key to a record given as parts, with an optional expiry.
 
         Args:
             skeys: Redis keys.
-            records: per key, the record's parts (``encode_parts``), sent without a join.
+            record_of: the parts (``encode_parts``) of key ``i``'s record, sent without a
+                join. Called on the thread that sends it, just before: one stream's encoding
+                (a checksum, under the GIL) overlaps the others' sends (which release it).
             px_ms: expiry in milliseconds, or ``None``.
 
         Returns:
@@ -316,14 +321,17 @@ class RespPool:
         arity = b"*3\r\n" if px_ms is None else b"*5\r\n"
 
         def store(lo: int, hi: int) -> list[bool | ErrorReply]:
-            out: list[Buffer] = []
-            for skey, parts in zip(skeys[lo:hi], records[lo:hi], strict=True):
-                size = sum(memoryview(p).nbytes for p in parts)
-                out.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (arity, len(skey), skey, size))
-                out.extend(parts)
-                out.append(_CRLF + expiry)
             with self.connection() as conn:
-                conn.io.send(out)
+                for i in range(lo, hi):
+                    parts = record_of(i)
+                    size = sum(memoryview(p).nbytes for p in parts)
+                    head = b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                        arity,
+                        len(skeys[i]),
+                        skeys[i],
+                        size,
+                    )
+                    conn.io.send([head, *parts, _CRLF + expiry])
                 return [read_status(conn) for _ in range(lo, hi)]
 
         return self._spread(len(skeys), store)

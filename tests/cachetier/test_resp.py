@@ -61,7 +61,7 @@ def test_set_then_get_into_buffers_keeps_order_and_bytes(
 ) -> None:
     pool = pool_for(redis_url, streams)
     skeys = names(redis_prefix, big_blocks)
-    assert pool.set_records(skeys, [encode_parts(b) for b in big_blocks], None) == [True] * 9
+    assert pool.set_records(skeys, lambda i: encode_parts(big_blocks[i]), None) == [True] * 9
     dests = [memoryview(np.zeros(len(b.data), dtype=np.uint8)) for b in big_blocks]
     got = pool.get_records(skeys, [b.key for b in big_blocks], dests)
     for block, dest, result in zip(big_blocks, dests, got, strict=True):
@@ -120,7 +120,8 @@ def test_a_compressed_record_and_a_wrong_sized_destination_come_back_fresh(
     )
     blocks = [zeros, big_blocks[1]]
     skeys = names(redis_prefix, blocks)
-    pool.set_records(skeys, [encode_parts(zeros, Compression.LZ4), encode_parts(blocks[1])], None)
+    records = [encode_parts(zeros, Compression.LZ4), encode_parts(blocks[1])]
+    pool.set_records(skeys, records.__getitem__, None)
     dests = [memoryview(bytearray(len(zeros.data))), memoryview(bytearray(10))]
     got = pool.get_records(skeys, [b.key for b in blocks], dests)
     assert all(isinstance(r, Hit) for r in got)
@@ -139,13 +140,13 @@ def test_set_with_expiry_and_a_refused_set(
         pool = pool_for(server.url, streams=1)
         skeys = names(redis_prefix, big_blocks[:2])
         parts = [encode_parts(b) for b in big_blocks[:2]]
-        assert pool.set_records(skeys[:1], parts[:1], px_ms=60_000) == [True]
+        assert pool.set_records(skeys[:1], parts.__getitem__, px_ms=60_000) == [True]
         assert 0 < client.pttl(skeys[0]) <= 60_000
         client.config_set("maxmemory", 1)  # every further write is refused (noeviction)
-        [refused] = pool.set_records(skeys[1:], parts[1:], None)
+        [refused] = pool.set_records(skeys[1:], parts[1:].__getitem__, None)
         assert isinstance(refused, ErrorReply) and refused.message.startswith("OOM")
         client.config_set("maxmemory", 0)
-        assert pool.set_records(skeys[1:], parts[1:], None) == [True]  # still in step
+        assert pool.set_records(skeys[1:], parts[1:].__getitem__, None) == [True]  # still in step
         pool.close()
         client.close()
     finally:
@@ -162,7 +163,7 @@ def test_password_and_unix_socket(tmp_path: Path, big_blocks: list[KVBlock]) -> 
         ]
         for url in urls:
             pool = pool_for(url)
-            assert pool.set_records([b"k"], [encode_parts(big_blocks[0])], None) == [True]
+            assert pool.set_records([b"k"], lambda _: encode_parts(big_blocks[0]), None) == [True]
             [hit] = pool.get_records([b"k"], [big_blocks[0].key])
             assert isinstance(hit, Hit)
             pool.close()
@@ -182,7 +183,7 @@ def test_a_connection_redis_closed_is_replaced(
 ) -> None:
     pool = pool_for(redis_url, streams=1)
     skeys = names(redis_prefix, big_blocks[:1])
-    pool.set_records(skeys, [encode_parts(big_blocks[0])], None)
+    pool.set_records(skeys, lambda _: encode_parts(big_blocks[0]), None)
     with pool.connection() as conn:
         conn.io.send([command("CLIENT", "SETNAME", "resp-victim")])
         assert conn.read_line() == b"+OK"
