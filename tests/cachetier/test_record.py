@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+import cachetier.record as record_module
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import Namespace
 from cachetier.record import (
@@ -175,3 +177,39 @@ def test_payload_can_be_read_straight_into_caller_memory(namespace: Namespace) -
     other = bytearray(len(block.data))
     back = read_record(io.BytesIO(packed).readinto, len(packed), payload_into=memoryview(other))
     assert memoryview(back.data).obj is not other and bytes(back.data) == bytes(len(block.data))
+
+
+def test_a_checked_block_encodes_again_without_hashing_its_payload(
+    namespace: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [block] = make_blocks(namespace, 1)
+    record = encode_record(block)
+    decoded = decode_record(record, key=block.key)  # bytes: immutable, the checksum is kept
+    calls: list[int] = []
+    real = record_module.xxhash.xxh3_64
+    monkeypatch.setattr(record_module.xxhash, "xxh3_64", lambda *a: calls.append(1) or real(*a))
+    assert encode_record(decoded) == record and calls == []
+    # Another payload (or aux) under the same block: hashed afresh, so the record stays valid.
+    other = dataclasses.replace(decoded, data=bytes(len(block.data)))
+    with_aux = dataclasses.replace(decoded, aux=b"scales")
+    records = [encode_record(other), encode_record(with_aux)]
+    assert len(calls) == 2
+    assert decode_record(records[0]).data == other.data
+    assert decode_record(records[1]).aux == b"scales"
+
+
+def test_a_checksum_is_kept_only_for_payloads_nobody_else_writes(namespace: Namespace) -> None:
+    [block] = make_blocks(namespace, 1)
+    record = encode_record(block)
+    assert decode_record(bytearray(record)).verified is None  # its owner may write to it
+    assert decode_record(record).verified is not None
+    stream = io.BytesIO(record)
+    assert read_record(stream.readinto, len(record)).verified is not None
+    pool_block = memoryview(bytearray(len(block.data)))  # e.g. a KV pool block
+    stream = io.BytesIO(record)
+    got = read_record(stream.readinto, len(record), payload_into=pool_block)
+    assert got.data is pool_block and got.verified is None
+    zeros = dataclasses.replace(block, data=bytes(len(block.data)))  # lz4 shrinks it
+    lz4 = encode_record(zeros, Compression.LZ4)
+    assert len(lz4) < len(zeros.data)
+    assert decode_record(lz4).verified is None  # decompressed: not that record's payload
