@@ -24,7 +24,14 @@ from cachetier.errors import CorruptBlockError
 from cachetier.eviction import make_policy
 from cachetier.keys import HASH_BYTES, BlockHash, parse_key
 from cachetier.parallel import map_in_threads
-from cachetier.record import Compression, KVBlock, encode_parts, read_record, record_checksum
+from cachetier.record import (
+    Buffer,
+    Compression,
+    KVBlock,
+    encode_parts,
+    read_record,
+    record_checksum,
+)
 from cachetier.tiers.base import Tier, check_namespace
 
 SUFFIX = ".ctkv"
@@ -142,6 +149,7 @@ class DiskTier(Tier):
         check_namespace(namespace)
         start = time.perf_counter()
         stored = nbytes = rejected = errors = 0
+        todo: list[tuple[KVBlock, Path, list[Buffer], int]] = []
         for block in blocks:
             path = self.path_of(namespace, block.key)
             parts = encode_parts(block, self._compression)
@@ -152,11 +160,16 @@ class DiskTier(Tier):
             if size > self._config.capacity_bytes:
                 rejected += 1
                 continue
-            try:
-                self._write_atomically(path, parts)
-            except OSError:
+            todo.append((block, path, parts, size))
+        # The writes on a few threads (writev and rename release the GIL); the index after,
+        # in order. A batch may so overshoot the capacity until its blocks are indexed.
+        results = map_in_threads(lambda item: self._write_atomically(item[1], item[2]), todo)
+        for (block, _, parts, size), result in zip(todo, results, strict=True):
+            if isinstance(result, OSError):
                 errors += 1
                 continue
+            if isinstance(result, BaseException):
+                raise result
             with self._lock:
                 slot = (namespace, bytes(block.key))
                 old = self._sizes.get(slot)
