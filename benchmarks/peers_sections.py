@@ -142,9 +142,24 @@ def bench_cpu(chunks: ChunkSet, repeats: int) -> dict[str, Any]:
     theirs = PeerStore("cpu", chunks, f"peers-{os.getpid()}")
     try:
         fill(ours, theirs, chunks)
-        return interleaved_checked(get_runs(ours, theirs, chunks), repeats * 4, warmup=3)
+        runs = get_runs(ours, theirs, chunks)
+        runs["raw_copy_get_buf"] = raw_copy_run(chunks)
+        return interleaved_checked(runs, repeats * 4, warmup=3)
     finally:
         theirs.close()
+
+
+def raw_copy_run(chunks: ChunkSet) -> Timed:
+    """The bound of a one-thread get into a caller's buffer from memory: the chunks' bytes
+    copied into it, one memoryview assignment each (what LMCache's get plus the copy does)."""
+    dest = Destination(chunks)
+    sources = [memoryview(p) for p in chunks.payloads]
+
+    def copy_all() -> None:
+        for view, source in zip(dest.views, sources):
+            view[:] = source
+
+    return Timed(copy_all, lambda _: dest.check(), dest.scrub)
 
 
 def bench_disk(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
@@ -156,6 +171,7 @@ def bench_disk(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
         ours_files = [ours.path_of(chunks.namespace.id, b.key) for b in chunks.blocks]
         warm_runs = get_runs(ours, theirs, chunks)
         warm_runs["raw_read_get_ret"] = raw_read_run(ours_files, chunks)
+        warm_runs["raw_readinto_get_buf"] = raw_readinto_run(ours_files, chunks)
         warm = interleaved_checked(warm_runs, repeats, warmup=2)
 
         def drop() -> None:
@@ -163,6 +179,7 @@ def bench_disk(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
 
         cold_runs = get_runs(ours, theirs, chunks, suffix="_cold")
         cold_runs["raw_read_get_ret_cold"] = raw_read_run(ours_files, chunks)
+        cold_runs["raw_readinto_get_buf_cold"] = raw_readinto_run(ours_files, chunks)
         for run in cold_runs.values():
             inner = run.before
             run.before = drop if inner is None else (lambda inner=inner: (inner(), drop()))
@@ -172,6 +189,22 @@ def bench_disk(chunks: ChunkSet, repeats: int, tmp: Path) -> dict[str, Any]:
         return {**warm, **cold, "resident_bytes_after_drop": left}
     finally:
         theirs.close()
+
+
+def raw_readinto_run(paths: list[Path], chunks: ChunkSet) -> Timed:
+    """The bound of a one-thread disk get into a caller's buffer: each record file's payload
+    read straight into the buffer (one ``preadv`` at its offset), no header, no checksum."""
+    dest = Destination(chunks)
+
+    def read_all() -> None:
+        for path, view in zip(paths, dest.views):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.preadv(fd, [view], os.fstat(fd).st_size - view.nbytes)
+            finally:
+                os.close(fd)
+
+    return Timed(read_all, lambda _: dest.check(), dest.scrub)
 
 
 def raw_read_run(paths: list[Path], chunks: ChunkSet) -> Timed:

@@ -20,12 +20,13 @@ import numpy as np
 _T = TypeVar("_T")
 _I = TypeVar("_I")
 
-# Threads the data paths use at most, the caller's included: I/O overlaps requests in flight,
-# copies gain nothing past the cores.
-IO_WORKERS = 4
-COPY_WORKERS = max(1, min(4, os.cpu_count() or 1))
-# Below this many bytes a copy stays on one thread.
-_MIN_PARALLEL_COPY_BYTES = 4 << 20
+# Threads the data paths use at most, the caller's included: one per core (up to 4). Measured
+# here (2 cores, bench_peers): 2 reader threads beat 3 and 4 on cached files, and tie them on
+# cold ones; copies gain nothing past the cores.
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Below this many bytes a copy stays on one thread: 16 copies of 512 KiB took longer on two
+# threads than on one (each piece hands the GIL back and forth), 16 of 5.6 MiB half as long.
+_MIN_PARALLEL_COPY_BYTES = 16 << 20
 _PIECE_BYTES = 16 << 20  # copies are cut into pieces of at most this size
 
 _lock = threading.Lock()
@@ -38,7 +39,7 @@ def _executor() -> ThreadPoolExecutor:
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(
-                max(IO_WORKERS, COPY_WORKERS) - 1,
+                WORKERS - 1,
                 thread_name_prefix="cachetier-data",
                 initializer=_mark_worker,
             )
@@ -50,7 +51,7 @@ def _mark_worker() -> None:
 
 
 def map_in_threads(
-    fn: Callable[[_I], _T], items: Sequence[_I], *, workers: int = IO_WORKERS
+    fn: Callable[[_I], _T], items: Sequence[_I], *, workers: int = WORKERS
 ) -> list[_T | BaseException]:
     """``fn`` over ``items`` on up to ``workers`` threads (the caller's among them).
 
@@ -63,7 +64,7 @@ def map_in_threads(
         Per item, in order, ``fn``'s result or the exception it raised (one item's failure
         does not stop the others).
     """
-    workers = min(workers, max(IO_WORKERS, COPY_WORKERS), len(items))
+    workers = min(workers, WORKERS, len(items))
     if workers <= 1 or getattr(_local, "worker", False):
         return [_call(fn, item) for item in items]
     out: list[_T | BaseException] = [None] * len(items)  # type: ignore[list-item]
@@ -95,7 +96,7 @@ def copy_into(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
         pairs: ``(dest, src)``; ``dest`` writable.
     """
     total = sum(dest.nbytes for dest, _ in pairs)
-    if total < _MIN_PARALLEL_COPY_BYTES or COPY_WORKERS == 1:
+    if total < _MIN_PARALLEL_COPY_BYTES or WORKERS == 1:
         for dest, src in pairs:
             dest[:] = src
         return
@@ -109,6 +110,6 @@ def copy_into(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
         # copyto releases the GIL for the copy; a memoryview assignment does not.
         np.copyto(np.frombuffer(piece[0], dtype=np.uint8), np.frombuffer(piece[1], dtype=np.uint8))
 
-    for result in map_in_threads(copy, pieces, workers=COPY_WORKERS):
+    for result in map_in_threads(copy, pieces):
         if isinstance(result, BaseException):
             raise result

@@ -36,7 +36,7 @@ def test_work_really_runs_on_several_threads_and_workers_do_not_fan_out_again() 
     assert len(on_worker) == 1 and len(on_worker[0]) == 1  # a worker ran its inner items inline
 
 
-@pytest.mark.parametrize("sizes", [[10, 0, 7], [(4 << 20) + 3, 5 << 20, 1, (9 << 20) - 1]])
+@pytest.mark.parametrize("sizes", [[10, 0, 7], [(16 << 20) + 5, 5 << 20, 1, (9 << 20) - 1]])
 def test_copies_land_every_byte(sizes: list[int]) -> None:
     rng = np.random.default_rng(0)
     srcs = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
