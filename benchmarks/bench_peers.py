@@ -109,6 +109,9 @@ def bounds(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
                 disk[f"lmcache_get_buf{suffix}"] / disk[f"raw_readinto_get_buf{suffix}"]
             )
         out[f"redis_get_ceiling_{shape}"] = red["lmcache_get_buf"] / red["raw_pipeline_get_ret"]
+        out[f"redis_get_sockets_ceiling_{shape}"] = (
+            red["lmcache_get_buf"] / red["raw_sockets_get_buf"]
+        )
         out[f"redis_put_ceiling_{shape}"] = red["lmcache_put"] / red["raw_pipeline_put"]
         out[f"server_get_ceiling_{shape}"] = srv["lmcache_get_buf"] / srv["raw_tcp_get_buf"]
         out[f"server_ours_get_vs_raw_tcp_{shape}"] = srv["raw_tcp_get_buf"] / srv["ours_get_buf"]

@@ -32,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
 
 from benchmarks.bench_server import TOKEN, Server
@@ -52,11 +54,13 @@ from benchmarks.peers_common import (
 )
 from benchmarks.peers_lmcache import LMServer, PeerStore, byte_view, release
 from cachetier.record import encode_parts, encode_record
+from cachetier.sockets import BufferedSocket
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from cachetier.tiers.resp import Endpoint, command
 from tests.server.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +240,11 @@ def bench_redis(chunks: ChunkSet, repeats: int, redis_url: str) -> dict[str, Any
         # The bound of any redis-py client: a pipeline GET of our records, nothing checked.
         names = [ours.storage_key(chunks.namespace.id, b.key) for b in chunks.blocks]
         runs["raw_pipeline_get_ret"] = Timed(lambda: _pipeline_get(client, names))
-        out = interleaved_checked(runs, repeats, warmup=1)
+        runs["raw_sockets_get_buf"], close_raw = raw_resp_run(redis_url, names, chunks)
+        try:
+            out = interleaved_checked(runs, repeats, warmup=1)
+        finally:
+            close_raw()
         runs = put_runs(ours, theirs, chunks, lambda: client.delete(*theirs.redis_names()))
         # The bound of one redis-py pipeline: SET of our encoded records under other names.
         records = [encode_record(b) for b in chunks.blocks]
@@ -256,6 +264,48 @@ def bench_redis(chunks: ChunkSet, repeats: int, redis_url: str) -> dict[str, Any
                 client.delete(name)
         client.close()
         theirs.close()
+
+
+def raw_resp_run(redis_url: str, names: list[str], chunks: ChunkSet) -> tuple[Timed, Any]:
+    """The floor of any Redis client here: pipelined GETs of our records over 4 bare sockets
+    in 4 threads (as our tier spreads a batch), each reply read with ``recv_into`` into a
+    buffer of its own; nothing parsed but the bulk length, nothing checked."""
+    endpoint = Endpoint.from_url(redis_url, 5.0, 30.0)
+    assert endpoint is not None and endpoint.host is not None, "a redis:// url over TCP"
+    streams = 4
+    groups = [list(range(i, len(names), streams)) for i in range(streams)]
+    conns = [BufferedSocket.connect_tcp(endpoint.host, endpoint.port, 5.0, 30.0) for _ in groups]
+    sizes = [len(encode_record(b)) for b in chunks.blocks]
+    buffers = [memoryview(np.empty(n, dtype=np.uint8)) for n in sizes]
+    threads = ThreadPoolExecutor(streams - 1)
+
+    def fetch(group: int) -> None:
+        io = conns[group]
+        io.send([b"".join(command(b"GET", names[i].encode()) for i in groups[group])])
+        for i in groups[group]:
+            line = io.read_line()
+            assert line == b"$%d" % sizes[i], line
+            got = 0
+            while got < sizes[i]:
+                got += io.readinto(buffers[i][got:])
+            io.skip(2)  # CRLF
+
+    def fetch_all() -> None:
+        futures = [threads.submit(fetch, g) for g in range(1, streams)]
+        fetch(0)
+        for future in futures:
+            future.result()
+
+    def check(_: None) -> None:
+        if not all(bytes(b[-len(p) :]) == p for b, p in zip(buffers, chunks.payloads)):
+            raise AssertionError("a record read raw does not end with its chunk's bytes")
+
+    def close() -> None:
+        threads.shutdown()
+        for io in conns:
+            io.close()
+
+    return Timed(fetch_all, check), close
 
 
 def raw_tcp_run(chunks: ChunkSet, port: int) -> tuple[Timed, Any]:
