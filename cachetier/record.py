@@ -234,7 +234,9 @@ def _build(
     else:
         raise CorruptBlockError(f"record has an unknown compression code {h.comp}")
     aux_bytes = bytes(aux)
-    verified = (data, aux_bytes, digest) if remember and h.comp == Compression.NONE else None
+    verified = None
+    if remember and h.comp == Compression.NONE and _canonical(h, head):
+        verified = (data, aux_bytes, digest)
     try:
         return KVBlock(
             BlockHash(h.key),
@@ -248,6 +250,26 @@ def _build(
         )
     except ValueError as exc:
         raise CorruptBlockError(f"record does not describe a valid block: {exc}") from None
+
+
+def _canonical(h: _Header, head: memoryview) -> bool:
+    """Whether ``encode_parts`` would write exactly this head again (a record may differ in
+    bytes the reader ignores, e.g. the pad byte; its checksum must then not be reused)."""
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        h.comp,
+        h.dtype_code,
+        h.ndim,
+        0,
+        h.num_tokens,
+        h.key,
+        h.fingerprint,
+        h.aux_len,
+        h.payload_len,
+        h.raw_len,
+    )
+    return head[: _FIXED.size] == fixed
 
 
 def decode_record(
