@@ -158,6 +158,8 @@ def local_services(
         for i in port_flag:
             if argv[i + 1] == str(CONTAINER_PORTS[name]):
                 argv[i + 1] = str(ports[name])
+        for i in [i for i, a in enumerate(argv) if a == "--transfer-port"]:
+            argv[i + 1] = str(free_port())  # internal to the container network: any port
         argv[0] = _executable(argv[0])
         env = dict(base_env)
         env.update({k: translate(str(v), mounts) for k, v in spec.get("environment", {}).items()})
