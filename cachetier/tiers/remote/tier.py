@@ -7,9 +7,10 @@ aiohttp session):
   engine loop: each submits a coroutine to the private loop and waits a bounded time;
 - ``aget_many``, ``aput_many``, ... for async callers, awaitable from any event loop.
 
-When the server has a block transfer port (``/v1/limits`` names it) and the url is
-``http://``, the blocking ``get_many``, ``get_into`` and ``put_many`` move their blocks over
-it instead (``transfer``): from the caller's thread, records read straight into the caller's
+When the server takes block transfers (``/v1/limits`` names its port, its Unix socket or
+both) and the url is ``http://``, the blocking ``get_many``, ``get_into`` and ``put_many`` move
+their blocks that way instead (``transfer``): over the socket when its path exists on this
+host, else the port; from the caller's thread, records read straight into the caller's
 buffers, no HTTP. Lookups, deletes and the async API stay on HTTP.
 
 A server that is down, slow or restarting turns into misses and counted errors: each request
