@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import lz4.block
-import numpy as np
 import xxhash
 
+from cachetier import buffers
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
 
@@ -383,7 +383,7 @@ def read_record(
     if direct:
         stored = byte_view(payload_into)  # type: ignore[arg-type]
     else:
-        stored = memoryview(np.empty(h.payload_len, dtype=np.uint8)).cast("B")
+        stored = memoryview(buffers.take(h.payload_len)).cast("B")  # recycled: no page faults
     _read_exactly(readinto, stored, digest, size)
     if not direct:
         stored = stored.toreadonly()
