@@ -6,7 +6,7 @@ megabytes those copies cost more than Redis itself. This module does only what t
 needs, without them:
 
 - ``RespPool.get_records``: pipelined ``GET``s whose records are read from the socket straight
-  into the caller's buffers (a KV pool block) or fresh ones, checksummed chunk by chunk while
+  into the caller's buffers (a KV pool block) or recycled ones, checksummed chunk by chunk while
   each chunk is still in the CPU cache (``record.read_record``);
 - ``RespPool.set_records``: pipelined ``SET``s sent from a record's parts (``encode_parts``) in
   vectored writes, without joining them.
@@ -337,7 +337,9 @@ class RespPool:
         return self._spread(len(skeys), store)
 
     def _spread(self, count: int, run: Callable[[int, int], list[_T]]) -> list[_T]:
-        """``run`` over contiguous ranges of ``count`` items, one per stream, in parallel."""
+        """``run`` over contiguous ranges of ``count`` items, one per stream, in parallel (on
+        threads of this pool's own: they wait on Redis, so more of them than cores pay off,
+        unlike ``cachetier.parallel``'s)."""
         streams = min(self._streams, count // 2) if count >= 4 else 1
         if streams <= 1:
             return run(0, count)
