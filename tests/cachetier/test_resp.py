@@ -283,3 +283,49 @@ def test_send_survives_partial_writes(redis_url: str, redis_prefix: str) -> None
     finally:
         conn.close()
         pool.close()
+
+
+class PatientServer:
+    """A TCP listener that answers GETs with misses only once the client has stopped sending
+    for a moment, and records how many GETs were waiting then (the client's pipeline depth)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.most_waiting = 0
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self._server.accept()
+        conn.settimeout(0.05)
+        waiting = 0
+        while True:
+            try:
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                waiting += data.count(b"$3\r\nGET\r\n")
+                continue
+            except TimeoutError:
+                pass  # quiet: the client waits for answers
+            if waiting:
+                self.most_waiting = max(self.most_waiting, waiting)
+                conn.sendall(b"$-1\r\n" * waiting)
+                waiting = 0
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_gets_are_pipelined_a_bounded_window_at_a_time() -> None:
+    # Unbounded, Redis would copy every reply of the batch before writing the first byte: for
+    # 256 SmolLM2 blocks in an engine restore that took longer than the socket timeout.
+    server = PatientServer()
+    pool = pool_for(f"redis://127.0.0.1:{server.port}/0", streams=1)
+    try:
+        got = pool.get_records([b"k%d" % i for i in range(100)], [bytes(32)] * 100)
+        assert got == [None] * 100
+        assert 0 < server.most_waiting <= 16  # this window and the next (8 keys each)
+    finally:
+        pool.close()
+        server.close()
