@@ -116,22 +116,20 @@ def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) ->
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) < raw.nbytes:
             payload, used = packed, Compression.LZ4
-    shape = struct.pack(f"<{len(block.shape)}Q", *block.shape)
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
+    ndim = len(block.shape)
+    fields = _Header(
         int(used),
         _DTYPE_CODES[block.dtype],
-        len(block.shape),
-        0,
+        ndim,
         block.num_tokens,
         block.key,
         block.fingerprint,
         len(block.aux),
         len(payload),
         raw.nbytes,
+        _FIXED.size + 8 * ndim,
     )
-    head = fixed + shape
+    head = _pack_fixed(fields) + struct.pack(f"<{ndim}Q", *block.shape)
     seen = block.verified
     if used == Compression.NONE and seen and seen[0] is block.data and seen[1] is block.aux:
         return [head + seen[2], block.aux, payload]  # the same record: the same checksum
@@ -252,10 +250,9 @@ def _build(
         raise CorruptBlockError(f"record does not describe a valid block: {exc}") from None
 
 
-def _canonical(h: _Header, head: memoryview) -> bool:
-    """Whether ``encode_parts`` would write exactly this head again (a record may differ in
-    bytes the reader ignores, e.g. the pad byte; its checksum must then not be reused)."""
-    fixed = _FIXED.pack(
+def _pack_fixed(h: _Header) -> bytes:
+    """The fixed part of the head ``encode_parts`` writes for these fields."""
+    return _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         h.comp,
@@ -269,7 +266,12 @@ def _canonical(h: _Header, head: memoryview) -> bool:
         h.payload_len,
         h.raw_len,
     )
-    return head[: _FIXED.size] == fixed
+
+
+def _canonical(h: _Header, head: memoryview) -> bool:
+    """Whether ``encode_parts`` would write exactly this head again (a record may differ in
+    bytes the reader ignores, e.g. the pad byte; its checksum must then not be reused)."""
+    return head[: _FIXED.size] == _pack_fixed(h)
 
 
 def decode_record(
