@@ -554,38 +554,32 @@ class RedisTier(Tier):
         return int(client.eval(FORGET_SCRIPT, len(meta) + len(skeys), *meta, *skeys))
 
     def _call(self, op: Callable[[redis.Redis], _T]) -> _T | None:
-        """Run ``op`` unless the breaker is open; ``None`` if it was skipped or failed."""
-        assert self._client is not None, "single-node calls only"
+        """Run ``op`` on redis-py unless the breaker is open; ``None`` if skipped or failed."""
+        client = self._client
+        assert client is not None, "single-node calls only"
+        return self._guarded(lambda: op(client))
+
+    def _call_bulk(self, op: Callable[[RespPool], _T]) -> _T | None:
+        """``_call`` for the bulk path (``resp``)."""
+        bulk = self._bulk
+        assert bulk is not None, "single-node, non-TLS calls only"
+        return self._guarded(lambda: op(bulk))
+
+    def _guarded(self, run: Callable[[], _T]) -> _T | None:
+        """The breaker around one call of either client: socket failures, timeouts and
+        garbage (``RespProtocolError``) count against Redis; an error reply does not."""
         if not self._breaker.allow():
             self._count_skipped()
             return None
         try:
-            result = op(self._client)
-        except (RedisConnectionError, RedisTimeoutError, OSError):
+            result = run()
+        except (RedisConnectionError, RedisTimeoutError, OSError, TierUnavailableError):
             self._breaker.record_failure()
             self._stats.add(errors=1)
             return None
         except RedisError:
             # Redis answered, with an error (out of memory, read-only replica): it is up.
             self._breaker.record_success()
-            self._stats.add(errors=1)
-            return None
-        except BaseException:
-            self._breaker.record_failure()
-            raise
-        self._breaker.record_success()
-        return result
-
-    def _call_bulk(self, op: Callable[[RespPool], _T]) -> _T | None:
-        """``_call`` for the bulk path: socket failures and garbage open the breaker."""
-        assert self._bulk is not None, "single-node, non-TLS calls only"
-        if not self._breaker.allow():
-            self._count_skipped()
-            return None
-        try:
-            result = op(self._bulk)
-        except (OSError, TierUnavailableError):
-            self._breaker.record_failure()
             self._stats.add(errors=1)
             return None
         except BaseException:
