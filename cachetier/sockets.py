@@ -93,16 +93,16 @@ class BufferedSocket:
             raise ConnectionResetError("the peer closed the connection")
         self._end += n
 
-    def read_line(self, max_bytes: int = RECV_BYTES) -> bytes | None:
+    def read_line(self) -> bytes | None:
         """The next CRLF-terminated line without its CRLF; ``None`` if none ends within
-        ``max_bytes`` (at most ``RECV_BYTES``)."""
+        ``RECV_BYTES`` (the buffer's size)."""
         while True:  # lines are short: searching again from their start costs nothing
             at = self._buf.find(b"\r\n", self._start, self._end)
             if at >= 0:
                 line = bytes(self._buf[self._start : at])
                 self._start = at + 2
                 return line
-            if self._end - self._start >= min(max_bytes, RECV_BYTES):
+            if self._end - self._start >= RECV_BYTES:
                 return None
             self._fill()
 
