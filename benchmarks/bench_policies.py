@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit  # noqa: E402
 from cachetier.config import StoreConfig  # noqa: E402
@@ -29,7 +30,7 @@ from cachetier.replay import (  # noqa: E402
     replay_tier,
 )
 
-TRACE = "/work/shared/workloads/mooncake_conversation_trace.jsonl"
+TRACE = str(ROOT / "workloads" / "mooncake_conversation_trace.jsonl.gz")
 CAPACITIES = (2_000, 5_000, 10_000, 20_000, 50_000, 100_000)
 HEADLINE = (10_000, 50_000)  # the capacities the issue quotes figures for
 

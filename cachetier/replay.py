@@ -15,6 +15,7 @@ reuse whole blocks.
 
 from __future__ import annotations
 
+import gzip
 import heapq
 import json
 import time
@@ -101,8 +102,18 @@ def parse_trace(
 
 
 def read_trace(path: str | Path, *, block_size: int = BLOCK_SIZE) -> list[TraceRequest]:
-    """Read a Mooncake-format ``.jsonl`` trace file (see ``parse_trace``)."""
-    with open(path, encoding="utf-8") as f:
+    """Read a Mooncake-format ``.jsonl`` trace file (see ``parse_trace``).
+
+    Args:
+        path: the trace; a name ending in ``.gz`` is gzip-decompressed as it is read (the
+            repository ships its trace that way).
+        block_size: tokens per hash id.
+
+    Returns:
+        The requests, in file order.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return parse_trace(f, source=str(path), block_size=block_size)
 
 

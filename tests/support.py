@@ -20,6 +20,11 @@ import uvicorn
 from cachetier.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
 
+# The Mooncake conversation trace the repository ships (workloads/README.md says whence).
+CONVERSATION_TRACE = (
+    Path(__file__).resolve().parents[1] / "workloads" / "mooncake_conversation_trace.jsonl.gz"
+)
+
 # A small layout so shared-suite tests move kilobytes, not megabytes.
 SMALL_LAYOUT = KVLayout("float16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8)
 

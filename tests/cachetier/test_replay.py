@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import json
 import random
 from collections import OrderedDict
@@ -30,8 +31,7 @@ from cachetier.replay import (
     replay_tier,
     synthetic_tokens,
 )
-
-CONVERSATION = Path("/work/shared/workloads/mooncake_conversation_trace.jsonl")
+from tests.support import CONVERSATION_TRACE as CONVERSATION
 
 
 def _line(ts: int, length: int, ids: list[int]) -> str:
@@ -75,6 +75,22 @@ def test_read_trace_parses_every_field_and_skips_blank_lines(tmp_path: Path) -> 
         TraceRequest(0, 1100, 7, (1, 2, 3)),
         TraceRequest(5, 1100, 7, (1, 2, 3)),
     ]
+
+
+def test_read_trace_decompresses_a_gz_trace(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("\n".join(TINY[:2]) + "\n")
+    assert read_trace(path) == [
+        TraceRequest(0, 1100, 7, (1, 2, 3)),
+        TraceRequest(5, 1100, 7, (1, 2, 3)),
+    ]
+
+
+def test_the_shipped_conversation_trace_is_the_whole_hour() -> None:
+    requests = read_trace(CONVERSATION)
+    assert len(requests) == 12_031
+    assert sum(len(r.hash_ids) for r in requests) == 288_500
 
 
 def test_ids_that_are_not_chained_are_refused() -> None:

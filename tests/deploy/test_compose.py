@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
+from importlib.resources import files
 from pathlib import Path
 
 import jsonschema
@@ -27,7 +28,8 @@ from tests.deploy.local_stack import (
     local_services,
 )
 
-SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+# check-jsonschema vendors the compose spec's schema, with the spec's license beside it.
+SCHEMA = Path(str(files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"))
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
 CACHETIER_SERVICES = ("sidecar", "engine")
 
@@ -42,8 +44,7 @@ def test_compose_file_is_valid_against_the_compose_spec() -> None:
         pytest.fail(f"the compose-spec schema is missing at {SCHEMA}")
     schema = json.loads(SCHEMA.read_text())
     raw = yaml.safe_load(COMPOSE_FILE.read_text())  # validated before interpolation, as compose
-    # The schema names draft 07 by a URL jsonschema does not know: say it explicitly.
-    jsonschema.Draft7Validator(schema).validate(raw)
+    _validator(schema).validate(raw)
 
 
 def test_a_broken_compose_file_fails_the_schema() -> None:
@@ -52,7 +53,14 @@ def test_a_broken_compose_file_fails_the_schema() -> None:
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
     raw["services"]["redis"]["helthcheck"] = raw["services"]["redis"].pop("healthcheck")
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft7Validator(schema).validate(raw)
+        _validator(schema).validate(raw)
+
+
+def _validator(schema: dict) -> jsonschema.protocols.Validator:
+    # The draft the schema names in "$schema" (2020-12 in today's spec), checked itself first.
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 def test_every_service_has_a_healthcheck_and_declared_volumes(compose: dict) -> None:

@@ -15,8 +15,7 @@ from cachetier.report.build import build_report
 from cachetier.report.config import ReportConfig
 from cachetier.report.trace import replay_for_report, replay_hierarchy, tenant_of
 from tests.cachetier.report import tiny
-
-CONVERSATION = Path("/work/shared/workloads/mooncake_conversation_trace.jsonl")
+from tests.support import CONVERSATION_TRACE as CONVERSATION
 
 
 @pytest.fixture
