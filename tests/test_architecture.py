@@ -122,3 +122,43 @@ def test_one_hash_function() -> None:
             if "sha256(" in text and "fingerprint" not in module:
                 offenders.append(module)
     assert not offenders, f"hashing outside cachetier.keys: {offenders}"
+
+
+def test_nothing_reads_a_path_only_our_machines_have() -> None:
+    """A user's clone has none of our team folder beside it, nor our machines' paths: the
+    product, its tests, benchmarks and build files ship what they read (issue 13)."""
+    # Spelt in pieces so that this file does not match itself.
+    forbidden = ("../" + "shared", "/" + "work/", "shared" + "/workloads", "shared" + "/schemas")
+    tracked = subprocess.run(
+        [
+            "git",
+            "ls-files",
+            "cachetier",
+            "engine",
+            "kernels",
+            "connectors",
+            "tests",
+            "benchmarks",
+            "scripts",
+            "deploy",
+            "Makefile",
+            ".ci",
+            "Dockerfile",
+            "docker-compose.yml",
+            "pyproject.toml",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if not tracked:  # a copy without git: read the folders themselves
+        tracked = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")]
+    offenders = []
+    for rel in tracked:
+        path = ROOT / rel
+        if not path.is_file() or path.suffix in {".gz", ".png"}:
+            continue
+        text = path.read_text(errors="replace")
+        offenders += [f"{rel}: {word}" for word in forbidden if word in text]
+    assert not offenders, offenders
