@@ -1,92 +1,85 @@
-"""Local disk tier: one record file per block under a root folder, surviving restarts.
+"""Local disk tier: one record file per block under a root folder, surviving restarts, and
+shared by any number of processes of one node (engine pods mounting one host folder).
 
 Files live at ``root/<namespace>/<first two hex digits>/<key hex>.ctkv``. Only validated
-namespaces and hex keys ever become path parts, so nothing can escape the root. Writes go to a
-temp file that is fsynced and renamed over the final name, so a reader (or a process restarted
-after a crash) sees either the whole old record, the whole new one, or none.
+namespaces and hex keys ever become path parts, so nothing can escape the root.
 
-At open the index is rebuilt from the folder (one ``scandir`` per shard, ordered by mtime,
-which hits refresh), so every block written by an earlier process is found again.
+Records are never rewritten in place. A write goes to a temp file that is fsynced and renamed
+over the final name (the folder is fsynced after the rename); an eviction or a delete unlinks
+the name. A reader that has the file open keeps reading that inode whole, since POSIX keeps an
+unlinked or replaced file alive while it is open, and a reader that opens the name gets the
+old record, the new one, or nothing. So another process writing or evicting a block can never
+make a reader see a torn one (and the record's checksum would catch it anyway).
+
+Sharing the folder:
+- one byte budget for every process, kept in a ledger under ``flock`` (``disk_budget``);
+- eviction is global: the victim is the least recently used record of the folder whoever
+  wrote it, by the files' mtimes, which every put and read stamps (the process checks a
+  victim's mtime before removing it, and rescans the folder before it evicts a record newer
+  than the last one it knows all files up to);
+- a temp file names its writer, and only orphans are removed (``disk_files``).
+
+At open the index is rebuilt from the folder (one ``scandir`` per shard, ordered by mtime), so
+every block written by an earlier process is found again.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import threading
 import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from cachetier.errors import CorruptBlockError
-from cachetier.eviction import make_policy
-from cachetier.keys import HASH_BYTES, BlockHash, parse_key
+from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.parallel import map_in_threads
-from cachetier.record import (
-    Buffer,
-    Compression,
-    KVBlock,
-    encode_parts,
-    read_record,
-    record_checksum,
-)
+from cachetier.record import Buffer, Compression, KVBlock, encode_parts, read_record
 from cachetier.tiers.base import Tier, check_namespace
+from cachetier.tiers.disk_config import DiskTierConfig
+from cachetier.tiers.disk_files import SUFFIX, ensure_dir, fsync_dir, stamp_file, temp_name
+from cachetier.tiers.disk_folder import Landing, SharedFolder
+from cachetier.tiers.disk_index import Slot
 
-SUFFIX = ".ctkv"
-_TMP_PREFIX = ".tmp-"
-
-
-@dataclass(frozen=True, slots=True)
-class DiskTierConfig:
-    """Args:
-    root: folder that holds the tier (created if missing).
-    capacity_bytes: most record bytes kept on disk.
-    policy: eviction policy name.
-    compression: ``"none"`` or ``"lz4"`` for stored payloads.
-    fsync: fsync each record before it is renamed into place (durable across power loss;
-        a killed process loses nothing either way).
-    """
-
-    root: str
-    capacity_bytes: int
-    policy: str = "lru"
-    compression: str = "none"
-    fsync: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.root:
-            raise ValueError("root must name a folder")
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
-        if self.compression not in ("none", "lz4"):
-            raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+__all__ = ["SUFFIX", "DiskTier", "DiskTierConfig"]
 
 
 class DiskTier(Tier):
-    """Blocks as checksummed record files; reads are verified before they are returned."""
+    """Blocks as checksummed record files; reads are verified before they are returned.
+
+    ``used_bytes`` and ``len`` are this process's view of the folder (what it wrote, read or
+    found); ``folder_bytes`` is what the shared budget counts for every process.
+    """
 
     name = "disk"
 
     def __init__(self, config: DiskTierConfig) -> None:
         super().__init__()
         self._config = config
-        self._root = Path(config.root).resolve()
-        self._root.mkdir(parents=True, exist_ok=True)
         self._compression = Compression.LZ4 if config.compression == "lz4" else Compression.NONE
-        self._sizes: dict[tuple[str, bytes], int] = {}
-        # Checksums of the records this tier wrote (not those found at start): a put of the
-        # same record again only refreshes it.
-        self._checksums: dict[tuple[str, bytes], bytes] = {}
-        self._policy = make_policy(config.policy)
-        self._used = 0
-        self._lock = threading.Lock()
-        self.recovery_s = self._rebuild_index()
+        start = time.perf_counter()
+        self._folder = SharedFolder(config, self._stats)
+        self._root = self._folder.root
+        try:
+            self._folder.recover()
+        except BaseException:
+            self._folder.close()  # e.g. a ledger of a newer format: leave no mark behind
+            raise
+        self.recovery_s = time.perf_counter() - start
 
     @property
     def root(self) -> Path:
         return self._root
+
+    @property
+    def owner_id(self) -> str:
+        """The id this tier's temp files and ledger reservations carry."""
+        return self._folder.owner_id
+
+    @property
+    def heals(self) -> int:
+        """Times this tier rebuilt the shared ledger from the folder (at open, or after it
+        found it damaged, missing or counting bytes nobody holds)."""
+        return self._folder.heals
 
     @property
     def capacity_bytes(self) -> int:
@@ -94,10 +87,19 @@ class DiskTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._folder.index.used_bytes
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._folder.index)
+
+    def folder_bytes(self) -> int:
+        """Bytes the shared budget counts: every process's records plus batches in flight.
+
+        Returns:
+            The ledger's count (rebuilt from the folder first if it could not be trusted).
+        """
+        with self._folder.locked() as state:
+            return state.used_bytes
 
     def path_of(self, namespace: str, key: BlockHash) -> Path:
         """Where the record of ``key`` lives (whether or not it exists)."""
@@ -107,115 +109,108 @@ class DiskTier(Tier):
         name = key.hex()
         return self._root / namespace / name[:2] / (name + SUFFIX)
 
-    def _rebuild_index(self) -> float:
-        start = time.perf_counter()
-        found: list[tuple[int, str, bytes, int]] = []
-        for ns_entry in os.scandir(self._root):
-            if not ns_entry.is_dir(follow_symlinks=False):
-                continue
-            try:
-                check_namespace(ns_entry.name)
-            except ValueError:
-                continue
-            for shard in os.scandir(ns_entry.path):
-                if not shard.is_dir(follow_symlinks=False):
-                    continue
-                for entry in os.scandir(shard.path):
-                    name = entry.name
-                    if name.startswith(_TMP_PREFIX):
-                        # A write that died before its rename: never acknowledged, drop it.
-                        _unlink_quietly(entry.path)
-                        continue
-                    if not name.endswith(SUFFIX) or len(name) != 2 * HASH_BYTES + len(SUFFIX):
-                        continue
-                    try:
-                        # parse_key, not bytes.fromhex: a stray name with spaces in it would
-                        # give a short key that later breaks eviction.
-                        key = parse_key(name[: 2 * HASH_BYTES])
-                        st = entry.stat(follow_symlinks=False)
-                    except (ValueError, OSError):
-                        continue
-                    found.append((st.st_mtime_ns, ns_entry.name, key, st.st_size))
-        found.sort()
-        with self._lock:
-            for _, ns, key, size in found:
-                self._policy.insert((ns, key))
-                self._sizes[(ns, key)] = size
-                self._used += size
-            self._evict_over_capacity()
-        return time.perf_counter() - start
-
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         check_namespace(namespace)
         start = time.perf_counter()
         stored = nbytes = rejected = errors = 0
-        todo: list[tuple[KVBlock, Path, list[Buffer], int]] = []
+        todo: list[tuple[Slot, Path, list[Buffer], int]] = []
         for block in blocks:
             path = self.path_of(namespace, block.key)
             parts = encode_parts(block, self._compression)
-            if self._refresh_if_same(namespace, block.key, path, record_checksum(parts)):
+            size = sum(memoryview(p).nbytes for p in parts)
+            if self._refresh_if_same(namespace, block.key, path, parts[0], size):
                 stored += 1  # the file already holds exactly this record
                 continue
-            size = sum(memoryview(p).nbytes for p in parts)
             if size > self._config.capacity_bytes:
                 rejected += 1
                 continue
-            todo.append((block, path, parts, size))
-        # The writes on a few threads (writev and rename release the GIL); the index after,
-        # in order. A batch may so overshoot the capacity until its blocks are indexed.
-        results = map_in_threads(lambda item: self._write_atomically(item[1], item[2]), todo)
-        for (block, _, parts, size), result in zip(todo, results, strict=True):
-            if isinstance(result, OSError):
-                errors += 1
-                continue
-            if isinstance(result, BaseException):
-                raise result
-            with self._lock:
-                slot = (namespace, bytes(block.key))
-                old = self._sizes.get(slot)
-                if old is None:
-                    self._policy.insert(slot)
-                else:
-                    self._used -= old
-                    self._policy.touch(slot)
-                self._sizes[slot] = size
-                self._checksums[slot] = record_checksum(parts)
-                self._used += size
-                self._evict_over_capacity()
-            stored += 1
-            nbytes += size
+            todo.append(((namespace, bytes(block.key)), path, parts, size))
+        if todo:
+            batch_bytes = sum(size for _, _, _, size in todo)
+            try:
+                admitted: bool | None = self._folder.admit(batch_bytes)
+            except TierUnavailableError:
+                admitted = None
+            if admitted is None:
+                errors += len(todo)
+            elif not admitted:
+                rejected += len(todo)  # no room: other processes' batches held it all
+            else:
+                landed = self._write_batch(todo, batch_bytes)
+                errors += len(todo) - len(landed)
+                stored += len(landed)
+                nbytes += sum(size for _, _, _, size in landed)
         self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, errors=errors)
         self._stats.observe(time.perf_counter() - start)
         return stored
 
-    def _refresh_if_same(self, namespace: str, key: BlockHash, path: Path, checksum: bytes) -> bool:
-        """Mark a block as just used instead of writing it, if this tier wrote exactly this
-        record (same checksum) and its file is still there; ``False`` otherwise.
+    def _write_batch(
+        self, todo: list[tuple[Slot, Path, list[Buffer], int]], reserved: int
+    ) -> list[Landing]:
+        """Write a reserved batch: the temp files on a few threads (writev and fsync release
+        the GIL), then one locked commit renames them in. Returns the records now stored."""
+        results = map_in_threads(lambda item: self._write_temp(item[1], item[2]), todo)
+        landings = [
+            (slot, path, tmp, size)
+            for (slot, path, _, size), tmp in zip(todo, results, strict=True)
+            if isinstance(tmp, Path)
+        ]
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, OSError):
+                self._folder.commit([], reserved)  # gives the reservation back
+                for _, _, tmp, _ in landings:
+                    _unlink_quietly(tmp)
+                raise result
+        done = self._folder.commit(landings, reserved)
+        landed = [landing for landing, ok in zip(landings, done, strict=True) if ok]
+        if self._config.fsync:
+            # A rename is durable once its folder is: until then a power loss may undo it.
+            failed: set[Path] = set()
+            for folder in {path.parent for _, path, _, _ in landed}:
+                try:
+                    fsync_dir(folder)
+                except OSError:
+                    failed.add(folder)
+            landed = [landing for landing in landed if landing[1].parent not in failed]
+        return landed
+
+    def _refresh_if_same(
+        self, namespace: str, key: BlockHash, path: Path, head: Buffer, size: int
+    ) -> bool:
+        """Mark a block as just used instead of writing it, if its file already holds exactly
+        this record (same size, same head: the head ends with the checksum of the whole
+        record), whichever process wrote it; ``False`` otherwise.
 
         Rewriting it would cost a full write (and freeing the old file's pages) for the same
-        bytes: engines put the blocks of a shared prompt again after every request. Another
-        record under the key is written as usual (a put replaces). A file damaged since is
-        found by the checksum on its next read, removed, and written again by the next put.
+        bytes: engines put the blocks of a shared prompt again after every request, and pods
+        sharing the folder put each other's. Another record under the key is written as
+        usual (a put replaces). A file damaged since is found by the checksum on its next
+        read, removed, and written again by the next put. Another process may evict the file
+        right after this refresh, as it may any block right after its put.
         """
-        slot = (namespace, bytes(key))
-        with self._lock:
-            if self._checksums.get(slot) != checksum:
-                return False
-        if not path.exists():  # removed behind our back: write it again
+        if not _same_record_on_disk(path, head, size):
             return False
-        with self._lock:
-            if self._checksums.get(slot) != checksum:  # evicted or replaced meanwhile
-                return False
-            self._policy.touch(slot)
-        _touch_quietly(path)  # mtime carries the LRU order across restarts
+        stamp = time.time_ns()
+        stamp_file(path, stamp)  # the mtime carries the LRU order across processes and restarts
+        with self._folder.lock:
+            self._folder.index.add((namespace, bytes(key)), size, stamp)
         return True
 
-    def _write_atomically(self, path: Path, parts: list) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write_temp(self, path: Path, parts: list[Buffer]) -> Path:
+        # Next to its final name (a rename never crosses a file system), and named after this
+        # tier, so that no other process opening the folder takes it for an orphan.
+        tmp = path.parent / temp_name(self._folder.owner_id)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        mode = self._config.file_mode
+        try:
+            fd = os.open(tmp, flags, mode)
+        except FileNotFoundError:  # a new shard (or the whole folder was deleted)
+            ensure_dir(path.parent, self._config.dir_mode, self._config.fsync)
+            fd = os.open(tmp, flags, mode)
         try:
             try:
+                if mode & 0o077:  # the usual umasks only take group and other bits away
+                    os.fchmod(fd, mode)
                 views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
                 total = sum(v.nbytes for v in views)
                 written = os.writev(fd, views)
@@ -226,26 +221,10 @@ class DiskTier(Tier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)
             raise
-
-    def _evict_over_capacity(self) -> None:
-        # Caller holds the lock. Unlinking here keeps a concurrent re-put of the victim safe.
-        evictions = 0
-        while self._used > self._config.capacity_bytes:
-            victim = self._policy.pop_victim()
-            if victim is None:
-                break
-            size = self._sizes.pop(victim)  # type: ignore[call-overload]
-            self._checksums.pop(victim, None)  # type: ignore[call-overload]
-            self._used -= size
-            ns, key = victim  # type: ignore[misc]
-            _unlink_quietly(self.path_of(ns, BlockHash(key)))
-            evictions += 1
-        if evictions:
-            self._stats.add(evictions=evictions)
+        return tmp
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         return self._read_many(namespace, keys, None)
@@ -277,14 +256,20 @@ class DiskTier(Tier):
         # Reads (and their checksums) on a few threads: cold files keep several requests in
         # flight, cached ones copy on every core. The index is updated after, in order.
         results = map_in_threads(read, range(len(keys)))
+        folder = self._folder
         for key, path, result in zip(keys, paths, results, strict=True):
+            slot = (namespace, bytes(key))
             if isinstance(result, FileNotFoundError):
-                self._forget(namespace, key)
+                with folder.lock:
+                    folder.index.forget(slot)
                 out.append(None)
                 continue
-            if isinstance(result, CorruptBlockError):
+            if isinstance(result, _CorruptFile):
                 corrupt += 1
-                self._drop(namespace, key, path)
+                try:
+                    folder.drop_corrupt(slot, result.inode)
+                except TierUnavailableError:
+                    errors += 1
                 out.append(None)
                 continue
             if isinstance(result, OSError):
@@ -294,16 +279,10 @@ class DiskTier(Tier):
             if isinstance(result, BaseException):
                 raise result
             block, size = result
-            with self._lock:
-                slot = (namespace, bytes(key))
-                if slot in self._sizes:
-                    self._policy.touch(slot)
-                else:  # written by another process sharing this folder: adopt it
-                    self._policy.insert(slot)
-                    self._sizes[slot] = size
-                    self._used += size
-                    self._evict_over_capacity()
-            _touch_quietly(path)  # mtime carries the LRU order across restarts
+            stamp = time.time_ns()
+            with folder.lock:  # a block another process wrote is adopted here
+                folder.index.add(slot, size, stamp)
+            stamp_file(path, stamp)  # the mtime carries the LRU order across processes
             hits += 1
             nbytes += size
             out.append(block)
@@ -326,52 +305,62 @@ class DiskTier(Tier):
 
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         check_namespace(namespace)
-        removed = 0
         for key in keys:
-            path = self.path_of(namespace, key)
-            with self._lock:
-                self._forget_locked(namespace, key)
-                try:
-                    os.unlink(path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    self._stats.add(errors=1)
-        return removed
+            self.path_of(namespace, key)  # checks the key before anything is removed
+        try:
+            return self._folder.remove([(namespace, bytes(key)) for key in keys])
+        except TierUnavailableError:
+            self._stats.add(errors=1)
+            return 0
 
     def clear(self, namespace: str) -> int:
         check_namespace(namespace)
-        with self._lock:
-            slots = [slot for slot in self._sizes if slot[0] == namespace]
-            for slot in slots:
-                self._forget_locked(namespace, BlockHash(slot[1]))
-            shutil.rmtree(self._root / namespace, ignore_errors=True)
-        return len(slots)
+        try:
+            return self._folder.remove_namespace(namespace)
+        except TierUnavailableError:
+            self._stats.add(errors=1)
+            return 0
 
-    def _drop(self, namespace: str, key: BlockHash, path: Path) -> None:
-        with self._lock:
-            self._forget_locked(namespace, key)
-            _unlink_quietly(path)
+    def close(self) -> None:
+        """Release this tier's mark and ledger file; its records stay for the next process."""
+        self._folder.close()
 
-    def _forget(self, namespace: str, key: BlockHash) -> None:
-        with self._lock:
-            self._forget_locked(namespace, key)
 
-    def _forget_locked(self, namespace: str, key: BlockHash) -> None:
-        self._checksums.pop((namespace, bytes(key)), None)
-        size = self._sizes.pop((namespace, bytes(key)), None)
-        if size is not None:
-            self._used -= size
-            self._policy.remove((namespace, bytes(key)))
+class _CorruptFile(CorruptBlockError):
+    """A record file failed a check; ``inode`` says which file, in case it is replaced."""
+
+    def __init__(self, message: str, inode: int) -> None:
+        super().__init__(message)
+        self.inode = inode
 
 
 def _read_block(path: Path, key: BlockHash, dest: memoryview | None) -> tuple[KVBlock, int]:
-    fd = os.open(path, os.O_RDONLY)
+    # The inode read here never changes under us: records are replaced by rename and removed
+    # by unlink, never written in place, so an open file stays whole to its end.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        block = read_record(lambda buf: os.readv(fd, [buf]), size, key=key, payload_into=dest)
-        return block, size
+        st = os.fstat(fd)
+        try:
+            block = read_record(
+                lambda buf: os.readv(fd, [buf]), st.st_size, key=key, payload_into=dest
+            )
+        except CorruptBlockError as e:
+            raise _CorruptFile(str(e), st.st_ino) from e
+        return block, st.st_size
+    finally:
+        os.close(fd)
+
+
+def _same_record_on_disk(path: Path, head: Buffer, size: int) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        want = bytes(head)
+        return os.fstat(fd).st_size == size and os.pread(fd, len(want), 0) == want
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
@@ -379,12 +368,5 @@ def _read_block(path: Path, key: BlockHash, dest: memoryview | None) -> tuple[KV
 def _unlink_quietly(path: str | Path) -> None:
     try:
         os.unlink(path)
-    except OSError:
-        pass
-
-
-def _touch_quietly(path: Path) -> None:
-    try:
-        os.utime(path)
     except OSError:
         pass

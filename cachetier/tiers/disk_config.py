@@ -1,0 +1,72 @@
+"""The disk tier's configuration (``DiskTier`` takes it; ``cachetier.config`` builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_DIR_MODE = 0o700
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    """Args:
+    root: folder that holds the tier (created if missing). Any number of processes of one
+        node may open the same folder: they share its capacity.
+    capacity_bytes: most record bytes kept in the folder, for all processes together (give
+        them all the same value: the smallest is what the folder ends up holding). At any
+        instant the folder may exceed it by the one batch being written.
+    policy: eviction policy name.
+    compression: ``"none"`` or ``"lz4"`` for stored payloads.
+    fsync: fsync each record before it is renamed into place, and its folder after
+        (durable across power loss; a killed process loses nothing either way).
+    file_mode: permission bits of the files the tier creates. KV reveals the prompt, so only
+        the owner reads them by default; ``0o640`` lets a group read them, ``0o660`` (with
+        ``dir_mode`` ``0o770``) lets processes of several users in one group share the folder.
+    dir_mode: permission bits of the folders the tier creates (an existing root is left as
+        it is).
+    orphan_temp_age_s: a temp file older than this is removed when a tier opens the folder,
+        even if its writer still runs (a write that old is stuck); a dead writer's temp file
+        is removed at once.
+    """
+
+    root: str
+    capacity_bytes: int
+    policy: str = "lru"
+    compression: str = "none"
+    fsync: bool = True
+    file_mode: int = DEFAULT_FILE_MODE
+    dir_mode: int = DEFAULT_DIR_MODE
+    orphan_temp_age_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("root must name a folder")
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+        if self.compression not in ("none", "lz4"):
+            raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+        check_mode("file_mode", self.file_mode, needs=0o600)
+        check_mode("dir_mode", self.dir_mode, needs=0o700)
+        if not self.orphan_temp_age_s > 0:
+            raise ValueError(f"orphan_temp_age_s must be positive, got {self.orphan_temp_age_s}")
+
+
+def check_mode(name: str, mode: object, *, needs: int) -> int:
+    """Validate permission bits.
+
+    Args:
+        name: the setting's name, for the message.
+        mode: the bits, e.g. ``0o640``.
+        needs: bits the tier itself needs (its owner must read and write its own files).
+
+    Returns:
+        ``mode`` unchanged.
+    """
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"{name} must be permission bits 0o000-0o777, got {mode!r}")
+    if mode & needs != needs:
+        raise ValueError(
+            f"{name} {mode:#o} lacks {needs:#o}: the tier must be able to use what it creates"
+        )
+    return mode
