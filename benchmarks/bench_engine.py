@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.loader import smollm2_path  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.smollm2 import smollm2_path  # noqa: E402
 
 OUTPUT_TOKENS = 64
 

@@ -34,8 +34,8 @@ def child(args: argparse.Namespace) -> None:
     from cachetier.config import StoreConfig
     from engine.demo import build_prompt
     from engine.llm import LLM
-    from engine.loader import smollm2_path
     from engine.sampling import SamplingParams
+    from engine.smollm2 import smollm2_path
 
     tiers = args.tiers.split(",")
     store = StoreConfig(

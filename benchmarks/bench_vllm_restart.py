@@ -136,7 +136,7 @@ def main() -> None:
         out_path.write_text(json.dumps(child(json.loads(spec_path.read_text()))))
         return
 
-    from engine.loader import smollm2_path
+    from engine.smollm2 import smollm2_path
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-restart-") as tmp:
         workdir = Path(tmp)

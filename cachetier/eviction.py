@@ -8,10 +8,9 @@ so the number of keys held at that moment is the capacity in blocks (give or tak
 that size internal queues (S3-FIFO, ARC) take their targets as fractions of that count. With
 blocks of unequal size the targets are in keys, not bytes.
 
-On the Mooncake conversation trace (``benchmarks/bench_policies.py``) no policy here beats LRU
-at every capacity: S3-FIFO wins below 10,000 blocks and ARC up to 20,000, both lose at 50,000
-and 100,000 (that trace is recency-driven: a conversation's next turn reuses its last prompt),
-so LRU stays the default.
+On the Mooncake conversation trace no policy here beats LRU at every capacity (that trace is
+recency-driven: a conversation's next turn reuses its last prompt), so LRU stays the default;
+``benchmarks/bench_policies.py`` measures them and the README has the figures.
 """
 
 from __future__ import annotations

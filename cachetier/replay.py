@@ -1,4 +1,9 @@
-"""Replay a Mooncake-format request trace through a real tier, and the offline bounds beside it.
+"""Replay a Mooncake-format request trace through one cache, and the offline bounds beside it.
+
+Each replay here is of a single cache: a real ``CPUTier`` under one eviction policy, Belady's
+offline policy, or an infinite cache; ``benchmarks/bench_policies.py`` and the report's capacity
+curve call them. A replay through a hierarchy of tiers, as a report's per-tier figures need, is
+``cachetier.report.hierarchy_replay``.
 
 A trace line is one request: ``{"timestamp": ms, "input_length": tokens, "output_length":
 tokens, "hash_ids": [...]}``, where ``hash_ids`` are chained prefix-block ids, one per block of
@@ -393,7 +398,14 @@ def replay_belady(trace: ReplayTrace, capacity_blocks: int) -> ReplayResult:
 
 
 def replay_infinite(trace: ReplayTrace) -> ReplayResult:
-    """The ceiling: a cache that never evicts."""
+    """The ceiling: a cache that never evicts.
+
+    Args:
+        trace: the keyed trace.
+
+    Returns:
+        The replay's hits, under policy name ``"infinite"`` and no capacity.
+    """
     start = time.perf_counter()
     seen: set[BlockHash] = set()
     hits: list[int] = []

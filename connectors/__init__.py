@@ -1,1 +1,4 @@
-"""Plug cachetier's tiers into engines: our engine, vLLM (KVConnectorBase_V1), HF transformers."""
+"""Plug cachetier's tiers into other engines: vLLM (KVConnectorBase_V1) and HF transformers.
+
+Our own engine reaches the tiers through ``engine.tier_bridge``; nothing here imports it.
+"""

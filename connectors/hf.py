@@ -24,18 +24,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys
+from cachetier.fingerprint import model_fingerprint
+from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, dtype_name, torch_dtype
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
-from engine.fingerprint import model_fingerprint
-from engine.kv_cache import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 # generate kwargs the connector sets itself, or that would bypass the cache it restores.
 _RESERVED_KWARGS = ("past_key_values", "inputs_embeds", "input_ids", "inputs")
 
@@ -107,9 +105,9 @@ class HFCacheConnector:
             raise ValueError("pass exactly one of model_folder and fingerprint")
         if fingerprint is None:
             fingerprint = model_fingerprint(model_folder)  # type: ignore[arg-type]
-        dtype = _DTYPE_NAMES.get(model.dtype)
-        if dtype is None:
-            raise ValueError(f"model dtype {model.dtype} is not one of {sorted(TORCH_DTYPES)}")
+        if not model.dtype.is_floating_point:
+            raise ValueError(f"model dtype {model.dtype} is not a float dtype")
+        dtype = dtype_name(model.dtype)  # raises for a float dtype no layout has (float64)
         config = model.config.get_text_config(decoder=True)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -184,7 +182,7 @@ class HFCacheConnector:
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] -> per layer and K/V
         # [1, num_kv_heads, num_blocks * block_size, head_dim], as DynamicLayer holds them.
         rows = np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
-        kv = torch.from_numpy(rows).view(TORCH_DTYPES[self.namespace.layout.dtype])
+        kv = torch.from_numpy(rows).view(torch_dtype(self.namespace.layout.dtype))
         kv = kv.view(len(blocks), *self.block_shape).permute(1, 2, 4, 0, 3, 5)
         num_layers, _, num_kv_heads, _, _, head_dim = kv.shape
         kv = kv.reshape(num_layers, 2, num_kv_heads, len(blocks) * self.block_size, head_dim)
@@ -264,7 +262,7 @@ class HFCacheConnector:
         for index, layer in enumerate(cache.layers):
             k, v = layer.keys, layer.values  # [batch, num_kv_heads, seq, head_dim]
             expected = (layout.num_kv_heads, layout.head_dim)
-            if k.dtype != TORCH_DTYPES[layout.dtype] or (k.shape[1], k.shape[3]) != expected:
+            if k.dtype != torch_dtype(layout.dtype) or (k.shape[1], k.shape[3]) != expected:
                 raise ValueError(
                     f"cache layer {index} holds {k.dtype} {tuple(k.shape)}, the layout needs "
                     f"{layout.dtype} [*, {layout.num_kv_heads}, *, {layout.head_dim}]"

@@ -14,14 +14,18 @@ import json
 import sys
 
 from cachetier.config import StoreConfig
+from engine.config import MODEL_DTYPES
 from engine.llm import LLM
-from engine.loader import smollm2_path
 from engine.sampling import SamplingParams
+from engine.smollm2 import smollm2_path
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts")
     gen.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M)")
@@ -33,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     gen.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     gen.add_argument("--cpu-bytes", type=int, default=1 << 30, help="CPU tier capacity (0: none)")
     gen.add_argument("--disk-path", default=None, help="disk tier folder")
@@ -52,24 +56,41 @@ def main(argv: list[str] | None = None) -> None:
         prompts = args.prompt
     store = None
     if args.cpu_bytes or args.disk_path or args.redis_url:
-        store = StoreConfig(cpu_bytes=args.cpu_bytes, disk_path=args.disk_path,
-                            redis_url=args.redis_url)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens)
-    with LLM(args.model or smollm2_path(), store=store, dtype=args.dtype,
-             kv_cache_bytes=args.kv_cache_bytes, tenant=args.tenant) as llm:
+        store = StoreConfig(
+            cpu_bytes=args.cpu_bytes, disk_path=args.disk_path, redis_url=args.redis_url
+        )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+    )
+    with LLM(
+        args.model or smollm2_path(),
+        store=store,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        tenant=args.tenant,
+    ) as llm:
         ids = [llm.encode(p, chat=args.chat) for p in prompts]
         outputs = llm.generate(ids, params, use_tqdm=sys.stderr.isatty() or len(ids) > 1)
     for prompt, out in zip(prompts, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "ttft_s": out.ttft_s,
-                              "num_cached_tokens": out.num_cached_tokens,
-                              "cached_tokens_by_source": out.cached_tokens_by_source}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "ttft_s": out.ttft_s,
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "cached_tokens_by_source": out.cached_tokens_by_source,
+                    }
+                )
+            )
             continue
         sources = ", ".join(f"{k} {v}" for k, v in out.cached_tokens_by_source.items()) or "none"
         print(f"> {prompt}\n{out.text.strip()}")
-        print(f"  [TTFT {out.ttft_s:.3f} s, {len(out.prompt_token_ids)} prompt tokens, "
-              f"cached: {sources}, finish: {out.finish_reason}]\n")
+        print(
+            f"  [TTFT {out.ttft_s:.3f} s, {len(out.prompt_token_ids)} prompt tokens, "
+            f"cached: {sources}, finish: {out.finish_reason}]\n"
+        )
 
 
 if __name__ == "__main__":

@@ -6,28 +6,34 @@ from dataclasses import dataclass
 
 GiB = 1 << 30
 
-# vLLM's fp8 ``kv_cache_dtype`` names -> the pool's element type (``cachetier.keys.DTYPE_BYTES``).
+# Dtypes the engine computes in, by their ``cachetier.keys.DTYPE_BYTES`` names.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's fp8 ``kv_cache_dtype`` names -> the pool's element type.
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# Element types a KV pool may have: a float pool holds K/V as computed, an fp8 pool quantises.
+POOL_DTYPES = (*MODEL_DTYPES, *FP8_KV_DTYPES.values())
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Args:
-    model: a local Hugging Face model folder (config.json + safetensors).
-    dtype: compute dtype: ``float32``, ``bfloat16`` or ``float16``.
-    block_size: tokens per KV block.
-    kv_cache_bytes: memory for the KV pool (like ``VLLM_CPU_KVCACHE_SPACE``).
-    kv_cache_dtype: ``auto`` (the compute dtype), another float pool dtype, or ``fp8_e4m3`` /
-        ``fp8_e5m2``: KV stored in fp8 with one float32 scale per block, layer and K/V.
-    max_num_seqs: most sequences running at once.
-    max_num_batched_tokens: most tokens computed in one step (chunked prefill budget).
-    max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
-    enable_prefix_caching: reuse pool blocks and tier blocks on prefix hits.
-    tenant: tenant / cache salt folded into every key.
-    kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``kernels.backend``).
-    num_threads: torch intra-op threads; ``None`` leaves torch's default.
-    event_log: a JSON-lines file that gets one ``cachetier.events.LookupEvent`` per admitted
-        request (for ``cachetier report``); ``None`` for none.
+    """What the engine runs and how: the model, its dtypes, the KV pool and the batch limits.
+
+    Args:
+        model: a local Hugging Face model folder (config.json + safetensors).
+        dtype: compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+        block_size: tokens per KV block.
+        kv_cache_bytes: memory for the KV pool (like ``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_dtype: ``auto`` (the compute dtype), another float pool dtype, or ``fp8_e4m3`` /
+            ``fp8_e5m2``: KV stored in fp8 with one float32 scale per block, layer and K/V.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens computed in one step (chunked prefill budget).
+        max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
+        enable_prefix_caching: reuse pool blocks and tier blocks on prefix hits.
+        tenant: tenant / cache salt folded into every key.
+        kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``kernels.backend``).
+        num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        event_log: a JSON-lines file that gets one ``cachetier.events.LookupEvent`` per admitted
+            request (for ``cachetier report``); ``None`` for none.
     """
 
     model: str
@@ -45,17 +51,14 @@ class EngineConfig:
     event_log: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES):
+        if self.kv_cache_dtype not in ("auto", *MODEL_DTYPES, *FP8_KV_DTYPES):
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use auto, float32, "
                 f"bfloat16, float16, {' or '.join(FP8_KV_DTYPES)}"
             )
-        if (
-            self.kv_cache_dtype in ("float32", "bfloat16", "float16")
-            and self.kv_cache_dtype != self.dtype
-        ):
+        if self.kv_cache_dtype in MODEL_DTYPES and self.kv_cache_dtype != self.dtype:
             # A float pool holds K/V exactly as computed; only fp8 pools convert.
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} must match dtype {self.dtype!r} "

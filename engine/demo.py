@@ -38,8 +38,8 @@ def build_prompt(llm: object, num_tokens: int) -> list[int]:
 def child(args: argparse.Namespace) -> None:
     from cachetier.config import StoreConfig
     from engine.llm import LLM
-    from engine.loader import smollm2_path
     from engine.sampling import SamplingParams
+    from engine.smollm2 import smollm2_path
 
     started = time.perf_counter()
     store = StoreConfig(cpu_bytes=1 << 30, disk_path=args.data_dir, disk_bytes=8 << 30)

@@ -16,20 +16,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cachetier.keys import KVLayout
-from engine.loader import ModelSpec
+from cachetier.keys import KVLayout, torch_dtype
+from engine.config import FP8_KV_DTYPES, POOL_DTYPES
+from engine.model_spec import ModelSpec
 from kernels import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE_DTYPE = np.dtype("<f4")  # scales as stored in a record's aux: little-endian float32
 
 
@@ -40,7 +33,7 @@ class KVPool:
         spec: the model (layers, KV heads, head dim).
         block_size: tokens per block.
         budget_bytes: memory for the pool; the number of blocks follows from it.
-        dtype: element type name of the pool (``TORCH_DTYPES``).
+        dtype: element type name of the pool (``engine.config.POOL_DTYPES``).
         kernel_backend: backend for the gather kernel.
     """
 
@@ -52,14 +45,13 @@ class KVPool:
         dtype: str,
         kernel_backend: str = "auto",
     ) -> None:
-        if dtype not in TORCH_DTYPES:
-            raise ValueError(f"KV dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+        if dtype not in POOL_DTYPES:
+            raise ValueError(f"KV dtype {dtype!r} is not one of {sorted(POOL_DTYPES)}")
         self.layout = KVLayout(dtype, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
         self.block_bytes = self.layout.block_bytes
-        torch_dtype = TORCH_DTYPES[dtype]
         # Scale bytes of a block: num_layers x K/V float32 for fp8, none otherwise.
-        fp8 = torch_dtype in FP8_DTYPES
+        fp8 = dtype in FP8_KV_DTYPES.values()
         self.aux_bytes = spec.num_layers * 2 * _SCALE_DTYPE.itemsize if fp8 else 0
         num_blocks = budget_bytes // (self.block_bytes + self.aux_bytes)
         if num_blocks < 2:
@@ -69,7 +61,7 @@ class KVPool:
                 f"{2 * (self.block_bytes + self.aux_bytes)}"
             )
         self.kernel_backend = kernel_backend
-        self.cache = torch.zeros((num_blocks, *self.block_shape), dtype=torch_dtype)
+        self.cache = torch.zeros((num_blocks, *self.block_shape), dtype=torch_dtype(dtype))
         # [num_blocks, num_layers, 2] float32 for fp8 pools (None otherwise); a block's scales
         # are 0 until something is written to it.
         self.scales: torch.Tensor | None = None

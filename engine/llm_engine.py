@@ -13,18 +13,19 @@ from typing import Any
 import torch
 
 from cachetier.events import EventLog
-from cachetier.keys import Namespace
+from cachetier.fingerprint import model_fingerprint
+from cachetier.keys import Namespace, torch_dtype
 from cachetier.store import TieredStore
 from engine.block_manager import Block, BlockManager
 from engine.config import EngineConfig
-from engine.fingerprint import model_fingerprint
-from engine.kv_cache import TORCH_DTYPES, KVPool
-from engine.loader import ModelSpec, load_weights
+from engine.kv_cache import KVPool
 from engine.model import ForwardBatch, LlamaModel, SeqSlice
+from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.tier_bridge import TierBridge
+from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class LLMEngine:
         folder = Path(config.model)
         self.spec = ModelSpec.from_folder(folder)
         self.model = LlamaModel(
-            self.spec, load_weights(folder), TORCH_DTYPES[config.dtype], config.kernel_backend
+            self.spec, load_weights(folder), torch_dtype(config.dtype), config.kernel_backend
         )
         self.pool = KVPool(
             self.spec,

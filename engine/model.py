@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
-from engine.loader import ModelSpec
+from engine.model_spec import ModelSpec
 from kernels import common_prefix_blocks, paged_attention_decode, store_kvcache
 
 

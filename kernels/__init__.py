@@ -1,7 +1,7 @@
 """KV-cache kernels for the paged engine: plain-torch references and Triton kernels.
 
 The pool layout is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (see
-``kernels.layout``). Every public function takes ``backend="auto" | "torch" | "triton"``;
+``kernels.pool_shape``). Every public function takes ``backend="auto" | "torch" | "triton"``;
 ``"auto"`` runs Triton on GPU tensors and plain torch otherwise. Importing this package never
 imports Triton: the Triton modules load on the first call that needs them.
 """
@@ -15,13 +15,13 @@ from kernels.cache_ops import (
     store_kvcache,
     store_kvcache_ref,
 )
-from kernels.layout import KVCacheLayout
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from kernels.pool_shape import PoolShape
 from kernels.torch_paged_attention import common_prefix_blocks
 
 __all__ = [
     "BACKENDS",
-    "KVCacheLayout",
+    "PoolShape",
     "common_prefix_blocks",
     "gather_blocks",
     "gather_blocks_ref",

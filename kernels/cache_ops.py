@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import resolve_backend
-from kernels.layout import (
+from kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
-    KVCacheLayout,
+    PoolShape,
     check_index_range,
     check_same_dtype,
     check_tensor,
@@ -42,12 +42,12 @@ def store_kvcache(
     Raises:
         ValueError: shapes, dtypes or devices that do not match, or a slot out of range.
     """
-    layout = KVCacheLayout.from_cache(kv_cache)
-    layout.check_layer(layer)
+    pool = PoolShape.from_cache(kv_cache)
+    pool.check_layer(layer)
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, ndim=3, dtypes=KV_DTYPES)
         check_same_dtype(name, t, kv_cache)
-    expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
+    expected = (key.shape[0], pool.num_kv_heads, pool.head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim] = {expected}, "
@@ -58,12 +58,12 @@ def store_kvcache(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
         )
-    check_index_range("slot_mapping", slot_mapping, -1, layout.num_slots)
+    check_index_range("slot_mapping", slot_mapping, -1, pool.num_slots)
 
     if resolve_backend(backend, key, value, kv_cache, slot_mapping) == "triton":
         from kernels.triton_cache_ops import store_kvcache_triton
 
-        store_kvcache_triton(key, value, kv_cache, layer, slot_mapping, layout)
+        store_kvcache_triton(key, value, kv_cache, layer, slot_mapping, pool)
     else:
         store_kvcache_ref(key, value, kv_cache, layer, slot_mapping)
 
@@ -108,7 +108,7 @@ def gather_blocks(
     Raises:
         ValueError: a bad shape, dtype or device, or a block id out of range.
     """
-    layout = _check_block_ids(kv_cache, block_ids)
+    pool = _check_block_ids(kv_cache, block_ids)
     shape = (block_ids.shape[0], *kv_cache.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
@@ -118,7 +118,7 @@ def gather_blocks(
     if resolve_backend(backend, kv_cache, block_ids, out) == "triton":
         from kernels.triton_cache_ops import copy_blocks_triton
 
-        copy_blocks_triton(kv_cache, out, block_ids, layout, gather=True)
+        copy_blocks_triton(kv_cache, out, block_ids, pool, gather=True)
     else:
         gather_blocks_ref(kv_cache, block_ids, out)
     return out
@@ -151,7 +151,7 @@ def scatter_blocks(
         ValueError: a bad shape, dtype or device, a block id out of range, or a repeated id
             (two writes to one block would race).
     """
-    layout = _check_block_ids(kv_cache, block_ids)
+    pool = _check_block_ids(kv_cache, block_ids)
     shape = (block_ids.shape[0], *kv_cache.shape[1:])
     _check_staging("staging", staging, shape, kv_cache, contiguous=False)
     if torch.unique(block_ids).numel() != block_ids.numel():
@@ -161,7 +161,7 @@ def scatter_blocks(
         from kernels.triton_cache_ops import copy_blocks_triton
 
         # The kernel reads each staged block as one flat row.
-        copy_blocks_triton(staging.contiguous(), kv_cache, block_ids, layout, gather=False)
+        copy_blocks_triton(staging.contiguous(), kv_cache, block_ids, pool, gather=False)
     else:
         scatter_blocks_ref(staging, kv_cache, block_ids)
 
@@ -173,11 +173,11 @@ def scatter_blocks_ref(
     kv_cache.index_copy_(0, block_ids.long(), staging)
 
 
-def _check_block_ids(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> KVCacheLayout:
-    layout = KVCacheLayout.from_cache(kv_cache)
+def _check_block_ids(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> PoolShape:
+    pool = PoolShape.from_cache(kv_cache)
     check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES)
-    check_index_range("block_ids", block_ids, 0, layout.num_blocks)
-    return layout
+    check_index_range("block_ids", block_ids, 0, pool.num_blocks)
+    return pool
 
 
 def _check_staging(

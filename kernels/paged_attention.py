@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import resolve_backend
-from kernels.layout import (
+from kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
-    KVCacheLayout,
+    PoolShape,
     check_index_range,
     check_same_dtype,
     check_tensor,
@@ -59,17 +59,42 @@ def paged_attention_decode(
         ValueError: shapes, dtypes or devices that do not match, a block id out of range, or a
             context length that is 0 or longer than the block table.
     """
-    layout = KVCacheLayout.from_cache(kv_cache)
-    layout.check_layer(layer)
+    pool = _check_decode_inputs(
+        query, kv_cache, layer, block_tables, context_lens, scale, num_shared_blocks
+    )
+    resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
+    if resolved == "triton":
+        from kernels.triton_paged_attention import paged_attention_decode_triton
+
+        return paged_attention_decode_triton(
+            query, kv_cache, layer, block_tables, context_lens, float(scale), pool
+        )
+    return paged_attention_decode_torch(
+        query, kv_cache, layer, block_tables, context_lens, float(scale), num_shared_blocks
+    )
+
+
+def _check_decode_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_shared_blocks: int,
+) -> PoolShape:
+    """``paged_attention_decode``'s checks (its Raises); returns the pool's sizes."""
+    pool = PoolShape.from_cache(kv_cache)
+    pool.check_layer(layer)
     check_tensor("query", query, ndim=3, dtypes=KV_DTYPES)
     check_same_dtype("query", query, kv_cache)
     batch, num_heads, head_dim = query.shape
-    if head_dim != layout.head_dim:
-        raise ValueError(f"query head_dim {head_dim} does not match kv_cache {layout.head_dim}")
-    if num_heads == 0 or num_heads % layout.num_kv_heads != 0:
+    if head_dim != pool.head_dim:
+        raise ValueError(f"query head_dim {head_dim} does not match kv_cache {pool.head_dim}")
+    if num_heads == 0 or num_heads % pool.num_kv_heads != 0:
         raise ValueError(
             f"query num_heads {num_heads} must be a positive multiple of kv_cache "
-            f"num_kv_heads {layout.num_kv_heads}"
+            f"num_kv_heads {pool.num_kv_heads}"
         )
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES)
@@ -78,13 +103,13 @@ def paged_attention_decode(
             f"block_tables {tuple(block_tables.shape)} and context_lens "
             f"{tuple(context_lens.shape)} must both have batch {batch} rows"
         )
-    check_index_range("block_tables", block_tables, 0, layout.num_blocks)
-    max_context_len = block_tables.shape[1] * layout.block_size
+    check_index_range("block_tables", block_tables, 0, pool.num_blocks)
+    max_context_len = block_tables.shape[1] * pool.block_size
     check_index_range("context_lens", context_lens, 1, max_context_len + 1)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if num_shared_blocks and num_shared_blocks > common_prefix_blocks(
-        block_tables, context_lens, layout.block_size
+        block_tables, context_lens, pool.block_size
     ):
         raise ValueError(
             f"num_shared_blocks {num_shared_blocks} is more than the leading blocks every row "
@@ -92,17 +117,7 @@ def paged_attention_decode(
         )
     if num_shared_blocks < 0:
         raise ValueError(f"num_shared_blocks must be >= 0, got {num_shared_blocks}")
-
-    resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
-    if resolved == "triton":
-        from kernels.triton_paged_attention import paged_attention_decode_triton
-
-        return paged_attention_decode_triton(
-            query, kv_cache, layer, block_tables, context_lens, float(scale), layout
-        )
-    return paged_attention_decode_torch(
-        query, kv_cache, layer, block_tables, context_lens, float(scale), num_shared_blocks
-    )
+    return pool
 
 
 def paged_attention_decode_ref(

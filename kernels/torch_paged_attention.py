@@ -2,9 +2,8 @@
 
 ``paged_attention_decode_ref`` gathers every sequence's blocks into one padded batch; on CPU
 that copies the K/V several times over (gather, K/V split, float cast, mask) and pads short
-sequences to the longest, which made a 32-sequence decode step 5-8x slower than this path.
-Here each sequence copies its K and V once each (``index_select`` of whole blocks) and runs two
-small matmuls on them.
+sequences to the longest. Here each sequence copies its K and V once each (``index_select``
+of whole blocks) and runs two small matmuls on them.
 
 Cascade: when the sequences of a batch start with the same pool blocks (a shared system
 prompt held once by the prefix cache), the shared part is read once for all of their queries,

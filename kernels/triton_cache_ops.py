@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import KVCacheLayout
+from kernels.pool_shape import PoolShape
 
 # Elements per program when copying a flat row; a block is tiled by this many.
 COPY_BLOCK = 1024
@@ -89,7 +89,7 @@ def store_kvcache_triton(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
-    layout: KVCacheLayout,
+    pool: PoolShape,
 ) -> None:
     """Launches ``store_kvcache_kernel``; see ``kernels.cache_ops.store_kvcache``."""
     num_tokens = key.shape[0]
@@ -99,7 +99,7 @@ def store_kvcache_triton(
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
     slot_mapping = slot_mapping.contiguous()
-    row_numel = layout.num_kv_heads * layout.head_dim
+    row_numel = pool.num_kv_heads * pool.head_dim
     block = min(COPY_BLOCK, triton.next_power_of_2(row_numel))
     grid = (num_tokens, triton.cdiv(row_numel, block))
     store_kvcache_kernel[grid](
@@ -115,8 +115,8 @@ def store_kvcache_triton(
         kv_cache.stride(2),
         kv_cache.stride(3),
         layer * kv_cache.stride(1),
-        layout.block_size,
-        HEAD_DIM=layout.head_dim,
+        pool.block_size,
+        HEAD_DIM=pool.head_dim,
         ROW_NUMEL=row_numel,
         BLOCK=block,
     )
@@ -126,7 +126,7 @@ def copy_blocks_triton(
     src: torch.Tensor,
     dst: torch.Tensor,
     block_ids: torch.Tensor,
-    layout: KVCacheLayout,
+    pool: PoolShape,
     *,
     gather: bool,
 ) -> None:
@@ -135,12 +135,12 @@ def copy_blocks_triton(
     if num_ids == 0:
         return
     block_ids = block_ids.contiguous()
-    grid = (num_ids, triton.cdiv(layout.block_numel, COPY_BLOCK))
+    grid = (num_ids, triton.cdiv(pool.block_numel, COPY_BLOCK))
     copy_blocks_kernel[grid](
         src,
         dst,
         block_ids,
-        layout.block_numel,
+        pool.block_numel,
         GATHER=gather,
         BLOCK=COPY_BLOCK,
     )

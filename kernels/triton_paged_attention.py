@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import KVCacheLayout
+from kernels.pool_shape import PoolShape
 
 LOG2E = 1.4426950408889634
 
@@ -97,7 +97,7 @@ def paged_attention_decode_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    layout: KVCacheLayout,
+    pool: PoolShape,
 ) -> torch.Tensor:
     """Launches ``paged_attention_decode_kernel``; see ``paged_attention_decode``."""
     batch, num_heads, head_dim = query.shape
@@ -108,8 +108,8 @@ def paged_attention_decode_triton(
     # The kernel walks a table row and the lengths with unit stride.
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    num_queries_per_kv = num_heads // layout.num_kv_heads
-    grid = (batch, layout.num_kv_heads)
+    num_queries_per_kv = num_heads // pool.num_kv_heads
+    grid = (batch, pool.num_kv_heads)
     paged_attention_decode_kernel[grid](
         out,
         query,
@@ -127,11 +127,11 @@ def paged_attention_decode_triton(
         kv_cache.stride(3),
         kv_cache.stride(4),
         layer * kv_cache.stride(1),
-        layout.block_size,
+        pool.block_size,
         head_dim,
         num_queries_per_kv,
         GROUP_PAD=triton.next_power_of_2(num_queries_per_kv),
-        BLOCK_SIZE_PAD=triton.next_power_of_2(layout.block_size),
+        BLOCK_SIZE_PAD=triton.next_power_of_2(pool.block_size),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )
     return out

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import redis  # noqa: E402
 
 from cachetier.keys import Namespace  # noqa: E402
-from engine.loader import make_tiny_llama, smollm2_path  # noqa: E402
+from engine.smollm2 import smollm2_path  # noqa: E402
+from tests.models import make_tiny_llama  # noqa: E402
 from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402
 
 REDIS_URL = os.environ.get("CACHETIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -104,6 +104,40 @@ def test_engine_does_not_import_connectors(module: str, path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "module,path", [m for m in _modules("engine") if not m[0].startswith("engine.server")]
+)
+def test_the_engine_core_does_not_import_its_server(module: str, path: Path) -> None:
+    """``engine.server`` is the engine's HTTP edge, as ``cachetier.server`` is the core's."""
+    bad = [n for n in _imports(path) if n.startswith("engine.server") or _top(n) in HTTP_LIBS]
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module,path", _modules("connectors"))
+def test_connectors_import_nothing_of_our_engine(module: str, path: Path) -> None:
+    """Connectors plug cachetier into other engines (vLLM, transformers). What they share with
+    our engine, the block key, the model fingerprint and the dtype names, is cachetier's, so
+    none of them needs ``engine``: importing it would load our model code and kernels (Triton)
+    into vLLM's processes for nothing. Our own engine reaches the tiers through its
+    ``engine.tier_bridge``, not through a connector, so not even ``engine.llm`` is allowed."""
+    bad = [n for n in _imports(path) if _top(n) == "engine"]
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_cachetier_imports_without_torch() -> None:
+    """Every cachetier module, the sidecar included, imports where torch cannot: an operator
+    installs ``cachetier[server]`` without it (``keys.torch_dtype`` imports it when called)."""
+    modules = [m for m, _ in _modules("cachetier")]
+    code = (
+        "import importlib, sys; sys.modules['torch'] = None; "
+        f"[importlib.import_module(m) for m in {modules!r}]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
     "module,path", [m for m in _modules("connectors") if not m[0].startswith("connectors.vllm")]
 )
 def test_only_the_vllm_plugin_imports_vllm(module: str, path: Path) -> None:

@@ -2,8 +2,9 @@
 
 - ``config``: what to report on and with which settings (``ReportConfig``).
 - ``inputs``: reading the event log, the stats and the trace, with one-line errors.
-- ``trace`` / ``workers``: replaying a trace through real tiers (a two-tier store, and the
-  capacity curve's replays, shared with a forked helper).
+- ``hierarchy_replay`` / ``workers``: a trace replayed through a two-tier ``TieredStore``
+  (the per-tier figures), plus the capacity curve's single-cache replays from
+  ``cachetier.replay``, shared with a forked helper.
 - ``figures`` / ``curve`` / ``counters``: every figure as a plain dict (what the JSON holds
   and the plots draw): lookup figures, the trace-only ones, the tier counters table.
 - ``plots`` / ``html`` / ``summary``: the PNGs, the self-contained page, the terminal text.

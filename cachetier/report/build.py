@@ -14,8 +14,8 @@ from cachetier.report.config import PREFILL_SOURCE, PREFILL_TOKENS_PER_S, Report
 from cachetier.report.counters import counters_table
 from cachetier.report.curve import add_trace_figures
 from cachetier.report.figures import lookup_figures
+from cachetier.report.hierarchy_replay import replay_for_report
 from cachetier.report.inputs import load_events, load_stats, load_trace
-from cachetier.report.trace import replay_for_report
 
 SCHEMA = "cachetier-report/1"
 

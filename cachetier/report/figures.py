@@ -8,6 +8,7 @@ bin are ``None``. Every token count here is a prompt token count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,15 @@ def time_bins(times_s: np.ndarray, bin_s: float) -> tuple[np.ndarray, int]:
 
 
 def ratio(num: np.ndarray, den: np.ndarray) -> list[float | None]:
-    """``num / den`` per element, ``None`` where ``den`` is 0."""
+    """``num / den`` per element, ``None`` where ``den`` is 0.
+
+    Args:
+        num: numerators.
+        den: denominators, as many.
+
+    Returns:
+        The ratios, as plain floats for the JSON output.
+    """
     return [float(n / d) if d else None for n, d in zip(num, den)]
 
 
@@ -80,16 +89,46 @@ def lookup_figures(
     lost = np.array([e.num_alignment_lost_tokens for e in events], dtype=np.int64)
     restore = np.array([e.restore_s for e in events], dtype=np.float64)
     total_hits = sum(hits.values())
-    width = bin_s or pick_bin_s(float(times.max() - times.min()))
-    index, num_bins = time_bins(times, width)
-
-    def per_bin(values: np.ndarray) -> np.ndarray:
-        return np.bincount(index, weights=values, minlength=num_bins)
-
+    t0_s = float(times.min())
+    width = bin_s or pick_bin_s(float(times.max()) - t0_s)
+    bins = _TimeBins(*time_bins(times, width), width)
     # Sources that served nothing stay out of the plots, not out of the question.
     sources = [s for s in SOURCES if hits[s].any()] or ["cpu"]
-    bin_tokens = per_bin(tokens)
-    over_time = {
+    num_tokens = int(tokens.sum())
+    saved_s = total_hits / prefill_tokens_per_s
+    return {
+        "hit_rate_over_time": _over_time(bins, t0_s, tokens, total_hits, hits, sources),
+        "per_tier": _per_tier(hits, sources, num_tokens),
+        "per_tenant": _per_tenant(events, total_hits, tokens, lost, saved_s - restore),
+        "saved": _saved(bins, total_hits, saved_s, restore, prefill_tokens_per_s, prefill_source),
+        "alignment": _alignment(events, num_tokens, hits, sources, lost),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _TimeBins:
+    """Which time bin each lookup falls in, and how many bins of ``width`` seconds there are."""
+
+    index: np.ndarray
+    num_bins: int
+    width: float
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        """``values`` summed per bin."""
+        return np.bincount(self.index, weights=values, minlength=self.num_bins)
+
+
+def _over_time(
+    bins: _TimeBins,
+    t0_s: float,
+    tokens: np.ndarray,
+    total_hits: np.ndarray,
+    hits: dict[str, np.ndarray],
+    sources: list[str],
+) -> dict[str, Any]:
+    bin_tokens = bins.sum(tokens)
+    width, num_bins = bins.width, bins.num_bins
+    return {
         "title": "Hit rate over time",
         "how": (
             f"Lookups are grouped into {width:g}-second bins by their time from the first "
@@ -98,15 +137,17 @@ def lookup_figures(
             "blocks count as hits (see 'Tokens lost to block alignment')."
         ),
         "bin_s": width,
-        "t0_s": float(times.min()),
+        "t0_s": t0_s,
         "bin_start_s": [i * width for i in range(num_bins)],
-        "num_lookups": np.bincount(index, minlength=num_bins).tolist(),
+        "num_lookups": np.bincount(bins.index, minlength=num_bins).tolist(),
         "num_tokens": bin_tokens.astype(np.int64).tolist(),
-        "token_hit_ratio": ratio(per_bin(total_hits), bin_tokens),
-        "token_hit_ratio_by_source": {s: ratio(per_bin(hits[s]), bin_tokens) for s in sources},
+        "token_hit_ratio": ratio(bins.sum(total_hits), bin_tokens),
+        "token_hit_ratio_by_source": {s: ratio(bins.sum(hits[s]), bin_tokens) for s in sources},
     }
-    num_tokens = int(tokens.sum())
-    per_tier = {
+
+
+def _per_tier(hits: dict[str, np.ndarray], sources: list[str], num_tokens: int) -> dict[str, Any]:
+    return {
         "title": "Hits per tier",
         "how": (
             "Prompt tokens served by each source over the whole run, and their share of all "
@@ -117,9 +158,17 @@ def lookup_figures(
         "hit_tokens": [int(hits[s].sum()) for s in sources],
         "share_of_prompt_tokens": [float(hits[s].sum() / num_tokens) for s in sources],
     }
-    saved_s = total_hits / prefill_tokens_per_s
-    cumulative = np.cumsum(per_bin(saved_s - restore))
-    saved = {
+
+
+def _saved(
+    bins: _TimeBins,
+    total_hits: np.ndarray,
+    saved_s: np.ndarray,
+    restore: np.ndarray,
+    prefill_tokens_per_s: float,
+    prefill_source: str,
+) -> dict[str, Any]:
+    return {
         "title": "Prefill saved (cumulative)",
         "how": (
             "Prefill tokens saved = prompt tokens served from cache. Estimated seconds saved = "
@@ -135,16 +184,9 @@ def lookup_figures(
         "saved_s": float(saved_s.sum()),
         "restore_s": float(restore.sum()),
         "net_saved_s": float(saved_s.sum() - restore.sum()),
-        "bin_end_s": [(i + 1) * width for i in range(num_bins)],
-        "cumulative_hit_tokens": np.cumsum(per_bin(total_hits)).astype(np.int64).tolist(),
-        "cumulative_net_saved_s": cumulative.tolist(),
-    }
-    return {
-        "hit_rate_over_time": over_time,
-        "per_tier": per_tier,
-        "per_tenant": _per_tenant(events, total_hits, tokens, lost, saved_s - restore),
-        "saved": saved,
-        "alignment": _alignment(events, num_tokens, hits, sources, lost),
+        "bin_end_s": [(i + 1) * bins.width for i in range(bins.num_bins)],
+        "cumulative_hit_tokens": np.cumsum(bins.sum(total_hits)).astype(np.int64).tolist(),
+        "cumulative_net_saved_s": np.cumsum(bins.sum(saved_s - restore)).tolist(),
     }
 
 

@@ -69,7 +69,14 @@ def render_summary(doc: dict[str, Any]) -> str:
 
 
 def format_tokens(count: int) -> str:
-    """A token count for people: ``812``, ``64.5k``, ``31.15M``."""
+    """A token count for people: ``812``, ``64.5k``, ``31.15M``.
+
+    Args:
+        count: tokens.
+
+    Returns:
+        The count, shortened with ``k`` or ``M`` from 10,000 on.
+    """
     if count >= 10**6:
         return f"{count / 1e6:.2f}M"
     return f"{count / 1e3:.1f}k" if count >= 10**4 else f"{count:,}"

@@ -1,7 +1,7 @@
 """The capacity curve's replays, shared between this process and forked helpers.
 
-A full-trace report replays the trace about forty times; each replay is single-threaded
-Python, so on a machine with a second core a forked helper nearly halves the curve's wall time.
+A report replays the trace once per policy and capacity of the curve; each replay is
+single-threaded Python, so forked helpers run some of them on the other cores.
 Helpers are forked as soon as the runner is built, before the caller starts any thread (the
 progress bar's, a store's writers): fork copies only the calling thread, and the keyed trace
 is inherited rather than pickled. Each helper takes every n-th job and sends results back on a

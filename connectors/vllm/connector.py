@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+from cachetier.fingerprint import model_fingerprint
 from cachetier.keys import KVLayout
 from connectors.vllm.config import ConnectorConfig, open_store
 from connectors.vllm.metadata import CacheTierConnectorMetadata
@@ -239,8 +240,6 @@ def _layout_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVLayou
 
 def _model_fingerprint(vllm_config: VllmConfig) -> str:
     """Fingerprint of the weights vLLM loads (hashed once, then cached in the folder)."""
-    from engine.fingerprint import model_fingerprint
-
     model = vllm_config.model_config.model
     folder = Path(model)
     if not folder.is_dir():

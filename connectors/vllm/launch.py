@@ -39,7 +39,14 @@ def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def serve_flag(extra_config: Mapping[str, Any]) -> str:
-    """The ``--kv-transfer-config`` value for ``vllm serve`` (a JSON object)."""
+    """The ``--kv-transfer-config`` value for ``vllm serve`` (a JSON object).
+
+    Args:
+        extra_config: the connector's settings (``ConnectorConfig`` fields).
+
+    Returns:
+        ``kv_transfer_config(extra_config)`` as compact JSON.
+    """
     return json.dumps(kv_transfer_config(extra_config), separators=(",", ":"))
 
 

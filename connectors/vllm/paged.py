@@ -20,35 +20,27 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from cachetier.keys import KVLayout
+from cachetier.keys import KVLayout, dtype_name
 from cachetier.record import Buffer, KVBlock
 
 ARRANGEMENT = "vllm-cpu:layer,head,kv,token,dim"
-
-# torch dtypes a vLLM CPU KV cache may have, by the names cachetier.keys.DTYPE_BYTES knows.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """cachetier's name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"KV cache dtype {dtype} is not supported by cachetier") from None
 
 
 def kv_layout(
     *, dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_size: int
 ) -> KVLayout:
-    """The ``KVLayout`` of a vLLM-CPU block (see the module docstring)."""
+    """The ``KVLayout`` of a vLLM-CPU block (see the module docstring).
+
+    Args:
+        dtype: the KV cache's torch dtype.
+        block_size: tokens per vLLM block.
+        num_layers: attention layers whose KV a record holds.
+        num_kv_heads: KV heads per layer.
+        head_size: elements per head.
+
+    Returns:
+        The layout, with arrangement ``ARRANGEMENT``.
+    """
     return KVLayout(
         dtype=dtype_name(dtype),
         block_size=block_size,
@@ -60,7 +52,14 @@ def kv_layout(
 
 
 def record_shape(layout: KVLayout) -> tuple[int, ...]:
-    """Shape of one record's payload: ``[num_layers, num_kv_heads, 2, block_size, head_dim]``."""
+    """Shape of one record's payload: ``[num_layers, num_kv_heads, 2, block_size, head_dim]``.
+
+    Args:
+        layout: a vLLM-CPU layout (``kv_layout``).
+
+    Returns:
+        The shape a record of that layout must claim.
+    """
     return (layout.num_layers, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
 
 
@@ -155,6 +154,12 @@ def payload_view(payload: torch.Tensor) -> memoryview:
 
     The view keeps the tensor alive; nothing writes to it afterwards, which is what lets a CPU
     tier keep the view without copying it.
+
+    Args:
+        payload: one block of every layer, contiguous.
+
+    Returns:
+        Its bytes.
     """
     return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()
 
@@ -163,6 +168,15 @@ def check_record(record: KVBlock, key: bytes, fingerprint: bytes, layout: KVLayo
     """Why a restored record must not be copied into a vLLM block, or ``None`` if it may.
 
     The tiers already checked its checksum and key; this checks what it claims to hold.
+
+    Args:
+        record: the restored record.
+        key: the key it was asked for.
+        fingerprint: the namespace fingerprint it must carry.
+        layout: the layout of the vLLM blocks it would be copied into.
+
+    Returns:
+        A short reason for the log, or ``None`` when the record fits.
     """
     if record.key != key:
         return "another key"

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 import uvicorn
 
 from cachetier.config import StoreConfig, env_values
-from engine.server.app import create_app
-from engine.server.config import SMOLLM2, ServerConfig
+from engine.config import MODEL_DTYPES
+from engine.server.openai_app import create_app
+from engine.server.openai_config import SMOLLM2, EngineServerConfig
 
 API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
     )
     engine = p.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    engine.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     engine.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--block-size", type=int, default=16)
@@ -98,7 +99,7 @@ def store_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfi
 
 def server_config(
     argv: list[str] | None = None, env: Mapping[str, str] | None = None
-) -> tuple[ServerConfig, float]:
+) -> tuple[EngineServerConfig, float]:
     """The server's config from the command line and the environment (and the graceful
     timeout); exits with a usage message on a bad value."""
     parser = _parser()
@@ -116,7 +117,7 @@ def server_config(
         "event_log": args.event_log,
     }
     try:
-        config = ServerConfig(
+        config = EngineServerConfig(
             model=args.model,
             served_model_name=args.served_model_name,
             host=args.host,

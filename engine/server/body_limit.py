@@ -12,9 +12,11 @@ from engine.server.errors import APIError, error_response
 
 
 class BodyLimitMiddleware:
-    """Args:
-    app: the app.
-    max_bytes: largest body accepted.
+    """ASGI middleware that answers 413 to a request whose body is over ``max_bytes``.
+
+    Args:
+        app: the app.
+        max_bytes: largest body accepted.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.server.async_engine import EngineDeadError
 from engine.server.errors import APIError
-from engine.server.metrics import CONTENT_TYPE
+from engine.server.openai_metrics import CONTENT_TYPE
 from engine.server.openai_schemas import (
     AssistantMessage,
     ChatChoice,

@@ -18,9 +18,9 @@ from pydantic import BaseModel
 from engine.llm_engine import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.async_engine import AsyncEngine, EngineDeadError
-from engine.server.config import ServerConfig
 from engine.server.errors import APIError
-from engine.server.metrics import EngineMetrics
+from engine.server.openai_config import EngineServerConfig
+from engine.server.openai_metrics import EngineMetrics
 from engine.server.openai_schemas import (
     CacheInfo,
     ChatCompletionRequest,
@@ -78,7 +78,7 @@ class OpenAIServing:
         vocab_size: the model's vocabulary size.
     """
 
-    config: ServerConfig
+    config: EngineServerConfig
     engine: AsyncEngine
     tokenizer: Any
     metrics: EngineMetrics

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from cachetier.keys import (
+    DTYPE_BYTES,
     KVLayout,
     Namespace,
     block_keys,
+    dtype_name,
     hash_block,
     num_leading_hits,
     parse_key,
     token_bytes,
+    torch_dtype,
 )
 
 LAYOUT = KVLayout("float16", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
@@ -146,3 +149,18 @@ def test_two_processes_with_different_hash_seeds_agree() -> None:
     here = ",".join(k.hex() for k in block_keys(ns, list(range(1000, 1040))))
     assert outs[0] == outs[1] == here
     assert len(here.split(",")) == 10
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_BYTES))
+def test_every_layout_dtype_is_a_torch_dtype_of_its_size(name: str) -> None:
+    dtype = torch_dtype(name)
+    assert isinstance(dtype, torch.dtype)
+    assert dtype.itemsize == DTYPE_BYTES[name]
+    assert dtype_name(dtype) == name
+
+
+def test_dtype_names_refuse_what_no_layout_holds() -> None:
+    with pytest.raises(ValueError, match="float64"):
+        torch_dtype("float64")
+    with pytest.raises(ValueError, match="torch.float64"):
+        dtype_name(torch.float64)

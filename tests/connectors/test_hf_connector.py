@@ -18,7 +18,7 @@ from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from connectors.hf import HFCacheConnector
-from engine.loader import make_tiny_llama
+from tests.models import make_tiny_llama
 
 MiB = 1 << 20
 BLOCK_SIZE = 16

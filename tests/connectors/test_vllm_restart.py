@@ -170,7 +170,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from engine.loader import smollm2_path
+    from engine.smollm2 import smollm2_path
 
     return smollm2_path()
 
@@ -206,10 +206,10 @@ def stored(
 def _namespace(model_dir: Path):
     import torch
 
+    from cachetier.fingerprint import model_fingerprint
     from cachetier.keys import Namespace
     from connectors.vllm.paged import kv_layout
-    from engine.fingerprint import model_fingerprint
-    from engine.loader import ModelSpec
+    from engine.model_spec import ModelSpec
 
     spec = ModelSpec.from_folder(model_dir)
     layout = kv_layout(

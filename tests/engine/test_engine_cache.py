@@ -14,8 +14,8 @@ from cachetier.config import StoreConfig, build_store
 from cachetier.store import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from engine.llm import LLM
-from engine.loader import make_tiny_llama
 from engine.sampling import SamplingParams
+from tests.models import make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x K/V x tokens x KV heads x head_dim x fp32

@@ -12,15 +12,15 @@ import torch
 from cachetier.config import StoreConfig, build_store
 from cachetier.keys import block_keys
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import FP8_KV_DTYPES, EngineConfig
 from engine.kv_cache import KVPool, dequantize_blocks, store_kv_fp8
 from engine.llm import LLM
-from engine.loader import ModelSpec, load_weights
 from engine.model import ForwardBatch, LlamaModel, SeqSlice
+from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams
+from engine.weights import load_weights
 
 BLOCK = 16
-FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
 
@@ -50,7 +50,7 @@ def pool_logits(
 
 
 def test_config_names_the_fp8_pool_dtypes(tiny_model_dir: Path) -> None:
-    for name, pool_dtype in FP8.items():
+    for name, pool_dtype in FP8_KV_DTYPES.items():
         assert EngineConfig(str(tiny_model_dir), kv_cache_dtype=name).pool_dtype == pool_dtype
     with pytest.raises(ValueError, match="fp8_e4m3 or fp8_e5m2"):
         EngineConfig(str(tiny_model_dir), kv_cache_dtype="fp8")
@@ -62,9 +62,9 @@ def test_pool_and_stored_blocks_take_half_of_bf16_and_a_quarter_of_fp32(
     spec = ModelSpec.from_folder(tiny_model_dir)
     block_bytes = {
         d: KVPool(spec, BLOCK, 1 << 20, d).block_bytes
-        for d in ("float32", "bfloat16", *FP8.values())
+        for d in ("float32", "bfloat16", *FP8_KV_DTYPES.values())
     }
-    for dtype in FP8.values():
+    for dtype in FP8_KV_DTYPES.values():
         assert 2 * block_bytes[dtype] == block_bytes["bfloat16"]
         assert 4 * block_bytes[dtype] == block_bytes["float32"]
     # The same budget holds ~4x the blocks of fp32 (the scales take a little of it).
@@ -74,7 +74,7 @@ def test_pool_and_stored_blocks_take_half_of_bf16_and_a_quarter_of_fp32(
     assert fp8_pool.num_blocks == (1 << 20) // (block_bytes["float8_e4m3fn"] + 16)
 
     stored: dict[str, tuple[int, int]] = {}
-    for kv_cache_dtype in ("auto", *FP8):
+    for kv_cache_dtype in ("auto", *FP8_KV_DTYPES):
         store = build_store(StoreConfig(cpu_bytes=64 << 20))
         llm = LLM(
             tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_cache_dtype=kv_cache_dtype
@@ -89,7 +89,7 @@ def test_pool_and_stored_blocks_take_half_of_bf16_and_a_quarter_of_fp32(
         stored[kv_cache_dtype] = sizes.pop()
         store.close()
     assert stored["auto"] == (block_bytes["float32"], 0)
-    for name, dtype in FP8.items():
+    for name, dtype in FP8_KV_DTYPES.items():
         assert stored[name] == (block_bytes[dtype], spec.num_layers * 2 * 4)
 
 
@@ -114,7 +114,7 @@ def test_fp8_logits_are_close_to_full_precision(tiny_model_dir: Path, dtype: str
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9, chunks
 
 
-@pytest.mark.parametrize("dtype", sorted(FP8.values()))
+@pytest.mark.parametrize("dtype", sorted(FP8_KV_DTYPES.values()))
 def test_a_larger_write_rescales_what_the_block_holds(tiny_model_dir: Path, dtype: str) -> None:
     spec = ModelSpec.from_folder(tiny_model_dir)
     pool = KVPool(spec, BLOCK, 1 << 20, dtype)
@@ -161,7 +161,7 @@ def test_allocated_blocks_start_with_zero_scales(tiny_model_dir: Path) -> None:
     assert bool((pool.scales[2:] == 5.0).all())
 
 
-@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8_KV_DTYPES))
 def test_fp8_blocks_restore_from_disk_in_a_new_engine(
     tiny_model_dir: Path, tmp_path: Path, kv_cache_dtype: str
 ) -> None:
@@ -236,7 +236,7 @@ def test_smollm2_fp8_kv_bytes_logits_and_greedy_agreement(smollm2_dir: Path) -> 
     spec = ModelSpec.from_folder(smollm2_dir)
     per_token = {
         d: KVPool(spec, BLOCK, 1 << 22, d).block_bytes // BLOCK
-        for d in ("float32", "bfloat16", *FP8.values())
+        for d in ("float32", "bfloat16", *FP8_KV_DTYPES.values())
     }
     assert per_token == {
         "float32": 46080,  # 30 layers x K/V x 3 KV heads x 64 dims x 4 bytes
@@ -251,7 +251,7 @@ def test_smollm2_fp8_kv_bytes_logits_and_greedy_agreement(smollm2_dir: Path) -> 
     del llm
     model = LlamaModel(spec, load_weights(smollm2_dir), torch.float32)
     measured: dict[str, dict[str, float]] = {}
-    for name, dtype in FP8.items():
+    for name, dtype in FP8_KV_DTYPES.items():
         diffs, flips, margins = [], [], []
         for prompt, continuation in zip(prompts, reference):
             # Teacher-forced on the fp32 continuation: rows predicting each of its tokens.

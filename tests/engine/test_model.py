@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.kv_cache import KVPool
-from engine.loader import ModelSpec, load_weights
 from engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
+from engine.model_spec import ModelSpec
+from engine.weights import load_weights
 
 BLOCK = 16
 

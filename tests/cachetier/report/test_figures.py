@@ -11,7 +11,7 @@ from cachetier.replay import ReplayTrace
 from cachetier.report.config import ReportConfig, log_capacities
 from cachetier.report.curve import add_trace_figures
 from cachetier.report.figures import lookup_figures, pick_bin_s
-from cachetier.report.trace import replay_for_report
+from cachetier.report.hierarchy_replay import replay_for_report
 from tests.cachetier.report import tiny
 
 EVENTS = [

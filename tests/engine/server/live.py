@@ -13,8 +13,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from engine.server.app import create_app
-from engine.server.config import ServerConfig
+from engine.server.openai_app import create_app
+from engine.server.openai_config import EngineServerConfig
 from tests.server.live import free_port, wait_healthy
 from tests.support import AppThread
 
@@ -53,7 +53,7 @@ def chat_model(tiny_model_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def server_config(model: Path, **overrides: Any) -> ServerConfig:
+def server_config(model: Path, **overrides: Any) -> EngineServerConfig:
     """A config for the tiny model: a 4 MiB pool, a free port, quiet logs."""
     engine_args = {"kv_cache_bytes": 4 << 20, **overrides.pop("engine_args", {})}
     values: dict[str, Any] = dict(
@@ -64,13 +64,13 @@ def server_config(model: Path, **overrides: Any) -> ServerConfig:
         engine_args=engine_args,
     )
     values.update(overrides)
-    return ServerConfig(**values)
+    return EngineServerConfig(**values)
 
 
 class EngineServer(AppThread):
     """The engine server (``create_app(config)``) in a thread; restartable on the same port."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: EngineServerConfig) -> None:
         super().__init__(
             lambda: create_app(config),
             config.port,

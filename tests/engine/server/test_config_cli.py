@@ -14,29 +14,29 @@ import pytest
 from cachetier.config import StoreConfig
 from cachetier.events import read_events
 from engine.server.__main__ import server_config
-from engine.server.config import ServerConfig
+from engine.server.openai_config import EngineServerConfig
 from tests.engine.server.live import post
 from tests.server.live import ROOT, free_port, wait_healthy
 
 
 def test_config_checks_its_values() -> None:
-    assert ServerConfig().model_name == "SmolLM2-135M-Instruct"
-    assert ServerConfig(model="/models/my-llama").model_name == "my-llama"
-    assert ServerConfig(served_model_name="x").model_name == "x"
+    assert EngineServerConfig().model_name == "SmolLM2-135M-Instruct"
+    assert EngineServerConfig(model="/models/my-llama").model_name == "my-llama"
+    assert EngineServerConfig(served_model_name="x").model_name == "x"
     with pytest.raises(ValueError, match="unknown engine_args"):
-        ServerConfig(engine_args={"kv_bytes": 1})
+        EngineServerConfig(engine_args={"kv_bytes": 1})
     with pytest.raises(ValueError, match="block_size"):
-        ServerConfig(engine_args={"block_size": 3})
+        EngineServerConfig(engine_args={"block_size": 3})
     with pytest.raises(ValueError, match="port"):
-        ServerConfig(port=70000)
+        EngineServerConfig(port=70000)
     with pytest.raises(ValueError, match="api_key"):
-        ServerConfig(api_key="")
+        EngineServerConfig(api_key="")
     with pytest.raises(ValueError, match="max_concurrent_requests"):
-        ServerConfig(max_concurrent_requests=0)
-    config = ServerConfig(engine_args={"block_size": 32})
+        EngineServerConfig(max_concurrent_requests=0)
+    config = EngineServerConfig(engine_args={"block_size": 32})
     with pytest.raises(TypeError):
         config.engine_args["block_size"] = 16  # type: ignore[index]
-    assert "secret" not in repr(ServerConfig(api_key="secret"))
+    assert "secret" not in repr(EngineServerConfig(api_key="secret"))
 
 
 def test_tiers_come_from_the_environment_and_flags_win() -> None:
@@ -93,7 +93,7 @@ def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_pa
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "Application shutdown complete" in err
-    assert "engine server config: ServerConfig(" in err
+    assert "engine server config: EngineServerConfig(" in err
     assert "KV pool of" in err and "tiers ['disk']" in err
     assert "store flushed and closed" in err
     assert len([p for p in disk.rglob("*") if p.is_file()]) >= 2  # 2 full blocks of 40 tokens

@@ -1,4 +1,5 @@
-"""The paged KV pool layout and the checks every kernel wrapper runs on its inputs.
+"""``PoolShape``, the sizes of the paged KV pool tensor, and the checks every kernel wrapper runs
+on its inputs. (``cachetier.keys.KVLayout`` is another thing: how one stored block is laid out.)
 
 The pool is block-major so that one block (all layers, K and V) is one contiguous run of
 memory, and offloading or restoring a block is a single whole-block copy:
@@ -21,8 +22,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
-class KVCacheLayout:
-    """The sizes of a paged KV pool, read from its shape."""
+class PoolShape:
+    """The sizes of a paged KV pool tensor, read from its shape (``from_cache`` checks it)."""
 
     num_blocks: int
     num_layers: int
@@ -41,7 +42,7 @@ class KVCacheLayout:
         return self.num_blocks * self.block_size
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor) -> KVCacheLayout:
+    def from_cache(cls, kv_cache: torch.Tensor) -> PoolShape:
         """Checks that ``kv_cache`` has the pool layout and returns its sizes.
 
         Args:
@@ -49,7 +50,7 @@ class KVCacheLayout:
                 contiguous, float32/float16/bfloat16.
 
         Returns:
-            The layout of ``kv_cache``.
+            The sizes of ``kv_cache``.
         """
         check_tensor("kv_cache", kv_cache, ndim=6, dtypes=KV_DTYPES)
         if kv_cache.shape[2] != 2:

@@ -8,10 +8,13 @@ blocks computed by one set of weights are never served to another.
     fingerprint = sha256(DOMAIN || len(config) || config
                          || for each weight file by name: len(name) || name || size || sha256(file))
 
-Hashing SmolLM2's 540 MB takes ~0.6 s from the page cache (longer from a cold disk), so each
-file's digest is kept in ``.cachetier-fingerprint.json`` in the folder, keyed by (name, size,
-mtime_ns): a file whose stat changed is hashed again. config.json is small and always read
-afresh.
+Hashing every weight byte on each start would cost as much as reading the model once more, so
+each file's digest is kept in ``.cachetier-fingerprint.json`` in the folder, keyed by (name,
+size, mtime_ns): a file whose stat changed is hashed again. config.json is small and always
+read afresh.
+
+Our engine and every connector key blocks by it, so it lives in the core and needs only the
+standard library: a connector gets it without importing torch or our engine.
 """
 
 from __future__ import annotations
@@ -81,7 +84,14 @@ def model_fingerprint(folder: str | Path) -> str:
 
 
 def canonical_config(config: dict[str, Any]) -> bytes:
-    """The bytes of a config dict that the fingerprint covers: sorted keys, compact, no noise."""
+    """The bytes of a config dict that the fingerprint covers: sorted keys, compact, no noise.
+
+    Args:
+        config: a parsed config.json.
+
+    Returns:
+        Its canonical JSON, without the fields that only say where or how it was written.
+    """
     if not isinstance(config, dict):
         raise TypeError(f"config must be a JSON object, got {type(config).__name__}")
     kept = {k: v for k, v in config.items() if k not in _IGNORED_CONFIG_KEYS}

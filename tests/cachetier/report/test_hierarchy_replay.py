@@ -13,7 +13,7 @@ import pytest
 from cachetier.replay import ReplayTrace, TraceRequest, read_trace, replay_tier
 from cachetier.report.build import build_report
 from cachetier.report.config import ReportConfig
-from cachetier.report.trace import replay_for_report, replay_hierarchy, tenant_of
+from cachetier.report.hierarchy_replay import replay_for_report, replay_hierarchy, tenant_of
 from tests.cachetier.report import tiny
 from tests.support import CONVERSATION_TRACE as CONVERSATION
 

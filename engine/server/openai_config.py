@@ -1,4 +1,5 @@
-"""The engine server's settings: which model, where to listen, engine and tier settings, limits."""
+"""``EngineServerConfig``: settings of the OpenAI engine server (the sidecar's are
+``cachetier.server.config.ServerConfig``): model, address, engine and tier settings, limits."""
 
 from __future__ import annotations
 
@@ -17,23 +18,25 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)} - {"model"}
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Args:
-    model: a local Hugging Face model folder, or ``smollm2`` for SmolLM2-135M-Instruct
-        (converted on first use).
-    served_model_name: the name clients pass as ``model`` and ``/v1/models`` lists; default:
-        ``SmolLM2-135M-Instruct`` for ``smollm2``, else the folder's name.
-    host: address to listen on.
-    port: TCP port (0: the OS picks one).
-    engine_args: any ``EngineConfig`` field but ``model`` (``kv_cache_bytes``, ``block_size``,
-        ``max_num_seqs``, ``dtype``, ``tenant``, ``event_log``...).
-    store: the tiers behind the engine's pool, ``None`` for none.
-    api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
-    max_prompt_tokens: longest prompt accepted; ``None`` takes what the engine can hold.
-    max_request_bytes: largest request body (413 above it).
-    max_concurrent_requests: generations in flight at once: a request that arrives with this
-        many running gets 429 (requests arriving together may pass it by a few).
-    log_level: uvicorn's log level.
+class EngineServerConfig:
+    """Settings of the OpenAI-compatible engine server: model, address, engine, tiers, limits.
+
+    Args:
+        model: a local Hugging Face model folder, or ``smollm2`` for SmolLM2-135M-Instruct
+            (converted on first use).
+        served_model_name: the name clients pass as ``model`` and ``/v1/models`` lists; default:
+            ``SmolLM2-135M-Instruct`` for ``smollm2``, else the folder's name.
+        host: address to listen on.
+        port: TCP port (0: the OS picks one).
+        engine_args: any ``EngineConfig`` field but ``model`` (``kv_cache_bytes``, ``block_size``,
+            ``max_num_seqs``, ``dtype``, ``tenant``, ``event_log``...).
+        store: the tiers behind the engine's pool, ``None`` for none.
+        api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+        max_prompt_tokens: longest prompt accepted; ``None`` takes what the engine can hold.
+        max_request_bytes: largest request body (413 above it).
+        max_concurrent_requests: generations in flight at once: a request that arrives with this
+            many running gets 429 (requests arriving together may pass it by a few).
+        log_level: uvicorn's log level.
     """
 
     model: str = SMOLLM2

@@ -1,5 +1,5 @@
-"""The app factory: a FastAPI app whose lifespan owns the store, the engine and its thread, and
-the metrics registry."""
+"""The OpenAI engine server's app factory: a FastAPI app whose lifespan owns the store, the
+engine and its thread, and the metrics registry."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from cachetier.config import build_store
 from cachetier.store import TieredStore
 from engine.llm import maybe_tokenizer
 from engine.llm_engine import LLMEngine
-from engine.loader import smollm2_path
 from engine.server import routes
 from engine.server.async_engine import AsyncEngine
 from engine.server.body_limit import BodyLimitMiddleware
-from engine.server.config import SMOLLM2, ServerConfig
 from engine.server.errors import install_error_handlers
-from engine.server.metrics import EngineMetrics
+from engine.server.openai_config import SMOLLM2, EngineServerConfig
+from engine.server.openai_metrics import EngineMetrics
 from engine.server.serving import OpenAIServing
+from engine.smollm2 import smollm2_path
 
 log = logging.getLogger("engine.server")
 
@@ -45,7 +45,7 @@ def model_folder(model: str) -> Path:
     return folder
 
 
-def _open_engine(config: ServerConfig) -> tuple[LLMEngine, TieredStore | None, Any]:
+def _open_engine(config: EngineServerConfig) -> tuple[LLMEngine, TieredStore | None, Any]:
     folder = model_folder(config.model)
     store = build_store(config.store) if config.store is not None else None
     try:
@@ -57,7 +57,7 @@ def _open_engine(config: ServerConfig) -> tuple[LLMEngine, TieredStore | None, A
     return engine, store, maybe_tokenizer(folder)
 
 
-def create_app(config: ServerConfig) -> FastAPI:
+def create_app(config: EngineServerConfig) -> FastAPI:
     """Build the server's app.
 
     Args:

@@ -1,8 +1,13 @@
-"""Replaying a trace for a report: a two-tier store, and the capacity curve.
+"""Everything a report replays from one trace: the tier hierarchy, the ceiling and the curve.
 
-Every hit is counted by real tier code: a ``TieredStore`` of two ``CPUTier`` for the per-tier
-figures, ``cachetier.replay`` for the capacity curve. Payloads are the replay's 1-byte blocks,
-so capacities count blocks.
+``cachetier.replay`` replays a trace through *one* cache (a ``CPUTier`` under one policy,
+Belady's offline policy, an infinite cache). This module builds on it for ``cachetier report``:
+``replay_hierarchy`` runs the trace through a ``TieredStore`` of two tiers, as an engine's
+lookups would see them (which tier served which part of a prefix), and ``replay_for_report``
+adds the infinite-cache ceiling and the capacity curve's single-cache replays.
+
+Every hit is counted by real tier code. Payloads are the replay's 1-byte blocks, so capacities
+count blocks.
 """
 
 from __future__ import annotations

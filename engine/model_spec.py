@@ -1,0 +1,191 @@
+"""``ModelSpec``: the numbers of a model folder's config.json that the engine's math depends on.
+
+It reads the config alone (no weights, no torch), so the pool can be sized and a folder refused
+before anything large is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the engine must know of a Llama-family model to run it and to size its KV cache.
+
+    ``rope_scaling`` is None for plain RoPE, else the scaling dict (with ``rope_type``).
+    ``attention_bias`` is True for Qwen2 (q/k/v projections carry a bias); ``sliding_window``
+    is None unless every layer attends to a window (Mistral v0.1).
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_architecture(self.architecture)
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not _is_positive_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise TypeError(f"rope_scaling must be a dict or None, got {self.rope_scaling!r}")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise TypeError(f"eos_token_ids must be a tuple, got {self.eos_token_ids!r}")
+        bos = () if self.bos_token_id is None else (self.bos_token_id,)
+        for token_id in bos + self.eos_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"bos/eos token id {token_id!r} must be an int below vocab_size "
+                    f"({self.vocab_size})"
+                )
+        if self.sliding_window is not None and not _is_count(self.sliding_window):
+            raise ValueError(
+                f"sliding_window must be None or a positive int, got {self.sliding_window!r}"
+            )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelSpec:
+        """Read a spec from a parsed config.json (the old ``rope_theta`` form or v5's
+        ``rope_parameters``)."""
+        architecture = _architecture(config)
+
+        def need(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"config.json lacks {key!r}, which a {architecture} needs")
+            return config[key]
+
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; use silu")
+        if config.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported: the engine's MLP has no bias")
+        num_heads = need("num_attention_heads")
+        rope_theta, rope_scaling = _rope(config)
+        eos = config.get("eos_token_id")
+        eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=architecture,
+            num_layers=need("num_hidden_layers"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or need("hidden_size") // num_heads,
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=need("rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_token_ids,
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
+            sliding_window=_sliding_window(architecture, config),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelSpec:
+        """Read the spec of a Hugging Face model folder (its config.json)."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{path} has no config.json: pass a Hugging Face model folder")
+        return cls.from_config(json.loads(config_path.read_text(encoding="utf-8")))
+
+
+def _architecture(config: Mapping[str, Any]) -> str:
+    architectures = config.get("architectures") or []
+    if architectures:
+        architecture = architectures[0]
+    else:
+        model_type = config.get("model_type")
+        architecture = _ARCHITECTURE_OF_MODEL_TYPE.get(model_type, f"model_type={model_type!r}")
+    _check_architecture(architecture)
+    return architecture
+
+
+def _check_architecture(architecture: object) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not Llama-family; the engine runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (pass a folder of one of those)"
+        )
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        if "rope_theta" not in params:
+            raise ValueError(
+                "rope_parameters lacks rope_theta (per-layer-type RoPE is not supported)"
+            )
+        theta = params["rope_theta"]
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = config.get("rope_theta", 10000.0)
+        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else {}
+        if "type" in scaling:  # the pre-4.45 spelling of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _sliding_window(architecture: str, config: Mapping[str, Any]) -> int | None:
+    if architecture == "Qwen2ForCausalLM":
+        if config.get("use_sliding_window"):
+            # Qwen2 windows only the layers past max_window_layers; the engine has no per-layer
+            # windows, and running full attention there would give different logits.
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        return None
+    if architecture == "MistralForCausalLM":
+        return config.get("sliding_window")
+    return None

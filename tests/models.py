@@ -1,0 +1,94 @@
+"""Tiny random-weight models for tests: real Hugging Face folders, small enough to make often.
+
+A support module (not a test module): conftest.py and test modules import it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.model_spec import ModelSpec
+
+
+def make_tiny_llama(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 256,
+    max_position_embeddings: int = 2048,
+    intermediate_size: int | None = None,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    tie_word_embeddings: bool = False,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Path:
+    """Write a random-weight Llama folder (config.json, model.safetensors) and return its path.
+
+    The same arguments give the same bytes. Weights are drawn from their own generator, scaled
+    so activations stay near unit size and greedy decoding gives varied tokens; the caller's
+    global RNG is left untouched. No tokenizer: tests feed token ids.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if num_heads <= 0 or hidden_size <= 0 or hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})"
+        )
+    spec = ModelSpec(  # validates the rest
+        architecture="LlamaForCausalLM",
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        vocab_size=vocab_size,
+        rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta,
+        rope_scaling=None,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_ids=(eos_token_id,),
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    # transformers initialises from the global RNG; fork it so the caller's stream is unchanged.
+    with torch.random.fork_rng(devices=[]):
+        model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim == 1:  # RMSNorm gains: near one
+                param.copy_(1.0 + 0.1 * noise)
+            elif name == "model.embed_tokens.weight" and not spec.tie_word_embeddings:
+                param.copy_(noise)
+            else:  # [out_features, in_features]: 1/sqrt(fan_in) keeps outputs near unit size
+                param.copy_(noise / param.shape[1] ** 0.5)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
