@@ -9,7 +9,13 @@ writes to a file; this script prints that tally. The pass/fail verdict is pytest
 
 Last line: ``kill_rounds``, ``acknowledged_lost`` (must be 0), ``corrupt_served`` (must be 0),
 ``redis_outage_requests_failed`` (must be 0), ``fuzz_inputs``, ``fuzz_crashes`` (must be 0),
-``cross_tenant_reads`` (must be 0), ``recovery_s_100k_blocks``, and ``tests_passed``.
+``cross_tenant_reads`` (must be 0), ``secrets_printed`` (must be 0), ``recovery_s_100k_blocks``,
+``hostile_inputs``, ``hostile_5xx``, ``decompressed_over_limit_accepted`` and
+``authenticated_clients_refused_during_flood`` (must be 0), ``unauthenticated_body_bytes_read_max``
+(at most 65,536), ``slow_client_max_open_s`` (at most ``slow_client_deadline_s`` + 1),
+``shared_folder_writes_failed`` and ``shared_folder_blocks_lost`` (4 writers and 2 re-openers
+on one disk folder; must be 0), ``shared_folder_peak_bytes_over_capacity`` (at most
+``shared_folder_batch_bytes``), and ``tests_passed``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,25 @@ MUST_BE_ZERO = (
     "redis_outage_requests_failed",
     "fuzz_crashes",
     "cross_tenant_reads",
+    "secrets_printed",
+    "hostile_5xx",
+    "decompressed_over_limit_accepted",
+    "authenticated_clients_refused_during_flood",
+    "shared_folder_writes_failed",
+    "shared_folder_blocks_lost",
 )
-REPORTED = ("kill_rounds", *MUST_BE_ZERO, "fuzz_inputs", "recovery_s_100k_blocks")
+REPORTED = (
+    "kill_rounds",
+    *MUST_BE_ZERO,
+    "fuzz_inputs",
+    "recovery_s_100k_blocks",
+    "hostile_inputs",
+    "unauthenticated_body_bytes_read_max",
+    "slow_client_max_open_s",
+    "slow_client_deadline_s",
+    "shared_folder_peak_bytes_over_capacity",
+    "shared_folder_batch_bytes",
+)
 
 
 def main() -> None:

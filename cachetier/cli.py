@@ -42,7 +42,42 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "same host (default: off)",
     )
     p.add_argument("--data-dir", help="folder of the disk tier")
-    p.add_argument("--redis-url", help="a Redis behind the server, redis://host:port/db")
+    p.add_argument(
+        "--redis-url",
+        help="a Redis behind the server, redis://host:port/db (rediss:// for TLS); a password "
+        "given here shows in the process list: prefer CACHETIER_REDIS_URL or --config",
+    )
+    p.add_argument(
+        "--tls-cert",
+        help="PEM certificate chain: serve HTTPS, and TLS on the transfer port (default: off)",
+    )
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--head-timeout-s",
+        type=float,
+        help="seconds an HTTP request's whole head may take (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        help="seconds an HTTP request's whole body may take after its head (default 60)",
+    )
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        help="seconds an HTTP or transfer connection may wait between requests (default 75)",
+    )
+    p.add_argument(
+        "--transfer-hello-timeout-s",
+        type=float,
+        help="seconds a transfer connection's whole hello may take, TLS included (default 5)",
+    )
+    p.add_argument(
+        "--transfer-unauthenticated-connections",
+        type=int,
+        help="transfer connections held before their hello; a new one drops the oldest "
+        "(default 8)",
+    )
     p.add_argument(
         "--open",
         action="store_true",
@@ -64,10 +99,11 @@ def run_serve(args: argparse.Namespace) -> int:
         The exit status: 0 after a clean stop, 1 if the server did not start, 2 for a bad
         configuration.
     """
-    import uvicorn
-
+    from cachetier.redact import install_log_redaction, redact
     from cachetier.server.app import OPEN_MODE_WARNING, create_app
-    from cachetier.server.config import load_config
+    from cachetier.server.config import load_config, secrets_of
+    from cachetier.server.httpserver import http_server
+    from cachetier.tls import server_context
 
     try:
         config = load_config(
@@ -78,11 +114,21 @@ def run_serve(args: argparse.Namespace) -> int:
             transfer_socket=args.transfer_socket,
             data_dir=args.data_dir,
             redis_url=args.redis_url,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            head_timeout_s=args.head_timeout_s,
+            body_timeout_s=args.body_timeout_s,
+            idle_timeout_s=args.idle_timeout_s,
+            transfer_hello_timeout_s=args.transfer_hello_timeout_s,
+            transfer_unauthenticated_connections=args.transfer_unauthenticated_connections,
             open_mode=args.open_mode,
             log_level=args.log_level,
         )
+        # Read the certificate now: a bad one is a bad configuration, not a failed start.
+        tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
     except (OSError, ValueError, TypeError) as exc:
-        print(f"cachetier serve: bad configuration: {exc}", file=sys.stderr)
+        # The messages redact what they show; redact() again in case one of them did not.
+        print(f"cachetier serve: bad configuration: {redact(str(exc))}", file=sys.stderr)
         return 2
     print("cachetier serve: configuration (tokens hidden):", file=sys.stderr)
     print(json.dumps(config.describe(), indent=2, sort_keys=True), file=sys.stderr)
@@ -94,22 +140,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)-9s %(name)s: %(message)s"
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            lifespan="on",
-            # Requests in flight get this long to finish on SIGTERM; then the lifespan
-            # flushes the write queues.
-            timeout_graceful_shutdown=30,
-            # Longer than the remote tier keeps idle connections (30 s), so a client never
-            # reuses a connection the server has just closed.
-            timeout_keep_alive=75,
-            server_header=False,
-        )
-    )
+    # Our TLS context (cachetier.tls), the one the transfer port serves too.
+    server = http_server(create_app(config), config, ssl_context=tls)
+    # After uvicorn.Config (it sets up its loggers): every handler masks the tokens and the
+    # Redis password, whatever logs them.
+    install_log_redaction(secrets_of(config))
     server.run()
     return 0 if server.started else 1
 

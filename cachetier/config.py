@@ -7,10 +7,12 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cachetier.redact import redacted_repr
 from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, check_mode
 
 GiB = 1 << 30
 ENV_PREFIX = "CACHETIER_"
@@ -28,7 +30,10 @@ class StoreConfig:
     Args:
         cpu_bytes: CPU tier capacity; 0 leaves the CPU tier out.
         disk_path: disk tier folder; ``None`` or ``""`` leaves the disk tier out.
-        disk_bytes: disk tier capacity.
+        disk_bytes: disk tier capacity (shared by every process that opens ``disk_path``).
+        disk_file_mode: permission bits of the disk tier's files (``CACHETIER_DISK_FILE_MODE``
+            is read as octal, e.g. ``0640`` to let the pods of one group read them).
+        disk_dir_mode: permission bits of the disk tier's folders (e.g. ``0750``).
         redis_url: Redis URL (``redis://host:port/db``); ``None`` leaves Redis out.
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
         redis_key_prefix: first part of every Redis key (tests and tenants of one Redis use
@@ -36,29 +41,49 @@ class StoreConfig:
         compression: ``"none"`` or ``"lz4"`` for the disk and Redis records.
         policy: eviction policy of the CPU and disk tiers.
         write_queue_blocks: most blocks queued per lower tier before puts are dropped.
+        write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
+            for no limit but ``write_queue_blocks``.
         fsync: fsync disk records before they are renamed into place.
         remote_url: base URL of a cachetier server (``http://host:port``); ``None`` leaves the
             remote tier out.
         remote_token: bearer token for the server (it names the tenant); ``None`` for a server
             in open mode.
+        redis_ssl_ca_certs: CA bundle Redis's certificate is checked against (``rediss://``
+            only; ``None``: the system's CAs).
+        redis_ssl_certfile: client certificate for a Redis that asks for one.
+        redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
+        remote_ca_file: CA bundle the server's certificate is checked against (``https://``
+            only; ``None``: the system's CAs).
     """
 
     cpu_bytes: int = 2 * GiB
     disk_path: str | None = None
     disk_bytes: int = 20 * GiB
+    disk_file_mode: int = DEFAULT_FILE_MODE
+    disk_dir_mode: int = DEFAULT_DIR_MODE
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_key_prefix: str = "cachetier"
     compression: str = "none"
     policy: str = "lru"
     write_queue_blocks: int = 4096
+    write_queue_bytes: int | None = None
     fsync: bool = True
     remote_url: str | None = None
     remote_token: str | None = field(default=None, repr=False)
+    redis_ssl_ca_certs: str | None = None
+    redis_ssl_certfile: str | None = None
+    redis_ssl_keyfile: str | None = None
+    remote_ca_file: str | None = None
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 0 or self.disk_bytes <= 0:
             raise ValueError("cpu_bytes must be >= 0 and disk_bytes > 0")
+        check_mode("disk_file_mode", self.disk_file_mode, needs=0o600)
+        check_mode("disk_dir_mode", self.disk_dir_mode, needs=0o700)
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
         if not (self.cpu_bytes or self.disk_path or self.redis_url or self.remote_url):
@@ -67,6 +92,11 @@ class StoreConfig:
             )
         if self.remote_token and not self.remote_url:
             raise ValueError("remote_token is set without remote_url: name the server too")
+        if self.remote_ca_file and not self.remote_url:
+            raise ValueError("remote_ca_file is set without remote_url: name the server too")
+        redis_tls = (self.redis_ssl_ca_certs, self.redis_ssl_certfile, self.redis_ssl_keyfile)
+        if any(redis_tls) and not self.redis_url:
+            raise ValueError("redis_ssl_* settings are set without redis_url: name the Redis too")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
@@ -109,6 +139,13 @@ def env_values(
 def _parse(name: str, raw: str, type_name: str) -> object:
     if raw.lower() in ("", "none", "null") and "None" in type_name:
         return None
+    if name.endswith("_mode"):  # permission bits are written in octal: 0640, not 640 decimal
+        try:
+            return int(raw, 8)
+        except ValueError:
+            raise ValueError(
+                f"{ENV_PREFIX}{name.upper()}={raw!r} is not octal permission bits like 0640"
+            ) from None
     try:
         if type_name.startswith("int"):
             return int(raw)
@@ -135,6 +172,8 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                     policy=config.policy,
                     compression=config.compression,
                     fsync=config.fsync,
+                    file_mode=config.disk_file_mode,
+                    dir_mode=config.disk_dir_mode,
                 )
             )
         )
@@ -148,6 +187,9 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                     key_prefix=config.redis_key_prefix,
                     ttl_s=config.redis_ttl_s,
                     compression=config.compression,
+                    ssl_ca_certs=config.redis_ssl_ca_certs,
+                    ssl_certfile=config.redis_ssl_certfile,
+                    ssl_keyfile=config.redis_ssl_keyfile,
                 )
             )
         )
@@ -155,7 +197,13 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
         # Imported here: the remote tier needs aiohttp, which a store without one does not.
         from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 
-        tiers.append(RemoteTier(RemoteTierConfig(url=config.remote_url, token=config.remote_token)))
+        tiers.append(
+            RemoteTier(
+                RemoteTierConfig(
+                    url=config.remote_url, token=config.remote_token, ca_file=config.remote_ca_file
+                )
+            )
+        )
     return tiers
 
 
@@ -168,4 +216,8 @@ def build_store(config: StoreConfig) -> TieredStore:
     Returns:
         The store; close it (or use it as a context manager) to flush and release the tiers.
     """
-    return TieredStore(build_tiers(config), write_queue_blocks=config.write_queue_blocks)
+    return TieredStore(
+        build_tiers(config),
+        write_queue_blocks=config.write_queue_blocks,
+        write_queue_bytes=config.write_queue_bytes,
+    )

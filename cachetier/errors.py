@@ -30,3 +30,8 @@ class CapacityError(CacheTierError):
 class RequestRefusedError(CacheTierError):
     """A service refused a request (bad token, another tenant, over its limits): retrying the
     same request cannot help, unlike a ``TierUnavailableError``."""
+
+
+class OverloadedError(CacheTierError):
+    """A service has no room for a request right now (too many bytes in flight): unlike a
+    ``RequestRefusedError``, the same request may succeed later."""

@@ -160,6 +160,28 @@ def peek_key(record: Buffer) -> BlockHash | None:
     return BlockHash(bytes(view[_KEY_OFFSET : _KEY_OFFSET + HASH_BYTES]))
 
 
+PEEK_BYTES = _FIXED.size
+"""How many leading bytes of a record the ``peek_*`` functions read."""
+
+
+def peek_inflated_nbytes(head: Buffer) -> int:
+    """Bytes that decoding a record would allocate beyond the record itself, as it claims them,
+    unchecked: its raw length when its payload is compressed, else 0 (an uncompressed payload
+    is served as a view). A server reserves this much before it decodes an upload.
+
+    Args:
+        head: the record, or at least its first ``PEEK_BYTES`` bytes.
+
+    Returns:
+        The claimed bytes; 0 when ``head`` is too short or not a record (decoding refuses it).
+    """
+    view = memoryview(head).cast("B")
+    if view.nbytes < _FIXED.size or bytes(view[:4]) != MAGIC:
+        return 0
+    comp, raw = view[6], _FIXED.unpack_from(view, 0)[-1]
+    return raw if comp != Compression.NONE else 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Header:
     comp: int
@@ -178,7 +200,7 @@ class _Header:
         return self.head_len + 8 + self.aux_len + self.payload_len
 
 
-def _parse_header(view: memoryview) -> _Header:
+def _parse_header(view: memoryview, max_raw_bytes: int | None) -> _Header:
     """The fixed header fields of ``view`` (which holds at least ``_FIXED.size`` bytes)."""
     fields = _FIXED.unpack_from(view, 0)
     magic, version, comp, dtype_code, ndim, _pad, num_tokens, key, fp, aux, payload, raw = fields
@@ -188,6 +210,12 @@ def _parse_header(view: memoryview) -> _Header:
         raise CorruptBlockError(f"record format version {version} is not {FORMAT_VERSION}")
     if not 0 < ndim <= MAX_NDIM:
         raise CorruptBlockError(f"record claims {ndim} dimensions")
+    # Checked here, before anything is read, allocated or decompressed for it: a record that
+    # claims an lz4 payload of gigabytes is a few bytes long.
+    if max_raw_bytes is not None and raw > max_raw_bytes:
+        raise CorruptBlockError(
+            f"record claims a payload of {raw} bytes, over the limit of {max_raw_bytes}"
+        )
     return _Header(
         comp, dtype_code, ndim, num_tokens, key, fp, aux, payload, raw, _FIXED.size + 8 * ndim
     )
@@ -227,6 +255,10 @@ def _build(
             data = lz4.block.decompress(stored, uncompressed_size=h.raw_len)
         except lz4.block.LZ4BlockError as exc:
             raise CorruptBlockError(f"lz4 payload does not decompress: {exc}") from None
+        except (OverflowError, ValueError, MemoryError):
+            # A raw length lz4 cannot take (over 2 GiB) or memory cannot hold, when the caller
+            # set no max_raw_bytes: still a bad record, never an error of the reader.
+            raise CorruptBlockError(f"lz4 payload of {h.raw_len} bytes cannot be made") from None
         if len(data) != h.raw_len:
             raise CorruptBlockError("lz4 payload decompressed to the wrong size")
     else:
@@ -279,6 +311,7 @@ def decode_record(
     *,
     key: bytes | None = None,
     fingerprint: bytes | None = None,
+    max_raw_bytes: int | None = None,
 ) -> KVBlock:
     """Decode and check a record.
 
@@ -286,18 +319,22 @@ def decode_record(
         record: the record bytes; an uncompressed payload is returned as a view into it.
         key: the key the caller asked for; a record naming another key is rejected.
         fingerprint: the namespace fingerprint the caller expects, if it knows one.
+        max_raw_bytes: largest payload (decompressed) accepted; a record claiming more is
+            refused before anything is decompressed. ``None`` for no limit (records a tier
+            wrote itself); a server passes its own limit for uploads.
 
     Returns:
         The block.
 
     Raises:
         CorruptBlockError: truncated or oversized record, bad magic, unknown version, dtype or
-            compression, inconsistent sizes, bad checksum, or another key / fingerprint.
+            compression, inconsistent sizes, a payload over ``max_raw_bytes``, bad checksum, or
+            another key / fingerprint.
     """
     view = memoryview(record).cast("B") if not isinstance(record, bytes) else memoryview(record)
     if view.nbytes < _FIXED.size:
         raise CorruptBlockError(f"record of {view.nbytes} bytes is shorter than its header")
-    h = _parse_header(view)
+    h = _parse_header(view, max_raw_bytes)
     if view.nbytes != h.total:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, its header claims {h.total}")
     body = h.head_len + 8
@@ -338,6 +375,7 @@ def read_record(
     key: bytes | None = None,
     fingerprint: bytes | None = None,
     payload_into: memoryview | None = None,
+    max_raw_bytes: int | None = None,
 ) -> KVBlock:
     """Read a ``size``-byte record through ``readinto`` and decode it.
 
@@ -354,6 +392,8 @@ def read_record(
         payload_into: writable bytes the payload is read straight into (e.g. a KV pool block)
             when the record is uncompressed and exactly that size; otherwise ignored. If the
             record then fails a check, this memory holds garbage and must not be used.
+        max_raw_bytes: as ``decode_record``: checked on the fixed header, before the rest of
+            the record is read.
 
     Returns:
         The block. Its payload is ``payload_into`` when that was used, else a read-only view of
@@ -367,7 +407,7 @@ def read_record(
         raise CorruptBlockError(f"record of {size} bytes is shorter than its header")
     fixed = memoryview(bytearray(_FIXED.size))
     _read_exactly(readinto, fixed, None, size)
-    h = _parse_header(fixed)
+    h = _parse_header(fixed, max_raw_bytes)
     if h.total != size:
         raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
     body = h.head_len + 8

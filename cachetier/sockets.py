@@ -5,13 +5,19 @@ transfer protocol (client and server).
 Why not asyncio streams: every chunk they read becomes a fresh ``bytes`` that is then copied
 again into its destination; a blocking ``recv_into`` puts the bytes where they belong in one
 step, and releases the GIL while it waits, so a few threads overlap their transfers.
+
+TLS. A ``BufferedSocket`` may wrap an ``ssl.SSLSocket`` (``connect_tcp(tls=...)``, or one the
+server wrapped): reads are the same ``recv_into``; sends join small buffers (an SSL socket has
+no vectored send, and a TLS record per tiny buffer would cost more than the copy).
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
@@ -43,11 +49,36 @@ class BufferedSocket:
 
     @classmethod
     def connect_tcp(
-        cls, host: str, port: int, connect_timeout_s: float, timeout_s: float
+        cls,
+        host: str,
+        port: int,
+        connect_timeout_s: float,
+        timeout_s: float,
+        tls: ssl.SSLContext | None = None,
     ) -> BufferedSocket:
-        """Connect over TCP with Nagle off (requests are written whole, then waited on)."""
+        """Connect over TCP with Nagle off (requests are written whole, then waited on).
+
+        Args:
+            host: host name or address.
+            port: TCP port.
+            connect_timeout_s: longest wait for the connection, and for the TLS handshake.
+            timeout_s: longest wait for each read and write after that.
+            tls: when given, the connection speaks TLS with this client context; the server
+                certificate is checked against ``host`` when the context checks host names.
+
+        Raises:
+            OSError: no connection (``ssl.SSLError``, an ``OSError``, for a failed handshake or
+                a certificate that does not verify).
+        """
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                # The handshake runs here, under connect_timeout_s (the socket's timeout now).
+                sock = tls.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(timeout_s)
         return cls(sock)
 
@@ -68,6 +99,9 @@ class BufferedSocket:
     def send(self, buffers: Sequence[Buffer]) -> None:
         """Send every byte of ``buffers``, in order, in vectored writes (no join)."""
         views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        if isinstance(self.sock, ssl.SSLSocket):
+            self._send_tls(views)
+            return
         i = 0
         while i < len(views):
             sent = self.sock.sendmsg(views[i : i + _MAX_IOV])
@@ -79,6 +113,24 @@ class BufferedSocket:
                 else:
                     views[i] = views[i][sent:]
                     sent = 0
+
+    def _send_tls(self, views: list[memoryview]) -> None:
+        """``send`` over TLS: runs of small buffers joined (one TLS record each, not one per
+        buffer), large ones sent as they are."""
+        pending = bytearray()
+        for view in views:
+            if view.nbytes >= RECV_BYTES:
+                if pending:
+                    self.sock.sendall(pending)
+                    pending.clear()
+                self.sock.sendall(view)
+                continue
+            pending += view
+            if len(pending) >= RECV_BYTES:
+                self.sock.sendall(pending)
+                pending.clear()
+        if pending:
+            self.sock.sendall(pending)
 
     def _fill(self) -> None:
         """Read more into the buffer (compacting it first when its tail is full)."""
@@ -149,14 +201,77 @@ class BufferedSocket:
         timed the connection out) or it holds unread bytes. One poll, no round trip."""
         if self.has_unread:
             return True
+        tls = isinstance(self.sock, ssl.SSLSocket)
+        if tls and self.sock.pending():  # decrypted bytes nobody asked for
+            return True
         # poll, not a MSG_DONTWAIT peek: a socket with a timeout waits out the timeout on it.
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         # Readable means closed by the peer or bytes nobody asked for; either way, not usable.
-        return bool(poller.poll(0))
+        if not poller.poll(0):
+            return False
+        # Over TLS it may also be records that carry no data: TLS 1.3 servers send session
+        # tickets after the handshake, and a connection that sent nothing since has not read
+        # them. Read without waiting: only those came if the read finds no data.
+        return not tls or self._tls_stale()
+
+    def _tls_stale(self) -> bool:
+        timeout = self.sock.gettimeout()
+        self.sock.settimeout(0.0)
+        try:
+            self.sock.recv_into(self._view)  # the buffer is empty: has_unread was False
+        except ssl.SSLWantReadError:
+            return False  # no data: the records read were TLS's own
+        except OSError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
+        return True  # closed (0 bytes), or bytes nobody asked for
 
     def close(self) -> None:
         self.sock.close()
+
+
+def accept_tls(sock: socket.socket, context: ssl.SSLContext, deadline: float) -> ssl.SSLSocket:
+    """The server side of a TLS handshake on an accepted connection, all of it by ``deadline``.
+
+    One deadline for the whole handshake, not a timeout per read: a client that sends a byte
+    now and then cannot stretch it. Run it on the connection's own thread, never the accept
+    loop, so a client that never completes its handshake holds only its own thread.
+
+    Args:
+        sock: the accepted connection (detached by this call: use the returned socket).
+        context: the server context (``cachetier.tls.server_context``).
+        deadline: ``time.monotonic()`` by which the handshake must be done.
+
+    Returns:
+        The TLS socket, blocking again; the caller sets its timeout.
+
+    Raises:
+        TimeoutError: the handshake was not done by ``deadline``.
+        ssl.SSLError: the handshake failed (not TLS, no common version, ...).
+    """
+    tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    try:
+        tls.setblocking(False)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                wanted = select.POLLIN
+            except ssl.SSLWantWriteError:
+                wanted = select.POLLOUT
+            left_s = deadline - time.monotonic()
+            poller = select.poll()
+            poller.register(tls, wanted)
+            if left_s <= 0 or not poller.poll(left_s * 1000):
+                raise TimeoutError("the client did not complete its TLS handshake in time")
+        tls.setblocking(True)
+    except BaseException:
+        tls.close()
+        raise
+    return tls
 
 
 class BoundedReader:

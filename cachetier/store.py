@@ -68,11 +68,15 @@ class RestoredPrefix:
 class _Writer:
     """One background thread applying queued puts to one lower tier."""
 
-    def __init__(self, tier: Tier, max_blocks: int, stats: TierStats) -> None:
+    def __init__(
+        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats
+    ) -> None:
         self.tier = tier
         self._queue: queue.Queue[Any] = queue.Queue()
         self._max_blocks = max_blocks
+        self._max_bytes = max_bytes
         self._pending_blocks = 0
+        self._pending_bytes = 0
         self._lock = threading.Lock()
         self._stats = stats
         self._thread = threading.Thread(
@@ -81,12 +85,17 @@ class _Writer:
         self._thread.start()
 
     def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
+        # Bytes too, not only blocks: 4096 blocks of 64 MiB would be 256 GiB of queue.
+        nbytes = sum(b.nbytes for b in blocks)
         with self._lock:
-            if self._pending_blocks + len(blocks) > self._max_blocks:
+            if self._pending_blocks + len(blocks) > self._max_blocks or (
+                self._max_bytes is not None and self._pending_bytes + nbytes > self._max_bytes
+            ):
                 self._stats.add(rejected=len(blocks))
                 return False
             self._pending_blocks += len(blocks)
-        self._queue.put((namespace, blocks))
+            self._pending_bytes += nbytes
+        self._queue.put((namespace, blocks, nbytes))
         return True
 
     def _run(self) -> None:
@@ -95,13 +104,14 @@ class _Writer:
             try:
                 if item is _STOP:
                     return
-                namespace, blocks = item
+                namespace, blocks, nbytes = item
                 try:
                     self.tier.put_many(namespace, blocks)
                 except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
                     self._stats.add(errors=len(blocks))
                 with self._lock:
                     self._pending_blocks -= len(blocks)
+                    self._pending_bytes -= nbytes
             finally:
                 self._queue.task_done()
 
@@ -127,23 +137,34 @@ class TieredStore(Tier):
     Args:
         tiers: the tiers, fastest first. The store owns them and closes them on ``close()``.
         write_queue_blocks: most blocks queued per lower tier before puts are dropped.
+        write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
+            for no limit but ``write_queue_blocks``.
         promote: copy hits from lower tiers into the tiers above them.
     """
 
     name = "tiered"
 
     def __init__(
-        self, tiers: Sequence[Tier], *, write_queue_blocks: int = 4096, promote: bool = True
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_queue_blocks: int = 4096,
+        write_queue_bytes: int | None = None,
+        promote: bool = True,
     ) -> None:
         super().__init__()
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         if write_queue_blocks <= 0:
             raise ValueError(f"write_queue_blocks must be positive, got {write_queue_blocks}")
+        if write_queue_bytes is not None and write_queue_bytes <= 0:
+            raise ValueError(f"write_queue_bytes must be positive, got {write_queue_bytes}")
         self._tiers = list(tiers)
         self._promote = promote
         self._names = tuple(tier.name for tier in self._tiers)
-        self._writers = [_Writer(t, write_queue_blocks, self._stats) for t in self._tiers[1:]]
+        self._writers = [
+            _Writer(t, write_queue_blocks, write_queue_bytes, self._stats) for t in self._tiers[1:]
+        ]
         self._closed = False
 
     @property

@@ -15,6 +15,7 @@ import redis  # noqa: E402
 
 from cachetier.keys import Namespace  # noqa: E402
 from engine.smollm2 import smollm2_path  # noqa: E402
+from tests.certs import TLSFiles, make_tls_files  # noqa: E402
 from tests.models import make_tiny_llama  # noqa: E402
 from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402
 
@@ -39,6 +40,13 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards."""
     with own_redis_prefix(redis_url, "cachetier-test") as prefix:
         yield prefix
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A throwaway CA and certificates it signs (``tests.certs``): a server certificate for
+    localhost and 127.0.0.1, a client certificate, and one for another host name."""
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture

@@ -182,8 +182,8 @@ class AppThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start_thread(self) -> None:
-        """Start uvicorn and wait until it listens (the caller checks its health)."""
+    def make_server(self) -> uvicorn.Server:
+        """The uvicorn server ``start_thread`` runs (a subclass may build its own)."""
         config = uvicorn.Config(
             self.make_app(),
             host="127.0.0.1",
@@ -191,7 +191,11 @@ class AppThread:
             log_level=self.log_level,
             lifespan="on",
         )
-        self._server = uvicorn.Server(config)
+        return uvicorn.Server(config)
+
+    def start_thread(self) -> None:
+        """Start uvicorn and wait until it listens (the caller checks its health)."""
+        self._server = self.make_server()
         self._thread = threading.Thread(target=self._server.run, name=self.name, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + self.start_timeout_s

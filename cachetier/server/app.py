@@ -16,11 +16,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.config import build_store
 from cachetier.server import routes_admin, routes_blocks
-from cachetier.server.bodies import JsonBodyLimit, json_body_limit
 from cachetier.server.config import ServerConfig
+from cachetier.server.edge import AuthEdge, BodyLimit
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
+from cachetier.tls import server_context
 
 logger = logging.getLogger("cachetier.server")
 
@@ -51,6 +52,9 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        # The transfer port speaks TLS when HTTP does, with the same certificate. Read first:
+        # a bad one fails the start before the store is opened.
+        tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         # Opening the disk tier scans its folder: not on the event loop.
         store = await run_in_threadpool(build_store, config.store_config())
         service = BlockService(config, store)
@@ -62,6 +66,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                 config.transfer_port,
                 config.transfer_socket or None,
                 max_connections=config.transfer_connections,
+                max_unauthenticated=config.transfer_unauthenticated_connections,
+                hello_timeout_s=config.transfer_hello_timeout_s,
+                head_timeout_s=config.head_timeout_s,
+                body_timeout_s=config.body_timeout_s,
+                idle_timeout_s=config.idle_timeout_s,
+                tls=tls,
             )
             try:
                 service.transfer = transfer.start()
@@ -72,7 +82,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             logger.warning(OPEN_MODE_WARNING)
         logger.info("cachetier serving tiers %s", [t.name for t in store.tiers])
         try:
-            yield {"service": service, "metrics": ServerMetrics(service)}
+            yield {"service": service, "metrics": ServerMetrics(service, transfer)}
         finally:
             if transfer is not None:  # first: its puts in flight still reach the store
                 await run_in_threadpool(transfer.stop)
@@ -86,8 +96,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         description=_DESCRIPTION,
         lifespan=lifespan,
     )
-    # Added first, so it runs inside the metrics middleware and its 413s are counted.
-    app.add_middleware(JsonBodyLimit, max_bytes=json_body_limit(config))
+    # The last added runs first: metrics (so every answer is counted), then the token, then
+    # the body's size; all on the head, before anything reads a body.
+    app.add_middleware(BodyLimit)
+    app.add_middleware(AuthEdge)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(routes_blocks.router)
     app.include_router(routes_admin.router)

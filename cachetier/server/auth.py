@@ -98,27 +98,54 @@ class TokenIndex:
             raise AuthFailure(403, f"this token may not act as tenant {claimed_tenant[:40]!r}")
         return tenant
 
-    def caller(self, token: str | None, claimed_tenant: str | None) -> Caller:
-        """Who is calling over HTTP.
+    def authenticate(self, authorization: str | None, claimed_tenant: str | None) -> Caller:
+        """Who is calling, from an HTTP request's headers alone (no body is needed for it).
 
         Args:
-            token: the bearer token, ``None`` if the request carried none.
+            authorization: the ``Authorization`` header, ``None`` if the request had none.
             claimed_tenant: the ``X-Cachetier-Tenant`` header, if sent.
 
         Returns:
             The caller.
 
         Raises:
-            HTTPException: 401 for a missing or unknown token, 403 when the claimed tenant is
-                not the token's.
+            AuthFailure: 401 for a missing, malformed or unknown token, 403 when the claimed
+                tenant is not the token's.
+        """
+        tenant = self.resolve(bearer_token(authorization), claimed_tenant)
+        return Caller(tenant, tenant in self._admins or tenant == OPEN_TENANT)
+
+    def caller(self, authorization: str | None, claimed_tenant: str | None) -> Caller:
+        """As ``authenticate``, for a FastAPI dependency.
+
+        Raises:
+            HTTPException: 401 or 403, as ``auth_error``.
         """
         try:
-            tenant = self.resolve(token, claimed_tenant)
+            return self.authenticate(authorization, claimed_tenant)
         except AuthFailure as exc:
-            if exc.status == 401:
-                raise _unauthorized(exc.message) from None
-            raise api_error(403, "forbidden", exc.message) from None
-        return Caller(tenant, tenant in self._admins or tenant == OPEN_TENANT)
+            raise auth_error(exc) from None
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header.
+
+    Args:
+        authorization: the header's value, ``None`` if the request had none.
+
+    Returns:
+        The token, or ``None`` without a header.
+
+    Raises:
+        AuthFailure: 401 for a header that is there but is not ``Bearer <token>`` (taken as no
+            token at all, it would pass in open mode).
+    """
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise AuthFailure(401, "the Authorization header must be 'Bearer <token>'")
+    return token
 
 
 class AuthFailure(RequestRefusedError):
@@ -130,8 +157,18 @@ class AuthFailure(RequestRefusedError):
         self.message = message
 
 
-def _unauthorized(message: str) -> HTTPException:
-    return api_error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+def auth_error(exc: AuthFailure) -> HTTPException:
+    """The HTTP answer to a refused token: 401 (with ``WWW-Authenticate``) or 403.
+
+    Args:
+        exc: the refusal.
+
+    Returns:
+        An ``api_error``.
+    """
+    if exc.status == 401:
+        return api_error(401, "unauthorized", exc.message, headers={"WWW-Authenticate": "Bearer"})
+    return api_error(403, "forbidden", exc.message)
 
 
 @dataclass(frozen=True, slots=True)

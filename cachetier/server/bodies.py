@@ -7,11 +7,12 @@ from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.responses import StreamingResponse
+from starlette.types import Scope
 
 from cachetier.record import Buffer
 from cachetier.server.config import ServerConfig
+from cachetier.server.edge import header_of
 from cachetier.server.schemas import api_error
 from cachetier.server.wire import (
     BATCH_MEDIA_TYPE,
@@ -81,16 +82,6 @@ def _check_type(request: Request, expected: str) -> None:
         )
 
 
-def _check_length(request: Request, limit: int) -> None:
-    length = request.headers.get("content-length")
-    if length is None:
-        return
-    if not length.isdigit():
-        raise api_error(400, "bad_request", f"Content-Length {length[:20]!r} is not a number")
-    if int(length) > limit:
-        raise api_error(413, "too_large", f"body of {length} bytes is over the limit of {limit}")
-
-
 async def read_batch(request: Request, config: ServerConfig) -> list[memoryview | None]:
     """Read a batch body, enforcing the server's limits while it arrives.
 
@@ -101,8 +92,8 @@ async def read_batch(request: Request, config: ServerConfig) -> list[memoryview 
     Returns:
         One buffer per record (``None`` for an empty one).
     """
+    # Its size and Content-Length were checked before this (edge.BodyLimit).
     _check_type(request, BATCH_MEDIA_TYPE)
-    _check_length(request, config.max_batch_bytes)
     reader = BatchReader(
         max_records=config.max_batch_blocks,
         max_record_bytes=config.max_block_bytes,
@@ -131,7 +122,6 @@ async def read_record(request: Request, config: ServerConfig) -> memoryview:
         The body, read-only.
     """
     _check_type(request, RECORD_MEDIA_TYPE)
-    _check_length(request, config.max_block_bytes)
     body = bytearray()
     try:
         async for chunk in request.stream():
@@ -145,63 +135,5 @@ async def read_record(request: Request, config: ServerConfig) -> memoryview:
     return memoryview(body).toreadonly()
 
 
-def json_body_limit(config: ServerConfig) -> int:
-    """Largest body a JSON endpoint takes: room for its most keys, generously spaced.
-
-    A key is 64 hex digits in quotes and a comma; 128 bytes each leaves room for indentation.
-    """
-    return 128 * max(config.max_keys, config.max_batch_blocks) + (64 << 10)
-
-
-class JsonBodyLimit:
-    """Refuses a body that is not a record or a batch (413) once it passes ``max_bytes``.
-
-    The binary endpoints count their bodies while they read them (``read_batch``); FastAPI
-    reads a JSON body whole before any handler sees it, so without this a client could make
-    the server hold any amount of JSON in memory. Plain ASGI, like ``RequestMetricsMiddleware``.
-
-    Args:
-        app: the app to wrap.
-        max_bytes: the limit (``json_body_limit``).
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _media_type(scope) in (RECORD_MEDIA_TYPE, BATCH_MEDIA_TYPE):
-            await self.app(scope, receive, send)
-            return
-        length = _header(scope, b"content-length")
-        if length.isdigit() and int(length) > self.max_bytes:
-            body = {"error": "too_large", "message": self._message(f"body of {length} bytes")}
-            await JSONResponse(body, status_code=413)(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    # Raised inside the handler's body read: the app's handlers answer it.
-                    raise api_error(413, "too_large", self._message("body"))
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self, what: str) -> str:
-        return f"{what} is over the limit of {self.max_bytes} bytes for a JSON request"
-
-
-def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return ""
-
-
 def _media_type(scope: Scope) -> str:
-    return _header(scope, b"content-type").split(";")[0].strip().lower()
+    return (header_of(scope, b"content-type") or "").split(";")[0].strip().lower()

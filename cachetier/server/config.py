@@ -25,6 +25,8 @@ from types import MappingProxyType
 from typing import Any
 
 from cachetier.config import ENV_PREFIX, GiB, StoreConfig, default_data_dir, env_values
+from cachetier.redact import redact_url, redacted_repr, url_secrets
+from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 
 MiB = 1 << 20
 OPEN_TENANT = "open"
@@ -45,7 +47,15 @@ class ServerConfig:
     data_dir: folder of the disk tier (``<data_dir>/blocks``).
     cpu_bytes: capacity of the server's CPU tier; 0 leaves it out.
     disk_bytes: capacity of the disk tier; 0 leaves it out.
-    redis_url: Redis behind the server (``redis://host:port/db``); ``None`` for none.
+    disk_file_mode: permission bits of the disk tier's record files (``0o600``: this user
+        only; ``0o640`` lets the pods of one group read them; ``CACHETIER_DISK_FILE_MODE`` is
+        read as octal, ``0640``).
+    disk_dir_mode: permission bits of the disk tier's folders (``0o700``, or ``0o750``).
+    redis_url: Redis behind the server (``redis://host:port/db``, ``rediss://`` for TLS);
+        ``None`` for none. Its password is never printed (repr, ``describe``, logs).
+    redis_ssl_ca_certs: CA bundle the Redis certificate is checked against (``rediss://``).
+    redis_ssl_certfile: client certificate for a Redis that asks for one (``rediss://``).
+    redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
     redis_key_prefix: first part of every Redis key the server writes.
     redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
     compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
@@ -62,11 +72,33 @@ class ServerConfig:
     max_batch_blocks: most records in a batch put and most keys in a batch get.
     max_keys: most keys in a lookup, exists or delete request.
     transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
-        and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. Plain TCP,
-        token in the clear like HTTP here: keep it on the pod or node network.
+        and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. It speaks
+        TLS with ``tls_cert`` as HTTP does; without them both are plaintext, tokens in the
+        clear: keep them on the pod or node network.
     transfer_socket: Unix socket path the block transfer protocol also listens on, for engines
         on the same host (share its folder with their pods); ``None`` for none.
-    transfer_connections: most transfer connections served at once.
+    transfer_connections: most transfer connections served at once (after their hello).
+    transfer_unauthenticated_connections: most transfer connections held before their hello
+        has named a tenant; a new one beyond it drops the oldest, so connections that never
+        say who they are cannot keep known clients out.
+    transfer_hello_timeout_s: the whole hello of a transfer connection (TLS included) must
+        arrive within this many seconds of its accept.
+    head_timeout_s: an HTTP request's whole head must arrive within this many seconds (of
+        the connection's start for its first request, of its first byte for later ones).
+    body_timeout_s: an HTTP request's whole body must arrive within this many seconds of its
+        head; also the longest an answer may wait for a client that does not read it. The
+        transfer port's requests get the same two deadlines (head; records and answer).
+    idle_timeout_s: an HTTP or transfer connection with no request for this many seconds is
+        closed.
+    max_head_bytes: largest HTTP request head (request line and headers).
+    max_inflight_bytes: most bytes of uploads held at once, all requests together (bodies
+        and decompressed payloads being checked); over it a request is answered busy (503,
+        ``BUSY``). At least ``max_batch_bytes``.
+    write_queue_bytes: most bytes queued for each lower tier (with ``sync_puts`` off) before
+        puts to it are dropped.
+    tls_cert: PEM certificate chain of HTTPS and the TCP transfer port (the Unix socket
+        stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
+    tls_key: PEM private key of ``tls_cert``.
     log_level: uvicorn's log level.
     """
 
@@ -75,7 +107,12 @@ class ServerConfig:
     data_dir: str = field(default_factory=lambda: str(default_data_dir() / "server"))
     cpu_bytes: int = 2 * GiB
     disk_bytes: int = 20 * GiB
+    disk_file_mode: int = DEFAULT_FILE_MODE
+    disk_dir_mode: int = DEFAULT_DIR_MODE
     redis_url: str | None = None
+    redis_ssl_ca_certs: str | None = None
+    redis_ssl_certfile: str | None = None
+    redis_ssl_keyfile: str | None = None
     redis_key_prefix: str = "cachetier"
     redis_ttl_s: float | None = None
     compression: str = "none"
@@ -91,7 +128,20 @@ class ServerConfig:
     transfer_port: int | None = None
     transfer_socket: str | None = None
     transfer_connections: int = 64
+    transfer_unauthenticated_connections: int = 8
+    transfer_hello_timeout_s: float = 5.0
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0
+    max_head_bytes: int = 32 << 10
+    max_inflight_bytes: int = 1 * GiB
+    write_queue_bytes: int = 1 * GiB
+    tls_cert: str | None = None
+    tls_key: str | None = None
     log_level: str = "info"
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -119,10 +169,25 @@ class ServerConfig:
             "max_batch_blocks",
             "max_keys",
             "transfer_connections",
+            "transfer_unauthenticated_connections",
+            "max_head_bytes",
+            "max_inflight_bytes",
+            "write_queue_bytes",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in (
+            "transfer_hello_timeout_s",
+            "head_timeout_s",
+            "body_timeout_s",
+            "idle_timeout_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_inflight_bytes < self.max_batch_bytes:
+            raise ValueError("max_inflight_bytes must be at least max_batch_bytes")
         if self.disk_bytes < 0:
             raise ValueError(
                 f"disk_bytes must be >= 0 (0 leaves the disk tier out), got {self.disk_bytes}"
@@ -131,6 +196,12 @@ class ServerConfig:
             raise ValueError("max_batch_bytes must be at least max_block_bytes")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("tls_cert", "tls_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a file path or None, got {value!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both for TLS, or neither")
         object.__setattr__(self, "tenants", _frozen_tenants(self.tenants))
         object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
         for tenant in self.admin_tenants:
@@ -147,8 +218,18 @@ class ServerConfig:
 
             # Raises ValueError on a bad URL, prefix or TTL now rather than at start-up.
             RedisTierConfig(
-                url=self.redis_url, key_prefix=self.redis_key_prefix, ttl_s=self.redis_ttl_s
+                url=self.redis_url,
+                key_prefix=self.redis_key_prefix,
+                ttl_s=self.redis_ttl_s,
+                ssl_ca_certs=self.redis_ssl_ca_certs,
+                ssl_certfile=self.redis_ssl_certfile,
+                ssl_keyfile=self.redis_ssl_keyfile,
             )
+
+    @property
+    def tls(self) -> bool:
+        """Whether HTTP and the TCP transfer port speak TLS."""
+        return self.tls_cert is not None
 
     def store_config(self) -> StoreConfig:
         """The ``StoreConfig`` of the server's tiers (CPU, disk under ``data_dir``, Redis)."""
@@ -156,19 +237,40 @@ class ServerConfig:
             cpu_bytes=self.cpu_bytes,
             disk_path=str(Path(self.data_dir) / "blocks") if self.disk_bytes else None,
             disk_bytes=max(self.disk_bytes, 1),  # unused without disk_path; must be > 0
+            disk_file_mode=self.disk_file_mode,
+            disk_dir_mode=self.disk_dir_mode,
             redis_url=self.redis_url,
             redis_ttl_s=self.redis_ttl_s,
             redis_key_prefix=self.redis_key_prefix,
+            redis_ssl_ca_certs=self.redis_ssl_ca_certs,
+            redis_ssl_certfile=self.redis_ssl_certfile,
+            redis_ssl_keyfile=self.redis_ssl_keyfile,
             compression=self.compression,
             fsync=self.fsync,
+            write_queue_bytes=self.write_queue_bytes,
         )
 
     def describe(self) -> dict[str, Any]:
-        """The settings as plain data with every token replaced by a count (safe to print)."""
+        """The settings as plain data with every token replaced by a count and the Redis
+        password masked (safe to print)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tenants"}
+        out["redis_url"] = self.redis_url and redact_url(self.redis_url)
         out["admin_tenants"] = list(self.admin_tenants)
         out["tenants"] = {name: f"{len(tokens)} token(s)" for name, tokens in self.tenants.items()}
         return out
+
+
+def secrets_of(config: ServerConfig) -> list[str]:
+    """What the server must never print: every tenant's tokens and the Redis password.
+
+    Args:
+        config: the server's settings.
+
+    Returns:
+        The secrets (for ``cachetier.redact``).
+    """
+    tokens = [token for tokens in config.tenants.values() for token in tokens]
+    return tokens + url_secrets(config.redis_url)
 
 
 def _frozen_tenants(tenants: Mapping[str, Any]) -> Mapping[str, tuple[str, ...]]:
@@ -213,10 +315,11 @@ def parse_tenants(text: str) -> dict[str, list[str]]:
         tenant -> tokens.
     """
     out: dict[str, list[str]] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for n, item in enumerate(filter(None, (part.strip() for part in text.split(","))), 1):
         tenant, sep, token = item.partition(":")
         if not sep or not tenant or not token:
-            raise ValueError(f"{ENV_PREFIX}TENANTS entries are 'tenant:token', got {item[:40]!r}")
+            # Not the entry itself: without its ':' it may be a whole token.
+            raise ValueError(f"{ENV_PREFIX}TENANTS entry {n} is not 'tenant:token'")
         out.setdefault(tenant.strip(), []).append(token.strip())
     return out
 

@@ -11,12 +11,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachetier.server.service import BlockService
+from cachetier.server.transfer import TransferServer
 from cachetier.stats import COUNTERS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,9 +32,10 @@ class ServerMetrics:
 
     Args:
         service: whose tiers and tenants are reported.
+        transfer: the transfer server whose connections are reported, if one runs.
     """
 
-    def __init__(self, service: BlockService) -> None:
+    def __init__(self, service: BlockService, transfer: TransferServer | None = None) -> None:
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "cachetier_http_requests",
@@ -48,7 +50,45 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._closed = Counter(
+            "cachetier_http_connections_closed",
+            "HTTP connections the server closed on a client: head_timeout, body_timeout, "
+            "send_timeout (an answer not read), head_too_large",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._refused_body_max = 0
+        refused = Gauge(
+            "cachetier_http_refused_body_bytes_max",
+            "Most body bytes read of a request before it was refused on its token (401/403)",
+            registry=self.registry,
+        )
+        refused.set_function(lambda: self._refused_body_max)
+        inflight = Gauge(
+            "cachetier_inflight_bytes",
+            "Upload bytes held right now (bodies and payloads being checked), all ports",
+            registry=self.registry,
+        )
+        inflight.set_function(lambda: service.inflight.taken_bytes)
         self.registry.register(_StoreCollector(service))
+        if transfer is not None:
+            self.registry.register(_TransferCollector(transfer))
+
+    def note_closed(self, reason: str) -> None:
+        """Count a connection the HTTP guard closed (``httpserver.GuardedHttpProtocol``).
+
+        Args:
+            reason: why, e.g. ``head_timeout``.
+        """
+        self._closed.labels(reason).inc()
+
+    def note_refused_body(self, nbytes: int) -> None:
+        """Note how much of a body was read before its request was refused on its token.
+
+        Args:
+            nbytes: body bytes read by the time of the 401/403 answer.
+        """
+        self._refused_body_max = max(self._refused_body_max, nbytes)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         """Count one answered request.
@@ -105,6 +145,24 @@ class _StoreCollector(Collector):
             for tenant, figures in per_tenant.items():
                 family.add_metric([tenant], figures[name])
             yield family
+
+
+class _TransferCollector(Collector):
+    def __init__(self, transfer: TransferServer) -> None:
+        self._admission = transfer.admission
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "cachetier_transfer_unauthenticated_connections",
+            "transfer connections before their hello",
+            value=self._admission.num_unknown,
+        )
+        yield CounterMetricFamily(
+            "cachetier_transfer_unauthenticated_dropped",
+            "transfer connections dropped before their hello for a newer one (their budget "
+            "was full)",
+            value=self._admission.num_dropped,
+        )
 
 
 class RequestMetricsMiddleware:

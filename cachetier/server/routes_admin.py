@@ -37,6 +37,7 @@ async def limits(service: ServiceDep) -> LimitsPublic:
         transfer_port=None if service.transfer is None else service.transfer.port,
         transfer_socket=None if service.transfer is None else service.transfer.socket_path,
         transfer_id=None if service.transfer is None else service.transfer.server_id,
+        transfer_tls=service.transfer is not None and service.transfer.tls,
     )
 
 

@@ -7,13 +7,14 @@ decoded and checked in full before anything is stored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from cachetier.errors import CorruptBlockError
+from cachetier.errors import CorruptBlockError, OverloadedError
 from cachetier.keys import BlockHash, parse_key
 from cachetier.record import Buffer
 from cachetier.server.auth import Scope
@@ -25,6 +26,7 @@ from cachetier.server.bodies import (
     read_record,
 )
 from cachetier.server.deps import ScopeDep, ServiceDep
+from cachetier.server.edge import busy
 from cachetier.server.schemas import (
     DeletedPublic,
     KeysCreate,
@@ -39,7 +41,8 @@ from cachetier.server.service import BlockService
 from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, batch_parts
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}", tags=["blocks"])
-_ERRORS = error_responses(400, 401, 403, 413, 415, 422)
+# 503: the server holds as many upload bytes as it may (edge.BodyLimit); retry shortly.
+_ERRORS = error_responses(400, 401, 403, 413, 415, 422, 503)
 KeyPath = Annotated[str, Path(description="the block key, 64 hex digits")]
 
 
@@ -62,14 +65,25 @@ async def _store(
     records: Sequence[Buffer | None],
     keys: Sequence[BlockHash] | None,
 ) -> PutPublic:
-    def check_and_put() -> dict[str, int]:
-        return service.put(scope, service.check_records(scope, records, keys))
-
     try:
-        stored = await run_in_threadpool(check_and_put)
+        stored = await run_in_threadpool(service.store_upload, scope, records, keys)
     except CorruptBlockError as exc:
         raise api_error(400, "bad_record", str(exc)) from None
+    except OverloadedError as exc:
+        raise busy(str(exc)) from None
     return PutPublic(num_stored=max(stored.values(), default=0), tiers=stored)
+
+
+@contextmanager
+def _refusals_counted(service: BlockService, scope: Scope) -> Iterator[None]:
+    """A body refused while it is read (its framing, its size) counts as one rejected upload
+    of the caller's tenant, like a record that fails its checks."""
+    try:
+        yield
+    except HTTPException as exc:
+        if exc.status_code in (400, 413):
+            service.refuse(scope, 1)
+        raise
 
 
 @router.put(
@@ -83,7 +97,8 @@ async def put_block(
 ) -> PutPublic:
     """Store one block. The body is its record (``cachetier.record``), raw bytes, no base64."""
     expected = _key(key)
-    record = await read_record(request, service.config)
+    with _refusals_counted(service, scope):
+        record = await read_record(request, service.config)
     return await _store(service, scope, [record], [expected])
 
 
@@ -134,7 +149,8 @@ async def delete_block(key: KeyPath, scope: ScopeDep, service: ServiceDep) -> De
 )
 async def put_batch(request: Request, scope: ScopeDep, service: ServiceDep) -> PutPublic:
     """Store many blocks in one round trip."""
-    records = await read_batch(request, service.config)
+    with _refusals_counted(service, scope):
+        records = await read_batch(request, service.config)
     return await _store(service, scope, records, None)
 
 

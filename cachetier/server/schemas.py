@@ -74,6 +74,11 @@ class LimitsPublic(BaseModel):
         description="the id the transfer protocol's hello answers with: a client checks it "
         "reached this server",
     )
+    transfer_tls: bool = Field(
+        default=False,
+        description="the transfer port speaks TLS (with this server's HTTPS certificate); "
+        "false: plain TCP, where a client of an https URL must not send its token",
+    )
 
 
 class StatsPublic(BaseModel):

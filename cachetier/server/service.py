@@ -13,8 +13,9 @@ from typing import Any
 
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import BlockHash
-from cachetier.record import Buffer, KVBlock, decode_record, encode_parts
+from cachetier.record import Buffer, KVBlock, decode_record, encode_parts, peek_inflated_nbytes
 from cachetier.server.auth import Scope, TokenIndex
+from cachetier.server.budget import ByteBudget
 from cachetier.server.config import OPEN_TENANT, ServerConfig
 from cachetier.server.transfer_wire import TransferAddress
 from cachetier.stats import TierStats
@@ -43,6 +44,50 @@ class BlockService:
         self._closed = threading.Event()
         # Where the block transfer protocol listens, once it does (for ``/v1/limits``).
         self.transfer: TransferAddress | None = None
+        # Upload bytes held right now, over HTTP and the transfer port together.
+        self.inflight = ByteBudget(config.max_inflight_bytes)
+
+    def store_upload(
+        self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
+    ) -> dict[str, int]:
+        """Check uploaded records and store them, holding what decompressing them takes.
+
+        Args:
+            scope: the caller's scope.
+            records: the uploaded records (``None`` for an empty one).
+            keys: the key each record must carry, when the request names them separately.
+
+        Returns:
+            As ``put``.
+
+        Raises:
+            CorruptBlockError: as ``check_records``; nothing is stored.
+            OverloadedError: the decompressed payloads do not fit in ``inflight`` now.
+        """
+        # What the records claim, capped at what check_records lets them have: a lying claim
+        # reserves no more than the limit it is then refused by.
+        claims = (peek_inflated_nbytes(r) for r in records if r is not None)
+        limit = self.config.max_batch_bytes
+        extra = min(sum(min(c, self.config.max_block_bytes) for c in claims), limit)
+        self.inflight.take(extra, "decompressing the upload")
+        try:
+            return self.put(scope, self.check_records(scope, records, keys))
+        finally:
+            self.inflight.give(extra)
+
+    def max_raw_bytes(self, raw_so_far: int) -> int:
+        """Largest payload the next record of an upload may have (``decode_record``'s
+        ``max_raw_bytes``), given the payload bytes its records before it had.
+
+        Args:
+            raw_so_far: payload bytes of the request's records checked so far.
+
+        Returns:
+            ``max_block_bytes``, or less when the request's payloads together would pass
+            ``max_batch_bytes`` (the most one request may make the server hold).
+        """
+        left = self.config.max_batch_bytes - raw_so_far
+        return max(0, min(self.config.max_block_bytes, left))
 
     def check_records(
         self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
@@ -58,16 +103,25 @@ class BlockService:
             The blocks.
 
         Raises:
-            CorruptBlockError: naming the first bad record and what is wrong with it; nothing
-                of the request may be stored then.
+            CorruptBlockError: naming the first bad record and what is wrong with it (a
+                payload over ``max_raw_bytes`` included: checked before it is decompressed);
+                nothing of the request may be stored then.
         """
         blocks: list[KVBlock] = []
+        raw_so_far = 0
         for i, record in enumerate(records):
             try:
                 if record is None:
                     raise CorruptBlockError("it is empty (a put has no misses)")
                 key = None if keys is None else keys[i]
-                blocks.append(decode_record(record, key=key, fingerprint=scope.fingerprint))
+                block = decode_record(
+                    record,
+                    key=key,
+                    fingerprint=scope.fingerprint,
+                    max_raw_bytes=self.max_raw_bytes(raw_so_far),
+                )
+                raw_so_far += memoryview(block.data).nbytes
+                blocks.append(block)
             except CorruptBlockError as exc:
                 self.refuse(scope, len(records))  # the whole request is refused
                 raise CorruptBlockError(f"record {i}: {exc}") from None

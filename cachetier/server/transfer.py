@@ -8,9 +8,21 @@ with vectored writes. Socket waits release the GIL, so transfers on several conn
 each other and the HTTP event loop.
 
 Limits are the server's own (``max_block_bytes``, ``max_batch_bytes``, ``max_batch_blocks``),
-checked from the lengths before any record is read; ``max_connections`` bounds the threads.
-A connection idle longer than ``idle_timeout_s`` is closed, and so is one that stalls for
-``io_timeout_s`` inside a request.
+checked from the lengths before any record is read, and a record's decompressed size from its
+head before it is decompressed; what a put holds counts against the service's ``inflight``
+budget (``BUSY`` when it does not fit). Connections past their hello are bounded by
+``max_connections``, those before it by ``max_unauthenticated`` (``admission``). A hello must
+arrive whole within ``hello_timeout_s``, a request's head within ``head_timeout_s`` of its first
+byte, its records (and its answer go out) within ``body_timeout_s`` after that: deadlines for
+the whole, kept by a ``watchdog`` that shuts the connection down, not socket timeouts that a
+byte now and then renews. A connection idle longer than ``idle_timeout_s`` is closed, and so is
+one that stalls for ``io_timeout_s`` in one read or write.
+
+TLS. Given a server context, the TCP port speaks only TLS (``/v1/limits`` says so, and a client
+of an https URL never sends its token to a plaintext port); the Unix socket stays plaintext,
+local and guarded by its folder's permissions. The handshake runs on the connection's thread
+under one deadline (``sockets.accept_tls``), so a client that never completes it cannot hold up
+the accept loop.
 """
 
 from __future__ import annotations
@@ -21,15 +33,19 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import BlockHash
-from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record
+from cachetier.server.admission import Admission, Ticket
 from cachetier.server.auth import AuthFailure, Scope
+from cachetier.server.budget import Hold
 from cachetier.server.service import BlockService
 from cachetier.server.transfer_wire import (
     HELLO,
@@ -45,7 +61,8 @@ from cachetier.server.transfer_wire import (
     TransferAddress,
     error_reply,
 )
-from cachetier.sockets import UNIX_SEND_BUFFER_BYTES, BoundedReader, BufferedSocket
+from cachetier.server.watchdog import Deadline, Watchdog
+from cachetier.sockets import UNIX_SEND_BUFFER_BYTES, BoundedReader, BufferedSocket, accept_tls
 
 logger = logging.getLogger("cachetier.server.transfer")
 
@@ -69,9 +86,19 @@ class TransferServer:
         port: TCP port to listen on (0 picks a free one; ``port`` says which after
             ``start``), or ``None`` for none.
         socket_path: Unix socket to listen on (a stale one there is replaced), or ``None``.
-        max_connections: most connections served at once; more are answered ``BUSY``.
+        max_connections: most connections served at once past their hello; more are
+            answered ``BUSY``.
+        max_unauthenticated: most connections held before their hello (``admission``).
+        hello_timeout_s: the whole hello, TLS handshake included, must arrive within this many
+            seconds of the accept.
+        head_timeout_s: a request's whole head (its keys or record lengths included) must
+            arrive within this many seconds of its first byte.
+        body_timeout_s: its records must arrive, and its answer be sent, within this many
+            seconds of its head.
         idle_timeout_s: longest wait for the next request on a connection, in seconds.
         io_timeout_s: longest wait for one read or write inside a request, in seconds.
+        tls: server context of the TCP port (``cachetier.tls.server_context``); ``None`` for
+            plain TCP. The Unix socket is plaintext either way.
     """
 
     def __init__(
@@ -82,10 +109,16 @@ class TransferServer:
         socket_path: str | None = None,
         *,
         max_connections: int = 64,
+        max_unauthenticated: int = 8,
+        hello_timeout_s: float = 5.0,
+        head_timeout_s: float = 10.0,
+        body_timeout_s: float = 60.0,
         idle_timeout_s: float = 75.0,
         io_timeout_s: float = 30.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._service = service
+        self._tls = tls
         if port is None and socket_path is None:
             raise ValueError("a transfer server needs a port, a socket path or both")
         self._host = host
@@ -94,7 +127,12 @@ class TransferServer:
         self.server_id = secrets.randbits(32)
         self._idle_timeout_s = idle_timeout_s
         self._io_timeout_s = io_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._hello_timeout_s = hello_timeout_s
+        self._head_timeout_s = head_timeout_s
+        self._body_timeout_s = body_timeout_s
+        self.admission = Admission(max_connections, max_unauthenticated)
+        # Deadlines for whole hellos and requests (a socket timeout bounds one read only).
+        self._watchdog = Watchdog("cachetier-transfer-deadlines")
         self._listeners: list[socket.socket] = []
         self._accepting: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
@@ -126,7 +164,8 @@ class TransferServer:
             self._accepting.append(thread)
         where = [f"{self._host}:{self.port}" if self.port is not None else "", self.socket_path]
         logger.info("cachetier block transfer on %s", " and ".join(filter(None, where)))
-        return TransferAddress(self.port, self.socket_path, self.server_id)
+        tls = self._tls is not None and self.port is not None
+        return TransferAddress(self.port, self.socket_path, self.server_id, tls=tls)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, close every connection, and wait for requests in flight (their
@@ -146,11 +185,14 @@ class TransferServer:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                # socket.socket's shutdown, also for a TLS socket: SSLSocket.shutdown would drop
+                # its TLS state under the thread still reading from it.
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed by its peer
         for thread in [*self._accepting, *threads]:
             thread.join(timeout_s)
+        self._watchdog.stop()
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while not self._stopping.is_set():
@@ -158,18 +200,27 @@ class TransferServer:
                 sock, _ = listener.accept()
             except OSError:
                 return  # the listener was closed: stop() was called
-            if not self._slots.acquire(blocking=False):
+            ticket = self.admission.arrive(sock)
+            if ticket is None:
                 _send_and_close(sock, error_reply(Status.BUSY, "too many connections"))
                 continue
             thread = threading.Thread(
-                target=self._serve, args=(sock,), name="cachetier-transfer", daemon=True
+                target=self._serve, args=(sock, ticket), name="cachetier-transfer", daemon=True
             )
             with self._lock:
                 self._conns.add(sock)
                 self._threads.add(thread)
             thread.start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, ticket: Ticket) -> None:
+        def shut() -> None:
+            self.admission.shut(ticket)
+
+        # One deadline for the whole hello, the TLS handshake included: not a timeout per read
+        # that a byte now and then renews.
+        hello_deadline = time.monotonic() + self._hello_timeout_s
+        deadline = Deadline(self._watchdog, shut)
+        deadline.start(self._hello_timeout_s)
         if sock.family == socket.AF_UNIX:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
         else:
@@ -177,17 +228,24 @@ class TransferServer:
         io = BufferedSocket(sock)
         try:
             sock.settimeout(self._io_timeout_s)
-            tenant = self._hello(io)
+            if self._tls is not None and sock.family != socket.AF_UNIX:
+                sock = self._start_tls(sock, hello_deadline)
+                io = BufferedSocket(sock)
+            tenant = self._hello(io, ticket)
+            deadline.stop()
             while not self._stopping.is_set():
                 sock.settimeout(self._idle_timeout_s)
-                head = io.read_exactly(REQUEST.size)
+                first = io.read_exactly(1)
+                deadline.start(self._head_timeout_s)  # from the request's first byte
                 sock.settimeout(self._io_timeout_s)
+                head = first + io.read_exactly(REQUEST.size - 1)
                 try:
-                    io.send(self._request(io, tenant, *REQUEST.unpack(head)))
+                    io.send(self._request(io, deadline, tenant, *REQUEST.unpack(head)))
                 except _Refused as refused:
                     io.send([error_reply(refused.status, refused.message)])
                     if refused.close:
                         return
+                deadline.stop()
         except _Refused as refused:  # at hello
             _send_quietly(io, error_reply(refused.status, refused.message))
         except (OSError, struct.error):
@@ -196,13 +254,30 @@ class TransferServer:
             logger.exception("block transfer connection failed")
             _send_quietly(io, error_reply(Status.FAILED, "the server failed; see its log"))
         finally:
+            deadline.stop()
             io.close()
-            self._slots.release()
+            self.admission.leave(ticket)
             with self._lock:
                 self._conns.discard(sock)
                 self._threads.discard(threading.current_thread())
 
-    def _hello(self, io: BufferedSocket) -> str:
+    def _start_tls(self, sock: socket.socket, deadline: float) -> ssl.SSLSocket:
+        """TLS on an accepted TCP connection (its thread): the TLS socket replaces the plain
+        one in ``_conns``, so ``stop`` shuts the one in use down."""
+        assert self._tls is not None, "TLS is configured"
+        # The handshake is part of the hello: it gets the hello's time, not a second budget.
+        with self._lock:
+            self._conns.discard(sock)  # wrapping detaches it
+        tls = accept_tls(sock, self._tls, deadline)  # closes the connection if it fails
+        tls.settimeout(self._io_timeout_s)
+        with self._lock:
+            if not self._stopping.is_set():  # else stop() has run and did not see this one
+                self._conns.add(tls)
+                return tls
+        tls.close()
+        raise ConnectionAbortedError("the transfer server is stopping")
+
+    def _hello(self, io: BufferedSocket, ticket: Ticket) -> str:
         magic, token_len, tenant_len = HELLO.unpack(io.read_exactly(HELLO.size))
         if magic != MAGIC:
             raise _Refused(Status.BAD_REQUEST, f"expected {MAGIC!r}, this is not a transfer client")
@@ -215,13 +290,21 @@ class TransferServer:
         except AuthFailure as exc:
             status = Status.UNAUTHORIZED if exc.status == 401 else Status.FORBIDDEN
             raise _Refused(status, exc.message) from None
+        if not self.admission.promote(ticket):
+            raise _Refused(Status.BUSY, "too many connections")
         io.send([REPLY.pack(Status.OK, self.server_id)])
         return tenant
 
     def _request(
-        self, io: BufferedSocket, tenant: str, op: int, name_len: int, count: int
+        self,
+        io: BufferedSocket,
+        deadline: Deadline,
+        tenant: str,
+        op: int,
+        name_len: int,
+        count: int,
     ) -> list[Buffer]:
-        """Serve one request whose head was read; returns the reply's buffers."""
+        """Serve one request whose first bytes were read; returns the reply's buffers."""
         name = io.read_exactly(name_len)
         try:
             scope = Scope.of(tenant, name.decode("ascii"))
@@ -234,10 +317,12 @@ class TransferServer:
             )
         if op == Op.GET:
             raw = io.read_exactly(count * KEY_BYTES)
+            deadline.start(self._body_timeout_s)  # the head is in: the answer's time
             keys = [BlockHash(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
             return self._get(scope, keys)
         if op == Op.PUT:
             lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
+            deadline.start(self._body_timeout_s)  # the head is in: the records' time
             return self._put(io, scope, lengths)
         raise _Refused(Status.BAD_REQUEST, f"unknown operation {op}")
 
@@ -258,28 +343,95 @@ class TransferServer:
         config = self._service.config
         for i, length in enumerate(lengths):
             if not 0 < length <= config.max_block_bytes:
+                self._service.refuse(scope, len(lengths))
                 raise _Refused(
                     Status.TOO_LARGE if length else Status.BAD_REQUEST,
                     f"record {i} is {length} bytes; 1 to {config.max_block_bytes} are allowed",
                 )
-        if sum(lengths) > config.max_batch_bytes:
+        total = sum(lengths)
+        if total > config.max_batch_bytes:
+            self._service.refuse(scope, len(lengths))
             raise _Refused(
                 Status.TOO_LARGE,
-                f"batch of {sum(lengths)} bytes, at most {config.max_batch_bytes} per request",
+                f"batch of {total} bytes, at most {config.max_batch_bytes} per request",
             )
+        held = Hold(self._service.inflight)
+        try:
+            if not held.take(total):
+                io.skip(total)  # the connection stays in step; the client retries later
+                raise _Refused(Status.BUSY, _no_room(total, held), close=False)
+            blocks = self._read_records(io, scope, lengths, held)
+            stored = self._service.put(scope, blocks)
+        finally:
+            held.release()
+        return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
+
+    def _read_records(
+        self, io: BufferedSocket, scope: Scope, lengths: Sequence[int], held: Hold
+    ) -> list[KVBlock]:
+        """Read and check a put's records (their sizes were checked), holding in ``held``
+        what decompressing them takes before it is allocated."""
         blocks: list[KVBlock] = []
+        raw_so_far = 0
         for i, length in enumerate(lengths):
             body = BoundedReader(io, length)
+            max_raw = self._service.max_raw_bytes(raw_so_far)
+            # Its head first: what it claims decompressed is held before a byte is allocated.
+            head = _read_head(body, min(PEEK_BYTES, length))
+            claim = min(peek_inflated_nbytes(head), max_raw)  # more is refused on the head
+            if not held.take(claim):
+                io.skip(body.left + sum(lengths[i + 1 :]))
+                raise _Refused(Status.BUSY, _no_room(claim, held), close=False)
+            reader = _Prefixed(head, body.readinto)
             try:
-                blocks.append(read_record(body.readinto, length, fingerprint=scope.fingerprint))
+                block = read_record(
+                    reader.readinto, length, fingerprint=scope.fingerprint, max_raw_bytes=max_raw
+                )
             except CorruptBlockError as exc:
                 # Read the rest of the request (its size was checked) so the connection stays
                 # in step, then refuse all of it: nothing of a request with a bad record is kept.
                 io.skip(body.left + sum(lengths[i + 1 :]))
                 self._service.refuse(scope, len(lengths))
                 raise _Refused(Status.BAD_REQUEST, f"record {i}: {exc}", close=False) from None
-        stored = self._service.put(scope, blocks)
-        return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
+            raw_so_far += memoryview(block.data).nbytes
+            blocks.append(block)
+        return blocks
+
+
+def _no_room(nbytes: int, held: Hold) -> str:
+    return (
+        f"{nbytes} more bytes do not fit in the {held.budget.limit_bytes} bytes of uploads the"
+        " server holds at once; retry shortly"
+    )
+
+
+def _read_head(body: BoundedReader, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of a record (fewer if the connection ends first: the record's own
+    read then says it is short)."""
+    head = memoryview(bytearray(nbytes))
+    got = 0
+    while got < nbytes:
+        n = body.readinto(head[got:])
+        if n <= 0:
+            break
+        got += n
+    return head[:got]
+
+
+class _Prefixed:
+    """Reads of a record whose head was read ahead: the head first, then the rest."""
+
+    def __init__(self, head: memoryview, rest: Callable[[memoryview], int]) -> None:
+        self._head = head
+        self._rest = rest
+
+    def readinto(self, dest: memoryview) -> int:
+        if self._head.nbytes:
+            n = min(dest.nbytes, self._head.nbytes)
+            dest[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._rest(dest)
 
 
 def _listen_unix(path: str) -> socket.socket:

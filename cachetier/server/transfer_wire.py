@@ -67,11 +67,14 @@ class TransferAddress:
         socket_path: its Unix socket, for clients on the same host (or sharing the folder),
             or ``None``.
         server_id: the id its hello replies carry (random per server start).
+        tls: the TCP port speaks TLS (the Unix socket never does): a client must not send its
+            token there in clear.
     """
 
     port: int | None
     socket_path: str | None
     server_id: int
+    tls: bool = False
 
 
 def hello(token: str | None, tenant: str | None) -> bytes:

@@ -3,11 +3,22 @@
 A block lives at ``{key_prefix}:{namespace}:{key hex}`` as one checksummed record (see
 ``cachetier.record``); a get checks the record against the key it was asked for.
 
-Transfers. On a single node over ``redis://`` or ``unix://``, block gets and puts go through
-``resp``: pipelined GETs read straight into the caller's buffers and SETs sent from a record's
-parts, a large batch spread over ``bulk_streams`` connections (on the SmolLM2 shape about twice
-as fast as redis-py's pipeline, ``benchmarks/bench_peers.py``). Scripts, scans, deletes, TLS and
-Redis Cluster use redis-py.
+Transfers. On a single node (``redis://``, ``rediss://`` or ``unix://``), block gets and puts
+go through ``resp``: pipelined GETs read straight into the caller's buffers and SETs sent from a
+record's parts, a large batch spread over ``bulk_streams`` connections (on the SmolLM2 shape
+about twice as fast as redis-py's pipeline, ``benchmarks/bench_peers.py``). Scripts, scans,
+deletes and Redis Cluster use redis-py.
+
+TLS. ``rediss://`` (``rediss+cluster://``) makes every connection, redis-py's and the bulk
+path's, speak TLS, checking Redis's chain (against ``ssl_ca_certs``, else the system's CAs) and
+that its certificate names the url's host; ``ssl_certfile`` / ``ssl_keyfile`` present a client
+certificate (Redis asks for one unless ``tls-auth-clients no``). Query flags such as ``?ssl=``
+are refused: they would leave one of the two paths in plaintext.
+
+Credentials. A url's password never appears in a repr, an error message or a log line
+(``cachetier.redact``). A Redis that refuses them (``NOAUTH``, ``WRONGPASS``, a failed
+``AUTH``) fails every call: each is counted (``auth_failures`` and ``errors`` in stats) and a
+warning is logged at most once per ``AUTH_LOG_INTERVAL_S``.
 
 Capacity. With ``capacity_bytes=None`` Redis's own ``maxmemory`` policy bounds the tier and
 nothing else is kept (the fast path: a put is pipelined SETs, a get pipelined GETs). With a
@@ -35,21 +46,17 @@ cluster each master has its own breaker, so one lost master costs only its own k
 
 from __future__ import annotations
 
-import re
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, TierUnavailableError
@@ -63,164 +70,29 @@ from cachetier.record import (
     encode_parts,
     encode_record,
 )
+from cachetier.redact import redact, redact_url
+from cachetier.throttle import LogThrottle
 from cachetier.tiers.base import Tier, check_namespace, first_miss, land_in
-from cachetier.tiers.redis_cluster import CLUSTER_SCHEMES, ClusterRouter, parse_cluster_url
+from cachetier.tiers.redis_cluster import ClusterRouter
+from cachetier.tiers.redis_config import RedisTierConfig, make_client
 from cachetier.tiers.redis_scripts import FORGET_SCRIPT, LEADING_SCRIPT, PUT_SCRIPT, TOUCH_SCRIPT
-from cachetier.tiers.resp import CORRUPT, Endpoint, ErrorReply, GetResult, Hit, RespPool
+from cachetier.tiers.resp import (
+    CORRUPT,
+    Endpoint,
+    ErrorReply,
+    GetResult,
+    Hit,
+    RespAuthError,
+    RespPool,
+)
+from cachetier.tls import client_context
 
+__all__ = ["AUTH_LOG_INTERVAL_S", "RedisTier", "RedisTierConfig", "make_client"]
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_URL_SCHEMES = ("redis", "rediss", "unix")
-# The pure-Python RESP parser reads a socket in chunks of this size; 256 KiB instead of
-# redis-py's 32 KiB halved the time to fetch one 360 KB record here.
-_SOCKET_READ_BYTES = 256 * 1024
 _SCAN_COUNT = 1000  # keys per SCAN step
 _DELETE_BATCH = 512  # keys per UNLINK / forget script in clear()
-
-
-@dataclass(frozen=True, slots=True)
-class RedisTierConfig:
-    """Args:
-    url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS),
-        ``unix:///path.sock?db=0``, or a Redis Cluster:
-        ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
-        for TLS), listing one or more of its nodes; the others are found from them.
-    key_prefix: first part of every key (letters, digits, ``._-``); tiers with the same
-        prefix share blocks and, with a capacity, one LRU.
-    ttl_s: records expire this long after they were put (gets do not extend it); ``None``
-        keeps them until evicted.
-    capacity_bytes: most record bytes kept under ``key_prefix`` (exact LRU, single-node Redis
-        only); ``None`` leaves the bound to Redis's ``maxmemory`` policy (each node's, on a
-        cluster).
-    compression: ``"none"`` or ``"lz4"`` for stored payloads.
-    socket_timeout_s: longest wait for Redis to answer one read or write, in seconds.
-    connect_timeout_s: longest wait for a TCP connection, in seconds.
-    max_connections: connections in the pool (one pool per node on a cluster); a call waits
-        up to ``socket_timeout_s`` for one.
-    failure_threshold: failures in a row that open the circuit breaker (of each master, on a
-        cluster).
-    backoff_base_s: wait before the first trial call once the breaker is open, in seconds.
-    backoff_cap_s: longest wait between trial calls, in seconds.
-    bulk_streams: most connections one get or put of many blocks is spread over, one thread
-        each (single node, ``redis://`` and ``unix://``; see ``cachetier.tiers.resp``).
-    """
-
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "cachetier"
-    ttl_s: float | None = None
-    capacity_bytes: int | None = None
-    compression: str = "none"
-    socket_timeout_s: float = 0.5
-    connect_timeout_s: float = 0.5
-    max_connections: int = 32
-    failure_threshold: int = 3
-    backoff_base_s: float = 0.008
-    backoff_cap_s: float = 0.512
-    bulk_streams: int = 4
-
-    def __post_init__(self) -> None:
-        _check_url(self.url)
-        if not isinstance(self.key_prefix, str) or not _PREFIX_RE.match(self.key_prefix):
-            raise ValueError(
-                f"key_prefix {self.key_prefix!r} must be 1-64 characters of [A-Za-z0-9._-] "
-                "starting with a letter or digit"
-            )
-        if self.ttl_s is not None and not self.ttl_s >= 0.001:
-            raise ValueError(f"ttl_s must be None or at least 0.001 (1 ms), got {self.ttl_s!r}")
-        if self.capacity_bytes is not None:
-            _check_positive_int("capacity_bytes", self.capacity_bytes)
-            if self.cluster:
-                raise ValueError(
-                    "capacity_bytes must be None with a redis+cluster:// url: the exact LRU runs "
-                    "Lua over keys in many slots, which a cluster refuses; bound each node with "
-                    "maxmemory and maxmemory-policy allkeys-lru instead"
-                )
-        if self.compression not in ("none", "lz4"):
-            raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
-        for name in ("socket_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        _check_positive_int("max_connections", self.max_connections)
-        _check_positive_int("failure_threshold", self.failure_threshold)
-        _check_positive_int("bulk_streams", self.bulk_streams)
-        ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid
-
-    @property
-    def cluster(self) -> bool:
-        """Whether ``url`` names a Redis Cluster."""
-        return self.url.partition("://")[0] in CLUSTER_SCHEMES
-
-
-def _check_url(url: str) -> None:
-    if not isinstance(url, str):
-        raise TypeError(f"url must be a str, got {type(url).__name__}")
-    if url.partition("://")[0] in CLUSTER_SCHEMES:
-        parse_cluster_url(url)  # raises ValueError on a bad one
-        return
-    parts = urlsplit(url)
-    if parts.scheme not in _URL_SCHEMES:
-        raise ValueError(f"url {url!r} must start with one of {_URL_SCHEMES + CLUSTER_SCHEMES}://")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError(f"url {url!r} must name a socket path, e.g. unix:///run/redis.sock")
-        return
-    if not parts.hostname:
-        raise ValueError(f"url {url!r} must name a host, e.g. redis://127.0.0.1:6379/0")
-    try:
-        parts.port  # noqa: B018 -- raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"url {url!r} has a bad port") from None
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ValueError(f"url {url!r} must end with a database number, e.g. /0")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def make_client(config: RedisTierConfig) -> redis.Redis | RedisCluster:
-    """The one place a Redis client is made.
-
-    Args:
-        config: the tier's settings.
-
-    Returns:
-        For a single node, a client over a blocking pool of ``max_connections`` connections;
-        no I/O: connections are opened on first use and reopened after a failure. For a
-        cluster, a ``RedisCluster``: it reads the slot map from the first startup node that
-        answers (I/O; raises ``RedisClusterException`` when none does) and keeps such a pool
-        per node. redis-py's own retries are off: the tier's circuit breakers are the one retry
-        policy. So a call to a node that is down or silent fails after at most a wait for a
-        free connection (``socket_timeout_s``), a connect (``connect_timeout_s``) and one
-        unanswered read or write (``socket_timeout_s``).
-    """
-    options: dict[str, Any] = dict(
-        max_connections=config.max_connections,
-        timeout=config.socket_timeout_s,  # wait for a free connection
-        socket_timeout=config.socket_timeout_s,
-        socket_connect_timeout=config.connect_timeout_s,
-        socket_keepalive=True,
-        socket_read_size=_SOCKET_READ_BYTES,
-        driver_info=None,  # no CLIENT SETINFO round trips on each new connection
-    )
-    if config.cluster:
-        address = parse_cluster_url(config.url)
-        return RedisCluster(
-            url=address.node_url,
-            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes[1:]],
-            # A slot map with the slots of a lost master still counts: only they fail.
-            require_full_coverage=False,
-            # No retry (and no slot-map re-read per failed command): ``ClusterRouter`` decides.
-            retry=Retry(NoBackoff(), 0),
-            connection_pool_class=redis.BlockingConnectionPool,  # used for a url's nodes
-            **options,
-        )
-    pool = redis.BlockingConnectionPool.from_url(
-        config.url, retry=Retry(NoBackoff(), 0), health_check_interval=0, **options
-    )
-    return redis.Redis(connection_pool=pool)
+AUTH_LOG_INTERVAL_S = 60.0  # least time between two warnings that Redis refuses our password
 
 
 class RedisTier(Tier):
@@ -248,9 +120,10 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._num_skipped = 0
         self._last_used_bytes = 0
+        self._auth_log = LogThrottle(AUTH_LOG_INTERVAL_S, clock)
         self._client: redis.Redis | None = None
         self._cluster: ClusterRouter | None = None
-        # The block gets and puts of a single node, without redis-py's copies (TLS: None).
+        # The block gets and puts of a single node, without redis-py's copies.
         self._bulk: RespPool | None = None
         if config.cluster:  # connects on first use: building the client reads the slot map
             self._cluster = ClusterRouter(
@@ -259,16 +132,25 @@ class RedisTier(Tier):
                 make_breaker=lambda: CircuitBreaker(config.failure_threshold, backoff, clock),
                 count_error=lambda n: self._stats.add(errors=n),
                 count_skipped=self._count_skipped,
+                on_auth_refused=self._auth_refused,
             )
         else:
+            # Reads the CA and client certificate files now: a bad path fails here, clearly,
+            # rather than as a connection error on every call.
+            tls = (
+                client_context(
+                    config.ssl_ca_certs, cert_file=config.ssl_certfile, key_file=config.ssl_keyfile
+                )
+                if config.tls
+                else None
+            )
             client = make_client(config)
             assert isinstance(client, redis.Redis), "a single-node url makes a single-node client"
             self._client = client
             endpoint = Endpoint.from_url(
-                config.url, config.connect_timeout_s, config.socket_timeout_s
+                config.url, config.connect_timeout_s, config.socket_timeout_s, tls
             )
-            if endpoint is not None:
-                self._bulk = RespPool(endpoint, config.max_connections, config.bulk_streams)
+            self._bulk = RespPool(endpoint, config.max_connections, config.bulk_streams)
 
     @property
     def config(self) -> RedisTierConfig:
@@ -562,7 +444,7 @@ class RedisTier(Tier):
     def _call_bulk(self, op: Callable[[RespPool], _T]) -> _T | None:
         """``_call`` for the bulk path (``resp``)."""
         bulk = self._bulk
-        assert bulk is not None, "single-node, non-TLS calls only"
+        assert bulk is not None, "single-node calls only"
         return self._guarded(lambda: op(bulk))
 
     def _guarded(self, run: Callable[[], _T]) -> _T | None:
@@ -573,6 +455,13 @@ class RedisTier(Tier):
             return None
         try:
             result = run()
+        except (RedisAuthenticationError, RespAuthError) as exc:
+            # Before the connection errors (redis-py's is one): it is one, and also a wrong
+            # password, which someone has to fix.
+            self._breaker.record_failure()
+            self._stats.add(errors=1)
+            self._auth_refused(exc)
+            return None
         except (RedisConnectionError, RedisTimeoutError, OSError, TierUnavailableError):
             self._breaker.record_failure()
             self._stats.add(errors=1)
@@ -592,13 +481,27 @@ class RedisTier(Tier):
         with self._lock:
             self._num_skipped += 1
 
+    def _auth_refused(self, exc: BaseException) -> None:
+        """Count a refusal of our credentials; warn once per ``AUTH_LOG_INTERVAL_S``."""
+        count = self._auth_log.note()
+        if count is not None:
+            logger.warning(
+                "Redis at %s refuses the tier's credentials (%s): %d call(s) failed so since the "
+                "last warning; check the user and password of the url",
+                redact_url(self._config.url),
+                redact(str(exc)),
+                count,
+            )
+
     def stats(self) -> dict[str, Any]:
         """``Tier.stats`` plus ``skipped`` (calls not made because a breaker was open),
+        ``auth_failures`` (calls Redis refused for our credentials; also in ``errors``),
         ``breaker`` (``CircuitBreaker.snapshot``; of the slot map on a cluster) and, on a
         cluster, ``node_breakers`` (each master's, by ``host:port``)."""
         out = super().stats()
         with self._lock:
             out["skipped"] = self._num_skipped
+        out["auth_failures"] = self._auth_log.total
         out["breaker"] = self._breaker.snapshot()
         if self._cluster is not None:
             out["node_breakers"] = self._cluster.breakers()

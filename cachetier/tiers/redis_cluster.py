@@ -39,6 +39,7 @@ from redis.connection import Connection, ConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     RedisClusterException,
     RedisError,
@@ -50,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cachetier.backoff import CircuitBreaker
 from cachetier.errors import TierUnavailableError
+from cachetier.redact import redact_url, redacted_repr
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
@@ -65,11 +67,14 @@ class ClusterAddress:
     Args:
         nodes: ``(host, port)`` of each startup node, in URL order.
         node_url: ``redis[s]://[user:password@]host:port`` of the first node; redis-py takes
-            TLS and credentials for every node from it.
+            TLS and credentials for every node from it (redacted in the repr).
     """
 
     nodes: tuple[tuple[str, int], ...]
     node_url: str
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
 
 def parse_cluster_url(url: str) -> ClusterAddress:
@@ -83,26 +88,30 @@ def parse_cluster_url(url: str) -> ClusterAddress:
         The startup nodes and the URL redis-py reads the first one from.
     """
     scheme, sep, rest = url.partition("://")
+    shown = redact_url(url)  # what error messages show: never the password
     if scheme not in CLUSTER_SCHEMES or not sep:
-        raise ValueError(f"url {url!r} must start with one of {CLUSTER_SCHEMES}://")
+        raise ValueError(f"url {shown!r} must start with one of {CLUSTER_SCHEMES}://")
     if "?" in rest or "#" in rest:
-        raise ValueError(f"url {url!r}: a cluster URL takes no query or fragment")
+        raise ValueError(
+            f"url {shown!r}: a cluster URL takes no query or fragment (for TLS use "
+            "rediss+cluster:// and the tier's ssl_* settings)"
+        )
     netloc, _, db = rest.partition("/")
     if db not in ("", "0"):
-        raise ValueError(f"url {url!r}: Redis Cluster has only database 0")
+        raise ValueError(f"url {shown!r}: Redis Cluster has only database 0")
     userinfo, at, hosts = netloc.rpartition("@")
     nodes = []
     for entry in hosts.split(","):
         parts = urlsplit(f"//{entry}")
         if not entry or not parts.hostname or "@" in entry:
             raise ValueError(
-                f"url {url!r} must list host:port of one or more nodes, e.g. "
+                f"url {shown!r} must list host:port of one or more nodes, e.g. "
                 "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
             )
         try:
             port = parts.port or DEFAULT_PORT
         except ValueError:
-            raise ValueError(f"url {url!r} has a bad port in {entry!r}") from None
+            raise ValueError(f"url {shown!r} has a bad port in {entry!r}") from None
         nodes.append((parts.hostname, port))
     host, port = nodes[0]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
@@ -135,6 +144,8 @@ class ClusterRouter:
         make_breaker: makes the breaker of a master, on the first command sent to it.
         count_error: adds this many failed calls to the tier's errors.
         count_skipped: counts one call not made because a breaker was open.
+        on_auth_refused: told of each failure that is a node refusing our credentials
+            (``NOAUTH``, ``WRONGPASS``); it is counted in errors as well.
     """
 
     def __init__(
@@ -144,12 +155,14 @@ class ClusterRouter:
         make_breaker: Callable[[], CircuitBreaker],
         count_error: Callable[[int], None],
         count_skipped: Callable[[], None],
+        on_auth_refused: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self._connect = connect
         self._breaker = breaker
         self._make_breaker = make_breaker
         self._count_error = count_error
         self._count_skipped = count_skipped
+        self._on_auth_refused = on_auth_refused
         self._lock = threading.Lock()  # guards the three fields below
         self._client: RedisCluster | None = None
         self._stale = False  # the slot map is to be re-read before the next call
@@ -229,8 +242,9 @@ class ClusterRouter:
                 continue
             try:
                 found.extend(node.redis_connection.scan_iter(match=pattern, count=count))
-            except _UNREACHABLE:
+            except _UNREACHABLE as exc:
                 self._node_failed(breaker)
+                self._maybe_auth_refused(exc)
                 continue
             except RedisError:
                 breaker.record_success()  # it answered, with an error
@@ -279,9 +293,10 @@ class ClusterRouter:
                     client = self._connect()
                 else:
                     client.nodes_manager.initialize()
-            except (RedisError, RedisClusterException, OSError):
+            except (RedisError, RedisClusterException, OSError) as exc:
                 self._breaker.record_failure()
                 self._count_error(1)
+                self._maybe_auth_refused(exc)
                 return client
             except BaseException:
                 self._breaker.record_failure()
@@ -290,6 +305,18 @@ class ClusterRouter:
             with self._lock:
                 self._client, self._stale = client, False
             return client
+
+    def _maybe_auth_refused(self, exc: BaseException) -> None:
+        """Tell ``on_auth_refused`` if ``exc`` is (or was caused by) a refusal of our
+        credentials: redis-py wraps one met while reading the slot map in its own exception."""
+        seen: BaseException | None = exc
+        for _ in range(8):  # a cause chain is short; never loop on a cycle
+            if seen is None:
+                return
+            if isinstance(seen, AuthenticationError):
+                self._on_auth_refused(seen)
+                return
+            seen = seen.__cause__ or seen.__context__
 
     def _mark_stale(self) -> None:
         with self._lock:
@@ -323,8 +350,9 @@ class ClusterRouter:
             batch.pool = pool
             packed = batch.conn.pack_commands([commands[i] for i in batch.indexes])
             batch.conn.send_packed_command(packed)
-        except _UNREACHABLE:
+        except _UNREACHABLE as exc:
             self._batch_failed(batch, out, "unreachable")
+            self._maybe_auth_refused(exc)
 
     def _receive(self, batch: _Batch, commands: Sequence[tuple[Any, ...]], out: list[Any]) -> None:
         assert batch.conn is not None, "receive follows a successful send"
@@ -338,8 +366,9 @@ class ClusterRouter:
                     out[i] = exc
                     error_replies += 1
                     routing_errors += isinstance(exc, _ROUTING_ERRORS)
-        except (RedisError, OSError):  # no answer, or one that broke the stream
+        except (RedisError, OSError) as exc:  # no answer, or one that broke the stream
             self._batch_failed(batch, out, "did not answer")
+            self._maybe_auth_refused(exc)
             return
         batch.reported = True
         batch.breaker.record_success()  # it answered, if only with errors

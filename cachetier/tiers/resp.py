@@ -14,27 +14,32 @@ needs, without them:
 A large batch is spread over a few connections, one thread each: Redis writes a big reply in
 64 KiB steps of its event loop, so one connection leaves both Redis and us idle part of the
 time; socket waits release the GIL, so the streams overlap. Everything else (scripts, scans,
-deletes, TLS, Redis Cluster) stays on redis-py.
+deletes, Redis Cluster) stays on redis-py. Over ``rediss://`` the connections speak TLS with
+the tier's client context (``cachetier.tls``: chain and host name verified), never plaintext.
 
 Errors: socket failures and timeouts raise ``OSError`` (``TimeoutError``, ``ConnectionError``);
-bytes that are not the reply expected raise ``RespProtocolError``. Either way the connection is
-dropped, never reused out of step. An error reply to one command (``-OOM ...``) is not raised:
-it comes back as an ``ErrorReply`` in that command's place.
+bytes that are not the reply expected raise ``RespProtocolError``, and a Redis that refuses
+our credentials (a refused ``AUTH``, or ``NOAUTH`` / ``WRONGPASS`` in place of a reply) raises
+``RespAuthError``. Either way the connection is dropped, never reused out of step. Any other
+error reply to one command (``-OOM ...``) is not raised: it comes back as an ``ErrorReply`` in
+that command's place.
 """
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-from redis.connection import UnixDomainSocketConnection, parse_url
+from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.redact import redacted_repr
 from cachetier.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 
 _T = TypeVar("_T")
@@ -49,6 +54,15 @@ MAX_BULK_BYTES = 512 * 1024 * 1024
 
 class RespProtocolError(TierUnavailableError):
     """Redis sent bytes that are not the reply expected; the connection is dropped."""
+
+
+class RespAuthError(RespProtocolError):
+    """Redis refused our credentials: ``AUTH`` failed, or it answered ``NOAUTH`` / ``WRONGPASS``
+    (a password it wants and we do not send, or one it no longer takes)."""
+
+
+# Error replies that mean every command on the connection will fail the same way.
+_AUTH_REPLIES = (b"NOAUTH", b"WRONGPASS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,28 +104,51 @@ class Endpoint:
         port: TCP port.
         path: Unix socket path, or ``None`` for TCP.
         username: ACL user name (``None``: the default user).
-        password: password (``None``: no ``AUTH``).
+        password: password (``None``: no ``AUTH``); never in the repr.
         db: database number (``SELECT`` when not 0).
-        connect_timeout_s: longest wait for a connection, in seconds.
+        connect_timeout_s: longest wait for a connection (and its TLS handshake), in seconds.
         timeout_s: longest wait for one read or write, in seconds.
+        tls: client context of a ``rediss://`` endpoint (``cachetier.tls.client_context``),
+            ``None`` for plaintext.
     """
 
     host: str | None
     port: int
     path: str | None
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)
     db: int
     connect_timeout_s: float
     timeout_s: float
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     @classmethod
-    def from_url(cls, url: str, connect_timeout_s: float, timeout_s: float) -> Endpoint | None:
-        """The endpoint of a ``redis://`` or ``unix://`` url; ``None`` for ``rediss://`` (TLS
-        stays on redis-py: an SSL socket has no vectored send)."""
+    def from_url(
+        cls,
+        url: str,
+        connect_timeout_s: float,
+        timeout_s: float,
+        tls: ssl.SSLContext | None = None,
+    ) -> Endpoint:
+        """The endpoint of a ``redis://``, ``rediss://`` or ``unix://`` url.
+
+        Args:
+            url: the url.
+            connect_timeout_s: see the class.
+            timeout_s: see the class.
+            tls: the client context; required for ``rediss://``, refused otherwise.
+        """
         options = parse_url(url)
-        if options.get("connection_class") not in (None, UnixDomainSocketConnection):
-            return None
+        is_tls = options.get("connection_class") is SSLConnection
+        if is_tls != (tls is not None):
+            raise ValueError(
+                "a rediss:// url needs a TLS context" if is_tls else "TLS needs a rediss:// url"
+            )
+        if options.get("connection_class") not in (None, UnixDomainSocketConnection, SSLConnection):
+            raise ValueError(f"unknown Redis connection {options.get('connection_class')!r}")
         path = options.get("path")
         return cls(
             host=None if path else options.get("host", "localhost"),
@@ -122,6 +159,7 @@ class Endpoint:
             db=int(options.get("db", 0)),
             connect_timeout_s=connect_timeout_s,
             timeout_s=timeout_s,
+            tls=tls,
         )
 
 
@@ -141,8 +179,10 @@ class RespConnection:
         endpoint: where to connect.
 
     Raises:
-        OSError: the connection could not be made.
-        RespProtocolError: ``AUTH`` or ``SELECT`` was refused.
+        OSError: the connection could not be made (``ssl.SSLError`` included: a failed TLS
+            handshake or a certificate that does not verify).
+        RespAuthError: ``AUTH`` was refused.
+        RespProtocolError: ``SELECT`` was refused.
     """
 
     def __init__(self, endpoint: Endpoint) -> None:
@@ -153,7 +193,11 @@ class RespConnection:
         else:
             assert endpoint.host is not None
             io = BufferedSocket.connect_tcp(
-                endpoint.host, endpoint.port, endpoint.connect_timeout_s, endpoint.timeout_s
+                endpoint.host,
+                endpoint.port,
+                endpoint.connect_timeout_s,
+                endpoint.timeout_s,
+                tls=endpoint.tls,
             )
         self.io = io
         try:
@@ -172,10 +216,13 @@ class RespConnection:
         if not commands:
             return
         self.io.send([b"".join(commands)])
-        for _ in commands:
+        for i in range(len(commands)):
             line = self.read_line()
             if line[:1] != b"+":
-                raise RespProtocolError(f"Redis refused the login: {_text(line)}")
+                # The AUTH goes first: its refusal is a credentials problem, whatever the words.
+                is_auth = endpoint.password is not None and i == 0
+                error = RespAuthError if is_auth or _is_auth_error(line[1:]) else RespProtocolError
+                raise error(f"Redis refused the login: {_text(line)}")
 
     def read_line(self) -> bytes:
         """The next reply line, without its CRLF."""
@@ -214,7 +261,7 @@ def read_bulk_record(
     line = conn.read_line()
     kind = line[:1]
     if kind == b"-":
-        return ErrorReply(_text(line[1:]))
+        return _error_reply(line[1:])
     if kind != b"$":
         raise RespProtocolError(f"expected a bulk string, got {_text(line)}")
     try:
@@ -242,8 +289,20 @@ def read_status(conn: RespConnection) -> bool | ErrorReply:
     if line[:1] == b"+":
         return True
     if line[:1] == b"-":
-        return ErrorReply(_text(line[1:]))
+        return _error_reply(line[1:])
     raise RespProtocolError(f"expected a status reply, got {_text(line)}")
+
+
+def _error_reply(message: bytes) -> ErrorReply:
+    """The ``ErrorReply`` of an error line; raises ``RespAuthError`` for a refusal of our
+    credentials (the commands after it would all be refused too: drop the connection)."""
+    if _is_auth_error(message):
+        raise RespAuthError(f"Redis refused our credentials: {_text(message)}")
+    return ErrorReply(_text(message))
+
+
+def _is_auth_error(message: bytes) -> bool:
+    return message.startswith(_AUTH_REPLIES)
 
 
 def _text(line: bytes) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachetier.config import StoreConfig, build_store
+from cachetier.redact import redacted_repr
 from cachetier.store import TieredStore
 
 _STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have live there
@@ -36,7 +37,7 @@ class ConnectorConfig:
             ``cache_salt`` is appended to it.
         compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
         model_fingerprint: identity of the weights; ``None`` hashes vLLM's model folder
-            (``engine.fingerprint.model_fingerprint``).
+            (``cachetier.fingerprint.model_fingerprint``).
         fsync: fsync disk records before they are renamed into place.
         write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
             are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
@@ -72,6 +73,10 @@ class ConnectorConfig:
             from cachetier.tiers.remote import RemoteTierConfig
 
             RemoteTierConfig(url=self.remote_url, token=self.remote_token)  # raises on a bad URL
+
+    def __repr__(self) -> str:
+        # vLLM logs its kv_transfer_config; the Redis URL's password must not go with it.
+        return redacted_repr(self)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -232,3 +232,38 @@ def _reseal(record: bytes, head_len: int) -> bytes:
     digest = record_module.xxhash.xxh3_64(record[:head_len])
     digest.update(record[head_len + 8 :])
     return digest.digest()
+
+
+def _lz4_claiming(block: KVBlock, raw_len: int) -> bytes:
+    """``block``'s lz4 record with its raw length (and shape) set to ``raw_len``, resealed: a
+    record whose checksum passes and whose header lies about what it decompresses to."""
+    record = bytearray(encode_record(block, Compression.LZ4))
+    assert record[6] == Compression.LZ4, "the payload compresses"
+    record[90:98] = raw_len.to_bytes(8, "little")  # raw_len (record_module's fixed header)
+    record[98:106] = (raw_len // 2).to_bytes(8, "little")  # shape[0], float16
+    for dim in range(1, len(block.shape)):
+        record[98 + 8 * dim : 106 + 8 * dim] = (1).to_bytes(8, "little")
+    head_len = 98 + 8 * len(block.shape)
+    record[head_len : head_len + 8] = _reseal(bytes(record), head_len)
+    return bytes(record)
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_a_raw_length_over_the_limit_is_refused_before_decompressing(
+    namespace: Namespace, decode: Callable[..., KVBlock]
+) -> None:
+    block = make_blocks(namespace, 1)[0]
+    zeros = dataclasses.replace(block, data=bytes(len(block.data)))
+    record = encode_record(zeros, Compression.LZ4)
+    raw = len(zeros.data)
+    assert record_module.peek_inflated_nbytes(record) == raw
+    assert record_module.peek_inflated_nbytes(encode_record(zeros)) == 0  # served as a view
+    assert decode(record, max_raw_bytes=raw).data == zeros.data
+    with pytest.raises(CorruptBlockError, match="over the limit"):
+        decode(record, max_raw_bytes=raw - 1)
+    # A claim lz4 cannot even take (over 2 GiB), with no limit set: still a bad record.
+    for claim in (3 << 30, 1 << 62):
+        with pytest.raises(CorruptBlockError):
+            decode(_lz4_claiming(zeros, claim))
+        with pytest.raises(CorruptBlockError, match="over the limit"):
+            decode(_lz4_claiming(zeros, claim), max_raw_bytes=1 << 20)

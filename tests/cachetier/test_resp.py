@@ -26,6 +26,7 @@ from cachetier.tiers.resp import (
     RespProtocolError,
     command,
 )
+from cachetier.tls import client_context
 from tests.support import PrivateRedis, free_port, make_blocks
 
 # 4 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 128 KiB, above the connection's
@@ -195,8 +196,15 @@ def test_a_connection_redis_closed_is_replaced(
     pool.close()
 
 
-def test_a_url_over_tls_is_left_to_redis_py() -> None:
-    assert Endpoint.from_url("rediss://127.0.0.1:6379/0", 1, 1) is None
+def test_a_url_over_tls_needs_a_tls_context_and_hides_its_password() -> None:
+    # rediss:// runs the bulk path over TLS (tests/cachetier/test_redis_tls.py), never plaintext.
+    with pytest.raises(ValueError, match="TLS context"):
+        Endpoint.from_url("rediss://127.0.0.1:6379/0", 1, 1)
+    with pytest.raises(ValueError, match="rediss://"):
+        Endpoint.from_url("redis://127.0.0.1:6379/0", 1, 1, client_context())
+    endpoint = Endpoint.from_url("rediss://:hunter2-pw@127.0.0.1:6379/0", 1, 1, client_context())
+    assert endpoint.tls is not None and endpoint.password == "hunter2-pw"
+    assert "hunter2" not in repr(endpoint)
 
 
 class Liar:

@@ -15,8 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
 from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
+from cachetier.server.httpserver import http_server
 from tests.support import AppThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +68,10 @@ class ThreadServer(AppThread):
     def __init__(self, config: ServerConfig) -> None:
         super().__init__(lambda: create_app(config), config.port, log_level=config.log_level)
         self.config = config
+
+    def make_server(self) -> uvicorn.Server:
+        # The server the CLI runs, with its connection guard: what the tests attack.
+        return http_server(create_app(self.config), self.config)
 
     def start(self) -> ThreadServer:
         self.start_thread()

@@ -48,6 +48,19 @@ def test_toml_file(tmp_path: Path) -> None:
     assert config.store_config().redis_url == "redis://127.0.0.1:6379/0"
 
 
+def test_disk_permissions_for_pods_sharing_a_folder(tmp_path: Path) -> None:
+    # One host folder shared by the pods of one group: TOML octal in the file, octal digits in
+    # the environment, and both reach the disk tier.
+    path = tmp_path / "server.toml"
+    path.write_text(f'disk_file_mode = 0o640\n[tenants]\nbob = "{BOB}"\n')
+    store = load_config(path, {}).store_config()
+    assert (store.disk_file_mode, store.disk_dir_mode) == (0o640, 0o700)
+    env = {"CACHETIER_DISK_DIR_MODE": "0750"}
+    assert load_config(path, env).store_config().disk_dir_mode == 0o750
+    with pytest.raises(ValueError, match="disk_file_mode"):
+        load_config(path, {"CACHETIER_DISK_FILE_MODE": "0400"})
+
+
 @pytest.mark.parametrize(
     "text,match",
     [

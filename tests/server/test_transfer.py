@@ -326,8 +326,10 @@ def test_a_stale_socket_file_is_replaced_and_any_other_file_is_kept(
         service.close()
 
 
-def test_transfers_stay_off_for_https_and_when_disabled() -> None:
-    assert RemoteTierConfig(url="https://cache:8470").transfer_host is None
+def test_transfers_stay_off_when_disabled() -> None:
+    # An https url transfers too, over TLS, if the server says its port speaks it (test_tls.py).
+    assert RemoteTierConfig(url="https://cache:8470").transfer_host == "cache"
+    assert RemoteTierConfig(url="https://cache:8470", transfer=False).transfer_host is None
     assert RemoteTierConfig(url="http://cache:8470", transfer=False).transfer_host is None
     assert RemoteTierConfig(url="http://cache:8470").transfer_host == "cache"
 

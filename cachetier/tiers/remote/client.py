@@ -8,6 +8,7 @@ garbage (worth a retry), ``RequestRefusedError`` on a 4xx (it is not).
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,10 +54,15 @@ class RemoteClient:
 
     Args:
         config: where the server is, the token, timeouts and pool size.
+        tls: client context for an ``https://`` url (``cachetier.tls.client_context``), else
+            ``None``.
     """
 
-    def __init__(self, config: RemoteTierConfig) -> None:
+    def __init__(self, config: RemoteTierConfig, tls: ssl.SSLContext | None = None) -> None:
+        if config.tls != (tls is not None):
+            raise ValueError("an https:// url needs a TLS context, and only one does")
         self._config = config
+        self._tls = tls
         self._base = config.base_url + "/v1/namespaces/"
         self._session: aiohttp.ClientSession | None = None
 
@@ -70,6 +76,9 @@ class RemoteClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
                     limit=self._config.max_connections,
+                    # Our context for https (its CA bundle, verification on); True: aiohttp's
+                    # default for an http url, where it is not used.
+                    ssl=self._tls if self._tls is not None else True,
                     # Below the server's keep-alive (75 s from `cachetier serve`).
                     keepalive_timeout=30,
                 ),
@@ -216,7 +225,10 @@ def _transfer_address(answer: dict[str, Any]) -> TransferAddress | None:
         raise TierUnavailableError(f"server named transfer socket {path!r}")
     if isinstance(server_id, bool) or not isinstance(server_id, int):
         raise TierUnavailableError(f"server named transfer id {server_id!r}")
-    return TransferAddress(port, path, server_id)
+    tls = answer.get("transfer_tls", False)  # absent: a server from before TLS, plain TCP
+    if not isinstance(tls, bool):
+        raise TierUnavailableError(f"server named transfer_tls {tls!r}")
+    return TransferAddress(port, path, server_id, tls=tls)
 
 
 def _keys_body(keys: Sequence[BlockHash]) -> bytes:

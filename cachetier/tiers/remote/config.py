@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from cachetier.backoff import ExponentialBackoff
+from cachetier.redact import redact_url, redacted_repr
 from cachetier.tiers.remote.batching import RequestLimits
 
 MiB = 1 << 20
@@ -14,8 +15,10 @@ MiB = 1 << 20
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
     """Args:
-    url: base URL of a cachetier server, ``http://host:port`` (a path prefix is kept).
-    token: bearer token (it names the tenant); ``None`` for a server in open mode.
+    url: base URL of a cachetier server, ``http://host:port`` or ``https://host:port`` (TLS,
+        to the HTTP API and the transfer port alike); a path prefix is kept.
+    token: bearer token (it names the tenant); ``None`` for a server in open mode. Never in
+        the repr.
     tenant: if set, sent as ``X-Cachetier-Tenant``: a token of another tenant is then refused
         (403) instead of silently writing to that tenant.
     timeout_s: longest one HTTP attempt may take, connect to last byte, in seconds.
@@ -32,11 +35,19 @@ class RemoteTierConfig:
     max_keys: most keys per lookup, exists or delete request.
     max_record_bytes: largest record accepted from the server.
     transfer: move block batches over the server's block transfer port when it has one
-        (``/v1/limits`` says; plain TCP to the url's host, so only for ``http://`` urls):
-        gets and puts then run on the calling thread without HTTP. ``False`` keeps to HTTP.
+        (``/v1/limits`` says, and whether the port speaks TLS): gets and puts then run on the
+        calling thread without HTTP. With an ``https://`` url the port is used only if it
+        speaks TLS (verified like HTTP), so the token never crosses the network in clear.
+        ``False`` keeps to HTTP.
     transfer_socket: when the server also names a Unix socket and that path exists here (same
         host, or a folder shared with the server's pod), transfer over it instead of TCP
-        (the server's hello id confirms it is the same server).
+        (the server's hello id confirms it is the same server). The socket is plaintext: it
+        is local and guarded by its folder's permissions.
+    ca_file: PEM bundle of the CAs the server's certificate is checked against (``https://``
+        only); ``None`` trusts the system's CAs.
+    tls_verify: check the server's certificate chain and that it names the url's host. Turn
+        it off only for a throwaway test certificate: anyone on the path could then pose as
+        the server and collect the token.
     """
 
     url: str
@@ -55,19 +66,36 @@ class RemoteTierConfig:
     max_record_bytes: int = 1024 * MiB
     transfer: bool = True
     transfer_socket: bool = True
+    ca_file: str | None = None
+    tls_verify: bool = True
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
             raise TypeError(f"url must be a str, got {type(self.url).__name__}")
+        shown = redact_url(self.url)  # what error messages show: never a password
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"url {self.url!r} must be http(s)://host:port of a cachetier server")
+            raise ValueError(f"url {shown!r} must be http(s)://host:port of a cachetier server")
         try:
             parts.port  # noqa: B018 -- raises ValueError on a bad port
         except ValueError:
-            raise ValueError(f"url {self.url!r} has a bad port") from None
+            raise ValueError(f"url {shown!r} has a bad port") from None
         if parts.query or parts.fragment:
-            raise ValueError(f"url {self.url!r} must not have a query or fragment")
+            raise ValueError(f"url {shown!r} must not have a query or fragment")
+        if parts.username is not None or parts.password is not None:
+            # The server takes a bearer token, not a user and password; aiohttp would send
+            # them as basic auth (refusing the token beside them), the transfer port not at all.
+            raise ValueError(f"url {shown!r} must not carry credentials: give them as token")
+        if self.ca_file is not None:
+            if not isinstance(self.ca_file, str) or not self.ca_file:
+                raise ValueError(f"ca_file must be a file path or None, got {self.ca_file!r}")
+            if parts.scheme != "https":
+                raise ValueError(f"ca_file is set but url {shown!r} is not https://")
+        if not isinstance(self.tls_verify, bool):
+            raise TypeError(f"tls_verify must be a bool, got {self.tls_verify!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise ValueError("token must be a non-empty string without spaces, or None")
         for name in ("timeout_s", "connect_timeout_s"):
@@ -89,11 +117,15 @@ class RemoteTierConfig:
         ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid
 
     @property
+    def tls(self) -> bool:
+        """Whether the url is ``https://``: HTTP and any TCP transfer speak TLS."""
+        return urlsplit(self.url).scheme == "https"
+
+    @property
     def transfer_host(self) -> str | None:
-        """The host to reach the transfer port on; ``None`` when transfers are off (by the
-        setting, or because the url is https: the port has no TLS)."""
-        parts = urlsplit(self.url)
-        return parts.hostname if self.transfer and parts.scheme == "http" else None
+        """The host to reach the transfer port on (the url's; with TLS, the name its
+        certificate must carry); ``None`` when transfers are off."""
+        return urlsplit(self.url).hostname if self.transfer else None
 
     @property
     def base_url(self) -> str:

@@ -8,10 +8,17 @@ aiohttp session):
 - ``aget_many``, ``aput_many``, ... for async callers, awaitable from any event loop.
 
 When the server takes block transfers (``/v1/limits`` names its port, its Unix socket or
-both) and the url is ``http://``, the blocking ``get_many``, ``get_into`` and ``put_many`` move
-their blocks that way instead (``transfer``): over the socket when its path exists on this
-host, else the port; from the caller's thread, records read straight into the caller's
-buffers, no HTTP. Lookups, deletes and the async API stay on HTTP.
+both), the blocking ``get_many``, ``get_into`` and ``put_many`` move their blocks that way
+instead (``transfer``): over the socket when its path exists on this host, else the port; from
+the caller's thread, records read straight into the caller's buffers, no HTTP. Lookups, deletes
+and the async API stay on HTTP.
+
+TLS. An ``https://`` url makes HTTP and the transfer port speak TLS with one client context
+(``ca_file``, chain and host name verified unless ``tls_verify`` is off). The port is used only
+if the server says it speaks TLS: the token is never sent in clear to a plaintext port. A
+certificate that does not verify is a miss and a counted error (``tls_failures`` in stats),
+not retried, and logged at most once per ``TLS_LOG_INTERVAL_S``. Log lines and errors never
+show the token (``cachetier.redact``).
 
 A server that is down, slow or restarting turns into misses and counted errors: each request
 is retried with exponential backoff, and a circuit breaker stops calling after
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -35,17 +43,21 @@ from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.record import Buffer, KVBlock, byte_view, decode_record, encode_parts
+from cachetier.redact import redact
 from cachetier.server.transfer_wire import TransferAddress
 from cachetier.server.wire import check_client_namespace
 from cachetier.store import PrefixHit
+from cachetier.throttle import LogThrottle
 from cachetier.tiers.base import Tier, land_in
 from cachetier.tiers.remote.batching import RequestLimits
 from cachetier.tiers.remote.client import RemoteClient
 from cachetier.tiers.remote.config import RemoteTierConfig
 from cachetier.tiers.remote.loop import LoopThread
 from cachetier.tiers.remote.transfer import TransferClient
+from cachetier.tls import client_context
 
 logger = logging.getLogger(__name__)
+TLS_LOG_INTERVAL_S = 60.0  # least time between two warnings of a failed TLS handshake
 _T = TypeVar("_T")
 # What a request that fails this way may succeed on retry: the server is down, restarting,
 # slow, or sent something that is not a valid answer (KeyError/TypeError/ValueError: a reply
@@ -59,6 +71,8 @@ _TRANSIENT = (
     TypeError,
     ValueError,
 )
+# A server whose certificate does not verify will not verify on a retry either.
+_UNTRUSTED = (ssl.SSLCertVerificationError, aiohttp.ClientConnectorCertificateError)
 
 
 class RemoteTier(Tier):
@@ -76,7 +90,10 @@ class RemoteTier(Tier):
         self._config = config
         self._backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
         self._breaker = CircuitBreaker(config.failure_threshold, self._backoff, clock)
-        self._client = RemoteClient(config)
+        # Reads ca_file now: a bad path fails here, clearly, not as an error on every call.
+        self._tls = client_context(config.ca_file, config.tls_verify) if config.tls else None
+        self._tls_log = LogThrottle(TLS_LOG_INTERVAL_S, clock)
+        self._client = RemoteClient(config, self._tls)
         self._lock = threading.Lock()
         self._num_skipped = 0
         self._num_retries = 0
@@ -342,19 +359,25 @@ class RemoteTier(Tier):
 
     def _use_transfer(self, address: TransferAddress | None) -> None:
         """Make (or drop) the transfer client for where the server takes transfers: its Unix
-        socket when that path exists here (same host), else its TCP port."""
+        socket when that path exists here (same host), else its TCP port if that speaks TLS
+        exactly when our url does (https: never the token in clear to a plaintext port)."""
         host = self._config.transfer_host
         where: tuple[str, int] | str | None = None
+        tls: ssl.SSLContext | None = None
         if host is not None and address is not None:
             path = address.socket_path if self._config.transfer_socket else None
             if path is not None and os.path.exists(path):
                 where = path
-            elif address.port is not None:
-                where = (host, address.port)
+            elif address.port is not None and address.tls == self._config.tls:
+                where, tls = (host, address.port), self._tls
         old = self._transfer
         if where is None:
             self._transfer = None
-        elif old is None or (old.where, old.server_id) != (where, address.server_id):
+        elif old is None or (old.where, old.server_id, old.tls) != (
+            where,
+            address.server_id,
+            tls is not None,
+        ):
             c = self._config  # a restarted server has a new id, maybe a new port
             self._transfer = TransferClient(
                 where,
@@ -365,6 +388,7 @@ class RemoteTier(Tier):
                 timeout_s=c.timeout_s,
                 max_connections=c.max_connections,
                 max_record_bytes=c.max_record_bytes,
+                tls=tls,
             )
         if old is not None and old is not self._transfer:
             old.close()
@@ -433,17 +457,37 @@ class RemoteTier(Tier):
             self._breaker.record_success()  # the server is up; it said no
             self._limits_known = False  # e.g. its limits went down: ask again
             self._stats.add(errors=1)
-            logger.warning("cachetier server refused a request: %s", exc)
+            logger.warning("cachetier server refused a request: %s", self._describe(exc))
             return None
+        if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)):
+            self._tls_failed(exc)
         # A timeout is not retried: a server that was too slow once is likely to be again, and
-        # the caller is waiting. A refused or reset connection (a restart) or a 5xx is.
-        if attempt < self._config.retries and not isinstance(exc, TimeoutError):
+        # the caller is waiting. Nor is a certificate that does not verify. A refused or reset
+        # connection (a restart) or a 5xx is.
+        if attempt < self._config.retries and not isinstance(exc, (TimeoutError, *_UNTRUSTED)):
             self._count(retries=1)
             return self._backoff.delay_s(attempt)
         self._breaker.record_failure()
         self._stats.add(errors=1)
-        logger.debug("cachetier server call failed: %r", exc)
+        logger.debug("cachetier server call failed: %s", self._describe(exc))
         return None
+
+    def _tls_failed(self, exc: BaseException) -> None:
+        """Count a failed TLS handshake; warn once per ``TLS_LOG_INTERVAL_S``."""
+        count = self._tls_log.note()
+        if count is not None:
+            logger.warning(
+                "TLS with the cachetier server at %s failed (%s): %d time(s) since the last "
+                "warning; check ca_file and that the certificate names the url's host",
+                redact(self._config.base_url),
+                self._describe(exc),
+                count,
+            )
+
+    def _describe(self, exc: BaseException) -> str:
+        """``repr(exc)`` with the token and any URL password masked (an aiohttp error's repr
+        can carry the request's headers)."""
+        return redact(repr(exc), [self._config.token])
 
     # Plumbing between the callers' threads and loops and the private loop.
 
@@ -463,8 +507,10 @@ class RemoteTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries``,
-        ``breaker`` (``CircuitBreaker.snapshot``) and ``transfer`` (where block transfers go:
-        ``"unix:<path>"``, ``"tcp:<host>:<port>"``, or ``None`` for HTTP)."""
+        ``tls_failures`` (failed TLS handshakes, also in ``errors``), ``breaker``
+        (``CircuitBreaker.snapshot``) and ``transfer`` (where block transfers go:
+        ``"unix:<path>"``, ``"tcp:<host>:<port>"``, ``"tls:<host>:<port>"``, or ``None`` for
+        HTTP)."""
         out = super().stats()
         transfer = self._transfer
         if transfer is None:
@@ -472,10 +518,11 @@ class RemoteTier(Tier):
         elif isinstance(transfer.where, str):
             out["transfer"] = f"unix:{transfer.where}"
         else:
-            out["transfer"] = "tcp:{}:{}".format(*transfer.where)
+            out["transfer"] = "{}:{}:{}".format("tls" if transfer.tls else "tcp", *transfer.where)
         with self._lock:
             out["skipped"] = self._num_skipped
             out["retries"] = self._num_retries
+        out["tls_failures"] = self._tls_log.total
         out["breaker"] = self._breaker.snapshot()
         return out
 

@@ -9,6 +9,7 @@ are worth a retry; ``RequestRefusedError`` is not.
 
 from __future__ import annotations
 
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,11 +38,14 @@ class TransferConnection:
         server_id: the id the server's hello must answer with (``None``: any).
         token: bearer token, ``None`` in open mode.
         tenant: the tenant the token must act as, if set.
-        connect_timeout_s: longest wait for the connection.
+        connect_timeout_s: longest wait for the connection (and its TLS handshake).
         timeout_s: longest wait for one read or write.
+        tls: client context for a TCP port that speaks TLS (the certificate must name the
+            host of ``where``), ``None`` for plain TCP and the Unix socket.
 
     Raises:
-        OSError: no connection.
+        OSError: no connection (``ssl.SSLError``: a failed handshake, a certificate that does
+            not verify).
         RequestRefusedError: the server refused the token.
         TierUnavailableError: another server answered.
     """
@@ -54,11 +58,12 @@ class TransferConnection:
         tenant: str | None,
         connect_timeout_s: float,
         timeout_s: float,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if isinstance(where, str):
             self.io = BufferedSocket.connect_unix(where, connect_timeout_s, timeout_s)
         else:
-            self.io = BufferedSocket.connect_tcp(*where, connect_timeout_s, timeout_s)
+            self.io = BufferedSocket.connect_tcp(*where, connect_timeout_s, timeout_s, tls=tls)
         try:
             self.io.send([hello(token, tenant)])
             answered = read_reply(self.io)
@@ -115,6 +120,7 @@ class TransferClient:
         timeout_s: longest wait for one read or write.
         max_connections: connections kept at most.
         max_record_bytes: largest record accepted from the server.
+        tls: client context when the TCP port speaks TLS (``TransferConnection``).
     """
 
     def __init__(
@@ -128,13 +134,15 @@ class TransferClient:
         timeout_s: float,
         max_connections: int,
         max_record_bytes: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.where = where
         self.server_id = server_id
+        self.tls = tls is not None
         self._max_record_bytes = max_record_bytes
         self._pool: SocketPool[TransferConnection] = SocketPool(
             lambda: TransferConnection(
-                where, server_id, token, tenant, connect_timeout_s, timeout_s
+                where, server_id, token, tenant, connect_timeout_s, timeout_s, tls
             ),
             max_connections,
             timeout_s,
