@@ -16,11 +16,12 @@ from kernels.cache_ops import (
     store_kvcache_ref,
 )
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.pool_shape import PoolShape
+from kernels.pool_shape import DecodeInputs, PoolShape
 from kernels.torch_paged_attention import common_prefix_blocks
 
 __all__ = [
     "BACKENDS",
+    "DecodeInputs",
     "PoolShape",
     "common_prefix_blocks",
     "gather_blocks",

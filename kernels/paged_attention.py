@@ -7,12 +7,15 @@ kernel lives in ``kernels.triton_paged_attention``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kernels.backend import resolve_backend
 from kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
+    DecodeInputs,
     PoolShape,
     check_index_range,
     check_same_dtype,
@@ -59,31 +62,20 @@ def paged_attention_decode(
         ValueError: shapes, dtypes or devices that do not match, a block id out of range, or a
             context length that is 0 or longer than the block table.
     """
-    pool = _check_decode_inputs(
-        query, kv_cache, layer, block_tables, context_lens, scale, num_shared_blocks
-    )
+    inputs = DecodeInputs(query, kv_cache, layer, block_tables, context_lens, scale)
+    pool = _check_decode_inputs(inputs, num_shared_blocks)  # scale is a number from here on
+    inputs = dataclasses.replace(inputs, scale=float(scale))
     resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
     if resolved == "triton":
         from kernels.triton_paged_attention import paged_attention_decode_triton
 
-        return paged_attention_decode_triton(
-            query, kv_cache, layer, block_tables, context_lens, float(scale), pool
-        )
-    return paged_attention_decode_torch(
-        query, kv_cache, layer, block_tables, context_lens, float(scale), num_shared_blocks
-    )
+        return paged_attention_decode_triton(inputs, pool)
+    return paged_attention_decode_torch(inputs, num_shared_blocks)
 
 
-def _check_decode_inputs(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_shared_blocks: int,
-) -> PoolShape:
+def _check_decode_inputs(inputs: DecodeInputs, num_shared_blocks: int) -> PoolShape:
     """``paged_attention_decode``'s checks (its Raises); returns the pool's sizes."""
+    query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     pool = PoolShape.from_cache(kv_cache)
     pool.check_layer(layer)
     check_tensor("query", query, ndim=3, dtypes=KV_DTYPES)
@@ -120,15 +112,16 @@ def _check_decode_inputs(
     return pool
 
 
-def paged_attention_decode_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Plain-torch ``paged_attention_decode`` (no input checks), batched with a length mask."""
+def paged_attention_decode_ref(inputs: DecodeInputs) -> torch.Tensor:
+    """Plain-torch ``paged_attention_decode`` (no input checks), batched with a length mask.
+
+    Args:
+        inputs: the step's inputs (``paged_attention_decode``'s first six arguments).
+
+    Returns:
+        ``[batch, num_heads, head_dim]`` in the query's dtype.
+    """
+    query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     if batch == 0:

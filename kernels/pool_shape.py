@@ -74,6 +74,40 @@ class PoolShape:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """One decode-attention step's inputs, as every path (reference, torch, Triton) takes them.
+
+    Args:
+        query: ``[batch, num_heads, head_dim]``, the pool's dtype.
+        kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        layer: which layer's K/V to read.
+        block_tables: ``[batch, max_blocks_per_seq]`` int32/int64 pool block ids.
+        context_lens: ``[batch]`` int32/int64 cached tokens per sequence.
+        scale: softmax scale.
+    """
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    layer: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    scale: float
+
+    def unpack(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float]:
+        """The six fields in order, for ``query, kv_cache, ... = inputs.unpack()``."""
+        return (
+            self.query,
+            self.kv_cache,
+            self.layer,
+            self.block_tables,
+            self.context_lens,
+            self.scale,
+        )
+
+
 def check_tensor(
     name: str,
     tensor: object,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.pool_shape import DecodeInputs
+
 
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
@@ -45,21 +47,15 @@ def _merge(
     return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
-def paged_attention_decode_torch(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_shared_blocks: int = 0,
-) -> torch.Tensor:
-    """``paged_attention_decode`` on CPU (same arguments; see there).
+def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 0) -> torch.Tensor:
+    """``paged_attention_decode`` on CPU (see there).
 
     Args:
+        inputs: the step's inputs, already checked.
         num_shared_blocks: leading block-table columns every row has in common, each inside
             every row's context; their K/V are read once for the whole batch.
     """
+    query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads

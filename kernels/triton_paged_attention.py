@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pool_shape import PoolShape
+from kernels.pool_shape import DecodeInputs, PoolShape
 
 LOG2E = 1.4426950408889634
 
@@ -90,16 +90,9 @@ def paged_attention_decode_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def paged_attention_decode_triton(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    pool: PoolShape,
-) -> torch.Tensor:
+def paged_attention_decode_triton(inputs: DecodeInputs, pool: PoolShape) -> torch.Tensor:
     """Launches ``paged_attention_decode_kernel``; see ``paged_attention_decode``."""
+    query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     batch, num_heads, head_dim = query.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if batch == 0:

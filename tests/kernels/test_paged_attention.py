@@ -5,7 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import common_prefix_blocks, paged_attention_decode, paged_attention_decode_ref
+from kernels import (
+    DecodeInputs,
+    common_prefix_blocks,
+    paged_attention_decode,
+    paged_attention_decode_ref,
+)
 
 TOLERANCES = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -74,7 +79,7 @@ def test_torch_paths_match_dense_sdpa(make_pool, gen, dtype, group, block_size, 
     scale = head_dim**-0.5
 
     if path == "reference":
-        actual = paged_attention_decode_ref(query, pool, 1, tables, lens, scale)
+        actual = paged_attention_decode_ref(DecodeInputs(query, pool, 1, tables, lens, scale))
     else:
         actual = paged_attention_decode(query, pool, 1, tables, lens, scale, backend="torch")
     expected = _dense_sdpa(query, pool, 1, tables, lens, scale)
@@ -159,7 +164,7 @@ def test_shared_prefix_path_matches_reference(make_pool, gen, dtype, own_lens):
     pool = make_pool(num_blocks=num_blocks, dtype=dtype)
     query = torch.randn(len(own_lens), 6, 64, generator=gen).to(dtype)
     assert common_prefix_blocks(tables, lens, 16) == 3
-    expected = paged_attention_decode_ref(query, pool, 1, tables, lens, 0.125)
+    expected = paged_attention_decode_ref(DecodeInputs(query, pool, 1, tables, lens, 0.125))
     for num_shared in range(4):
         actual = paged_attention_decode(
             query, pool, 1, tables, lens, 0.125, num_shared_blocks=num_shared, backend="torch"
@@ -171,7 +176,7 @@ def test_shared_prefix_path_is_stable_for_large_scores(make_pool, gen):
     tables, lens, num_blocks = _shared_prefix_batch(gen, 2, [9, 30])
     pool = make_pool(num_blocks=num_blocks)
     query = 300.0 * torch.randn(2, 6, 64, generator=gen)
-    expected = paged_attention_decode_ref(query, pool, 0, tables, lens, 1.0)
+    expected = paged_attention_decode_ref(DecodeInputs(query, pool, 0, tables, lens, 1.0))
     actual = paged_attention_decode(query, pool, 0, tables, lens, 1.0, num_shared_blocks=2)
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
