@@ -53,14 +53,14 @@ from benchmarks.peers_common import (
     resident_bytes,
 )
 from benchmarks.peers_lmcache import LMServer, PeerStore, byte_view, release
+from cachetier.protocol.sockets import BufferedSocket
 from cachetier.record import encode_parts, encode_record
-from cachetier.sockets import BufferedSocket
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
+from cachetier.tiers.redis.resp import Endpoint, command
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from cachetier.tiers.resp import Endpoint, command
 from tests.server.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

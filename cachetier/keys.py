@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, NewType
 
 import numpy as np
 
+from cachetier.checks import positive_int
+
 if TYPE_CHECKING:
     import torch
 
@@ -109,9 +111,7 @@ class KVLayout:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         if not self.arrangement:
             raise ValueError("arrangement must be a non-empty name")
 

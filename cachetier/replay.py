@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cachetier.checks import positive_int
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
 from cachetier.record import KVBlock
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
@@ -342,7 +343,7 @@ def replay_tier(trace: ReplayTrace, policy: str, capacity_blocks: int) -> Replay
     Returns:
         The result.
     """
-    _check_capacity(capacity_blocks)
+    positive_int("capacity_blocks", capacity_blocks)
     config = CPUTierConfig(capacity_bytes=capacity_blocks * len(_PAYLOAD), policy=policy)
     tier = CPUTier(config)
     ns = trace.namespace.id
@@ -370,7 +371,7 @@ def replay_belady(trace: ReplayTrace, capacity_blocks: int) -> ReplayResult:
     Returns:
         The result.
     """
-    _check_capacity(capacity_blocks)
+    positive_int("capacity_blocks", capacity_blocks)
     start = time.perf_counter()
     refs = [key for keys in trace.keys for key in keys]
     never = len(refs)
@@ -430,11 +431,6 @@ def usable_hit(request: TraceRequest, num_hit_blocks: int, block_size: int) -> t
     usable = min(num_hit_blocks, request.input_length // block_size)
     matched = min(num_hit_blocks * block_size, request.input_length)
     return usable, matched - usable * block_size
-
-
-def _check_capacity(capacity_blocks: int) -> None:
-    if not _is_count(capacity_blocks) or capacity_blocks == 0:
-        raise ValueError(f"capacity_blocks must be a positive int, got {capacity_blocks!r}")
 
 
 def _result(

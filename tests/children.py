@@ -38,3 +38,24 @@ def run_python(code: str, *args: str | Path, timeout: float = 120) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
+
+
+def run_python_at_once(
+    code: str, *args: str | Path, num_children: int = 2, timeout: float = 120
+) -> list[str]:
+    """Run ``code`` in ``num_children`` fresh interpreters at the same time (a race); return
+    the last line each printed, once all have exited 0."""
+    children = [
+        subprocess.Popen(
+            python_command(code, *args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for _ in range(num_children)
+    ]
+    outputs = [child.communicate(timeout=timeout) for child in children]
+    for child, (_, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err
+    return [out.strip().splitlines()[-1] for out, _ in outputs]

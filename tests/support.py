@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -75,11 +76,75 @@ def own_redis_prefix(url: str, label: str) -> Iterator[str]:
             client.close()
 
 
+# A Redis tier that fails fast: a dead or silent Redis costs a test tenths of a second.
+TIMEOUT_S = 0.2
+FAST_FAIL = {"socket_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S}
+
+
+class FakeClock:
+    """A clock that only moves when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def spawn_serve(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """``cachetier serve *args`` in a child process with ``env``, its output piped (text)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "cachetier.cli", "serve", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def end_process(
+    proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30
+) -> tuple[str, str]:
+    """Send ``sig`` if it still runs, wait (SIGKILL after ``timeout_s``), and return what it
+    wrote on stdout and stderr where those were piped (else ``""``)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return out or "", err or ""
+
+
+@contextmanager
+def opened_redis_tiers(**defaults: object) -> Iterator[Callable[..., Any]]:
+    """A factory of ``RedisTier``s with ``defaults`` under each one's settings, every tier it
+    made closed at the end (the body of the Redis tests' ``make_tier`` fixtures)."""
+    from cachetier.tiers.redis import RedisTier, RedisTierConfig
+
+    opened: list[RedisTier] = []
+
+    def make(*, clock: Callable[[], float] = time.monotonic, **settings: object) -> RedisTier:
+        tier = RedisTier(RedisTierConfig(**{**defaults, **settings}), clock=clock)  # type: ignore[arg-type]
+        opened.append(tier)
+        return tier
+
+    try:
+        yield make
+    finally:
+        for tier in opened:
+            tier.close()
 
 
 class PrivateRedis:
@@ -140,12 +205,7 @@ class PrivateRedis:
         if self.proc is None:
             return
         self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_process(self.proc, timeout_s=10)
         self.proc = None
 
 

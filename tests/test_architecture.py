@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
 
 # Modules of cachetier that serve HTTP (and the CLI that starts them); the core never imports them.
+# ``cachetier.protocol``, what the server and the remote tier both speak, is core, not edge.
 EDGE = {"cachetier.server", "cachetier.tiers.remote", "cachetier.cli"}
 HTTP_LIBS = {"fastapi", "uvicorn", "aiohttp", "starlette", "prometheus_client"}
 # The one place that turns a StoreConfig into tiers may name the remote tier, inside a function
@@ -63,8 +64,12 @@ def _top(name: str) -> str:
     return name.split(".")[0]
 
 
+def _is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def _is_edge(module: str) -> bool:
-    return any(module == e or module.startswith(e + ".") for e in EDGE)
+    return any(_is_under(module, e) for e in EDGE)
 
 
 @pytest.mark.parametrize("module,path", _modules("kernels"))
@@ -83,6 +88,29 @@ def test_cachetier_imports_nothing_of_engine_connectors_or_kernels(module: str, 
 def test_cachetier_core_does_not_import_the_http_edge(module: str, path: Path) -> None:
     lazy_ok = LAZY_EDGE_IMPORTS.get(module, set()) - _module_level_imports(path)
     bad = [n for n in _imports(path) if (_top(n) in HTTP_LIBS or _is_edge(n)) and n not in lazy_ok]
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module,path", _modules("cachetier/tiers"))
+def test_no_tier_imports_the_server(module: str, path: Path) -> None:
+    """The remote tier is the sidecar's client: what both ends share is in
+    ``cachetier.protocol``, so a change to the server never reaches into a tier."""
+    bad = [n for n in _imports(path) if _is_under(n, "cachetier.server")]
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module,path", _modules("cachetier/server"))
+def test_the_server_does_not_import_its_client(module: str, path: Path) -> None:
+    bad = [n for n in _imports(path) if _is_under(n, "cachetier.tiers.remote")]
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module,path", _modules("cachetier/protocol"))
+def test_the_protocol_imports_neither_end(module: str, path: Path) -> None:
+    """The wire formats sit below both their users: not the server, not a tier, and no HTTP
+    library (the protocol is not the HTTP edge; the core rules above also hold for it)."""
+    ends = ("cachetier.server", "cachetier.tiers")
+    bad = [n for n in _imports(path) if _top(n) in HTTP_LIBS or any(_is_under(n, e) for e in ends)]
     assert not bad, f"{module} imports {bad}"
 
 
@@ -196,3 +224,16 @@ def test_nothing_reads_a_path_only_our_machines_have() -> None:
         text = path.read_text(errors="replace")
         offenders += [f"{rel}: {word}" for word in forbidden if word in text]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("module,path", _modules("tests"))
+def test_no_test_module_imports_another(module: str, path: Path) -> None:
+    """What tests share lives in conftest.py fixtures and support modules (``tests/support.py``,
+    ``tests/server/live.py``...), never in a ``test_*`` module another one imports."""
+    names = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]  # from pkg import mod
+    tests = [n for n in names if n.startswith("tests.") and n.split(".")[-1].startswith("test_")]
+    bad = [n for n in tests if (ROOT / (n.replace(".", "/") + ".py")).is_file()]
+    assert not bad, f"{module} imports {bad}"

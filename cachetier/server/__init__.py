@@ -1,6 +1,5 @@
 """The cachetier sidecar: a FastAPI service serving a ``TieredStore`` to many engines over HTTP.
 
-Kept import-light on purpose: ``cachetier.server.wire`` (the batch framing) is shared with the
-aiohttp client in ``cachetier.tiers.remote``, which must not pull in FastAPI. Import the app
-factory from ``cachetier.server.app``.
+What it shares with its client, the remote tier, is the wire formats in ``cachetier.protocol``;
+neither imports the other. Import the app factory from ``cachetier.server.app``.
 """

@@ -16,8 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.config import build_store
 from cachetier.server import routes_admin, routes_blocks
+from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
-from cachetier.server.edge import AuthEdge, BodyLimit
+from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, route_limit
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
@@ -98,7 +99,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     )
     # The last added runs first: metrics (so every answer is counted), then the token, then
     # the body's size; all on the head, before anything reads a body.
-    app.add_middleware(BodyLimit)
+    install_body_limit(app, route_limit, refused_answer, inflight_budget)
     app.add_middleware(AuthEdge)
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(routes_blocks.router)

@@ -16,7 +16,7 @@ from fastapi import HTTPException
 from cachetier.errors import RequestRefusedError
 from cachetier.server.config import OPEN_TENANT, ServerConfig
 from cachetier.server.schemas import api_error
-from cachetier.server.wire import check_client_namespace
+from cachetier.tiers.base import check_namespace
 
 TENANT_HEADER = "X-Cachetier-Tenant"
 _HEX_NAMESPACE = re.compile(r"^[0-9a-f]{64}$")
@@ -200,6 +200,6 @@ class Scope:
         Raises:
             ValueError: if ``namespace`` is not a valid client namespace.
         """
-        check_client_namespace(namespace)
+        check_namespace(namespace, prefix=f"t.{tenant}.")
         fingerprint = bytes.fromhex(namespace) if _HEX_NAMESPACE.match(namespace) else None
         return cls(tenant, f"t.{tenant}.{namespace}", fingerprint)

@@ -10,17 +10,17 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Scope
 
-from cachetier.record import Buffer
-from cachetier.server.config import ServerConfig
-from cachetier.server.edge import header_of
-from cachetier.server.schemas import api_error
-from cachetier.server.wire import (
+from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     RECORD_MEDIA_TYPE,
     BatchReader,
     FrameError,
     FrameTooLargeError,
 )
+from cachetier.record import Buffer
+from cachetier.server.config import ServerConfig
+from cachetier.server.edge import header_of
+from cachetier.server.schemas import api_error
 
 
 def binary_body(media_type: str, description: str) -> dict[str, Any]:
@@ -86,13 +86,13 @@ async def read_batch(request: Request, config: ServerConfig) -> list[memoryview 
     """Read a batch body, enforcing the server's limits while it arrives.
 
     Args:
-        request: a request whose body is a batch (``wire``).
+        request: a request whose body is a batch (``protocol.http_batch``).
         config: the server's limits.
 
     Returns:
         One buffer per record (``None`` for an empty one).
     """
-    # Its size and Content-Length were checked before this (edge.BodyLimit).
+    # Its size and Content-Length were checked before this (body_limit.BodyLimit).
     _check_type(request, BATCH_MEDIA_TYPE)
     reader = BatchReader(
         max_records=config.max_batch_blocks,

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from cachetier.checks import positive_int
 from cachetier.config import ENV_PREFIX, GiB, StoreConfig, default_data_dir, env_values
 from cachetier.redact import redact_url, redacted_repr, url_secrets
 from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
@@ -41,65 +42,67 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """Args:
-    host: address to listen on.
-    port: TCP port to listen on (0 picks a free one).
-    data_dir: folder of the disk tier (``<data_dir>/blocks``).
-    cpu_bytes: capacity of the server's CPU tier; 0 leaves it out.
-    disk_bytes: capacity of the disk tier; 0 leaves it out.
-    disk_file_mode: permission bits of the disk tier's record files (``0o600``: this user
-        only; ``0o640`` lets the pods of one group read them; ``CACHETIER_DISK_FILE_MODE`` is
-        read as octal, ``0640``).
-    disk_dir_mode: permission bits of the disk tier's folders (``0o700``, or ``0o750``).
-    redis_url: Redis behind the server (``redis://host:port/db``, ``rediss://`` for TLS);
-        ``None`` for none. Its password is never printed (repr, ``describe``, logs).
-    redis_ssl_ca_certs: CA bundle the Redis certificate is checked against (``rediss://``).
-    redis_ssl_certfile: client certificate for a Redis that asks for one (``rediss://``).
-    redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
-    redis_key_prefix: first part of every Redis key the server writes.
-    redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
-    compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
-    fsync: fsync each disk record before it is renamed into place.
-    sync_puts: answer a put once every tier holds the block, so an acknowledged block
-        survives a crash of the server; ``False`` answers once the first tier has it and
-        writes the others in the background (faster; a full write queue drops blocks).
-    tenants: tenant name -> its bearer tokens (1-32 characters of ``[A-Za-z0-9_-]``; tokens
-        of at least 16 characters).
-    admin_tenants: tenants that may see every tenant's stats and ``/metrics``.
-    open_mode: accept requests without a token as tenant ``open`` (local development only).
-    max_block_bytes: largest record accepted.
-    max_batch_bytes: largest batch body accepted.
-    max_batch_blocks: most records in a batch put and most keys in a batch get.
-    max_keys: most keys in a lookup, exists or delete request.
-    transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
-        and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. It speaks
-        TLS with ``tls_cert`` as HTTP does; without them both are plaintext, tokens in the
-        clear: keep them on the pod or node network.
-    transfer_socket: Unix socket path the block transfer protocol also listens on, for engines
-        on the same host (share its folder with their pods); ``None`` for none.
-    transfer_connections: most transfer connections served at once (after their hello).
-    transfer_unauthenticated_connections: most transfer connections held before their hello
-        has named a tenant; a new one beyond it drops the oldest, so connections that never
-        say who they are cannot keep known clients out.
-    transfer_hello_timeout_s: the whole hello of a transfer connection (TLS included) must
-        arrive within this many seconds of its accept.
-    head_timeout_s: an HTTP request's whole head must arrive within this many seconds (of
-        the connection's start for its first request, of its first byte for later ones).
-    body_timeout_s: an HTTP request's whole body must arrive within this many seconds of its
-        head; also the longest an answer may wait for a client that does not read it. The
-        transfer port's requests get the same two deadlines (head; records and answer).
-    idle_timeout_s: an HTTP or transfer connection with no request for this many seconds is
-        closed.
-    max_head_bytes: largest HTTP request head (request line and headers).
-    max_inflight_bytes: most bytes of uploads held at once, all requests together (bodies
-        and decompressed payloads being checked); over it a request is answered busy (503,
-        ``BUSY``). At least ``max_batch_bytes``.
-    write_queue_bytes: most bytes queued for each lower tier (with ``sync_puts`` off) before
-        puts to it are dropped.
-    tls_cert: PEM certificate chain of HTTPS and the TCP transfer port (the Unix socket
-        stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
-    tls_key: PEM private key of ``tls_cert``.
-    log_level: uvicorn's log level.
+    """The sidecar's settings: where it listens, what it stores, whom it serves, its limits.
+
+    Args:
+        host: address to listen on.
+        port: TCP port to listen on (0 picks a free one).
+        data_dir: folder of the disk tier (``<data_dir>/blocks``).
+        cpu_bytes: capacity of the server's CPU tier; 0 leaves it out.
+        disk_bytes: capacity of the disk tier; 0 leaves it out.
+        disk_file_mode: permission bits of the disk tier's record files (``0o600``: this user
+            only; ``0o640`` lets the pods of one group read them; ``CACHETIER_DISK_FILE_MODE`` is
+            read as octal, ``0640``).
+        disk_dir_mode: permission bits of the disk tier's folders (``0o700``, or ``0o750``).
+        redis_url: Redis behind the server (``redis://host:port/db``, ``rediss://`` for TLS);
+            ``None`` for none. Its password is never printed (repr, ``describe``, logs).
+        redis_ssl_ca_certs: CA bundle the Redis certificate is checked against (``rediss://``).
+        redis_ssl_certfile: client certificate for a Redis that asks for one (``rediss://``).
+        redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
+        redis_key_prefix: first part of every Redis key the server writes.
+        redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
+        fsync: fsync each disk record before it is renamed into place.
+        sync_puts: answer a put once every tier holds the block, so an acknowledged block
+            survives a crash of the server; ``False`` answers once the first tier has it and
+            writes the others in the background (faster; a full write queue drops blocks).
+        tenants: tenant name -> its bearer tokens (1-32 characters of ``[A-Za-z0-9_-]``; tokens
+            of at least 16 characters).
+        admin_tenants: tenants that may see every tenant's stats and ``/metrics``.
+        open_mode: accept requests without a token as tenant ``open`` (local development only).
+        max_block_bytes: largest record accepted.
+        max_batch_bytes: largest batch body accepted.
+        max_batch_blocks: most records in a batch put and most keys in a batch get.
+        max_keys: most keys in a lookup, exists or delete request.
+        transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
+            and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. It speaks
+            TLS with ``tls_cert`` as HTTP does; without them both are plaintext, tokens in the
+            clear: keep them on the pod or node network.
+        transfer_socket: Unix socket path the block transfer protocol also listens on, for engines
+            on the same host (share its folder with their pods); ``None`` for none.
+        transfer_connections: most transfer connections served at once (after their hello).
+        transfer_unauthenticated_connections: most transfer connections held before their hello
+            has named a tenant; a new one beyond it drops the oldest, so connections that never
+            say who they are cannot keep known clients out.
+        transfer_hello_timeout_s: the whole hello of a transfer connection (TLS included) must
+            arrive within this many seconds of its accept.
+        head_timeout_s: an HTTP request's whole head must arrive within this many seconds (of
+            the connection's start for its first request, of its first byte for later ones).
+        body_timeout_s: an HTTP request's whole body must arrive within this many seconds of its
+            head; also the longest an answer may wait for a client that does not read it. The
+            transfer port's requests get the same two deadlines (head; records and answer).
+        idle_timeout_s: an HTTP or transfer connection with no request for this many seconds is
+            closed.
+        max_head_bytes: largest HTTP request head (request line and headers).
+        max_inflight_bytes: most bytes of uploads held at once, all requests together (bodies
+            and decompressed payloads being checked); over it a request is answered busy (503,
+            ``BUSY``). At least ``max_batch_bytes``.
+        write_queue_bytes: most bytes queued for each lower tier (with ``sync_puts`` off) before
+            puts to it are dropped.
+        tls_cert: PEM certificate chain of HTTPS and the TCP transfer port (the Unix socket
+            stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
+        tls_key: PEM private key of ``tls_cert``.
+        log_level: uvicorn's log level.
     """
 
     host: str = "127.0.0.1"
@@ -174,9 +177,7 @@ class ServerConfig:
             "max_inflight_bytes",
             "write_queue_bytes",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         for name in (
             "transfer_hello_timeout_s",
             "head_timeout_s",

@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from cachetier.server.auth import TENANT_HEADER, Caller, Scope
 from cachetier.server.schemas import api_error
 from cachetier.server.service import BlockService
-from cachetier.server.wire import MAX_NAMESPACE_CHARS
+from cachetier.tiers.base import MAX_NAMESPACE_CHARS
 
 _bearer = HTTPBearer(auto_error=False, description="a token the server's config gives a tenant")
 

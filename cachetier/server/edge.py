@@ -1,5 +1,6 @@
 """What every HTTP request passes before a handler sees it: its token (``AuthEdge``), then its
-body's size and the server's bytes in flight (``BodyLimit``).
+body's size and the server's bytes in flight (``body_limit.BodyLimit``, with this server's
+limits and error format from here).
 
 Both are plain ASGI middlewares that decide on the request's head alone, before anything
 calls ``receive()``: FastAPI reads a JSON body whole before it resolves a route's
@@ -13,10 +14,11 @@ import re
 
 from fastapi import HTTPException
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cachetier.server.auth import TENANT_HEADER, AuthFailure, auth_error
-from cachetier.server.budget import Hold
+from cachetier.server.body_limit import BodyRefused
+from cachetier.server.budget import ByteBudget
 from cachetier.server.config import ServerConfig
 from cachetier.server.schemas import api_error
 from cachetier.server.service import BlockService
@@ -71,10 +73,27 @@ def busy(message: str) -> HTTPException:
     return api_error(503, "busy", message, headers={"Retry-After": "1"})
 
 
-async def _answer(error: HTTPException, scope: Scope, receive: Receive, send: Send) -> None:
-    """Send an ``api_error`` from outside the app's error handlers (same body, same headers)."""
-    response = JSONResponse(error.detail, status_code=error.status_code, headers=error.headers)
-    await response(scope, receive, send)
+def error_answer(error: HTTPException) -> JSONResponse:
+    """An ``api_error`` answered from outside the app's error handlers (same body, headers)."""
+    return JSONResponse(error.detail, status_code=error.status_code, headers=error.headers)
+
+
+def route_limit(scope: Scope) -> int:
+    """``body_limit`` of a request, by the limits of the service in its state (``BodyLimit``)."""
+    service: BlockService = scope["state"]["service"]
+    return body_limit(scope["method"], scope["path"], service.config)
+
+
+def inflight_budget(scope: Scope) -> ByteBudget:
+    """The budget of upload bytes of the service in a request's state (``BodyLimit``)."""
+    service: BlockService = scope["state"]["service"]
+    return service.inflight
+
+
+def refused_answer(refused: BodyRefused) -> JSONResponse:
+    """The sidecar's answer to a body ``BodyLimit`` refused: an ``ErrorPublic`` body."""
+    error = api_error(refused.status_code, refused.reason, refused.message, refused.headers)
+    return error_answer(error)
 
 
 class AuthEdge:
@@ -98,75 +117,7 @@ class AuthEdge:
         try:
             caller = service.tokens.authenticate(header_of(scope, b"authorization"), claimed)
         except AuthFailure as exc:
-            await _answer(auth_error(exc), scope, receive, send)
+            await error_answer(auth_error(exc))(scope, receive, send)
             return
         scope["state"]["caller"] = caller
         await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    """Bounds every request's body by its route (``body_limit``), whatever its Content-Type,
-    and holds its bytes in the service's ``inflight`` budget while the request runs.
-
-    A Content-Length over the limit is refused (413) and one that does not fit in the budget
-    is answered busy (503) before a byte of the body is read; a body without one (chunked) is
-    counted as it arrives and refused the same way once it passes either.
-
-    Args:
-        app: the app to wrap.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        service: BlockService = scope["state"]["service"]
-        limit = body_limit(scope["method"], scope["path"], service.config)
-        held = Hold(service.inflight)
-        length = header_of(scope, b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                message = f"Content-Length {length[:20]!r} is not a number"
-                error = api_error(400, "bad_request", message)
-                await _answer(error, scope, receive, send)
-                return
-            if int(length) > limit:
-                error = api_error(413, "too_large", _over(f"body of {length} bytes", limit))
-                await _answer(error, scope, receive, send)
-                return
-            if not held.take(int(length)):
-                await _answer(busy(_no_room(int(length), held)), scope, receive, send)
-                return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    # Raised inside the handler's body read: the app's handlers answer it.
-                    raise api_error(413, "too_large", _over("body", limit))
-                # Without a Content-Length what is held grows with the body.
-                if seen > held.nbytes and not held.take(seen - held.nbytes):
-                    raise busy(_no_room(seen, held))
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        finally:
-            held.release()
-
-
-def _over(what: str, limit: int) -> str:
-    return f"{what} is over the limit of {limit} bytes for this endpoint"
-
-
-def _no_room(nbytes: int, held: Hold) -> str:
-    return (
-        f"a body of {nbytes} bytes does not fit in the {held.budget.limit_bytes} bytes of"
-        " uploads the server holds at once; retry shortly"
-    )

@@ -33,6 +33,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from cachetier.checks import positive_int
 from cachetier.server.config import ServerConfig
 
 HEAD_READ_BYTES = 64 << 10  # one read, until the app asks for the body
@@ -47,11 +48,13 @@ GUARD_EVENTS = "metrics"
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
-    """Args:
-    head_timeout_s: seconds for a whole request head.
-    body_timeout_s: seconds for a whole body after its head, and for a stalled answer.
-    idle_timeout_s: seconds a connection may wait between requests (uvicorn's keep-alive).
-    max_head_bytes: largest request head.
+    """Deadlines and size caps that the guarded HTTP server puts on every connection.
+
+    Args:
+        head_timeout_s: seconds for a whole request head.
+        body_timeout_s: seconds for a whole body after its head, and for a stalled answer.
+        idle_timeout_s: seconds a connection may wait between requests (uvicorn's keep-alive).
+        max_head_bytes: largest request head.
     """
 
     head_timeout_s: float
@@ -63,8 +66,7 @@ class ConnectionLimits:
         for name in ("head_timeout_s", "body_timeout_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.max_head_bytes <= 0:
-            raise ValueError(f"max_head_bytes must be positive, got {self.max_head_bytes}")
+        positive_int("max_head_bytes", self.max_head_bytes)
 
     @classmethod
     def of(cls, config: ServerConfig) -> ConnectionLimits:

@@ -1,7 +1,7 @@
 """Block endpoints: put, get, exists and delete of one block or a batch; lookup; clear.
 
 Every path names the client's namespace; the tenant comes from the token (``auth.Scope``).
-Blocks travel as ``cachetier.record`` records, batches in the framing of ``wire``; uploads are
+Blocks travel as ``cachetier.record`` records, batches framed by ``http_batch``; uploads are
 decoded and checked in full before anything is stored.
 """
 
@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachetier.errors import CorruptBlockError, OverloadedError
 from cachetier.keys import BlockHash, parse_key
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, batch_parts
 from cachetier.record import Buffer
 from cachetier.server.auth import Scope
 from cachetier.server.bodies import (
@@ -38,10 +39,9 @@ from cachetier.server.schemas import (
     error_responses,
 )
 from cachetier.server.service import BlockService
-from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, batch_parts
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}", tags=["blocks"])
-# 503: the server holds as many upload bytes as it may (edge.BodyLimit); retry shortly.
+# 503: the server holds as many upload bytes as it may (body_limit.BodyLimit); retry shortly.
 _ERRORS = error_responses(400, 401, 403, 413, 415, 422, 503)
 KeyPath = Annotated[str, Path(description="the block key, 64 hex digits")]
 

@@ -1,6 +1,6 @@
 """Pydantic models of the HTTP edge (``*Create`` = request bodies, ``*Public`` = responses).
 
-Block bytes never pass through these: they travel as records and batches (``wire``).
+Block bytes never pass through these: they travel as records and batches (``protocol.http_batch``).
 """
 
 from __future__ import annotations

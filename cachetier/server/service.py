@@ -13,11 +13,11 @@ from typing import Any
 
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import BlockHash
+from cachetier.protocol.transfer_frames import TransferAddress
 from cachetier.record import Buffer, KVBlock, decode_record, encode_parts, peek_inflated_nbytes
 from cachetier.server.auth import Scope, TokenIndex
 from cachetier.server.budget import ByteBudget
 from cachetier.server.config import OPEN_TENANT, ServerConfig
-from cachetier.server.transfer_wire import TransferAddress
 from cachetier.stats import TierStats
 from cachetier.store import PrefixHit, TieredStore
 

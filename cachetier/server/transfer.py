@@ -1,22 +1,16 @@
-"""The sidecar's block transfer port: batch gets and puts without HTTP (``transfer_wire``).
+"""The sidecar's block transfer port: batch gets and puts without HTTP (``transfer_frames``).
 
-It listens on a TCP port, a Unix socket (for engines on the same host: about twice the
-throughput of loopback TCP here), or both. One thread per connection, blocking sockets: a
-put's records are read with ``recv_into`` straight into the buffers the CPU tier then keeps,
-checksummed chunk by chunk as they arrive; a get's records are sent from the tier's buffers
-with vectored writes. Socket waits release the GIL, so transfers on several connections overlap
-each other and the HTTP event loop.
+It listens on a TCP port, a Unix socket (for engines on the same host), or both. One thread per
+connection, blocking sockets; ``transfer_requests`` serves each request. Socket waits release
+the GIL, so transfers on several connections overlap each other and the HTTP event loop.
 
-Limits are the server's own (``max_block_bytes``, ``max_batch_bytes``, ``max_batch_blocks``),
-checked from the lengths before any record is read, and a record's decompressed size from its
-head before it is decompressed; what a put holds counts against the service's ``inflight``
-budget (``BUSY`` when it does not fit). Connections past their hello are bounded by
-``max_connections``, those before it by ``max_unauthenticated`` (``admission``). A hello must
-arrive whole within ``hello_timeout_s``, a request's head within ``head_timeout_s`` of its first
-byte, its records (and its answer go out) within ``body_timeout_s`` after that: deadlines for
-the whole, kept by a ``watchdog`` that shuts the connection down, not socket timeouts that a
-byte now and then renews. A connection idle longer than ``idle_timeout_s`` is closed, and so is
-one that stalls for ``io_timeout_s`` in one read or write.
+Connections past their hello are bounded by ``max_connections``, those before it by
+``max_unauthenticated`` (``admission``). A hello must arrive whole within ``hello_timeout_s``, a
+request's head within ``head_timeout_s`` of its first byte, its records (and its answer go out)
+within ``body_timeout_s`` after that: deadlines for the whole, kept by a ``watchdog`` that shuts
+the connection down, not socket timeouts that a byte now and then renews. A connection idle
+longer than ``idle_timeout_s`` is closed, and so is one that stalls for ``io_timeout_s`` in one
+read or write.
 
 TLS. Given a server context, the TCP port speaks only TLS (``/v1/limits`` says so, and a client
 of an https URL never sends its token to a plaintext port); the Unix socket stays plaintext,
@@ -38,47 +32,30 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
 
-from cachetier.errors import CorruptBlockError
-from cachetier.keys import BlockHash
-from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record
-from cachetier.server.admission import Admission, Ticket
-from cachetier.server.auth import AuthFailure, Scope
-from cachetier.server.budget import Hold
-from cachetier.server.service import BlockService
-from cachetier.server.transfer_wire import (
+from cachetier.protocol.sockets import UNIX_SEND_BUFFER_BYTES, BufferedSocket, accept_tls
+from cachetier.protocol.transfer_frames import (
     HELLO,
-    KEY_BYTES,
-    LENGTH,
     MAGIC,
     MAX_TENANT_BYTES,
     MAX_TOKEN_BYTES,
     REPLY,
     REQUEST,
-    Op,
     Status,
     TransferAddress,
     error_reply,
 )
+from cachetier.server.admission import Admission, Ticket
+from cachetier.server.auth import AuthFailure
+from cachetier.server.service import BlockService
+from cachetier.server.transfer_requests import Refused, TransferRequests
 from cachetier.server.watchdog import Deadline, Watchdog
-from cachetier.sockets import UNIX_SEND_BUFFER_BYTES, BoundedReader, BufferedSocket, accept_tls
 
 logger = logging.getLogger("cachetier.server.transfer")
 
 
-class _Refused(Exception):
-    """A request answered with an error; ``close`` when the stream is out of step after it."""
-
-    def __init__(self, status: Status, message: str, *, close: bool = True) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.close = close
-
-
 class TransferServer:
-    """Serves a ``BlockService`` on its own TCP port.
+    """Serves a ``BlockService`` on its own TCP port, Unix socket, or both.
 
     Args:
         service: the server's blocks, tenants and tokens.
@@ -129,7 +106,7 @@ class TransferServer:
         self._io_timeout_s = io_timeout_s
         self._hello_timeout_s = hello_timeout_s
         self._head_timeout_s = head_timeout_s
-        self._body_timeout_s = body_timeout_s
+        self._requests = TransferRequests(service, body_timeout_s)
         self.admission = Admission(max_connections, max_unauthenticated)
         # Deadlines for whole hellos and requests (a socket timeout bounds one read only).
         self._watchdog = Watchdog("cachetier-transfer-deadlines")
@@ -240,13 +217,13 @@ class TransferServer:
                 sock.settimeout(self._io_timeout_s)
                 head = first + io.read_exactly(REQUEST.size - 1)
                 try:
-                    io.send(self._request(io, deadline, tenant, *REQUEST.unpack(head)))
-                except _Refused as refused:
+                    io.send(self._requests.serve(io, deadline, tenant, *REQUEST.unpack(head)))
+                except Refused as refused:
                     io.send([error_reply(refused.status, refused.message)])
                     if refused.close:
                         return
                 deadline.stop()
-        except _Refused as refused:  # at hello
+        except Refused as refused:  # at hello
             _send_quietly(io, error_reply(refused.status, refused.message))
         except (OSError, struct.error):
             pass  # the client went away or stalled: nothing to answer
@@ -280,158 +257,20 @@ class TransferServer:
     def _hello(self, io: BufferedSocket, ticket: Ticket) -> str:
         magic, token_len, tenant_len = HELLO.unpack(io.read_exactly(HELLO.size))
         if magic != MAGIC:
-            raise _Refused(Status.BAD_REQUEST, f"expected {MAGIC!r}, this is not a transfer client")
+            raise Refused(Status.BAD_REQUEST, f"expected {MAGIC!r}, this is not a transfer client")
         if token_len > MAX_TOKEN_BYTES or tenant_len > MAX_TENANT_BYTES:
-            raise _Refused(Status.BAD_REQUEST, "token or tenant too long")
+            raise Refused(Status.BAD_REQUEST, "token or tenant too long")
         token = io.read_exactly(token_len).decode("utf-8", "surrogateescape") or None
         claimed = io.read_exactly(tenant_len).decode("utf-8", "replace") or None
         try:
             tenant = self._service.tokens.resolve(token, claimed)
         except AuthFailure as exc:
             status = Status.UNAUTHORIZED if exc.status == 401 else Status.FORBIDDEN
-            raise _Refused(status, exc.message) from None
+            raise Refused(status, exc.message) from None
         if not self.admission.promote(ticket):
-            raise _Refused(Status.BUSY, "too many connections")
+            raise Refused(Status.BUSY, "too many connections")
         io.send([REPLY.pack(Status.OK, self.server_id)])
         return tenant
-
-    def _request(
-        self,
-        io: BufferedSocket,
-        deadline: Deadline,
-        tenant: str,
-        op: int,
-        name_len: int,
-        count: int,
-    ) -> list[Buffer]:
-        """Serve one request whose first bytes were read; returns the reply's buffers."""
-        name = io.read_exactly(name_len)
-        try:
-            scope = Scope.of(tenant, name.decode("ascii"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _Refused(Status.BAD_REQUEST, f"bad namespace: {exc}") from None
-        config = self._service.config
-        if count > config.max_batch_blocks:
-            raise _Refused(
-                Status.TOO_LARGE, f"{count} blocks, at most {config.max_batch_blocks} per request"
-            )
-        if op == Op.GET:
-            raw = io.read_exactly(count * KEY_BYTES)
-            deadline.start(self._body_timeout_s)  # the head is in: the answer's time
-            keys = [BlockHash(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
-            return self._get(scope, keys)
-        if op == Op.PUT:
-            lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
-            deadline.start(self._body_timeout_s)  # the head is in: the records' time
-            return self._put(io, scope, lengths)
-        raise _Refused(Status.BAD_REQUEST, f"unknown operation {op}")
-
-    def _get(self, scope: Scope, keys: Sequence[BlockHash]) -> list[Buffer]:
-        budget = self._service.config.max_batch_bytes
-        records = self._service.get_records(scope, keys, budget)
-        lengths = [0 if r is None else sum(memoryview(p).nbytes for p in r) for r in records]
-        out: list[Buffer] = [
-            REPLY.pack(Status.OK, len(records)),
-            struct.pack(f"<{len(lengths)}Q", *lengths),
-        ]
-        for parts in records:
-            if parts is not None:
-                out.extend(parts)
-        return out
-
-    def _put(self, io: BufferedSocket, scope: Scope, lengths: Sequence[int]) -> list[Buffer]:
-        config = self._service.config
-        for i, length in enumerate(lengths):
-            if not 0 < length <= config.max_block_bytes:
-                self._service.refuse(scope, len(lengths))
-                raise _Refused(
-                    Status.TOO_LARGE if length else Status.BAD_REQUEST,
-                    f"record {i} is {length} bytes; 1 to {config.max_block_bytes} are allowed",
-                )
-        total = sum(lengths)
-        if total > config.max_batch_bytes:
-            self._service.refuse(scope, len(lengths))
-            raise _Refused(
-                Status.TOO_LARGE,
-                f"batch of {total} bytes, at most {config.max_batch_bytes} per request",
-            )
-        held = Hold(self._service.inflight)
-        try:
-            if not held.take(total):
-                io.skip(total)  # the connection stays in step; the client retries later
-                raise _Refused(Status.BUSY, _no_room(total, held), close=False)
-            blocks = self._read_records(io, scope, lengths, held)
-            stored = self._service.put(scope, blocks)
-        finally:
-            held.release()
-        return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
-
-    def _read_records(
-        self, io: BufferedSocket, scope: Scope, lengths: Sequence[int], held: Hold
-    ) -> list[KVBlock]:
-        """Read and check a put's records (their sizes were checked), holding in ``held``
-        what decompressing them takes before it is allocated."""
-        blocks: list[KVBlock] = []
-        raw_so_far = 0
-        for i, length in enumerate(lengths):
-            body = BoundedReader(io, length)
-            max_raw = self._service.max_raw_bytes(raw_so_far)
-            # Its head first: what it claims decompressed is held before a byte is allocated.
-            head = _read_head(body, min(PEEK_BYTES, length))
-            claim = min(peek_inflated_nbytes(head), max_raw)  # more is refused on the head
-            if not held.take(claim):
-                io.skip(body.left + sum(lengths[i + 1 :]))
-                raise _Refused(Status.BUSY, _no_room(claim, held), close=False)
-            reader = _Prefixed(head, body.readinto)
-            try:
-                block = read_record(
-                    reader.readinto, length, fingerprint=scope.fingerprint, max_raw_bytes=max_raw
-                )
-            except CorruptBlockError as exc:
-                # Read the rest of the request (its size was checked) so the connection stays
-                # in step, then refuse all of it: nothing of a request with a bad record is kept.
-                io.skip(body.left + sum(lengths[i + 1 :]))
-                self._service.refuse(scope, len(lengths))
-                raise _Refused(Status.BAD_REQUEST, f"record {i}: {exc}", close=False) from None
-            raw_so_far += memoryview(block.data).nbytes
-            blocks.append(block)
-        return blocks
-
-
-def _no_room(nbytes: int, held: Hold) -> str:
-    return (
-        f"{nbytes} more bytes do not fit in the {held.budget.limit_bytes} bytes of uploads the"
-        " server holds at once; retry shortly"
-    )
-
-
-def _read_head(body: BoundedReader, nbytes: int) -> memoryview:
-    """The first ``nbytes`` of a record (fewer if the connection ends first: the record's own
-    read then says it is short)."""
-    head = memoryview(bytearray(nbytes))
-    got = 0
-    while got < nbytes:
-        n = body.readinto(head[got:])
-        if n <= 0:
-            break
-        got += n
-    return head[:got]
-
-
-class _Prefixed:
-    """Reads of a record whose head was read ahead: the head first, then the rest."""
-
-    def __init__(self, head: memoryview, rest: Callable[[memoryview], int]) -> None:
-        self._head = head
-        self._rest = rest
-
-    def readinto(self, dest: memoryview) -> int:
-        if self._head.nbytes:
-            n = min(dest.nbytes, self._head.nbytes)
-            dest[:n] = self._head[:n]
-            self._head = self._head[n:]
-            return n
-        return self._rest(dest)
 
 
 def _listen_unix(path: str) -> socket.socket:

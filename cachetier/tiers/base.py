@@ -12,26 +12,42 @@ from cachetier.parallel import copy_into
 from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_NAMESPACE_CHARS = 128
+# One limit for every namespace, a sidecar client's included: every namespace a tier has stored
+# was checked against 128 (the sidecar's "t.<tenant>.<namespace>" too), and a disk tier checks
+# its folder names again when it opens, so a lower limit would strand blocks already on disk.
+_NAMESPACE_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_CHARS - 1}}}")
 
 EvictCallback = Callable[[str, KVBlock], None]
 """Called with (namespace, block) for each block a tier evicts, so a store can spill it down."""
 
 
-def check_namespace(namespace: str) -> str:
+def check_namespace(namespace: str, *, prefix: str = "") -> str:
     """Validate a storage namespace (it becomes a folder name and a Redis key prefix).
 
     Args:
-        namespace: 1-128 characters of ``[A-Za-z0-9._-]``, not starting with ``.``, ``_``
-            or ``-``; ``Namespace.id`` always qualifies.
+        namespace: 1-128 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit;
+            ``Namespace.id`` (64 hex digits) always qualifies.
+        prefix: what the caller stores ``namespace`` under (the sidecar's ``t.<tenant>.``);
+            the prefix and the namespace together must fit in the 128 characters.
 
     Returns:
         ``namespace`` unchanged.
+
+    Raises:
+        ValueError: if it does not qualify; the message says what to change.
     """
+    # fullmatch, not match with "$": "$" also matches before a final newline, which would let
+    # "ns\n" through into folder names and Redis keys.
     if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
         raise ValueError(
-            f"namespace {namespace!r} must be 1-128 characters of [A-Za-z0-9._-] starting "
-            "with a letter or digit"
+            f"namespace {str(namespace)[:100]!r} must be 1-{MAX_NAMESPACE_CHARS} characters of "
+            "[A-Za-z0-9._-] starting with a letter or digit"
+        )
+    if len(prefix) + len(namespace) > MAX_NAMESPACE_CHARS:
+        raise ValueError(
+            f"namespace {namespace[:100]!r} has {len(namespace)} characters; stored under "
+            f"{prefix!r}, at most {MAX_NAMESPACE_CHARS - len(prefix)} fit"
         )
     return namespace
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cachetier.checks import positive_int
 from cachetier.eviction import make_policy
 from cachetier.keys import BlockHash
 from cachetier.record import KVBlock
@@ -15,17 +16,18 @@ from cachetier.tiers.base import EvictCallback, Tier, check_namespace
 
 @dataclass(frozen=True, slots=True)
 class CPUTierConfig:
-    """Args:
-    capacity_bytes: most payload bytes held at once.
-    policy: eviction policy name (``cachetier.eviction.POLICIES``).
+    """Settings of a ``CPUTier``: its capacity and eviction policy.
+
+    Args:
+        capacity_bytes: most payload bytes held at once.
+        policy: eviction policy name (``cachetier.eviction.POLICIES``).
     """
 
     capacity_bytes: int
     policy: str = "lru"
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+        positive_int("capacity_bytes", self.capacity_bytes)
 
 
 class CPUTier(Tier):

@@ -4,30 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachetier.checks import positive_int
+
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
 
 
 @dataclass(frozen=True, slots=True)
 class DiskTierConfig:
-    """Args:
-    root: folder that holds the tier (created if missing). Any number of processes of one
-        node may open the same folder: they share its capacity.
-    capacity_bytes: most record bytes kept in the folder, for all processes together (give
-        them all the same value: the smallest is what the folder ends up holding). At any
-        instant the folder may exceed it by the one batch being written.
-    policy: eviction policy name.
-    compression: ``"none"`` or ``"lz4"`` for stored payloads.
-    fsync: fsync each record before it is renamed into place, and its folder after
-        (durable across power loss; a killed process loses nothing either way).
-    file_mode: permission bits of the files the tier creates. KV reveals the prompt, so only
-        the owner reads them by default; ``0o640`` lets a group read them, ``0o660`` (with
-        ``dir_mode`` ``0o770``) lets processes of several users in one group share the folder.
-    dir_mode: permission bits of the folders the tier creates (an existing root is left as
-        it is).
-    orphan_temp_age_s: a temp file older than this is removed when a tier opens the folder,
-        even if its writer still runs (a write that old is stuck); a dead writer's temp file
-        is removed at once.
+    """Settings of a ``DiskTier``: its folder, capacity and how it writes.
+
+    Args:
+        root: folder that holds the tier (created if missing). Any number of processes of one
+            node may open the same folder: they share its capacity.
+        capacity_bytes: most record bytes kept in the folder, for all processes together (give
+            them all the same value: the smallest is what the folder ends up holding). At any
+            instant the folder may exceed it by the one batch being written.
+        policy: eviction policy name.
+        compression: ``"none"`` or ``"lz4"`` for stored payloads.
+        fsync: fsync each record before it is renamed into place, and its folder after
+            (durable across power loss; a killed process loses nothing either way).
+        file_mode: permission bits of the files the tier creates. KV reveals the prompt, so only
+            the owner reads them by default; ``0o640`` lets a group read them, ``0o660`` (with
+            ``dir_mode`` ``0o770``) lets processes of several users in one group share the folder.
+        dir_mode: permission bits of the folders the tier creates (an existing root is left as
+            it is).
+        orphan_temp_age_s: a temp file older than this is removed when a tier opens the folder,
+            even if its writer still runs (a write that old is stuck); a dead writer's temp file
+            is removed at once.
     """
 
     root: str
@@ -42,8 +46,7 @@ class DiskTierConfig:
     def __post_init__(self) -> None:
         if not self.root:
             raise ValueError("root must name a folder")
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+        positive_int("capacity_bytes", self.capacity_bytes)
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
         check_mode("file_mode", self.file_mode, needs=0o600)

@@ -19,10 +19,12 @@ Slot = tuple[str, bytes]
 
 
 class IndexEntry(NamedTuple):
-    """Args:
-    size: the record file's size in bytes.
-    stamp: the file's mtime (ns) as this process last set or saw it; a newer mtime on disk
-        means another process used the record since.
+    """What the disk tier's index knows of one record file.
+
+    Args:
+        size: the record file's size in bytes.
+        stamp: the file's mtime (ns) as this process last set or saw it; a newer mtime on disk
+            means another process used the record since.
     """
 
     size: int

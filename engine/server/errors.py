@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.errors import RequestRefusedError
+from cachetier.server.body_limit import BodyRefused
 from engine.server.openai_schemas import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class APIError(RequestRefusedError):
 def error_response(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The JSON answer of ``exc``."""
     return JSONResponse(exc.body.model_dump(), status_code=exc.status, headers=headers)
+
+
+def body_refused_answer(refused: BodyRefused) -> JSONResponse:
+    """The answer to a body ``BodyLimit`` refused (400, or 413 ``body_too_large``)."""
+    code = "body_too_large" if refused.status_code == 413 else None
+    return error_response(
+        APIError(refused.status_code, refused.message, code=code), refused.headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -13,13 +13,13 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from cachetier.config import build_store
+from cachetier.server.body_limit import install_body_limit
 from cachetier.store import TieredStore
 from engine.llm import maybe_tokenizer
 from engine.llm_engine import LLMEngine
 from engine.server import routes
 from engine.server.async_engine import AsyncEngine
-from engine.server.body_limit import BodyLimitMiddleware
-from engine.server.errors import install_error_handlers
+from engine.server.errors import body_refused_answer, install_error_handlers
 from engine.server.openai_config import SMOLLM2, EngineServerConfig
 from engine.server.openai_metrics import EngineMetrics
 from engine.server.serving import OpenAIServing
@@ -110,7 +110,7 @@ def create_app(config: EngineServerConfig) -> FastAPI:
     app = FastAPI(
         title="cachetier engine", version="1", description=_DESCRIPTION, lifespan=lifespan
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    install_body_limit(app, lambda scope: config.max_request_bytes, body_refused_answer)
     app.include_router(routes.router)
     app.include_router(routes.v1)
     install_error_handlers(app)

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
-from cachetier.backoff import BreakerState, CircuitBreaker, ExponentialBackoff
-
-
-class FakeClock:
-    """A clock that only moves when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from cachetier.backoff import BreakerState, CircuitBreaker, ExponentialBackoff, Fault, Guard
+from tests.support import FakeClock
 
 
 def make_breaker(
@@ -56,7 +46,7 @@ def test_breaker_rejects_bad_settings() -> None:
     backoff = ExponentialBackoff(0.1, 1.0)
     with pytest.raises(ValueError, match="failure_threshold"):
         CircuitBreaker(0, backoff)
-    with pytest.raises(TypeError, match="failure_threshold"):
+    with pytest.raises(ValueError, match="failure_threshold"):
         CircuitBreaker(True, backoff)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trial_timeout_s"):
         CircuitBreaker(1, backoff, trial_timeout_s=0)
@@ -177,3 +167,87 @@ def test_exactly_one_thread_gets_the_trial() -> None:
     for t in threads:
         t.join()
     assert sorted(allowed) == [False] * 15 + [True]
+
+
+def _fault(exc: BaseException) -> Fault | None:
+    if isinstance(exc, ConnectionResetError):
+        return Fault.TRANSIENT
+    if isinstance(exc, TimeoutError):
+        return Fault.DOWN
+    if isinstance(exc, PermissionError):
+        return Fault.ANSWERED
+    return None
+
+
+def _guard(clock: FakeClock, retries: int = 2) -> tuple[Guard, list[str]]:
+    seen: list[str] = []
+    backoff = ExponentialBackoff(0.001, 0.002)
+    guard = Guard(
+        CircuitBreaker(2, backoff, clock),
+        _fault,
+        on_failure=lambda exc, fault: seen.append(f"failed {fault.value}"),
+        on_skipped=lambda: seen.append("skipped"),
+        backoff=backoff,
+        retries=retries,
+        on_retry=lambda exc: seen.append("retry"),
+    )
+    return guard, seen
+
+
+def _failing(*errors: BaseException) -> Callable[[], str]:
+    left = list(errors)
+
+    def attempt() -> str:
+        if left:
+            raise left.pop(0)
+        return "ok"
+
+    return attempt
+
+
+def test_guard_retries_a_transient_fault_then_returns_the_result() -> None:
+    guard, seen = _guard(FakeClock())
+    assert guard.call(_failing(ConnectionResetError(), ConnectionResetError()), None) == "ok"
+    assert seen == ["retry", "retry"]
+    assert guard.breaker.state is BreakerState.CLOSED
+
+
+def test_guard_gives_up_after_its_retries_and_the_breaker_opens() -> None:
+    guard, seen = _guard(FakeClock(), retries=1)
+    for _ in range(2):
+        assert guard.call(_failing(*[ConnectionResetError()] * 3), "missed") == "missed"
+    assert seen == ["retry", "failed transient", "retry", "failed transient"]
+    assert guard.breaker.state is BreakerState.OPEN
+    assert guard.call(_failing(), "missed") == "missed"  # not called: skipped
+    assert seen[-1] == "skipped"
+
+
+def test_guard_does_not_retry_a_timeout_or_an_answer() -> None:
+    guard, seen = _guard(FakeClock())
+    assert guard.call(_failing(TimeoutError()), None) is None
+    assert guard.breaker.snapshot()["num_failures"] == 1
+    assert guard.call(_failing(PermissionError()), None) is None
+    assert seen == ["failed down", "failed answered"]
+    assert guard.breaker.snapshot()["num_failures"] == 0  # an answer says the service is up
+
+
+def test_guard_lets_an_unknown_error_through_and_counts_it_against_the_service() -> None:
+    guard, seen = _guard(FakeClock())
+    with pytest.raises(KeyError):
+        guard.call(_failing(KeyError("bug")), None)
+    assert seen == []
+    assert guard.breaker.snapshot()["num_failures"] == 1
+
+
+def test_guard_acall_shares_the_decisions_of_call() -> None:
+    guard, seen = _guard(FakeClock())
+    left = [ConnectionResetError(), TimeoutError()]
+
+    async def attempt() -> str:
+        if left:
+            raise left.pop(0)
+        return "ok"
+
+    assert asyncio.run(guard.acall(attempt, "missed")) == "missed"
+    assert seen == ["retry", "failed down"]
+    assert asyncio.run(guard.acall(attempt, "missed")) == "ok"

@@ -1,196 +1,54 @@
 """RedisTier on a real Redis Cluster: three local masters, keys spread over them, one lost.
 
-The cluster is this module's own (``redis-server --cluster-enabled yes`` x3, no replicas,
-``redis-cli --cluster create``); it keeps nothing on disk and is killed at teardown.
+The cluster is the session's ``redis_cluster`` (``tests/cachetier/local_cluster.py``); the
+shared tier suite runs on it too. Tests that stop a master wait for it to be healthy again.
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-import redis
 from redis.cluster import RedisCluster
 from redis.connection import Connection
 
 from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock
-from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from cachetier.tiers.redis_cluster import parse_cluster_url
-from tests.cachetier.test_backoff import FakeClock
-from tests.cachetier.test_redis_tier import FAST_FAIL, TIMEOUT_S
-from tests.support import free_port, make_blocks
+from cachetier.tiers.redis import RedisTier, RedisTierConfig, parse_cluster_url
+from tests.cachetier.local_cluster import NUM_MASTERS, LocalCluster
+from tests.support import (
+    FAST_FAIL,
+    TIMEOUT_S,
+    FakeClock,
+    free_port,
+    make_blocks,
+    opened_redis_tiers,
+)
 
-NUM_MASTERS = 3
-NODE_TIMEOUT_MS = 2000  # how long a silent master takes to be flagged as failed
-STARTUP_S = 30.0  # longest wait for the cluster (or one node) to come up
 MakeTier = Callable[..., RedisTier]
 
 
-class LocalCluster:
-    """Redis Cluster masters on free local ports, in a folder of their own.
-
-    Args:
-        folder: where the nodes keep their cluster config files and logs.
-        num_masters: how many masters (no replicas).
-    """
-
-    def __init__(self, folder: Path, num_masters: int = NUM_MASTERS) -> None:
-        self.folder = folder
-        ports: set[int] = set()
-        while len(ports) < 2 * num_masters:  # a client port and a cluster bus port each
-            ports.add(free_port())
-        listed = sorted(ports)
-        self.ports = listed[:num_masters]
-        self._bus_ports = dict(zip(self.ports, listed[num_masters:], strict=True))
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
-
-    def node(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
-
-    def start(self) -> None:
-        for port in self.ports:
-            self.start_node(port)
-        subprocess.run(
-            ["redis-cli", "--cluster", "create"]
-            + [f"127.0.0.1:{port}" for port in self.ports]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=STARTUP_S,
-        )
-        self.wait_healthy()
-
-    def start_node(self, port: int) -> None:
-        assert port not in self.procs, f"node {port} is already running"
-        self.procs[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
-            + ["--cluster-enabled", "yes", "--cluster-port", str(self._bus_ports[port])]
-            + ["--cluster-config-file", f"nodes-{port}.conf"]
-            + ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
-            # Keep serving the other masters' slots when one is lost (the default refuses all).
-            + ["--cluster-require-full-coverage", "no"]
-            + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
-            + ["--logfile", str(self.folder / f"redis-{port}.log")],
-        )
-        self._wait(lambda: self._answers(port), f"node {port} to answer")
-
-    def stop_node(self, port: int, sig: signal.Signals = signal.SIGKILL) -> None:
-        proc = self.procs.pop(port)
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for port in list(self.procs):
-            self.stop_node(port)
-
-    def wait_healthy(self) -> None:
-        """Until every node sees every master up and all slots served."""
-        self._wait(lambda: all(self._healthy(port) for port in self.ports), "a healthy cluster")
-
-    def wait_flagged_failed(self, lost: int) -> None:
-        """Until the running nodes agree that ``lost`` has failed (``fail``, not ``fail?``)."""
-
-        def flagged() -> bool:
-            return all(
-                "fail" in self._nodes(port)[f"127.0.0.1:{lost}"]["flags"].split(",")
-                for port in self.procs
-            )
-
-        self._wait(flagged, f"node {lost} to be flagged as failed")
-
-    def _answers(self, port: int) -> bool:
-        client = self.node(port)
-        try:
-            return bool(client.ping())
-        except redis.exceptions.ConnectionError:
-            return False
-        finally:
-            client.close()
-
-    def _nodes(self, port: int) -> dict[str, dict]:
-        """CLUSTER NODES as ``port`` sees them, by ``host:port``."""
-        client = self.node(port)
-        try:
-            return client.execute_command("CLUSTER NODES")
-        finally:
-            client.close()
-
-    def _healthy(self, port: int) -> bool:
-        client = self.node(port)
-        try:
-            info = client.execute_command("CLUSTER INFO")
-        finally:
-            client.close()
-        return (
-            info["cluster_state"] == "ok"
-            and info["cluster_known_nodes"] == str(len(self.ports))
-            and info["cluster_slots_ok"] == "16384"
-            and not any("fail" in node["flags"] for node in self._nodes(port).values())
-        )
-
-    def _wait(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + STARTUP_S
-        while not done():
-            dead = [port for port, proc in self.procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"gave up waiting for {what} (exited: {dead}); see {self.folder}"
-                )
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        local.start()
-        yield local
-    finally:
-        local.stop_all()
-
-
-@pytest.fixture(scope="module")
-def raw(cluster: LocalCluster) -> Iterator[RedisCluster]:
+def raw(redis_cluster: LocalCluster) -> Iterator[RedisCluster]:
     """A plain redis-py cluster client, to look at what the tier stored and where."""
-    client = RedisCluster(host="127.0.0.1", port=cluster.ports[0], socket_timeout=2)
+    client = RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0], socket_timeout=2)
     yield client
     client.close()
 
 
 @pytest.fixture
-def make_tier(cluster: LocalCluster) -> Iterator[MakeTier]:
+def make_tier(redis_cluster: LocalCluster) -> Iterator[MakeTier]:
     """Builds tiers on the cluster under this test's own key prefix; closes them afterwards.
 
-    Keys are not deleted: the cluster keeps nothing past this module.
+    Keys are not deleted: the cluster keeps nothing past this session.
     """
     prefix = f"cachetier-test-{uuid.uuid4().hex[:12]}"
-    opened: list[RedisTier] = []
-
-    def make(*, clock: Callable[[], float] = time.monotonic, **settings: object) -> RedisTier:
-        settings.setdefault("url", cluster.url)
-        settings.setdefault("key_prefix", prefix)
-        tier = RedisTier(RedisTierConfig(**settings), clock=clock)  # type: ignore[arg-type]
-        opened.append(tier)
-        return tier
-
-    yield make
-    for tier in opened:
-        tier.close()
+    with opened_redis_tiers(url=redis_cluster.url, key_prefix=prefix) as make:
+        yield make
 
 
 def _keys(blocks: list[KVBlock]) -> list[BlockHash]:
@@ -264,43 +122,10 @@ def test_unreachable_cluster_gives_bounded_misses_then_opens_the_breaker(
 
 
 @pytest.mark.slow
-def test_put_get_contains_delete_clear_round_trip(
-    make_tier: MakeTier, cluster: LocalCluster, namespace: Namespace
-) -> None:
-    tier = make_tier()
-    blocks = make_blocks(namespace, 40)
-    absent = make_blocks(namespace, 1, seed=1)[0]
-    other = make_blocks(namespace, 3, seed=2)
-    ns = namespace.id
-    assert tier.put_many(ns, blocks) == 40
-    assert tier.put_many("other-ns", other) == 3
-    got = tier.get_many(ns, [absent.key, *_keys(blocks)])
-    assert got[0] is None and all(_same(g, b) for g, b in zip(got[1:], blocks, strict=True))
-    assert tier.contains_prefix(ns, _keys(blocks)) == 40
-    assert tier.contains_prefix(ns, [*_keys(blocks[:7]), absent.key, blocks[7].key]) == 7
-    assert tier.contains_prefix("other-ns", _keys(blocks)) == 0  # namespaces are apart
-
-    old = blocks[1]
-    replaced = KVBlock(old.key, old.fingerprint, old.dtype, old.shape, 16, other[0].data)
-    assert tier.put_many(ns, [replaced]) == 1
-    assert _same(tier.get_many(ns, [blocks[1].key])[0], replaced)
-
-    assert tier.delete(ns, [blocks[0].key, absent.key]) == 1
-    assert tier.get_many(ns, [blocks[0].key]) == [None]
-    assert tier.clear(ns) == 39
-    assert tier.contains_prefix(ns, _keys(blocks[1:2])) == 0
-    assert all(tier.get_many("other-ns", _keys(other)))
-    stats = tier.stats()
-    assert (stats["hits"], stats["misses"], stats["puts"]) == (40 + 1 + 3, 1 + 1, 44)
-    assert (stats["errors"], stats["skipped"], stats["used_bytes"]) == (0, 0, 0)
-    assert sorted(stats["node_breakers"]) == sorted(f"127.0.0.1:{p}" for p in cluster.ports)
-
-
-@pytest.mark.slow
 def test_keys_of_one_request_spread_over_the_masters_in_one_batch_each(
     make_tier: MakeTier,
     raw: RedisCluster,
-    cluster: LocalCluster,
+    redis_cluster: LocalCluster,
     namespace: Namespace,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -311,8 +136,8 @@ def test_keys_of_one_request_spread_over_the_masters_in_one_batch_each(
     assert not any("{" in name for name in names)  # no hash tag pins them to one slot
     owners = _owners(tier, raw, namespace.id, blocks)
     assert len(set(owners)) == NUM_MASTERS  # (>= 2 is what matters; 32 keys reach all 3)
-    for port in cluster.ports:  # each record is on the master its slot maps to
-        node = cluster.node(port)
+    for port in redis_cluster.ports:  # each record is on the master its slot maps to
+        node = redis_cluster.node(port)
         assert all(node.exists(n) for n, owner in zip(names, owners, strict=True) if owner == port)
         node.close()
 
@@ -330,29 +155,15 @@ def test_keys_of_one_request_spread_over_the_masters_in_one_batch_each(
 
 
 @pytest.mark.slow
-def test_ttl_restart_and_corrupt_records(
+def test_ttl_is_set_on_every_record(
     make_tier: MakeTier, raw: RedisCluster, namespace: Namespace
 ) -> None:
+    # Restart and corrupt records on the cluster: the shared suite (test_tier_suite.py).
     blocks = make_blocks(namespace, 12)
-    ns = namespace.id
-    first = make_tier(ttl_s=60.0)
-    assert first.put_many(ns, blocks) == 12
-    names = [first.storage_key(ns, b.key) for b in blocks]
+    tier = make_tier(ttl_s=60.0)
+    assert tier.put_many(namespace.id, blocks) == 12
+    names = [tier.storage_key(namespace.id, b.key) for b in blocks]
     assert all(0 < raw.pttl(name) <= 60_000 for name in names)
-    first.close()
-
-    second = make_tier()  # a new process, as far as the cluster can tell
-    assert second.contains_prefix(ns, _keys(blocks)) == 12
-    record = bytearray(raw.get(names[3]) or b"")
-    record[len(record) // 2] ^= 0xFF
-    raw.set(names[3], bytes(record))
-    got = second.get_many(ns, _keys(blocks))
-    assert got[3] is None and all(
-        _same(g, b) for i, (g, b) in enumerate(zip(got, blocks)) if i != 3
-    )
-    assert raw.exists(names[3]) == 0  # deleted, not kept
-    stats = second.stats()
-    assert (stats["corrupt"], stats["hits"], stats["errors"]) == (1, 11, 0)
 
 
 @pytest.mark.slow
@@ -387,14 +198,14 @@ def test_concurrent_callers_share_the_pools(make_tier: MakeTier, namespace: Name
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_silent_master_costs_a_socket_timeout_and_only_its_keys(
-    make_tier: MakeTier, raw: RedisCluster, cluster: LocalCluster, namespace: Namespace
+    make_tier: MakeTier, raw: RedisCluster, redis_cluster: LocalCluster, namespace: Namespace
 ) -> None:
     tier = make_tier(**FAST_FAIL)
     blocks = make_blocks(namespace, 24)
     assert tier.put_many(namespace.id, blocks) == 24
     owners = _owners(tier, raw, namespace.id, blocks)
     victim = owners[0]
-    proc = cluster.procs[victim]
+    proc = redis_cluster.procs[victim]
     proc.send_signal(signal.SIGSTOP)  # frozen: the kernel still takes its bytes, nothing answers
     try:
         start = time.monotonic()
@@ -407,13 +218,13 @@ def test_a_silent_master_costs_a_socket_timeout_and_only_its_keys(
     stats = tier.stats()
     assert stats["errors"] == 1 and stats["node_breakers"][f"127.0.0.1:{victim}"]["num_failures"]
     assert all(tier.get_many(namespace.id, _keys(blocks)))  # it answers again
-    cluster.wait_healthy()
+    redis_cluster.wait_healthy()
 
 
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_lost_master_costs_only_its_own_keys(
-    make_tier: MakeTier, raw: RedisCluster, cluster: LocalCluster, namespace: Namespace
+    make_tier: MakeTier, raw: RedisCluster, redis_cluster: LocalCluster, namespace: Namespace
 ) -> None:
     clock = FakeClock()
     tier = make_tier(clock=clock, failure_threshold=2, **FAST_FAIL)
@@ -437,7 +248,7 @@ def test_a_lost_master_costs_only_its_own_keys(
     fresh = make_blocks(namespace, 12, seed=3)
     fresh_lost = [owner == victim for owner in _owners(tier, raw, ns, fresh)]
     try:
-        cluster.stop_node(victim, signal.SIGKILL)
+        redis_cluster.stop_node(victim, signal.SIGKILL)
         check_reads()  # a get and a probe: both fail on the victim, and its breaker opens
         stats = tier.stats()
         assert stats["errors"] == 2 and stats["node_breakers"][node_name]["state"] == "open"
@@ -450,13 +261,13 @@ def test_a_lost_master_costs_only_its_own_keys(
         assert [b["state"] for b in stats["node_breakers"].values()].count("closed") == 2
 
         # Once the others flag it as failed they still serve their own slots.
-        cluster.wait_flagged_failed(victim)
+        redis_cluster.wait_flagged_failed(victim)
         got = tier.get_many(ns, keys[4:])
         assert [g is None for g in got] == lost[4:]
         assert all(_same(g, b) for g, b, gone in zip(got, blocks[4:], lost[4:]) if not gone)
     finally:
-        cluster.start_node(victim)  # empty: it kept nothing (--save "")
-        cluster.wait_healthy()
+        redis_cluster.start_node(victim)  # empty: it kept nothing (--save "")
+        redis_cluster.wait_healthy()
 
     assert tier.put_many(ns, fresh) == fresh_lost.count(False)  # its breaker is still open
     clock.advance(1.0)  # past the backoff: the next call to it is the trial

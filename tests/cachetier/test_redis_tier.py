@@ -18,11 +18,16 @@ import redis
 from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from tests.cachetier.test_backoff import FakeClock
-from tests.support import PrivateRedis, free_port, make_blocks
+from tests.support import (
+    FAST_FAIL,
+    TIMEOUT_S,
+    FakeClock,
+    PrivateRedis,
+    free_port,
+    make_blocks,
+    opened_redis_tiers,
+)
 
-TIMEOUT_S = 0.2
-FAST_FAIL = {"socket_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S}
 MakeTier = Callable[..., RedisTier]
 
 
@@ -36,18 +41,8 @@ def raw(redis_url: str) -> Iterator[redis.Redis]:
 @pytest.fixture
 def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
     """Builds tiers on the shared Redis under this test's prefix; closes them afterwards."""
-    opened: list[RedisTier] = []
-
-    def make(*, clock: Callable[[], float] = time.monotonic, **settings: object) -> RedisTier:
-        settings.setdefault("url", redis_url)
-        settings.setdefault("key_prefix", redis_prefix)
-        tier = RedisTier(RedisTierConfig(**settings), clock=clock)  # type: ignore[arg-type]
-        opened.append(tier)
-        return tier
-
-    yield make
-    for tier in opened:
-        tier.close()
+    with opened_redis_tiers(url=redis_url, key_prefix=redis_prefix) as make:
+        yield make
 
 
 @pytest.fixture

@@ -21,9 +21,17 @@ import redis
 
 from cachetier.keys import KVLayout, Namespace
 from cachetier.tiers.redis import AUTH_LOG_INTERVAL_S, RedisTier, RedisTierConfig
-from tests.cachetier.test_backoff import FakeClock
+from cachetier.tiers.redis.transports import RespTransport
 from tests.certs import TLSFiles
-from tests.support import SMALL_LAYOUT, PrivateRedis, free_port, make_blocks
+from tests.support import (
+    SMALL_LAYOUT,
+    FakeClock,
+    PrivateRedis,
+    end_process,
+    free_port,
+    make_blocks,
+    opened_redis_tiers,
+)
 
 PASSWORD = "tls-redis-pw-7f3a9c"
 STARTUP_S = 15.0
@@ -117,12 +125,7 @@ class TLSRedis:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc, timeout_s=10)
             self.proc = None
 
 
@@ -144,17 +147,8 @@ def start_tls_redis(tmp_path: Path, tls_files: TLSFiles) -> Iterator[Callable[..
 
 @pytest.fixture
 def make_tier() -> Iterator[Callable[..., RedisTier]]:
-    opened: list[RedisTier] = []
-
-    def make(*, clock: Callable[[], float] = time.monotonic, **settings: object) -> RedisTier:
-        settings.setdefault("key_prefix", "tls-test")
-        tier = RedisTier(RedisTierConfig(**settings), clock=clock)  # type: ignore[arg-type]
-        opened.append(tier)
-        return tier
-
-    yield make
-    for tier in opened:
-        tier.close()
+    with opened_redis_tiers(key_prefix="tls-test") as make:
+        yield make
 
 
 def _with_client_cert(tls: TLSFiles) -> dict[str, str]:
@@ -182,8 +176,9 @@ def test_rediss_round_trips_blocks_on_the_bulk_path(
     assert (stats["puts"], stats["hits"], stats["errors"]) == (12, 24, 0)
     # The bulk path ran (its pool holds the connections it made): the one with no plaintext
     # port to fall back to, so every byte of it went over TLS.
-    assert tier._bulk is not None and tier._bulk.endpoint.tls is not None
-    assert tier._bulk.num_idle >= 2
+    transport = tier._transport
+    assert isinstance(transport, RespTransport) and transport.resp.endpoint.tls is not None
+    assert transport.resp.num_idle >= 2
     # redis-py's path (a script) works over the same TLS settings.
     assert tier.contains_prefix(namespace.id, [b.key for b in blocks]) == len(blocks)
 
@@ -347,7 +342,7 @@ def test_noauth_and_wrongpass_are_counted_and_logged_once_per_interval(
     namespace = Namespace("auth-model", SMALL_LAYOUT)
     blocks = make_blocks(namespace, 2)
     keys = [b.key for b in blocks]
-    with caplog.at_level(logging.WARNING, logger="cachetier.tiers.redis"):
+    with caplog.at_level(logging.WARNING, logger="cachetier.tiers.redis.tier"):
         for _ in range(5):
             assert tier.put_many(namespace.id, blocks) == 0  # bulk path
             assert tier.get_many(namespace.id, keys) == [None, None]  # bulk path

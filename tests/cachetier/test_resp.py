@@ -16,13 +16,13 @@ import redis
 
 from cachetier.keys import KVLayout, Namespace
 from cachetier.record import Compression, KVBlock, encode_parts, encode_record
-from cachetier.tiers.resp import (
+from cachetier.tiers.redis.resp import (
     CORRUPT,
     Endpoint,
     ErrorReply,
     Hit,
+    RespClient,
     RespConnection,
-    RespPool,
     RespProtocolError,
     command,
 )
@@ -34,10 +34,10 @@ from tests.support import PrivateRedis, free_port, make_blocks
 BIG = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)
 
 
-def pool_for(url: str, streams: int = 4, timeout_s: float = 2.0) -> RespPool:
+def pool_for(url: str, streams: int = 4, timeout_s: float = 2.0) -> RespClient:
     endpoint = Endpoint.from_url(url, timeout_s, timeout_s)
     assert endpoint is not None
-    return RespPool(endpoint, max_connections=8, streams=streams)
+    return RespClient(endpoint, max_connections=8, streams=streams)
 
 
 @pytest.fixture

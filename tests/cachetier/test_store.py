@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -26,20 +26,31 @@ def _stack(tmp_path: Path, cpu_bytes: int = BIG) -> TieredStore:
     )
 
 
-def test_put_writes_through_to_lower_tiers(tmp_path: Path, namespace: Namespace) -> None:
-    store = _stack(tmp_path)
-    blocks = make_blocks(namespace, 3)
-    store.put_many(namespace.id, blocks)
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    """A CPU tier over a disk tier in ``tmp_path``; closed afterwards."""
+    stack = _stack(tmp_path)
+    yield stack
+    stack.close()
+
+
+def _put_and_flush(store: TieredStore, namespace: Namespace, num_blocks: int) -> list[KVBlock]:
+    """Put ``num_blocks`` blocks and wait until every tier holds them."""
+    blocks = make_blocks(namespace, num_blocks)
+    assert store.put_many(namespace.id, blocks) == num_blocks
     assert store.flush(timeout=10)
+    return blocks
+
+
+def test_put_writes_through_to_lower_tiers(store: TieredStore, namespace: Namespace) -> None:
+    blocks = _put_and_flush(store, namespace, 3)
     disk = store.tiers[1]
     assert disk.contains_prefix(namespace.id, [b.key for b in blocks]) == 3
-    store.close()
 
 
 def test_lookup_spans_tiers_and_restores_the_leading_run(
-    tmp_path: Path, namespace: Namespace
+    store: TieredStore, namespace: Namespace
 ) -> None:
-    store = _stack(tmp_path)
     cpu, disk = store.tiers
     blocks = make_blocks(namespace, 6)
     keys = [b.key for b in blocks]
@@ -55,39 +66,30 @@ def test_lookup_spans_tiers_and_restores_the_leading_run(
     assert restored.sources == ("cpu", "cpu", "disk", "disk")
     # The disk hits were promoted to the CPU tier.
     assert cpu.contains_prefix(namespace.id, keys) == 4
-    store.close()
 
 
 def test_blocks_of_another_namespace_fingerprint_are_misses(
-    tmp_path: Path, namespace: Namespace
+    store: TieredStore, namespace: Namespace
 ) -> None:
-    store = _stack(tmp_path)
-    blocks = make_blocks(namespace, 2)
-    store.put_many(namespace.id, blocks)
-    store.flush()
+    blocks = _put_and_flush(store, namespace, 2)
     other = Namespace("other", SMALL_LAYOUT)
     restored = store.restore_prefix(
         namespace.id, [b.key for b in blocks], fingerprint=other.fingerprint
     )
     assert restored.blocks == ()
     assert store.stats()["corrupt"] == 4  # each tier's copy of each block was refused
-    store.close()
 
 
 def test_a_read_that_fails_after_lookup_ends_the_prefix(
-    tmp_path: Path, namespace: Namespace
+    store: TieredStore, namespace: Namespace
 ) -> None:
-    store = _stack(tmp_path)
-    blocks = make_blocks(namespace, 4)
-    store.put_many(namespace.id, blocks)
-    store.flush()
+    blocks = _put_and_flush(store, namespace, 4)
     disk = store.tiers[1]
     assert isinstance(disk, DiskTier)
     store.tiers[0].delete(namespace.id, [blocks[1].key])
     disk.path_of(namespace.id, blocks[1].key).write_bytes(b"torn")
     restored = store.restore_prefix(namespace.id, [b.key for b in blocks])
     assert [b.key for b in restored.blocks] == [blocks[0].key]
-    store.close()
 
 
 def test_restart_of_the_stack_finds_blocks_on_disk(tmp_path: Path, namespace: Namespace) -> None:

@@ -7,29 +7,35 @@ runs against a real server from ``tests/server/live.py``).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from cachetier.keys import BlockHash
 from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.redis import RedisTier, RedisTierConfig, parse_cluster_url
 
 
 @dataclass
 class TierHarness:
-    """Args:
-    make: build a tier with the given byte capacity (the same storage on every call).
-    corrupt: flip one stored byte of (namespace, key), or ``None`` if the tier keeps
-        nothing outside this process's memory.
-    overhead_bytes: bytes a stored block costs beyond its payload (record header).
-    count_corrupt: how many corrupt records a tier has detected (default: its stats and
-        those of the tiers it stacks); a remote tier's server detects them, not the client.
-    stop: releases what the harness started besides the tiers (a server), or ``None``.
+    """How the shared suite builds, corrupts and cleans up one kind of tier.
+
+    Args:
+        make: build a tier with the given byte capacity (the same storage on every call).
+        corrupt: flip one stored byte of (namespace, key), or ``None`` if the tier keeps
+            nothing outside this process's memory.
+        overhead_bytes: bytes a stored block costs beyond its payload (record header).
+        count_corrupt: how many corrupt records a tier has detected (default: its stats and
+            those of the tiers it stacks); a remote tier's server detects them, not the client.
+        stop: releases what the harness started besides the tiers (a server), or ``None``.
     """
 
     make: Callable[[int], Tier]
@@ -86,22 +92,42 @@ def disk_harness(tmp: Path) -> TierHarness:
     )
 
 
-def redis_harness(tmp: Path, url: str, prefix: str) -> TierHarness:
-    from cachetier.tiers.redis import RedisTier, RedisTierConfig
-
-    def corrupt(tier: Tier, ns: str, key: BlockHash) -> None:
-        client = redis.Redis.from_url(url)
-        name = f"{prefix}:{ns}:{key.hex()}"
+def _flip_stored(client: redis.Redis | RedisCluster, tier: Tier, ns: str, key: BlockHash) -> None:
+    """Flip one byte of the record a ``RedisTier`` stored, through ``client`` (then closed)."""
+    assert isinstance(tier, RedisTier)
+    name = tier.storage_key(ns, key)
+    try:
         value = bytearray(client.get(name) or b"")
-        assert value, f"{name} is not in Redis"
+        assert value, f"{name} is not stored"
         value[len(value) // 2] ^= 0xFF
         client.set(name, bytes(value))
+    finally:
         client.close()
 
+
+def redis_harness(tmp: Path, url: str, prefix: str) -> TierHarness:
     return TierHarness(
         make=lambda cap: RedisTier(RedisTierConfig(url=url, key_prefix=prefix, capacity_bytes=cap)),
-        corrupt=corrupt,
+        corrupt=lambda tier, ns, key: _flip_stored(redis.Redis.from_url(url), tier, ns, key),
         overhead_bytes=RECORD_OVERHEAD,
+    )
+
+
+def redis_cluster_harness(url: str) -> TierHarness:
+    """A ``RedisTier`` on a Redis Cluster (``LocalCluster.url``), under a key prefix of its own.
+
+    A cluster tier has no capacity of its own (the masters' ``maxmemory`` bounds it), so the
+    suite's capacity is ignored; the cluster keeps nothing past the session.
+    """
+    prefix = f"cachetier-test-{uuid.uuid4().hex[:12]}"
+    host, port = parse_cluster_url(url).nodes[0]
+
+    def corrupt(tier: Tier, ns: str, key: BlockHash) -> None:
+        _flip_stored(RedisCluster(host=host, port=port, socket_timeout=2), tier, ns, key)
+
+    return TierHarness(
+        make=lambda cap: RedisTier(RedisTierConfig(url=url, key_prefix=prefix)),
+        corrupt=corrupt,
     )
 
 
@@ -131,7 +157,8 @@ def remote_harness(tmp: Path, *, transfer: bool = False) -> TierHarness:
     restart test restarts the server, not just the client.
     """
     from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-    from tests.server.live import TOKENS, ThreadServer, call, free_port, test_config
+    from tests.server.live import TOKENS, ThreadServer, call, test_config
+    from tests.support import free_port
 
     port = free_port() if transfer else None
     server = ThreadServer(test_config(tmp / "remote-server", transfer_port=port))
@@ -171,6 +198,8 @@ _TRAITS = {
     "cpu": (False, True, False),
     "disk": (True, True, True),
     "redis": (True, True, True),
+    # The masters' maxmemory bounds a cluster, not an exact LRU of the tier's own.
+    "redis-cluster": (True, False, True),
     "tiered": (True, False, True),
     # The server's tiers each keep exact LRU, but a stack of them does not (like "tiered").
     "remote": (True, False, True),
@@ -189,9 +218,13 @@ def kinds(
     ]
 
 
-def build(kind: str, tmp: Path, redis_url: str, redis_prefix: str) -> TierHarness:
+def build(kind: str, tmp: Path, fixture: Callable[[str], Any]) -> TierHarness:
+    """The harness of ``kind``; ``fixture`` gets a pytest fixture by name (the real Redis or
+    Redis Cluster), called only for the kinds that need one."""
     if kind == "redis":
-        return redis_harness(tmp, redis_url, redis_prefix)
+        return redis_harness(tmp, fixture("redis_url"), fixture("redis_prefix"))
+    if kind == "redis-cluster":
+        return redis_cluster_harness(fixture("redis_cluster").url)
     builders = {
         "cpu": cpu_harness,
         "disk": disk_harness,

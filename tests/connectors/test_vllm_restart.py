@@ -241,31 +241,28 @@ def test_store_run_saves_every_full_block(stored: dict[str, Any], model_dir: Pat
     assert not missing, f"blocks not on disk after process A exited: {missing}"
 
 
-def test_restart_restores_prefix_from_disk(
-    stored: dict[str, Any], workdir: Path, model_dir: Path
-) -> None:
-    extra = {"cpu_bytes": 256 << 20, "disk_path": str(stored["disk"])}
-    (restored,), log = EngineProcess(workdir).run(
-        "restore-disk", model_dir, [{"name": "restore-disk", "kv_extra": extra}]
-    )
-    assert restored["num_cached_tokens"] >= NUM_FULL_BLOCKS * BLOCK_SIZE
-    assert_logged_full_load(log, "disk")
-    assert_same_output(restored, stored["baseline"])
-
-
-def test_restart_restores_prefix_from_redis(
+@pytest.mark.parametrize("source", ["disk", "redis"])
+def test_restart_restores_prefix(
     stored: dict[str, Any],
     workdir: Path,
     model_dir: Path,
-    redis_url: str,
-    module_redis_prefix: str,
+    source: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    extra = {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": module_redis_prefix}
+    if source == "disk":
+        extra = {"cpu_bytes": 256 << 20, "disk_path": str(stored["disk"])}
+    else:  # the Redis the store run wrote through to
+        extra = {
+            "cpu_bytes": 0,
+            "redis_url": request.getfixturevalue("redis_url"),
+            "redis_key_prefix": request.getfixturevalue("module_redis_prefix"),
+        }
+    name = f"restore-{source}"
     (restored,), log = EngineProcess(workdir).run(
-        "restore-redis", model_dir, [{"name": "restore-redis", "kv_extra": extra}]
+        name, model_dir, [{"name": name, "kv_extra": extra}]
     )
     assert restored["num_cached_tokens"] >= NUM_FULL_BLOCKS * BLOCK_SIZE
-    assert_logged_full_load(log, "redis")
+    assert_logged_full_load(log, source)
     assert_same_output(restored, stored["baseline"])
 
 

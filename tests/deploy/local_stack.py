@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -47,12 +48,6 @@ def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None
     """The compose file as data, variables substituted from ``env`` (default: none set)."""
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     return interpolate(raw, env or {})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

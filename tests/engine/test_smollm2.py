@@ -22,7 +22,7 @@ from engine.smollm2 import (
     smollm2_gguf_path,
     smollm2_path,
 )
-from tests.children import child_env, python_command
+from tests.children import child_env, python_command, run_python_at_once
 
 
 def tmp_leftovers(target: Path) -> list[Path]:
@@ -49,20 +49,7 @@ BUILD_IN_CHILD = """
 
 def test_build_once_builds_once_across_processes(tmp_path: Path) -> None:
     target, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
-    children = [
-        subprocess.Popen(
-            python_command(BUILD_IN_CHILD, target, log, 1.0),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for _ in range(2)
-    ]
-    outputs = [child.communicate(timeout=120) for child in children]
-    for child, (_, err) in zip(children, outputs, strict=True):
-        assert child.returncode == 0, err
-    assert [out.strip() for out, _ in outputs] == [str(target)] * 2
+    assert run_python_at_once(BUILD_IN_CHILD, target, log, 1.0) == [str(target)] * 2
     assert len(log.read_text().splitlines()) == 1
     assert (target / "done").read_text() == "ok"
     assert tmp_leftovers(target) == []
@@ -220,21 +207,8 @@ def test_smollm2_conversion_is_safe_across_processes(smollm2_dir: Path, tmp_path
         from engine.smollm2 import smollm2_path
         print(smollm2_path(sys.argv[1]))
     """
-    children = [
-        subprocess.Popen(
-            python_command(code, tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for _ in range(2)
-    ]
-    outputs = [child.communicate(timeout=600) for child in children]
-    for child, (_, err) in zip(children, outputs, strict=True):
-        assert child.returncode == 0, err
     converted = tmp_path / "smollm2-135m"
-    assert [out.strip().splitlines()[-1] for out, _ in outputs] == [str(converted)] * 2
+    assert run_python_at_once(code, tmp_path, timeout=600) == [str(converted)] * 2
     assert tmp_leftovers(converted) == []
     # The conversion is deterministic: a second one is the same model, byte for byte.
     assert model_fingerprint(converted) == model_fingerprint(smollm2_dir)

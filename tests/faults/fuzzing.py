@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace
+from cachetier.protocol.http_batch import batch_parts
 from cachetier.record import KVBlock
-from cachetier.server.wire import batch_parts
 from tests.server.live import TOKENS
 from tests.support import make_blocks
 

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import Compression, KVBlock, encode_record
 from cachetier.server.config import ServerConfig
-from cachetier.server.transfer_wire import REPLY, Op, Status, hello, request
 from tests.faults.conftest import FaultFigures
 from tests.faults.fuzzing import FUZZ_NS, reseal
-from tests.server.live import TOKENS, ThreadServer, call, free_port, test_config
+from tests.server.live import TOKENS, ThreadServer, call, test_config
+from tests.support import free_port
 
 ALICE = TOKENS["alice"]
 DEADLINE_S = 2.0  # every deadline of the hostile server: head, body, idle, hello
@@ -92,9 +93,15 @@ def read_status(sock: socket.socket) -> int | None:
     return int(parts[1])
 
 
-def http_exchange(port: int, data: bytes, *, half_close: bool = False) -> int | None:
-    """Send ``data`` as it is and return the first answer's status (``None`` if the server
-    closed without answering).
+def http_exchange(
+    port: int,
+    data: bytes,
+    *,
+    half_close: bool = False,
+    read: Callable[[socket.socket], Any] = read_status,
+) -> Any:
+    """Send ``data`` as it is, then read the answer with ``read`` (by default the first
+    answer's status, ``None`` if the server closed without answering).
 
     Args:
         port: the server's HTTP port.
@@ -102,6 +109,7 @@ def http_exchange(port: int, data: bytes, *, half_close: bool = False) -> int | 
         half_close: end the sending side after ``data`` (for a body that promised more than it
             holds: the server sees it end instead of waiting out its deadline). uvicorn closes
             a connection whose client ended its side, answered or not.
+        read: what to read back (``read_to_end`` for every answer until the server closes).
     """
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
         try:
@@ -110,7 +118,18 @@ def http_exchange(port: int, data: bytes, *, half_close: bool = False) -> int | 
                 sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the server answered and closed while this was sending: read it
-        return read_status(sock)
+        return read(sock)
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets, or the timeout passes)."""
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return data
 
 
 def time_until_closed(

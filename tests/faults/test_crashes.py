@@ -23,8 +23,8 @@ from cachetier.record import KVBlock
 from cachetier.tiers.disk import SUFFIX, DiskTier, DiskTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.faults.writer import CRASH_NAMESPACE, crash_blocks
-from tests.server.live import TOKENS, ProcessServer, free_port
-from tests.support import make_blocks
+from tests.server.live import TOKENS, ProcessServer
+from tests.support import free_port, make_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 DISK_ROUNDS = 24

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from cachetier.config import build_store
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import HASH_BYTES, parse_key
-from cachetier.record import Compression, KVBlock, decode_record, encode_record, read_record
-from cachetier.server.auth import Scope
-from cachetier.server.service import BlockService
-from cachetier.server.wire import (
+from cachetier.protocol.http_batch import (
     BatchReader,
     FrameError,
 )
+from cachetier.record import Compression, KVBlock, decode_record, encode_record, read_record
+from cachetier.server.auth import Scope
+from cachetier.server.service import BlockService
 from tests.faults.fuzzing import (
     FUZZ_NS,
     NAME_ALPHABET,

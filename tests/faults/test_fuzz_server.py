@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import KVBlock, decode_record, encode_record
-from cachetier.server.wire import (
+from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     RECORD_MEDIA_TYPE,
 )
+from cachetier.record import KVBlock, decode_record, encode_record
 from cachetier.store import TieredStore
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.disk_budget import LEDGER_NAME

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachetier.protocol.transfer_frames import KEY_BYTES, REPLY, Op, Status, hello, request
 from cachetier.record import decode_record, encode_record
-from cachetier.server.transfer_wire import KEY_BYTES, REPLY, Op, Status, hello, request
 from tests.faults.fuzzing import (
     ALICE,
     FUZZ_NS,
@@ -30,7 +30,8 @@ from tests.faults.fuzzing import (
     head_len_of,
     mutations,
 )
-from tests.server.live import ThreadServer, free_port, test_config
+from tests.server.live import ThreadServer, test_config
+from tests.support import free_port
 
 TIMEOUT_S = 5.0
 

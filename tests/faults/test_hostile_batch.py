@@ -16,15 +16,15 @@ import logging
 import re
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE
+from cachetier.protocol.transfer_frames import Op, Status, error_reply, hello
 from cachetier.record import encode_record
-from cachetier.server.transfer_wire import Op, Status, error_reply, hello
-from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE
 from tests.faults.conftest import FaultFigures
 from tests.faults.fuzzing import (
     FUZZ_NS,
@@ -42,6 +42,8 @@ from tests.faults.hostile import (
     WAIT_S,
     bomb,
     hostile_config,
+    http_exchange,
+    read_to_end,
     zeros_block,
 )
 from tests.server.live import ThreadServer, call
@@ -67,9 +69,19 @@ class Count:
         self.num_5xx = 0
         self.first_5xx: str | None = None
 
-    def report(self, figures: FaultFigures) -> None:
-        figures.add("hostile_inputs", self.num_inputs)
-        figures.add("hostile_5xx", self.num_5xx)
+    def run_and_check(
+        self, run: Callable[[], None], caplog: pytest.LogCaptureFixture, figures: FaultFigures
+    ) -> None:
+        """Run the generated inputs, add what they counted to the figures (also when they
+        fail), and fail on any 5xx or any error the server logged while they ran."""
+        with caplog.at_level(logging.ERROR, logger="cachetier"):
+            try:
+                run()
+            finally:
+                self.num_5xx += len(caplog.records)  # a failure the answers did not show
+                figures.add("hostile_inputs", self.num_inputs)
+                figures.add("hostile_5xx", self.num_5xx)
+        assert self.num_5xx == 0, (self.first_5xx, [r.getMessage() for r in caplog.records])
 
 
 def _bombs() -> list[bytes]:
@@ -214,25 +226,8 @@ def http_requests(draw: st.DrawFn) -> tuple[bytes, bool]:
 
 def _http_statuses(port: int, data: bytes, half_close: bool) -> list[int]:
     """Send ``data``; the status of every answer until the server closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        try:
-            sock.sendall(data)
-            if half_close:
-                sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the server answered and closed while this was sending: read it
-        answers = _read_to_end(sock)
+    answers = http_exchange(port, data, half_close=half_close, read=read_to_end)
     return [int(m) for m in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answers)]
-
-
-def _read_to_end(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return data
 
 
 def test_generated_hostile_http_requests_get_no_5xx(
@@ -251,13 +246,7 @@ def test_generated_hostile_http_requests_get_no_5xx(
                 count.num_5xx += 1
                 count.first_5xx = count.first_5xx or repr(data[:300])
 
-    with caplog.at_level(logging.ERROR, logger="cachetier"):
-        try:
-            run()
-        finally:
-            count.num_5xx += len(caplog.records)  # a failure the answers did not show
-            count.report(fault_figures)
-    assert count.num_5xx == 0, (count.first_5xx, [r.getMessage() for r in caplog.records])
+    count.run_and_check(run, caplog, fault_figures)
     assert call(server.url, "GET", "/healthz")[0] == 200
 
 
@@ -313,15 +302,9 @@ def test_generated_hostile_transfer_streams_get_no_failed(
             except OSError:
                 return  # refused early and closed
             # The server closes after FAILED: it can only be the last reply.
-            if _read_to_end(sock).endswith(FAILED_REPLY):
+            if read_to_end(sock).endswith(FAILED_REPLY):
                 count.num_5xx += 1
                 count.first_5xx = count.first_5xx or repr(stream[:300])
 
-    with caplog.at_level(logging.ERROR, logger="cachetier"):
-        try:
-            run()
-        finally:
-            count.num_5xx += len(caplog.records)  # a failure the replies did not show
-            count.report(fault_figures)
-    assert count.num_5xx == 0, (count.first_5xx, [r.getMessage() for r in caplog.records])
+    count.run_and_check(run, caplog, fault_figures)
     assert call(server.url, "GET", "/healthz")[0] == 200

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE
+from cachetier.protocol.transfer_frames import KEY_BYTES, Op, Status, request
 from cachetier.record import encode_record
 from cachetier.server.httpserver import MAX_PIPELINED
-from cachetier.server.transfer_wire import KEY_BYTES, Op, Status, request
-from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE
 from tests.faults.conftest import FaultFigures
 from tests.faults.fuzzing import FUZZ_NS, frame
 from tests.faults.hostile import (

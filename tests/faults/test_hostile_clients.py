@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE
+from cachetier.protocol.transfer_frames import HELLO, MAGIC, Op, Status, hello, request
 from cachetier.record import KVBlock, encode_record
-from cachetier.server.transfer_wire import HELLO, MAGIC, Op, Status, hello, request
-from cachetier.server.wire import BATCH_MEDIA_TYPE
 from tests.faults.conftest import FaultFigures
 from tests.faults.fuzzing import FUZZ_NS, frame
 from tests.faults.hostile import (

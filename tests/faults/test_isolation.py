@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 
 from cachetier.keys import Namespace
+from cachetier.protocol.http_batch import (
+    BATCH_MEDIA_TYPE,
+    RECORD_MEDIA_TYPE,
+    BatchReader,
+    batch_parts,
+)
 from cachetier.record import KVBlock, encode_record
-from cachetier.server.wire import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, BatchReader, batch_parts
 from cachetier.store import TieredStore
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,15 +24,14 @@ from redis import exceptions as redis_exceptions
 
 from cachetier.config import StoreConfig
 from cachetier.keys import KVLayout, Namespace
+from cachetier.protocol.transfer_frames import hello
 from cachetier.server.config import load_config
-from cachetier.server.transfer_wire import hello
-from cachetier.tiers.redis import RedisTier, RedisTierConfig, make_client
-from cachetier.tiers.redis_cluster import parse_cluster_url
+from cachetier.tiers.redis import RedisTier, RedisTierConfig, make_client, parse_cluster_url
+from cachetier.tiers.redis.resp import Endpoint, RespConnection
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from cachetier.tiers.resp import Endpoint, RespConnection
 from connectors.vllm.config import ConnectorConfig
-from tests.server.live import ROOT, call, free_port, wait_healthy
-from tests.support import PrivateRedis, make_blocks
+from tests.server.live import ROOT, call, wait_healthy
+from tests.support import PrivateRedis, end_process, free_port, make_blocks, spawn_serve
 
 REDIS_PASSWORD = "redis-pass-Qx81Zr"
 WRONG_PASSWORD = "wrong-pass-Lm27Vt"
@@ -68,13 +66,7 @@ class Sidecar:
             env["CACHETIER_REDIS_URL"] = redis_url
         else:
             args += ["--redis-url", redis_url]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachetier.cli", "serve", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = spawn_serve(args, env)
         self.output = ""
         try:
             wait_healthy(self.url, proc=self.proc)
@@ -87,13 +79,7 @@ class Sidecar:
 
     def stop(self) -> str:
         """SIGTERM, then everything it printed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
+        out, err = end_process(self.proc)
         self.output += out + err
         return self.output
 

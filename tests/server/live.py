@@ -7,9 +7,7 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +18,7 @@ import uvicorn
 from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
 from cachetier.server.httpserver import http_server
-from tests.support import AppThread
+from tests.support import AppThread, end_process, free_port, spawn_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {
@@ -28,13 +26,6 @@ TOKENS = {
     "bob": "bob-token-0123456789ab",
     "ops": "ops-token-0123456789abc",
 }
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_config(data_dir: Path, **overrides: Any) -> ServerConfig:
@@ -103,13 +94,7 @@ class ProcessServer:
 
     def start(self) -> ProcessServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachetier.cli", "serve", "--port", str(self.port), *self.args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = spawn_serve(["--port", str(self.port), *self.args], env)
         try:
             wait_healthy(self.url, proc=self.proc)
         except RuntimeError:
@@ -119,14 +104,7 @@ class ProcessServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None, "not started"
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        self.stderr += err
+        self.stderr += end_process(self.proc, sig)[1]
         return self.proc.returncode
 
 

@@ -15,13 +15,13 @@ import pytest
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.keys import Namespace
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, batch_parts
 from cachetier.record import encode_parts
-from cachetier.server.wire import BATCH_MEDIA_TYPE, batch_parts
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from connectors.vllm.config import ConnectorConfig
-from tests.server.live import TOKENS, ThreadServer, call, free_port
-from tests.server.test_server_api import read_batch
-from tests.support import make_blocks
+from tests.server.batches import read_batch
+from tests.server.live import TOKENS, ThreadServer, call
+from tests.support import free_port, make_blocks
 
 MakeRemote = Callable[..., RemoteTier]
 

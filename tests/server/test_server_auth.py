@@ -9,11 +9,11 @@ from collections.abc import Callable
 import pytest
 
 from cachetier.keys import Namespace
+from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE
 from cachetier.record import encode_record
 from cachetier.server.config import ServerConfig, load_config
-from cachetier.server.wire import BATCH_MEDIA_TYPE
+from tests.server.batches import batch_body, get_batch, put_batch
 from tests.server.live import TOKENS, ThreadServer, call, call_json
-from tests.server.test_server_api import batch_body, get_batch, put_batch
 from tests.support import make_blocks
 
 ALICE, BOB = TOKENS["alice"], TOKENS["bob"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from cachetier.keys import Namespace
 from cachetier.tiers.remote import RemoteTier
-from tests.server.live import ROOT, TOKENS, ProcessServer, call, free_port
-from tests.support import make_blocks
+from tests.server.live import ROOT, TOKENS, ProcessServer, call
+from tests.support import free_port, make_blocks
 
 
 def test_serve_reads_file_and_env_and_survives_a_restart(

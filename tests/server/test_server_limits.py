@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachetier.keys import KVLayout, Namespace
+from cachetier.protocol.http_batch import BATCH_MAGIC, BATCH_MEDIA_TYPE
+from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import KVBlock, encode_record
-from cachetier.server.transfer_wire import REPLY, Op, Status, hello, request
-from cachetier.server.wire import BATCH_MAGIC, BATCH_MEDIA_TYPE
-from tests.server.live import TOKENS, ThreadServer, call, call_json, free_port, test_config
-from tests.server.test_server_api import batch_body, get_batch
-from tests.support import SMALL_LAYOUT, make_blocks
+from tests.server.batches import batch_body, get_batch
+from tests.server.live import TOKENS, ThreadServer, call, call_json, test_config
+from tests.support import SMALL_LAYOUT, free_port, make_blocks
 
 ALICE = TOKENS["alice"]
 
@@ -231,7 +231,7 @@ def test_forged_records_are_refused(shared_server: ThreadServer, own_namespace: 
         ),
         (
             "POST",
-            "/v1/namespaces/" + "a" * 81 + "/lookup",
+            "/v1/namespaces/" + "a" * 129 + "/lookup",
             b'{"keys": []}',
             "application/json",
             400,

@@ -12,7 +12,6 @@ import http.client
 import json
 import logging
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -25,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from cachetier.keys import KVLayout, Namespace
-from cachetier.server.transfer_wire import Status, hello
-from cachetier.sockets import accept_tls
+from cachetier.protocol.sockets import accept_tls
+from cachetier.protocol.transfer_frames import Status, hello
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tls import client_context, server_context
 from tests.certs import TLSFiles
-from tests.server.live import ROOT, TOKENS, ThreadServer, free_port, test_config
-from tests.support import make_blocks
+from tests.server.live import ROOT, TOKENS, ThreadServer, test_config
+from tests.support import end_process, free_port, make_blocks, spawn_serve
 
 # 2 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 64 KiB per block.
 LAYOUT = KVLayout("float16", block_size=64, num_layers=2, num_kv_heads=2, head_dim=64)
@@ -59,13 +58,7 @@ class TLSServer:
             "CACHETIER_DISK_BYTES": str(256 << 20),
             "CACHETIER_FSYNC": "false",
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachetier.cli", "serve", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = spawn_serve(args, env)
         self.stderr = ""
 
     @property
@@ -101,14 +94,7 @@ class TLSServer:
         raise RuntimeError(f"cachetier serve with TLS did not start:\n{self.stop()}")
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        self.stderr += err
+        self.stderr += end_process(self.proc)[1]
         return self.stderr
 
 

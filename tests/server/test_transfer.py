@@ -19,14 +19,14 @@ import pytest
 from cachetier.config import build_store
 from cachetier.errors import RequestRefusedError, TierUnavailableError
 from cachetier.keys import KVLayout, Namespace
+from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import encode_parts, encode_record
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
-from cachetier.server.transfer_wire import REPLY, Op, Status, hello, request
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tiers.remote.transfer import TransferClient
-from tests.server.live import TOKENS, ThreadServer, call, free_port, test_config
-from tests.support import make_blocks
+from tests.server.live import TOKENS, ThreadServer, call, test_config
+from tests.support import free_port, make_blocks
 
 # 4 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 128 KiB per block.
 LAYOUT = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from cachetier.checks import positive_int
 from cachetier.record import Buffer, KVBlock
 
 Record = list[Buffer]  # one record as the parts ``encode_parts`` returns
@@ -12,11 +13,13 @@ Record = list[Buffer]  # one record as the parts ``encode_parts`` returns
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Args:
-    max_block_bytes: largest record a put may carry.
-    max_batch_bytes: most record bytes per put request.
-    max_batch_blocks: most records per put, keys per get.
-    max_keys: most keys per lookup, exists or delete.
+    """The server's per-request limits, which the remote tier cuts its calls to fit.
+
+    Args:
+        max_block_bytes: largest record a put may carry.
+        max_batch_bytes: most record bytes per put request.
+        max_batch_blocks: most records per put, keys per get.
+        max_keys: most keys per lookup, exists or delete.
     """
 
     max_block_bytes: int
@@ -26,9 +29,7 @@ class RequestLimits:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{f.name} must be a positive int, got {value!r}")
+            positive_int(f.name, getattr(self, f.name))
 
     def narrowed(self, other: Mapping[str, int]) -> RequestLimits:
         """Combine with another side's limits.
@@ -58,7 +59,7 @@ class RequestLimits:
         """
         chunks: list[list[Record]] = []
         size = too_large = 0
-        # A batch's framing costs 8 bytes per record on top of the records (wire.py).
+        # A batch's framing costs 8 bytes per record on top of the records (http_batch).
         budget = self.max_batch_bytes - 8
         for parts in records:
             nbytes = sum(memoryview(p).nbytes for p in parts)

@@ -16,14 +16,14 @@ import aiohttp
 
 from cachetier.errors import RequestRefusedError, TierUnavailableError
 from cachetier.keys import BlockHash
-from cachetier.record import Buffer
-from cachetier.server.transfer_wire import TransferAddress
-from cachetier.server.wire import (
+from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     BatchReader,
     FrameError,
     batch_parts,
 )
+from cachetier.protocol.transfer_frames import TransferAddress
+from cachetier.record import Buffer
 from cachetier.tiers.remote.config import RemoteTierConfig
 
 _JSON = {"Content-Type": "application/json"}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from cachetier.backoff import ExponentialBackoff
+from cachetier.checks import positive_int
 from cachetier.redact import redact_url, redacted_repr
 from cachetier.tiers.remote.batching import RequestLimits
 
@@ -14,40 +15,42 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
-    """Args:
-    url: base URL of a cachetier server, ``http://host:port`` or ``https://host:port`` (TLS,
-        to the HTTP API and the transfer port alike); a path prefix is kept.
-    token: bearer token (it names the tenant); ``None`` for a server in open mode. Never in
-        the repr.
-    tenant: if set, sent as ``X-Cachetier-Tenant``: a token of another tenant is then refused
-        (403) instead of silently writing to that tenant.
-    timeout_s: longest one HTTP attempt may take, connect to last byte, in seconds.
-    connect_timeout_s: longest wait for a TCP connection, in seconds.
-    max_connections: connections kept in the pool.
-    retries: extra attempts after a failed one (connection refused or reset, timeout, 5xx).
-    failure_threshold: failed calls in a row that open the circuit breaker.
-    backoff_base_s: wait before the first retry, and before the first trial once the breaker
-        is open, in seconds.
-    backoff_cap_s: longest such wait, in seconds.
-    max_batch_blocks: most blocks per request; larger calls are split. The tier also asks
-        the server for its limits (``/v1/limits``) and keeps to the stricter of the two.
-    max_batch_bytes: most record bytes per put request; larger puts are split.
-    max_keys: most keys per lookup, exists or delete request.
-    max_record_bytes: largest record accepted from the server.
-    transfer: move block batches over the server's block transfer port when it has one
-        (``/v1/limits`` says, and whether the port speaks TLS): gets and puts then run on the
-        calling thread without HTTP. With an ``https://`` url the port is used only if it
-        speaks TLS (verified like HTTP), so the token never crosses the network in clear.
-        ``False`` keeps to HTTP.
-    transfer_socket: when the server also names a Unix socket and that path exists here (same
-        host, or a folder shared with the server's pod), transfer over it instead of TCP
-        (the server's hello id confirms it is the same server). The socket is plaintext: it
-        is local and guarded by its folder's permissions.
-    ca_file: PEM bundle of the CAs the server's certificate is checked against (``https://``
-        only); ``None`` trusts the system's CAs.
-    tls_verify: check the server's certificate chain and that it names the url's host. Turn
-        it off only for a throwaway test certificate: anyone on the path could then pose as
-        the server and collect the token.
+    """Settings of a ``RemoteTier``: the server it calls, as whom, and how.
+
+    Args:
+        url: base URL of a cachetier server, ``http://host:port`` or ``https://host:port`` (TLS,
+            to the HTTP API and the transfer port alike); a path prefix is kept.
+        token: bearer token (it names the tenant); ``None`` for a server in open mode. Never in
+            the repr.
+        tenant: if set, sent as ``X-Cachetier-Tenant``: a token of another tenant is then refused
+            (403) instead of silently writing to that tenant.
+        timeout_s: longest one HTTP attempt may take, connect to last byte, in seconds.
+        connect_timeout_s: longest wait for a TCP connection, in seconds.
+        max_connections: connections kept in the pool.
+        retries: extra attempts after a failed one (connection refused or reset, timeout, 5xx).
+        failure_threshold: failed calls in a row that open the circuit breaker.
+        backoff_base_s: wait before the first retry, and before the first trial once the breaker
+            is open, in seconds.
+        backoff_cap_s: longest such wait, in seconds.
+        max_batch_blocks: most blocks per request; larger calls are split. The tier also asks
+            the server for its limits (``/v1/limits``) and keeps to the stricter of the two.
+        max_batch_bytes: most record bytes per put request; larger puts are split.
+        max_keys: most keys per lookup, exists or delete request.
+        max_record_bytes: largest record accepted from the server.
+        transfer: move block batches over the server's block transfer port when it has one
+            (``/v1/limits`` says, and whether the port speaks TLS): gets and puts then run on the
+            calling thread without HTTP. With an ``https://`` url the port is used only if it
+            speaks TLS (verified like HTTP), so the token never crosses the network in clear.
+            ``False`` keeps to HTTP.
+        transfer_socket: when the server also names a Unix socket and that path exists here (same
+            host, or a folder shared with the server's pod), transfer over it instead of TCP
+            (the server's hello id confirms it is the same server). The socket is plaintext: it
+            is local and guarded by its folder's permissions.
+        ca_file: PEM bundle of the CAs the server's certificate is checked against (``https://``
+            only); ``None`` trusts the system's CAs.
+        tls_verify: check the server's certificate chain and that it names the url's host. Turn
+            it off only for a throwaway test certificate: anyone on the path could then pose as
+            the server and collect the token.
     """
 
     url: str
@@ -109,9 +112,7 @@ class RemoteTierConfig:
             "max_keys",
             "max_record_bytes",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid

@@ -17,62 +17,38 @@ TLS. An ``https://`` url makes HTTP and the transfer port speak TLS with one cli
 (``ca_file``, chain and host name verified unless ``tls_verify`` is off). The port is used only
 if the server says it speaks TLS: the token is never sent in clear to a plaintext port. A
 certificate that does not verify is a miss and a counted error (``tls_failures`` in stats),
-not retried, and logged at most once per ``TLS_LOG_INTERVAL_S``. Log lines and errors never
-show the token (``cachetier.redact``).
+not retried, and logged at most once per ``failures.TLS_LOG_INTERVAL_S``. Log lines and errors
+never show the token (``cachetier.redact``).
 
 A server that is down, slow or restarting turns into misses and counted errors: each request
-is retried with exponential backoff, and a circuit breaker stops calling after
+goes through a ``Guard`` (``cachetier.backoff``; what each failure means is ``failures``), is
+retried with exponential backoff, and a circuit breaker stops calling after
 ``failure_threshold`` failed calls in a row until a backoff has passed. Every record fetched is
 decoded and checked against the key asked for; a bad one is a miss and counted as corrupt.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import ssl
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
-
-import aiohttp
 
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.record import Buffer, KVBlock, byte_view, decode_record, encode_parts
-from cachetier.redact import redact
-from cachetier.server.transfer_wire import TransferAddress
-from cachetier.server.wire import check_client_namespace
 from cachetier.store import PrefixHit
-from cachetier.throttle import LogThrottle
-from cachetier.tiers.base import Tier, land_in
+from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.remote.batching import RequestLimits
 from cachetier.tiers.remote.client import RemoteClient
 from cachetier.tiers.remote.config import RemoteTierConfig
+from cachetier.tiers.remote.failures import TRANSIENT, RequestFailures
 from cachetier.tiers.remote.loop import LoopThread
+from cachetier.tiers.remote.route import pick_transfer, transfer_label
 from cachetier.tiers.remote.transfer import TransferClient
 from cachetier.tls import client_context
 
-logger = logging.getLogger(__name__)
-TLS_LOG_INTERVAL_S = 60.0  # least time between two warnings of a failed TLS handshake
 _T = TypeVar("_T")
-# What a request that fails this way may succeed on retry: the server is down, restarting,
-# slow, or sent something that is not a valid answer (KeyError/TypeError/ValueError: a reply
-# without the fields an answer has).
-_TRANSIENT = (
-    aiohttp.ClientError,
-    TimeoutError,
-    OSError,
-    TierUnavailableError,
-    KeyError,
-    TypeError,
-    ValueError,
-)
-# A server whose certificate does not verify will not verify on a retry either.
-_UNTRUSTED = (ssl.SSLCertVerificationError, aiohttp.ClientConnectorCertificateError)
 
 
 class RemoteTier(Tier):
@@ -88,15 +64,13 @@ class RemoteTier(Tier):
     def __init__(self, config: RemoteTierConfig, *, clock: Clock = time.monotonic) -> None:
         super().__init__()
         self._config = config
-        self._backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
-        self._breaker = CircuitBreaker(config.failure_threshold, self._backoff, clock)
+        backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
+        self._breaker = CircuitBreaker(config.failure_threshold, backoff, clock)
+        self._failures = RequestFailures(config, self._stats, clock, self._forget_limits)
+        self._guard = self._failures.guard(self._breaker, backoff)
         # Reads ca_file now: a bad path fails here, clearly, not as an error on every call.
         self._tls = client_context(config.ca_file, config.tls_verify) if config.tls else None
-        self._tls_log = LogThrottle(TLS_LOG_INTERVAL_S, clock)
         self._client = RemoteClient(config, self._tls)
-        self._lock = threading.Lock()
-        self._num_skipped = 0
-        self._num_retries = 0
         # The stricter of the config's and the server's limits, once the server has said.
         self._limits = config.limits
         self._limits_known = False
@@ -153,7 +127,7 @@ class RemoteTier(Tier):
         tiers (``PrefixHit.tier_names`` are the server's tiers).
 
         Args:
-            namespace: storage namespace (1-80 characters, see ``check_client_namespace``).
+            namespace: storage namespace (see ``check_namespace``).
             keys: block keys in sequence order.
 
         Returns:
@@ -169,7 +143,7 @@ class RemoteTier(Tier):
         return self._wait(self._delete(namespace, keys), 0, num_requests)
 
     def clear(self, namespace: str) -> int:
-        check_client_namespace(namespace)
+        check_namespace(namespace)
         return self._wait(self._call(lambda: self._client.clear(namespace), 0), 0, 1)
 
     # Async API: the same operations for callers on any event loop. Arguments, results and
@@ -201,14 +175,14 @@ class RemoteTier(Tier):
 
     async def aclear(self, namespace: str) -> int:
         """``clear`` for async callers."""
-        check_client_namespace(namespace)
+        check_namespace(namespace)
         return await self._loop.run_async(self._call(lambda: self._client.clear(namespace), 0))
 
     # The operations, run on the private loop.
 
     async def _put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         if self._breaker.is_open:  # the call would be skipped: do not encode for nothing
-            self._count(skipped=1)
+            self._failures.skipped()
             return 0
         start = time.perf_counter()
         limits = await self._fetch_limits()
@@ -224,7 +198,7 @@ class RemoteTier(Tier):
     def _put_transfer(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         """``_put_many`` over the transfer port, on the calling thread."""
         if self._breaker.is_open:
-            self._count(skipped=1)
+            self._failures.skipped()
             return 0
         start = time.perf_counter()
         chunks, too_large = self._limits.put_chunks([encode_parts(b) for b in blocks])
@@ -350,48 +324,14 @@ class RemoteTier(Tier):
         if not self._limits_known and not self._breaker.is_open:
             try:
                 server = await self._client.limits()
-            except _TRANSIENT + (RequestRefusedError,):
+            except (*TRANSIENT, RequestRefusedError):
                 return self._limits  # the call that follows counts the failure
             self._limits = self._config.limits.narrowed(server)
-            self._use_transfer(server.get("transfer"))
+            self._transfer = pick_transfer(
+                self._config, self._tls, server.get("transfer"), self._transfer
+            )
             self._limits_known = True
         return self._limits
-
-    def _use_transfer(self, address: TransferAddress | None) -> None:
-        """Make (or drop) the transfer client for where the server takes transfers: its Unix
-        socket when that path exists here (same host), else its TCP port if that speaks TLS
-        exactly when our url does (https: never the token in clear to a plaintext port)."""
-        host = self._config.transfer_host
-        where: tuple[str, int] | str | None = None
-        tls: ssl.SSLContext | None = None
-        if host is not None and address is not None:
-            path = address.socket_path if self._config.transfer_socket else None
-            if path is not None and os.path.exists(path):
-                where = path
-            elif address.port is not None and address.tls == self._config.tls:
-                where, tls = (host, address.port), self._tls
-        old = self._transfer
-        if where is None:
-            self._transfer = None
-        elif old is None or (old.where, old.server_id, old.tls) != (
-            where,
-            address.server_id,
-            tls is not None,
-        ):
-            c = self._config  # a restarted server has a new id, maybe a new port
-            self._transfer = TransferClient(
-                where,
-                address.server_id,
-                token=c.token,
-                tenant=c.tenant,
-                connect_timeout_s=c.connect_timeout_s,
-                timeout_s=c.timeout_s,
-                max_connections=c.max_connections,
-                max_record_bytes=c.max_record_bytes,
-                tls=tls,
-            )
-        if old is not None and old is not self._transfer:
-            old.close()
 
     def _transfer_client(self) -> TransferClient | None:
         """The transfer client, reading the server's limits first if they are not known."""
@@ -403,91 +343,28 @@ class RemoteTier(Tier):
 
     async def _call(self, op: Callable[[], Awaitable[_T]], failed: Any) -> Any:
         """Run one request with retries, unless the breaker is open; ``failed`` if it fails."""
-        if not self._breaker.allow():
-            self._count(skipped=1)
-            return failed
-        attempt = 0
-        while True:
-            try:
-                result = await op()
-            except (RequestRefusedError, *_TRANSIENT) as exc:
-                delay = self._after_failure(exc, attempt)
-                if delay is None:
-                    return failed
-                await asyncio.sleep(delay)
-                attempt += 1
-                continue
-            except BaseException:  # cancelled (the caller stopped waiting) or a bug
-                self._breaker.record_failure()
-                raise
-            self._breaker.record_success()
-            return result
+        return await self._guard.acall(op, failed)
 
     def _call_blocking(self, op: Callable[[TransferClient], _T], failed: Any) -> Any:
         """``_call`` for a transfer on the calling thread. A failed attempt makes the next
         one read the server's limits again first: a restarted server has a new id and maybe a
         new port, and the retry then reaches it."""
-        if not self._breaker.allow():
-            self._count(skipped=1)
-            return failed
-        attempt = 0
-        while True:
+
+        def attempt() -> _T:
+            transfer = self._transfer_client()
+            if transfer is None:
+                raise TierUnavailableError("the server no longer names a transfer endpoint")
             try:
-                transfer = self._transfer_client() if attempt else self._transfer
-                if transfer is None:
-                    raise TierUnavailableError("the server no longer names a transfer endpoint")
-                result = op(transfer)
-            except (RequestRefusedError, *_TRANSIENT) as exc:
-                self._limits_known = False
-                delay = self._after_failure(exc, attempt)
-                if delay is None:
-                    return failed
-                time.sleep(delay)
-                attempt += 1
-                continue
+                return op(transfer)
             except BaseException:
-                self._breaker.record_failure()
+                self._limits_known = False
                 raise
-            self._breaker.record_success()
-            return result
 
-    def _after_failure(self, exc: BaseException, attempt: int) -> float | None:
-        """Account for a failed attempt; the wait before the next one, or ``None`` to stop."""
-        if isinstance(exc, RequestRefusedError):
-            self._breaker.record_success()  # the server is up; it said no
-            self._limits_known = False  # e.g. its limits went down: ask again
-            self._stats.add(errors=1)
-            logger.warning("cachetier server refused a request: %s", self._describe(exc))
-            return None
-        if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)):
-            self._tls_failed(exc)
-        # A timeout is not retried: a server that was too slow once is likely to be again, and
-        # the caller is waiting. Nor is a certificate that does not verify. A refused or reset
-        # connection (a restart) or a 5xx is.
-        if attempt < self._config.retries and not isinstance(exc, (TimeoutError, *_UNTRUSTED)):
-            self._count(retries=1)
-            return self._backoff.delay_s(attempt)
-        self._breaker.record_failure()
-        self._stats.add(errors=1)
-        logger.debug("cachetier server call failed: %s", self._describe(exc))
-        return None
+        return self._guard.call(attempt, failed)
 
-    def _tls_failed(self, exc: BaseException) -> None:
-        """Count a failed TLS handshake; warn once per ``TLS_LOG_INTERVAL_S``."""
-        count = self._tls_log.note()
-        if count is not None:
-            logger.warning(
-                "TLS with the cachetier server at %s failed (%s): %d time(s) since the last "
-                "warning; check ca_file and that the certificate names the url's host",
-                redact(self._config.base_url),
-                self._describe(exc),
-                count,
-            )
-
-    def _describe(self, exc: BaseException) -> str:
-        """``repr(exc)`` with the token and any URL password masked (an aiohttp error's repr
-        can carry the request's headers)."""
-        return redact(repr(exc), [self._config.token])
+    def _forget_limits(self) -> None:
+        """Ask the server for its limits again before the next call (they may have changed)."""
+        self._limits_known = False
 
     # Plumbing between the callers' threads and loops and the private loop.
 
@@ -500,11 +377,6 @@ class RemoteTier(Tier):
             self._stats.add(errors=1)
             return failed
 
-    def _count(self, *, skipped: int = 0, retries: int = 0) -> None:
-        with self._lock:
-            self._num_skipped += skipped
-            self._num_retries += retries
-
     def stats(self) -> dict[str, Any]:
         """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries``,
         ``tls_failures`` (failed TLS handshakes, also in ``errors``), ``breaker``
@@ -512,17 +384,8 @@ class RemoteTier(Tier):
         ``"unix:<path>"``, ``"tcp:<host>:<port>"``, ``"tls:<host>:<port>"``, or ``None`` for
         HTTP)."""
         out = super().stats()
-        transfer = self._transfer
-        if transfer is None:
-            out["transfer"] = None
-        elif isinstance(transfer.where, str):
-            out["transfer"] = f"unix:{transfer.where}"
-        else:
-            out["transfer"] = "{}:{}:{}".format("tls" if transfer.tls else "tcp", *transfer.where)
-        with self._lock:
-            out["skipped"] = self._num_skipped
-            out["retries"] = self._num_retries
-        out["tls_failures"] = self._tls_log.total
+        out["transfer"] = transfer_label(self._transfer)
+        out.update(self._failures.snapshot())
         out["breaker"] = self._breaker.snapshot()
         return out
 
@@ -536,14 +399,14 @@ _NO_HIT = PrefixHit(0, (), ())
 
 
 def _check_keys(namespace: str, keys: Sequence[BlockHash]) -> None:
-    check_client_namespace(namespace)
+    check_namespace(namespace)
     for key in keys:
         if not isinstance(key, (bytes, bytearray)) or len(key) != HASH_BYTES:
             raise ValueError(f"a key is {HASH_BYTES} bytes, got {key!r:.80}")
 
 
 def _check_blocks(namespace: str, blocks: Sequence[KVBlock]) -> None:
-    check_client_namespace(namespace)
+    check_namespace(namespace)
     for block in blocks:
         if not isinstance(block, KVBlock):
             raise TypeError(f"blocks must be KVBlock, got {type(block).__name__}")

@@ -1,5 +1,5 @@
 """The remote tier's block transfer client: batch gets and puts on the server's transfer port
-(``cachetier.server.transfer_wire``), from the caller's thread, over pooled blocking sockets.
+(``cachetier.protocol.transfer_frames``), from the caller's thread, over pooled blocking sockets.
 
 A get reads each record straight into the caller's buffer (a KV pool block) or a fresh one,
 checksummed chunk by chunk as it arrives; a put sends each record's parts with vectored writes.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import BlockHash
-from cachetier.record import Buffer, KVBlock, read_record
-from cachetier.server.transfer_wire import (
+from cachetier.protocol.sockets import BoundedReader, BufferedSocket, SocketPool
+from cachetier.protocol.transfer_frames import (
     LENGTH,
     MAX_MESSAGE_BYTES,
     REPLY,
@@ -27,7 +27,7 @@ from cachetier.server.transfer_wire import (
     hello,
     request,
 )
-from cachetier.sockets import BoundedReader, BufferedSocket, SocketPool
+from cachetier.record import Buffer, KVBlock, read_record
 
 
 class TransferConnection:

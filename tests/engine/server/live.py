@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.server.openai_app import create_app
 from engine.server.openai_config import EngineServerConfig
-from tests.server.live import free_port, wait_healthy
-from tests.support import AppThread
+from tests.server.live import wait_healthy
+from tests.support import AppThread, free_port
 
 # Byte-level: token id b is byte b, so every text encodes and multi-byte characters span
 # several tokens (what incremental decoding must not split).
@@ -95,12 +95,16 @@ def post(url: str, path: str, payload: Any, **headers: str) -> tuple[int, Any]:
     return status, json.loads(body) if body else None
 
 
-def post_raw(url: str, path: str, body: bytes, **headers: str) -> tuple[int, bytes]:
+def post_raw(url: str, path: str, body: bytes | list[bytes], **headers: str) -> tuple[int, bytes]:
+    """POST ``body`` as it is; a list of chunks goes chunked, without a Content-Length."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
         conn.request(
-            "POST", path, body=body, headers={"Content-Type": "application/json", **headers}
+            "POST",
+            path,
+            body=iter(body) if isinstance(body, list) else body,
+            headers={"Content-Type": "application/json", **headers},
         )
         resp = conn.getresponse()
         return resp.status, resp.read()

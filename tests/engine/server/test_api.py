@@ -214,6 +214,12 @@ def test_bad_json_and_huge_bodies(shared_server: EngineServer) -> None:
     huge = json.dumps({"prompt": "x" * (2 << 20)}).encode()
     status, body = post_raw(shared_server.url, "/v1/completions", huge)
     assert status == 413 and set(json.loads(body)["error"]) == ERROR_KEYS
+    assert json.loads(body)["error"]["code"] == "body_too_large"
+    # Without a Content-Length the body is refused once it passes the limit (1 MiB); the
+    # client has sent it all by then, so it reads the answer.
+    chunks = [b'{"prompt": "' + b"x" * ((1 << 20) - 12), b"x" * 1024 + b'"}']
+    status, body = post_raw(shared_server.url, "/v1/completions", chunks)
+    assert status == 413 and json.loads(body)["error"]["code"] == "body_too_large", body
     # Unknown fields are ignored, as OpenAI-compatible servers do.
     status, _ = post_raw(
         shared_server.url, "/v1/completions", b'{"prompt": [1, 2], "max_tokens": 1, "foo": 1}'

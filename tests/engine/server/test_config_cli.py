@@ -16,7 +16,8 @@ from cachetier.events import read_events
 from engine.server.__main__ import server_config
 from engine.server.openai_config import EngineServerConfig
 from tests.engine.server.live import post
-from tests.server.live import ROOT, free_port, wait_healthy
+from tests.server.live import ROOT, wait_healthy
+from tests.support import free_port
 
 
 def test_config_checks_its_values() -> None:

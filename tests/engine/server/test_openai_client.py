@@ -3,11 +3,10 @@ not, with ``usage.prompt_tokens_details.cached_tokens``."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.engine.server.live import EngineServer
-
-openai = pytest.importorskip("openai")
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 

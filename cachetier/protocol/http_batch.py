@@ -1,4 +1,4 @@
-"""The sidecar's wire format, shared by the server and the remote tier (stdlib and numpy only).
+"""The HTTP API's batch framing, shared by the server and the remote tier (stdlib and numpy only).
 
 A batch of block records travels as one ``application/x-cachetier-batch`` body::
 
@@ -12,7 +12,6 @@ a block kept by a CPU tier then pins its own bytes, not the whole batch it arriv
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Sequence
 
@@ -24,11 +23,6 @@ BATCH_MEDIA_TYPE = "application/x-cachetier-batch"
 RECORD_MEDIA_TYPE = "application/octet-stream"
 BATCH_MAGIC = b"CTB1"
 
-MAX_NAMESPACE_CHARS = 80
-# The server files a client's namespace under "t.<tenant>.<namespace>"; 2 + 32 + 1 + 80 stays
-# within the 128 characters a storage namespace may have (``check_namespace``).
-_NAMESPACE_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_CHARS - 1}}}$")
-
 _COUNT = struct.Struct("<4sI")
 
 
@@ -38,29 +32,6 @@ class FrameError(ValueError):
 
 class FrameTooLargeError(FrameError):
     """A batch, or one record in it, is larger than the reader's limits allow."""
-
-
-def check_client_namespace(namespace: str) -> str:
-    """Validate the namespace a client names on the wire.
-
-    Args:
-        namespace: 1-80 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit
-            (``Namespace.id``, 64 hex digits, always qualifies).
-
-    Returns:
-        ``namespace`` unchanged.
-
-    Raises:
-        ValueError: if it does not qualify; the message says what to change.
-    """
-    # fullmatch, not match: "$" also matches before a final newline, which would let "ns\n"
-    # through into folder names and Redis keys.
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
-        raise ValueError(
-            f"namespace {str(namespace)[:100]!r} must be 1-{MAX_NAMESPACE_CHARS} characters of "
-            "[A-Za-z0-9._-] starting with a letter or digit"
-        )
-    return namespace
 
 
 def batch_parts(records: Sequence[Sequence[Buffer] | None]) -> tuple[list[Buffer], int]:

@@ -1,14 +1,14 @@
-"""A lean RESP2 client for the Redis tier's bulk path: GETs and SETs of block records.
+"""A Redis protocol (RESP2) client for block records: pipelined GETs and SETs, few copies.
 
 redis-py turns every reply into a fresh ``bytes`` (its parser buffers it once more on the way)
 and, with hiredis, packs every command into one ``bytes`` that copies the value: for blocks of
 megabytes those copies cost more than Redis itself. This module does only what the hot path
 needs, without them:
 
-- ``RespPool.get_records``: pipelined ``GET``s whose records are read from the socket straight
+- ``RespClient.get_records``: pipelined ``GET``s whose records are read from the socket straight
   into the caller's buffers (a KV pool block) or recycled ones, checksummed chunk by chunk while
   each chunk is still in the CPU cache (``record.read_record``);
-- ``RespPool.set_records``: pipelined ``SET``s sent from a record's parts (``encode_parts``) in
+- ``RespClient.set_records``: pipelined ``SET``s sent from a record's parts (``encode_parts``) in
   vectored writes, without joining them.
 
 A large batch is spread over a few connections, one thread each: Redis writes a big reply in
@@ -38,9 +38,9 @@ from typing import TypeVar
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier.protocol.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 from cachetier.record import Buffer, KVBlock, read_record
 from cachetier.redact import redacted_repr
-from cachetier.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 
 _T = TypeVar("_T")
 _CRLF = b"\r\n"
@@ -309,8 +309,10 @@ def _text(line: bytes) -> str:
     return line[:200].decode("utf-8", "replace")
 
 
-class RespPool:
-    """Connections to one Redis, made on demand, and the threads that spread a batch over them.
+class RespClient:
+    """A Redis protocol client for block records: GETs and SETs spread over a few connections.
+
+    Connections are made on demand; a batch is spread over them by threads of its own.
 
     Args:
         endpoint: where Redis is.

@@ -37,9 +37,22 @@ redis.call('SET', used_key, math.max(used, 0))
 return evicted
 """
 
+# Lua shared by the scripts below: forget a record's accounting (its size, its LRU entry), if
+# it has any. A local function: Redis refuses scripts that define globals.
+_FORGET_ACCOUNTING = """
+local function forget_accounting(lru, sizes, used_key, key)
+  local size = redis.call('HGET', sizes, key)
+  if size then
+    redis.call('HDEL', sizes, key)
+    redis.call('ZREM', lru, key)
+    redis.call('DECRBY', used_key, size)
+  end
+end
+"""
+
 # KEYS: _lru, _size, _used, _tick, k1..kn. Marks the records that still exist as just used, in
 # order; forgets the accounting of those that expired (TTL) or were removed behind our back.
-TOUCH_SCRIPT = """
+TOUCH_SCRIPT = f"""{_FORGET_ACCOUNTING}
 local lru, sizes, used_key, tick_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = #KEYS - 4
 local tick = redis.call('INCRBY', tick_key, n) - n
@@ -48,12 +61,7 @@ for i = 1, n do
   if redis.call('EXISTS', key) == 1 then
     redis.call('ZADD', lru, 'XX', tick + i, key)
   else
-    local size = redis.call('HGET', sizes, key)
-    if size then
-      redis.call('HDEL', sizes, key)
-      redis.call('ZREM', lru, key)
-      redis.call('DECRBY', used_key, size)
-    end
+    forget_accounting(lru, sizes, used_key, key)
   end
 end
 return 0
@@ -61,24 +69,19 @@ return 0
 
 # KEYS: _lru, _size, _used, k1..kn. Removes records and their accounting; returns how many of
 # the records existed.
-FORGET_SCRIPT = """
+FORGET_SCRIPT = f"""{_FORGET_ACCOUNTING}
 local lru, sizes, used_key = KEYS[1], KEYS[2], KEYS[3]
 local removed = 0
 for i = 4, #KEYS do
   local key = KEYS[i]
   removed = removed + redis.call('UNLINK', key)
-  local size = redis.call('HGET', sizes, key)
-  if size then
-    redis.call('HDEL', sizes, key)
-    redis.call('ZREM', lru, key)
-    redis.call('DECRBY', used_key, size)
-  end
+  forget_accounting(lru, sizes, used_key, key)
 end
 return removed
 """
 
-# KEYS: k1..kn. Length of the leading run of existing keys. One EVAL answered 256 keys in
-# 0.39 ms against 1.38 ms for 256 pipelined EXISTS (the Python reply parsing dominates).
+# KEYS: k1..kn. Length of the leading run of existing keys: one EVAL instead of an EXISTS per
+# key, whose replies cost more to parse in Python than Redis takes to answer them.
 LEADING_SCRIPT = """
 for i = 1, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end

@@ -1,4 +1,4 @@
-"""The sidecar's block transfer protocol: batch gets and puts of records over plain TCP.
+"""The transfer port's framing: batch gets and puts of records over TCP or a Unix socket.
 
 The HTTP API carries every operation; this second port carries only the two that move
 megabytes, without HTTP's costs (uvicorn hands a body over in 256 KiB ``bytes`` chunks through
@@ -44,11 +44,15 @@ MAX_MESSAGE_BYTES = 1024
 
 
 class Op(IntEnum):
+    """What a request asks for (its first byte)."""
+
     GET = 1
     PUT = 2
 
 
 class Status(IntEnum):
+    """How a reply answers (its first byte); all but ``OK`` carry a message."""
+
     OK = 0
     BAD_REQUEST = 1  # malformed request, bad namespace, or a record that fails its checks
     UNAUTHORIZED = 2
@@ -78,7 +82,18 @@ class TransferAddress:
 
 
 def hello(token: str | None, tenant: str | None) -> bytes:
-    """The client's first message."""
+    """The client's first message.
+
+    Args:
+        token: the bearer token, or ``None`` for a server in open mode.
+        tenant: the tenant the client expects its token to act as, or ``None``.
+
+    Returns:
+        The hello's bytes.
+
+    Raises:
+        ValueError: the token or the tenant is longer than the protocol carries.
+    """
     token_b = (token or "").encode()
     tenant_b = (tenant or "").encode()
     if len(token_b) > MAX_TOKEN_BYTES or len(tenant_b) > MAX_TENANT_BYTES:
@@ -87,19 +102,40 @@ def hello(token: str | None, tenant: str | None) -> bytes:
 
 
 def request(op: Op, namespace: str, count: int) -> bytes:
-    """A request head and its namespace (the body follows)."""
+    """A request head and its namespace (the body follows).
+
+    Args:
+        op: the operation.
+        namespace: the client's namespace (ASCII, as ``check_namespace`` allows).
+        count: how many keys (GET) or records (PUT) the body holds.
+
+    Returns:
+        The head's bytes.
+    """
     name = namespace.encode("ascii")
     return REQUEST.pack(op, len(name), count) + name
 
 
 def error_reply(status: Status, message: str) -> bytes:
-    """A reply that is not OK, with its message."""
+    """A reply that is not OK, with its message.
+
+    Args:
+        status: the reply's status.
+        message: what went wrong, cut to ``MAX_MESSAGE_BYTES`` once encoded.
+
+    Returns:
+        The reply's bytes.
+    """
     text = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
     return REPLY.pack(status, len(text)) + text
 
 
 def failure(status: int, message: str) -> Exception:
     """The client-side error of a reply that is not OK.
+
+    Args:
+        status: the reply's status byte.
+        message: the reply's message.
 
     Returns:
         ``RequestRefusedError`` when the request itself was refused (retrying cannot help),

@@ -18,23 +18,27 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from cachetier.backoff import ExponentialBackoff
+from cachetier.checks import positive_int
 from cachetier.redact import redact_url, redacted_repr
-from cachetier.tiers.redis_cluster import CLUSTER_SCHEMES, parse_cluster_url
+from cachetier.tiers.redis.cluster import CLUSTER_SCHEMES, parse_cluster_url
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _URL_SCHEMES = ("redis", "rediss", "unix")
 _TLS_SCHEMES = ("rediss", "rediss+cluster")
-# Query flags that ask redis-py for TLS (or tune it): redis-py alone would read them (the bulk
-# path would stay plaintext), and ``ssl=true`` makes it fail with a TypeError.
+# Query flags that ask redis-py for TLS (or tune it): redis-py alone would read them (the
+# protocol client of ``resp`` would stay plaintext), and ``ssl=true`` makes it fail with a
+# TypeError.
 _TLS_QUERY_RE = re.compile(r"^(ssl|tls)(_.*)?$", re.IGNORECASE)
-# The pure-Python RESP parser reads a socket in chunks of this size; 256 KiB instead of
-# redis-py's 32 KiB halved the time to fetch one 360 KB record here.
+# The pure-Python RESP parser reads a socket in chunks of this size: redis-py's 32 KiB makes
+# many more reads (and copies) of a record of hundreds of KB.
 _SOCKET_READ_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
-    """Args:
+    """Settings of the Redis tier: where Redis is, capacity, timeouts, breaker and TLS.
+
+    Args:
     url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS),
         ``unix:///path.sock?db=0``, or a Redis Cluster:
         ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
@@ -56,7 +60,7 @@ class RedisTierConfig:
     backoff_base_s: wait before the first trial call once the breaker is open, in seconds.
     backoff_cap_s: longest wait between trial calls, in seconds.
     bulk_streams: most connections one get or put of many blocks is spread over, one thread
-        each (single node; see ``cachetier.tiers.resp``).
+        each (single node; see ``cachetier.tiers.redis.resp``).
     ssl_ca_certs: PEM bundle of the CAs Redis's certificate is checked against (``rediss``
         urls only); ``None`` trusts the system's CAs.
     ssl_certfile: PEM client certificate for a Redis that asks for one (``rediss`` only).
@@ -105,7 +109,7 @@ class RedisTierConfig:
         if self.ttl_s is not None and not self.ttl_s >= 0.001:
             raise ValueError(f"ttl_s must be None or at least 0.001 (1 ms), got {self.ttl_s!r}")
         if self.capacity_bytes is not None:
-            _check_positive_int("capacity_bytes", self.capacity_bytes)
+            positive_int("capacity_bytes", self.capacity_bytes)
             if self.cluster:
                 raise ValueError(
                     "capacity_bytes must be None with a redis+cluster:// url: the exact LRU runs "
@@ -117,9 +121,9 @@ class RedisTierConfig:
         for name in ("socket_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        _check_positive_int("max_connections", self.max_connections)
-        _check_positive_int("failure_threshold", self.failure_threshold)
-        _check_positive_int("bulk_streams", self.bulk_streams)
+        positive_int("max_connections", self.max_connections)
+        positive_int("failure_threshold", self.failure_threshold)
+        positive_int("bulk_streams", self.bulk_streams)
         ExponentialBackoff(self.backoff_base_s, self.backoff_cap_s)  # raises if invalid
 
     @property
@@ -168,11 +172,6 @@ def _check_url(url: str) -> None:
         raise ValueError(f"url {shown!r} must end with a database number, e.g. /0")
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def make_client(config: RedisTierConfig) -> redis.Redis | RedisCluster:
     """The one place a Redis client is made.
 
@@ -199,7 +198,7 @@ def make_client(config: RedisTierConfig) -> redis.Redis | RedisCluster:
         driver_info=None,  # no CLIENT SETINFO round trips on each new connection
     )
     if config.tls:
-        # Verification as on the bulk path (cachetier.tls.client_context): chain and host name.
+        # Verification as in the protocol client (cachetier.tls.client_context): chain, host name.
         options.update(
             ssl_cert_reqs="required",
             ssl_check_hostname=True,

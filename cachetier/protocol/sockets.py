@@ -32,10 +32,11 @@ _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 
 
 class BufferedSocket:
-    """A connected socket with a small read buffer. Not thread-safe: one user at a time.
+    """A connected socket with a small read buffer.
 
-    Every read raises ``ConnectionResetError`` when the peer closes the connection and
-    ``TimeoutError`` when the socket's timeout passes without a byte.
+    Not thread-safe: one user at a time. Every read raises ``ConnectionResetError`` when the
+    peer closes the connection and ``TimeoutError`` when the socket's timeout passes without a
+    byte.
 
     Args:
         sock: a connected stream socket (its timeout is the timeout of every read and write).
@@ -275,8 +276,10 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, deadline: float) ->
 
 
 class BoundedReader:
-    """Reads of one length-prefixed item (a record): never past its end, so a bad one cannot
-    run into what follows it on the stream; ``left`` bytes then remain to ``skip``.
+    """Reads of one length-prefixed item (a record), never past its end.
+
+    A bad item then cannot run into what follows it on the stream; ``left`` bytes remain to
+    ``skip``.
 
     Args:
         io: the connection.
@@ -297,6 +300,8 @@ class BoundedReader:
 
 
 class Closable(Protocol):
+    """What a ``SocketPool`` holds: a connection it can test for staleness and close."""
+
     def is_stale(self) -> bool: ...
 
     def close(self) -> None: ...

@@ -1,4 +1,4 @@
-"""Redis Cluster for ``RedisTier``: the cluster URL, and commands routed to each key's master.
+"""Redis Cluster for the Redis tier: the cluster URL, and commands routed to each key's master.
 
 A ``redis+cluster://host:port[,host:port...]`` URL (``rediss+cluster://`` for TLS) makes the
 Redis tier use Redis Cluster. Block keys carry no hash tag (key prefixes and namespaces cannot
@@ -9,10 +9,8 @@ Routing. redis-py's ``RedisCluster`` reads the slot map (CLUSTER SLOTS) and keep
 pool per master; ``ClusterRouter`` sends the commands itself: every command names one key (MGET,
 UNLINK or EVAL over keys of several slots is refused by a cluster), the commands of a call are
 grouped by the master owning their slot, each master gets its group as one pipelined write, and
-every master is written to before any is read, so they all work at once. Measured on 3 local
-masters (median of interleaved runs): 256 GETs of 1 KiB took 1.6 ms this way, 7.0 ms through
-redis-py's cluster pipeline and 3-4.5 ms through its ``mget_nonatomic`` (one node's MGET: 0.3 ms);
-from 360 KiB records up the three are within noise of each other and of one node's MGET.
+every master is written to before any is read, so they all work at once (redis-py's cluster
+pipeline and its ``mget_nonatomic`` ask the masters one after another).
 
 Failures. Each master has its own ``CircuitBreaker``: a master that is down or silent turns only
 its own keys into misses and counted errors, and once its breaker is open it is skipped while
@@ -29,8 +27,9 @@ once the lost master is flagged as failed, and every key becomes a miss.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,7 +48,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cachetier.backoff import CircuitBreaker
+from cachetier.backoff import CircuitBreaker, Fault, Guard
 from cachetier.errors import TierUnavailableError
 from cachetier.redact import redact_url, redacted_repr
 
@@ -158,7 +157,9 @@ class ClusterRouter:
         on_auth_refused: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self._connect = connect
-        self._breaker = breaker
+        self._map_guard = Guard(
+            breaker, _map_fault, on_failure=self._map_failed, on_skipped=self._map_skipped
+        )
         self._make_breaker = make_breaker
         self._count_error = count_error
         self._count_skipped = count_skipped
@@ -166,7 +167,7 @@ class ClusterRouter:
         self._lock = threading.Lock()  # guards the three fields below
         self._client: RedisCluster | None = None
         self._stale = False  # the slot map is to be re-read before the next call
-        self._breakers: dict[str, CircuitBreaker] = {}  # master "host:port" -> its breaker
+        self._guards: dict[str, Guard] = {}  # master "host:port" -> the guard of its breaker
         self._map_lock = threading.Lock()  # one thread at a time reads the slot map
 
     def run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -184,7 +185,7 @@ class ClusterRouter:
         if client is None:
             return [TierUnavailableError("Redis Cluster cannot be reached") for _ in commands]
         # slot -> [master, *replicas], read straight from redis-py's map (replaced whole on a
-        # refresh): for 256 keys 0.13 ms against 0.67 ms through get_node_from_slot().
+        # refresh): get_node_from_slot() per key costs several times more.
         slots = client.nodes_manager.slots_cache
         batches: dict[str, _Batch] = {}
         uncovered = False
@@ -197,7 +198,8 @@ class ClusterRouter:
                 continue
             batch = batches.get(owners[0].name)
             if batch is None:
-                batch = batches[owners[0].name] = _Batch(owners[0], self._breaker_of(owners[0]))
+                breaker = self._guard_of(owners[0]).breaker
+                batch = batches[owners[0].name] = _Batch(owners[0], breaker)
             batch.indexes.append(i)
         if uncovered:  # a slot left unassigned, or a map older than the cluster
             self._count_error(1)
@@ -236,31 +238,15 @@ class ClusterRouter:
             return []
         found: list[bytes] = []
         for node in client.get_primaries():
-            breaker = self._breaker_of(node)
-            if not breaker.allow():
-                self._count_skipped()
-                continue
-            try:
-                found.extend(node.redis_connection.scan_iter(match=pattern, count=count))
-            except _UNREACHABLE as exc:
-                self._node_failed(breaker)
-                self._maybe_auth_refused(exc)
-                continue
-            except RedisError:
-                breaker.record_success()  # it answered, with an error
-                self._count_error(1)
-                continue
-            except BaseException:
-                breaker.record_failure()
-                raise
-            breaker.record_success()
+            scan = node.redis_connection.scan_iter
+            found += self._guard_of(node).call(partial(_listed, scan, pattern, count), [])
         return found
 
     def breakers(self) -> dict[str, dict[str, Any]]:
         """``CircuitBreaker.snapshot`` of each master called so far, by ``host:port``."""
         with self._lock:
-            breakers = dict(self._breakers)
-        return {name: breaker.snapshot() for name, breaker in sorted(breakers.items())}
+            guards = dict(self._guards)
+        return {name: guard.breaker.snapshot() for name, guard in sorted(guards.items())}
 
     def close(self) -> None:
         """Close the connections to every node."""
@@ -284,27 +270,29 @@ class ClusterRouter:
                 client, stale = self._client, self._stale
             if client is not None and not stale:
                 return client
-            if not self._breaker.allow():
-                if client is None:
-                    self._count_skipped()
-                return client
-            try:
-                if client is None:
-                    client = self._connect()
-                else:
-                    client.nodes_manager.initialize()
-            except (RedisError, RedisClusterException, OSError) as exc:
-                self._breaker.record_failure()
-                self._count_error(1)
-                self._maybe_auth_refused(exc)
-                return client
-            except BaseException:
-                self._breaker.record_failure()
-                raise
-            self._breaker.record_success()
-            with self._lock:
-                self._client, self._stale = client, False
-            return client
+            fresh = self._map_guard.call(partial(self._read_map, client), None)
+            return client if fresh is None else fresh
+
+    def _read_map(self, client: RedisCluster | None) -> RedisCluster:
+        """Reach the cluster (``client`` is ``None``) or re-read its slot map."""
+        if client is None:
+            client = self._connect()
+        else:
+            client.nodes_manager.initialize()
+        with self._lock:
+            self._client, self._stale = client, False
+        return client
+
+    def _map_skipped(self) -> None:
+        """A skipped re-read costs no call while an older map still serves."""
+        with self._lock:
+            has_map = self._client is not None
+        if not has_map:
+            self._count_skipped()
+
+    def _map_failed(self, exc: BaseException, fault: Fault) -> None:
+        self._count_error(1)
+        self._maybe_auth_refused(exc)
 
     def _maybe_auth_refused(self, exc: BaseException) -> None:
         """Tell ``on_auth_refused`` if ``exc`` is (or was caused by) a refusal of our
@@ -322,25 +310,36 @@ class ClusterRouter:
         with self._lock:
             self._stale = True
 
-    def _breaker_of(self, node: ClusterNode) -> CircuitBreaker:
+    def _guard_of(self, node: ClusterNode) -> Guard:
+        """The guard of ``node``'s own breaker, made on the first command sent to it."""
         with self._lock:
-            breaker = self._breakers.get(node.name)
-            if breaker is None:
-                breaker = self._breakers[node.name] = self._make_breaker()
-            return breaker
+            guard = self._guards.get(node.name)
+            if guard is None:
+                breaker = self._make_breaker()
+                guard = self._guards[node.name] = Guard(
+                    breaker,
+                    _node_fault,
+                    on_failure=lambda exc, fault: self._node_failed(breaker, exc, fault),
+                    on_skipped=self._count_skipped,
+                )
+            return guard
 
-    def _node_failed(self, breaker: CircuitBreaker) -> None:
-        breaker.record_failure()
+    def _node_failed(self, breaker: CircuitBreaker, exc: BaseException, fault: Fault) -> None:
+        """Count a failed call to a master whose breaker has been told of it."""
         self._count_error(1)
+        if fault is Fault.ANSWERED:
+            return
+        self._maybe_auth_refused(exc)
         if breaker.is_open:
             self._mark_stale()  # a replica may have taken over the master's slots
 
-    def _batch_failed(self, batch: _Batch, out: list[Any], what: str) -> None:
+    def _batch_failed(self, batch: _Batch, out: list[Any], what: str, exc: BaseException) -> None:
         if batch.conn is not None:
             batch.conn.disconnect()  # unread replies may be left on it
         batch.reported = True
         _unavailable(out, batch, what)
-        self._node_failed(batch.breaker)
+        batch.breaker.record_failure()
+        self._node_failed(batch.breaker, exc, Fault.DOWN)
 
     def _send(self, batch: _Batch, commands: Sequence[tuple[Any, ...]], out: list[Any]) -> None:
         """Write the batch's commands to its master as one pipelined write."""
@@ -351,8 +350,7 @@ class ClusterRouter:
             packed = batch.conn.pack_commands([commands[i] for i in batch.indexes])
             batch.conn.send_packed_command(packed)
         except _UNREACHABLE as exc:
-            self._batch_failed(batch, out, "unreachable")
-            self._maybe_auth_refused(exc)
+            self._batch_failed(batch, out, "unreachable", exc)
 
     def _receive(self, batch: _Batch, commands: Sequence[tuple[Any, ...]], out: list[Any]) -> None:
         assert batch.conn is not None, "receive follows a successful send"
@@ -367,8 +365,7 @@ class ClusterRouter:
                     error_replies += 1
                     routing_errors += isinstance(exc, _ROUTING_ERRORS)
         except (RedisError, OSError) as exc:  # no answer, or one that broke the stream
-            self._batch_failed(batch, out, "did not answer")
-            self._maybe_auth_refused(exc)
+            self._batch_failed(batch, out, "did not answer", exc)
             return
         batch.reported = True
         batch.breaker.record_success()  # it answered, if only with errors
@@ -384,6 +381,25 @@ class ClusterRouter:
                 batch.conn.disconnect()
         if batch.pool is not None and batch.conn is not None:
             batch.pool.release(batch.conn)
+
+
+def _node_fault(exc: BaseException) -> Fault | None:
+    if isinstance(exc, _UNREACHABLE):
+        return Fault.DOWN
+    if isinstance(exc, RedisError):
+        return Fault.ANSWERED  # it answered, with an error
+    return None
+
+
+def _map_fault(exc: BaseException) -> Fault | None:
+    # Any error, reply or not, while reading the map counts against reaching the cluster.
+    if isinstance(exc, (RedisError, RedisClusterException, OSError)):
+        return Fault.DOWN
+    return None
+
+
+def _listed(scan: Callable[..., Iterator[bytes]], pattern: str, count: int) -> list[bytes]:
+    return list(scan(match=pattern, count=count))
 
 
 def _unavailable(out: list[Any], batch: _Batch, what: str) -> None:
