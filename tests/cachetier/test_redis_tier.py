@@ -32,13 +32,6 @@ MakeTier = Callable[..., RedisTier]
 
 
 @pytest.fixture
-def raw(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
     """Builds tiers on the shared Redis under this test's prefix; closes them afterwards."""
     with opened_redis_tiers(url=redis_url, key_prefix=redis_prefix) as make:

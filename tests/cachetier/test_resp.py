@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -38,13 +37,6 @@ def pool_for(url: str, streams: int = 4, timeout_s: float = 2.0) -> RespClient:
     endpoint = Endpoint.from_url(url, timeout_s, timeout_s)
     assert endpoint is not None
     return RespClient(endpoint, max_connections=8, streams=streams)
-
-
-@pytest.fixture
-def raw(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture

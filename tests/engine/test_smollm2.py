@@ -17,6 +17,7 @@ from engine.model_spec import ModelSpec
 from engine.smollm2 import (
     DEFAULT_MODEL_CACHE,
     MODEL_CACHE_ENV,
+    SMOLLM2_FILES,
     _build_once,
     model_cache_dir,
     smollm2_gguf_path,
@@ -130,14 +131,7 @@ def test_model_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 @pytest.mark.model
 def test_smollm2_folder_has_the_expected_model(smollm2_dir: Path) -> None:
     assert smollm2_path() == smollm2_dir  # the second call finds the converted folder
-    for name in (
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-    ):
+    for name in SMOLLM2_FILES:  # the weights, config and tokenizer, and the conversion's mark
         assert (smollm2_dir / name).is_file(), name
     spec = ModelSpec.from_folder(smollm2_dir)
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
