@@ -24,7 +24,7 @@ from cachetier.record import encode_parts, encode_record
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from cachetier.tiers.remote.transfer import TransferClient
+from cachetier.tiers.remote.transfer import TransferClient, TransferPeer
 from tests.server.live import TOKENS, ThreadServer, call, test_config
 from tests.support import free_port, make_blocks
 
@@ -42,16 +42,11 @@ def server(tmp_path: Path) -> Iterator[ThreadServer]:
 
 def client_for(port: int, who: str = "alice", **options: object) -> TransferClient:
     """A transfer client with ``who``'s token (``options`` override any setting)."""
-    settings: dict = dict(
-        token=TOKENS[who],
-        tenant=None,
-        connect_timeout_s=1.0,
-        timeout_s=2.0,
-        max_connections=4,
-        max_record_bytes=1 << 20,
-    )
-    settings.update(options)
-    return TransferClient(("127.0.0.1", port), None, **settings)
+    settings: dict = dict(token=TOKENS[who], tenant=None, connect_timeout_s=1.0, timeout_s=2.0)
+    limits: dict = dict(max_connections=4, max_record_bytes=1 << 20)
+    for name, value in options.items():
+        (limits if name in limits else settings)[name] = value
+    return TransferClient(TransferPeer(("127.0.0.1", port), None, **settings), **limits)
 
 
 def tier_for(server: ThreadServer, tenant: str = "alice", **options: object) -> RemoteTier:
@@ -291,12 +286,12 @@ def test_a_socket_of_another_server_is_refused(tmp_path: Path, short_dir: Path) 
     try:
         _, _, body = call(server.url, "GET", "/v1/limits")
         server_id = json.loads(body)["transfer_id"]
-        settings = dict(token=TOKENS["alice"], tenant=None, connect_timeout_s=1.0)
-        settings.update(timeout_s=2.0, max_connections=1, max_record_bytes=1 << 20)
-        right = TransferClient(sock_path, server_id, **settings)  # type: ignore[arg-type]
+        settings = dict(token=TOKENS["alice"], tenant=None, connect_timeout_s=1.0, timeout_s=2.0)
+        limits = dict(max_connections=1, max_record_bytes=1 << 20)
+        right = TransferClient(TransferPeer(sock_path, server_id, **settings), **limits)  # type: ignore[arg-type]
         assert right.get(NS.id, [bytes(32)]).blocks == [None]
         right.close()
-        wrong = TransferClient(sock_path, server_id ^ 1, **settings)  # type: ignore[arg-type]
+        wrong = TransferClient(TransferPeer(sock_path, server_id ^ 1, **settings), **limits)  # type: ignore[arg-type]
         with pytest.raises(TierUnavailableError, match="another server"):
             wrong.get(NS.id, [bytes(32)])
         wrong.close()

@@ -12,7 +12,7 @@ import ssl
 
 from cachetier.protocol.transfer_frames import TransferAddress
 from cachetier.tiers.remote.config import RemoteTierConfig
-from cachetier.tiers.remote.transfer import TransferClient
+from cachetier.tiers.remote.transfer import TransferClient, TransferPeer
 
 
 def pick_transfer(
@@ -53,16 +53,19 @@ def pick_transfer(
         address.server_id,
         port_tls is not None,
     ):
-        new = TransferClient(  # a restarted server has a new id, maybe a new port
+        peer = TransferPeer(  # a restarted server has a new id, maybe a new port
             where,
             address.server_id,
             token=config.token,
             tenant=config.tenant,
             connect_timeout_s=config.connect_timeout_s,
             timeout_s=config.timeout_s,
+            tls=port_tls,
+        )
+        new = TransferClient(
+            peer,
             max_connections=config.max_connections,
             max_record_bytes=config.max_record_bytes,
-            tls=port_tls,
         )
     if old is not None and old is not new:
         old.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ssl
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import BlockHash
@@ -30,18 +30,35 @@ from cachetier.protocol.transfer_frames import (
 from cachetier.record import Buffer, KVBlock, read_record
 
 
-class TransferConnection:
-    """One connection, past its hello (the server knows its tenant).
+@dataclass(frozen=True, slots=True)
+class TransferPeer:
+    """Whom a transfer connection talks to, and as whom.
 
     Args:
-        where: ``(host, port)`` or a Unix socket path.
+        where: ``(host, port)`` of the transfer port, or the path of the transfer socket.
         server_id: the id the server's hello must answer with (``None``: any).
-        token: bearer token, ``None`` in open mode.
+        token: bearer token (names the tenant), ``None`` in open mode.
         tenant: the tenant the token must act as, if set.
         connect_timeout_s: longest wait for the connection (and its TLS handshake).
         timeout_s: longest wait for one read or write.
         tls: client context for a TCP port that speaks TLS (the certificate must name the
             host of ``where``), ``None`` for plain TCP and the Unix socket.
+    """
+
+    where: tuple[str, int] | str
+    server_id: int | None
+    token: str | None = field(repr=False)
+    tenant: str | None
+    connect_timeout_s: float
+    timeout_s: float
+    tls: ssl.SSLContext | None = None
+
+
+class TransferConnection:
+    """One connection, past its hello (the server knows its tenant).
+
+    Args:
+        peer: the server, and the token to say who this is.
 
     Raises:
         OSError: no connection (``ssl.SSLError``: a failed handshake, a certificate that does
@@ -50,24 +67,18 @@ class TransferConnection:
         TierUnavailableError: another server answered.
     """
 
-    def __init__(
-        self,
-        where: tuple[str, int] | str,
-        server_id: int | None,
-        token: str | None,
-        tenant: str | None,
-        connect_timeout_s: float,
-        timeout_s: float,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
+    def __init__(self, peer: TransferPeer) -> None:
+        where = peer.where
         if isinstance(where, str):
-            self.io = BufferedSocket.connect_unix(where, connect_timeout_s, timeout_s)
+            self.io = BufferedSocket.connect_unix(where, peer.connect_timeout_s, peer.timeout_s)
         else:
-            self.io = BufferedSocket.connect_tcp(*where, connect_timeout_s, timeout_s, tls=tls)
+            self.io = BufferedSocket.connect_tcp(
+                *where, peer.connect_timeout_s, peer.timeout_s, tls=peer.tls
+            )
         try:
-            self.io.send([hello(token, tenant)])
+            self.io.send([hello(peer.token, peer.tenant)])
             answered = read_reply(self.io)
-            if server_id is not None and answered != server_id:
+            if peer.server_id is not None and answered != peer.server_id:
                 # E.g. a socket path that exists here but belongs to another server.
                 raise TierUnavailableError(
                     f"the transfer endpoint {where!r} belongs to another server"
@@ -112,40 +123,21 @@ class TransferClient:
     """Requests to one server's transfer endpoint; safe to use from many threads.
 
     Args:
-        where: ``(host, port)`` of its transfer port, or the path of its transfer socket.
-        server_id: the id its hello must answer with (``None``: any).
-        token: bearer token (names the tenant), ``None`` in open mode.
-        tenant: the tenant the token must act as, if set.
-        connect_timeout_s: longest wait for a connection.
-        timeout_s: longest wait for one read or write.
+        peer: the server's transfer port or socket, and the token to say who this is.
         max_connections: connections kept at most.
         max_record_bytes: largest record accepted from the server.
-        tls: client context when the TCP port speaks TLS (``TransferConnection``).
     """
 
-    def __init__(
-        self,
-        where: tuple[str, int] | str,
-        server_id: int | None,
-        *,
-        token: str | None,
-        tenant: str | None,
-        connect_timeout_s: float,
-        timeout_s: float,
-        max_connections: int,
-        max_record_bytes: int,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        self.where = where
-        self.server_id = server_id
-        self.tls = tls is not None
+    def __init__(self, peer: TransferPeer, *, max_connections: int, max_record_bytes: int) -> None:
+        self.peer = peer
+        self.where = peer.where
+        self.server_id = peer.server_id
+        self.tls = peer.tls is not None
         self._max_record_bytes = max_record_bytes
         self._pool: SocketPool[TransferConnection] = SocketPool(
-            lambda: TransferConnection(
-                where, server_id, token, tenant, connect_timeout_s, timeout_s, tls
-            ),
+            lambda: TransferConnection(peer),
             max_connections,
-            timeout_s,
+            peer.timeout_s,
         )
 
     def get(
