@@ -182,16 +182,17 @@ def trickle(data: bytes, every_s: float = 1.0) -> Callable[[socket.socket, threa
 
 def transfer_reply(sock: socket.socket) -> tuple[int, bytes] | None:
     """The next reply on a transfer connection, ``None`` if it closed (or reset) first."""
-    head = _read_exactly(sock, REPLY.size)
+    head = read_exactly(sock, REPLY.size)
     if head is None:
         return None
     status, value = REPLY.unpack(head)
     if status == Status.OK:
         return status, b""
-    return status, _read_exactly(sock, value) or b""
+    return status, read_exactly(sock, value) or b""
 
 
-def _read_exactly(sock: socket.socket, nbytes: int) -> bytes | None:
+def read_exactly(sock: socket.socket, nbytes: int) -> bytes | None:
+    """``nbytes`` from ``sock``, ``None`` if it closed, reset or went quiet first."""
     out = b""
     while len(out) < nbytes:
         try:

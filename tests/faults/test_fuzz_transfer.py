@@ -30,6 +30,7 @@ from tests.faults.fuzzing import (
     head_len_of,
     mutations,
 )
+from tests.faults.hostile import read_exactly, transfer_reply
 from tests.server.live import ThreadServer, test_config
 from tests.support import free_port
 
@@ -50,39 +51,12 @@ def _connect(server: ThreadServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
 
 
-def _reply(sock: socket.socket) -> tuple[int, bytes] | None:
-    """The next reply head and message (if not OK), or ``None`` if the server closed."""
-    head = _read(sock, REPLY.size)
-    if head is None:
-        return None
-    status, value = REPLY.unpack(head)
-    if status == Status.OK:
-        return status, b""
-    return status, _read(sock, value) or b""
-
-
-def _read(sock: socket.socket, n: int) -> bytes | None:
-    out = b""
-    while len(out) < n:
-        try:
-            chunk = sock.recv(n - len(out))
-        except ConnectionResetError:
-            return None
-        if not chunk:
-            return None
-        out += chunk
-    return out
-
-
 def _drain(sock: socket.socket, tally: Tally, what: str) -> None:
     """Read replies until the server closes or goes quiet; a ``FAILED`` one is a crash."""
     sock.settimeout(0.1)
     while True:
-        try:
-            got = _reply(sock)
-        except TimeoutError:
-            return  # waiting for more of a request: the server is fine with that
-        if got is None:
+        got = transfer_reply(sock)
+        if got is None:  # closed, or quiet: waiting for more of a request is fine
             return
         if got[0] == Status.FAILED:
             tally.crashes.add(f"{what}: {got[1][:100]!r}")
@@ -96,9 +70,9 @@ def _drain(sock: socket.socket, tally: Tally, what: str) -> None:
 def _alive(server: ThreadServer) -> None:
     with _connect(server) as sock:
         sock.sendall(hello(ALICE, None))
-        assert _reply(sock) == (Status.OK, b"")
+        assert transfer_reply(sock) == (Status.OK, b"")
         sock.sendall(request(Op.GET, FUZZ_NS.id, 1) + KNOWN_BLOCKS[0].key)
-        assert _reply(sock) == (Status.OK, b"")
+        assert transfer_reply(sock) == (Status.OK, b"")
 
 
 def test_generated_streams_after_a_good_hello(tally: Tally, server: ThreadServer) -> None:
@@ -116,7 +90,7 @@ def test_generated_streams_after_a_good_hello(tally: Tally, server: ThreadServer
         tally.num_inputs += 1
         with _connect(server) as sock:
             sock.sendall(hello(ALICE, None))
-            assert _reply(sock) == (Status.OK, b"")
+            assert transfer_reply(sock) == (Status.OK, b"")
             try:
                 sock.sendall(head + tail)
             except OSError:
@@ -173,12 +147,12 @@ def test_puts_of_changed_records_store_nothing_bad(tally: Tally, server: ThreadS
         lengths = struct.pack(f"<{len(records)}Q", *map(len, records))
         with _connect(server) as sock:
             sock.sendall(hello(ALICE, None))
-            assert _reply(sock) == (Status.OK, b"")
+            assert transfer_reply(sock) == (Status.OK, b"")
             try:
                 sock.sendall(request(Op.PUT, ns_id, len(records)) + lengths + b"".join(records))
             except OSError:
                 return  # refused on its lengths and closed
-            got = _reply(sock)
+            got = transfer_reply(sock)
             assert got is not None and got[0] != Status.FAILED, got
             if got[0] == Status.OK:
                 # Every record of an accepted put decodes under the namespace asked for.
@@ -190,7 +164,7 @@ def test_puts_of_changed_records_store_nothing_bad(tally: Tally, server: ThreadS
         # connection: the server closes one after refusing a malformed request).
         with _connect(server) as sock:
             sock.sendall(hello(ALICE, None))
-            assert _reply(sock) == (Status.OK, b"")
+            assert transfer_reply(sock) == (Status.OK, b"")
             for i, record in zip(picks, _get(sock, namespace, [pool[i].key for i in picks])):
                 if record is not None:
                     with tally.expect():
@@ -209,9 +183,9 @@ def _get(sock: socket.socket, namespace: object, keys: list[bytes]) -> list[byte
     assert all(len(k) == KEY_BYTES for k in keys)
     ns_id = namespace.id  # type: ignore[attr-defined]
     sock.sendall(request(Op.GET, ns_id, len(keys)) + b"".join(keys))
-    head = _read(sock, REPLY.size)
+    head = read_exactly(sock, REPLY.size)
     assert head is not None
     status, count = REPLY.unpack(head)
     assert status == Status.OK and 0 < count <= len(keys), (status, count)
-    lengths = struct.unpack(f"<{count}Q", _read(sock, 8 * count) or b"")
-    return [None if n == 0 else _read(sock, n) for n in lengths]
+    lengths = struct.unpack(f"<{count}Q", read_exactly(sock, 8 * count) or b"")
+    return [None if n == 0 else read_exactly(sock, n) for n in lengths]
