@@ -9,8 +9,6 @@ import json
 import os
 import stat
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -24,9 +22,8 @@ from cachetier.record import encode_record
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.disk_budget import LEDGER_NAME, decode_state, encode_state
 from cachetier.tiers.disk_files import read_boot_id, temp_name
+from tests.children import run_python
 from tests.support import make_blocks
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tier(root: Path, capacity: int) -> DiskTier:
@@ -143,15 +140,7 @@ def test_an_open_removes_orphan_temp_files_only(tmp_path: Path, namespace: Names
     live = _tier(tmp_path, 1 << 20)
     live.put_many(namespace.id, [block])
     shard = live.path_of(namespace.id, block.key).parent
-    done = subprocess.run(
-        [sys.executable, "-c", _DEAD_OWNER, str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead_owner = done.stdout.strip()
+    dead_owner = run_python(_DEAD_OWNER, tmp_path)
     old_boot_owner = "f" * 32 + "-12-0badc0de"
     names = {
         "live": temp_name(live.owner_id),
