@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NewType
 import numpy as np
 
 from cachetier.checks import positive_int
+from cachetier.kv_format import CANONICAL_ARRANGEMENT, canonical_shape, planes
 
 if TYPE_CHECKING:
     import torch
@@ -95,9 +96,8 @@ class KVLayout:
         num_layers: attention layers whose KV a block holds.
         num_kv_heads: KV heads per layer.
         head_dim: elements per head.
-        arrangement: name of the order of dimensions inside a block (e.g. our engine's
-            ``"layer,kv,token,head,dim"`` or vLLM's CPU layout); engines only share blocks whose
-            arrangement agrees.
+        arrangement: the order of dimensions inside a block: one of the canonical names of
+            ``cachetier.kv_format`` (K/V or MLA); every engine converts to it.
     """
 
     dtype: str
@@ -105,21 +105,27 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    arrangement: str = "layer,kv,token,head,dim"
+    arrangement: str = CANONICAL_ARRANGEMENT
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             positive_int(name, getattr(self, name))
-        if not self.arrangement:
-            raise ValueError("arrangement must be a non-empty name")
+        canonical_shape(self.arrangement, 1, 1, 1, 1)  # raises for a name that is not canonical
+
+    @property
+    def payload_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one canonical payload (``cachetier.kv_format``)."""
+        return canonical_shape(
+            self.arrangement, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
+        )
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V for one full block, all layers."""
+        """Bytes of K and V (or the MLA latent) for one full block, all layers."""
         return (
-            2
+            planes(self.arrangement)
             * self.num_layers
             * self.block_size
             * self.num_kv_heads

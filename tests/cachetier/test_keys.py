@@ -20,6 +20,7 @@ from cachetier.keys import (
     token_bytes,
     torch_dtype,
 )
+from cachetier.kv_format import MLA_ARRANGEMENT
 
 LAYOUT = KVLayout("float16", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
 NS = Namespace("model-a", LAYOUT)
@@ -68,7 +69,7 @@ def test_input_types_agree() -> None:
         Namespace("model-a", LAYOUT, tenant="acme"),
         Namespace("model-a", KVLayout("float32", 4, 2, 1, 8)),
         Namespace("model-a", KVLayout("float16", 4, 3, 1, 8)),
-        Namespace("model-a", KVLayout("float16", 4, 2, 1, 8, arrangement="vllm-cpu")),
+        Namespace("model-a", KVLayout("float16", 4, 2, 1, 8, arrangement=MLA_ARRANGEMENT)),
     ],
 )
 def test_namespace_parts_all_change_the_keys(other: Namespace) -> None:
