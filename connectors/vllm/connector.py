@@ -30,10 +30,9 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from cachetier.fingerprint import model_fingerprint
-from cachetier.keys import KVLayout
 from connectors.vllm.config import ConnectorConfig, open_store
+from connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from connectors.vllm.metadata import CacheTierConnectorMetadata
-from connectors.vllm.paged import kv_layout
 from connectors.vllm.scheduler import CacheTierScheduler
 from connectors.vllm.stats import CacheTierConnectorStats
 from connectors.vllm.worker import CacheTierWorker
@@ -79,7 +78,10 @@ class CacheTierConnector(KVConnectorBase_V1):
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             # Each rank holds a slice of the heads or layers; one key would name several slices.
             raise ValueError("CacheTierConnector supports tensor/pipeline parallel size 1 only")
-        layout, layer_names = _layout_of(kv_cache_config, vllm_config.cache_config.block_size)
+        arrangement, layer_names = _arrangement_of(kv_cache_config, vllm_config)
+        layout = arrangement.layout
+        self._layout = layout
+        self._layer_names = layer_names
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "cachetier: kv_load_failure_policy is %r, so a block that cannot be restored "
@@ -104,7 +106,9 @@ class CacheTierConnector(KVConnectorBase_V1):
                 config.tenant,
             )
         else:
-            self._worker = CacheTierWorker(open_store(config, with_cpu=True), layout, layer_names)
+            self._worker = CacheTierWorker(
+                open_store(config, with_cpu=True), arrangement, layer_names
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -114,7 +118,8 @@ class CacheTierConnector(KVConnectorBase_V1):
     # Worker side.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._require_worker().register_kv_caches(kv_caches)
+        scales = fp8_scales(self._vllm_config, self._layer_names, self._layout)
+        self._require_worker().register_kv_caches(kv_caches, scales)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's restored blocks into the paged buffers (all layers, before the
@@ -208,8 +213,12 @@ class CacheTierConnector(KVConnectorBase_V1):
         return self._scheduler
 
 
-def _layout_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVLayout, list[str]]:
-    """The block layout and the layer order of a model with one full-attention KV group."""
+def _arrangement_of(
+    kv_cache_config: KVCacheConfig, vllm_config: VllmConfig
+) -> tuple[VllmArrangement, list[str]]:
+    """How blocks map to canonical ones, and the layer order, for one full-attention KV group."""
+    from vllm.platforms import current_platform
+
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -219,23 +228,29 @@ def _layout_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVLayou
     spec = groups[0].kv_cache_spec
     if (
         not isinstance(spec, FullAttentionSpec)
-        or isinstance(spec, MLAAttentionSpec)
         or spec.sliding_window is not None
         or spec.head_size_v != spec.head_size
+        # Unquantized or fp8 with one scale per layer; other modes keep per-token scales or
+        # packed formats the canonical block does not hold.
+        or int(getattr(spec, "kv_quant_mode", 0)) not in (0, 1)
     ):
         raise ValueError(
             f"CacheTierConnector supports full attention only, not {type(spec).__name__}"
         )
+    block_size = vllm_config.cache_config.block_size
     if spec.block_size != block_size:
         raise ValueError(f"KV spec block size {spec.block_size} != cache block size {block_size}")
-    layout = kv_layout(
+    arrangement = resolve(
+        device_type=current_platform.device_type,
+        is_mla=isinstance(spec, MLAAttentionSpec),
         dtype=spec.dtype,
         block_size=block_size,
         num_layers=len(groups[0].layer_names),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
+        kv_cache_dtype=vllm_config.cache_config.cache_dtype,
     )
-    return layout, list(groups[0].layer_names)
+    return arrangement, list(groups[0].layer_names)
 
 
 def _model_fingerprint(vllm_config: VllmConfig) -> str:

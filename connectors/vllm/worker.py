@@ -1,8 +1,10 @@
 """Worker side of the connector: copy whole blocks between vLLM's paged buffers and the tiers.
 
 Loads run in ``start_load_kv``, before the forward that reads them (vLLM schedules them as sync
-loads); saves run in ``wait_for_save``, after the forward wrote every layer. A record holds a
-block of every layer, so both work on whole blocks at once rather than layer by layer.
+loads); saves start in ``wait_for_save``, after the forward wrote every layer. A record holds a
+block of every layer, so both work on whole blocks at once rather than layer by layer. On CUDA
+a save's device-to-host copy runs on a side stream and reaches the store at a later call, when
+its event has fired (``PagedKV.poll``); on CPU it is stored at once.
 
 A block that cannot be restored (missing, corrupt, failed checksum, another layout) is reported
 through ``take_failed_block_ids`` so vLLM recomputes it instead of reading stale KV; the blocks
@@ -18,12 +20,13 @@ import torch
 from vllm.logger import init_logger
 
 from cachetier.errors import CacheTierError
-from cachetier.keys import KVLayout
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
+from connectors.vllm.layouts import VllmArrangement
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
 from connectors.vllm.paged import PagedKV, check_record, payload_view
 from connectors.vllm.stats import CacheTierConnectorStats
+from kernels.staging import PendingSave
 
 logger = init_logger("vllm.cachetier.worker")
 
@@ -33,13 +36,17 @@ class CacheTierWorker:
 
     Args:
         store: the tiers, fastest first; the worker owns it and closes it on ``close()``.
-        layout: the layout of one block (must match the buffers vLLM registers).
+        arrangement: how this run's KV cells map onto canonical blocks.
         layer_names: attention layers in model order (the order of layers inside a record).
     """
 
-    def __init__(self, store: TieredStore, layout: KVLayout, layer_names: Sequence[str]) -> None:
+    def __init__(
+        self, store: TieredStore, arrangement: VllmArrangement, layer_names: Sequence[str]
+    ) -> None:
         self._store = store
-        self._layout = layout
+        self._arrangement = arrangement
+        self._layout = arrangement.layout
+        self._aux = b""
         self._layer_names = list(layer_names)
         self._paged: PagedKV | None = None
         self._failed_block_ids: set[int] = set()
@@ -47,14 +54,24 @@ class CacheTierWorker:
         self._report = StoredBlocks()
         self._stats = CacheTierConnectorStats()
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer KV tensors (checked against the layout)."""
-        self._paged = PagedKV(kv_caches, self._layer_names, self._layout)
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], aux: bytes = b"") -> None:
+        """Take vLLM's per-layer KV tensors (checked against the layout).
+
+        Args:
+            kv_caches: the tensors by layer name.
+            aux: what every record's ``aux`` holds: the layers' fp8 scales
+                (``layouts.fp8_scales``), ``b""`` for unscaled KV. A restored record with
+                other side data is refused (recomputed).
+        """
+        self._aux = aux
+        self._paged = PagedKV(kv_caches, self._layer_names, self._arrangement)
         logger.info(
-            "cachetier: %d layers x %d blocks of %d tokens, %.2f MB per block, tiers %s",
+            "cachetier: %d layers x %d blocks of %d tokens on %s (%s), %.2f MB per block, tiers %s",
             len(self._layer_names),
             self._paged.num_blocks,
             self._layout.block_size,
+            self._paged.device,
+            self._arrangement.kind,
             self._layout.block_bytes / 1e6,
             [tier.name for tier in self._store.tiers],
         )
@@ -62,6 +79,11 @@ class CacheTierWorker:
     def load(self, meta: CacheTierConnectorMetadata) -> None:
         """Restore this step's planned blocks into the paged buffers (before the forward)."""
         self._failed_req_ids.clear()
+        paged = self._require_paged()
+        self._store_saved(paged.poll())
+        # These loads and this step's forward may write pages that earlier saves are still
+        # copying out: order them after those copies (on the GPU; the host does not wait).
+        paged.fence()
         for transfer in meta.loads:
             self._load_one(transfer)
 
@@ -74,6 +96,7 @@ class CacheTierWorker:
                 self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
                 continue
             self._save_one(transfer)
+        self._store_saved(self._require_paged().poll())
 
     def take_failed_block_ids(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
@@ -93,7 +116,9 @@ class CacheTierWorker:
         return stats
 
     def close(self) -> None:
-        """Flush queued writes to the lower tiers and close them."""
+        """Finish copies in flight, flush queued writes to the lower tiers and close them."""
+        if self._paged is not None:
+            self._store_saved(self._paged.drain())
         self._store.close()
 
     def _load_one(self, transfer: BlockTransfer) -> None:
@@ -109,7 +134,7 @@ class CacheTierWorker:
             records, sources = [], []
         good: list[KVBlock] = []
         for record, key in zip(records, transfer.keys, strict=False):
-            problem = check_record(record, key, transfer.fingerprint, self._layout)
+            problem = check_record(record, key, transfer.fingerprint, self._layout, self._aux)
             if problem is not None:
                 logger.warning("cachetier: block %s... holds %s", key.hex()[:16], problem)
                 break
@@ -149,36 +174,48 @@ class CacheTierWorker:
 
     def _save_one(self, transfer: BlockTransfer) -> None:
         paged = self._require_paged()
-        start = time.perf_counter()
-        records = [
-            KVBlock(
-                key,
-                transfer.fingerprint,
-                self._layout.dtype,
-                paged.shape,
-                self._layout.block_size,
-                payload_view(payload),
-            )
-            for key, payload in zip(transfer.keys, paged.gather(transfer.block_ids), strict=True)
-        ]
         try:
-            stored = self._store.put_many(transfer.namespace_id, records)
-        except (CacheTierError, OSError) as exc:
+            paged.save(transfer.block_ids, (transfer, time.perf_counter()))
+        except ValueError as exc:
             logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
-            stored = 0
-        # put_many stores in the first tier now and queues the rest; the CPU tier (if first)
-        # is what the scheduler cannot see by itself.
-        if stored == len(records):
-            self._report.stored.setdefault(transfer.namespace_id, []).extend(transfer.keys)
-        self._stats.add(
-            num_saved_blocks=stored,
-            num_save_errors=len(records) - stored,
-            saved_bytes=stored * self._layout.block_bytes,
-            save_s=time.perf_counter() - start,
-        )
-        logger.debug(
-            "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
-        )
+            self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+
+    def _store_saved(self, saved: Sequence[PendingSave]) -> None:
+        """Hand finished copies to the store, and tell the scheduler what is stored."""
+        for pending in saved:
+            transfer, start = pending.tag  # type: ignore[misc]
+            records = [
+                KVBlock(
+                    key,
+                    transfer.fingerprint,
+                    self._layout.dtype,
+                    self._layout.payload_shape,
+                    self._layout.block_size,
+                    payload_view(payload),
+                    self._aux,
+                )
+                for key, payload in zip(transfer.keys, pending.payloads, strict=True)
+            ]
+            try:
+                stored = self._store.put_many(transfer.namespace_id, records)
+            except (CacheTierError, OSError) as exc:
+                logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
+                stored = 0
+            # put_many stores in the first tier now and queues the rest; the CPU tier (if
+            # first) is what the scheduler cannot see by itself.
+            if stored == len(records):
+                self._report.stored.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+            else:
+                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+            self._stats.add(
+                num_saved_blocks=stored,
+                num_save_errors=len(records) - stored,
+                saved_bytes=stored * self._layout.block_bytes,
+                save_s=time.perf_counter() - start,
+            )
+            logger.debug(
+                "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
+            )
 
     def _require_paged(self) -> PagedKV:
         if self._paged is None:

@@ -5,34 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachetier.keys import Namespace, block_keys
+from cachetier.keys import KVLayout, Namespace, block_keys, dtype_name
+from cachetier.kv_format import CANONICAL_ARRANGEMENT
 from cachetier.record import KVBlock
 from connectors.vllm.config import ConnectorConfig, open_store
 from connectors.vllm.launch import kv_transfer_config, serve_flag
-from connectors.vllm.paged import (
-    ARRANGEMENT,
-    PagedKV,
-    check_record,
-    kv_layout,
-    payload_view,
-    record_shape,
-)
+from connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
+from connectors.vllm.paged import PagedKV, check_record, payload_view
 
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 32, 8, 10
 
 
-def _layout(dtype: torch.dtype = torch.float32):
-    return kv_layout(
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_size=HEAD_SIZE,
-    )
+def _layout(dtype: torch.dtype = torch.float32) -> KVLayout:
+    return KVLayout(dtype_name(dtype), BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
+
+
+def _arrangement(kind: str = CPU_VEC, dtype: torch.dtype = torch.float32) -> VllmArrangement:
+    return VllmArrangement(kind, _layout(dtype))
 
 
 def _kv_caches(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    # vLLM-CPU's per-layer shape: [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    # vLLM's per-layer page: [num_blocks, num_kv_heads, block_size, 2 * head_size]
     gen = torch.Generator().manual_seed(seed)
     return {
         f"model.layers.{i}.self_attn.attn": torch.randn(
@@ -42,31 +35,21 @@ def _kv_caches(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, t
     }
 
 
-def test_layout_names_the_vllm_cpu_arrangement() -> None:
-    layout = _layout()
-    assert layout.arrangement == ARRANGEMENT
-    assert record_shape(layout) == (NUM_LAYERS, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
-    assert layout.block_bytes == NUM_LAYERS * NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4
-    other = kv_layout(
-        dtype=torch.float32,
-        block_size=BLOCK_SIZE,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_size=HEAD_SIZE,
-    )
-    assert Namespace("m", layout).fingerprint == Namespace("m", other).fingerprint
-    from cachetier.keys import KVLayout
-
+def test_vllm_blocks_share_the_canonical_namespace() -> None:
+    layout = _arrangement().layout
+    assert layout.arrangement == CANONICAL_ARRANGEMENT
+    assert layout.payload_shape == (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
     engine_layout = KVLayout("float32", BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
-    assert Namespace("m", layout).fingerprint != Namespace("m", engine_layout).fingerprint
+    assert Namespace("m", layout).fingerprint == Namespace("m", engine_layout).fingerprint
 
 
+@pytest.mark.parametrize("kind", [CPU_VEC, CUDA_KV])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_then_write_moves_whole_blocks_of_every_layer(dtype: torch.dtype) -> None:
+def test_gather_then_write_moves_whole_blocks_of_every_layer(kind: str, dtype: torch.dtype) -> None:
     src_caches, dst_caches = _kv_caches(0, dtype), _kv_caches(1, dtype)
     names = list(src_caches)
-    src = PagedKV(src_caches, names, _layout(dtype))
-    dst = PagedKV(dst_caches, names, _layout(dtype))
+    src = PagedKV(src_caches, names, _arrangement(kind, dtype))
+    dst = PagedKV(dst_caches, names, _arrangement(kind, dtype))
     untouched = {name: kv[[0, 5]].clone() for name, kv in dst_caches.items()}
 
     payloads = [payload_view(p) for p in src.gather([7, 2, 9])]
@@ -79,35 +62,39 @@ def test_gather_then_write_moves_whole_blocks_of_every_layer(dtype: torch.dtype)
         assert torch.equal(dst_caches[name][[0, 5]], untouched[name])
 
 
-def test_record_payload_is_layer_head_kv_token_dim() -> None:
+def test_cpu_payload_is_canonical_with_k_transposed_in_the_page() -> None:
     caches = _kv_caches()
     names = list(caches)
-    (payload,) = PagedKV(caches, names, _layout()).gather([6])
+    (payload,) = PagedKV(caches, names, _arrangement(CPU_VEC)).gather([6])
     for layer, name in enumerate(names):
-        # vLLM-CPU reads a block as [heads, 2 * block_size, head_size]: K rows, then V rows.
-        as_read = caches[name][6].view(NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE)
-        keys, values = as_read[:, :BLOCK_SIZE], as_read[:, BLOCK_SIZE:]
-        assert torch.equal(payload[layer, :, 0], keys)
-        assert torch.equal(payload[layer, :, 1], values)
+        # vLLM-CPU reads a block as [heads, 2 * block_size, head_size], K rows then V rows,
+        # and its "vec" kernels keep each head's K as [head_size, block_size].
+        rows = caches[name][6].reshape(NUM_KV_HEADS, 2, BLOCK_SIZE * HEAD_SIZE)
+        keys = rows[:, 0].reshape(NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE).permute(2, 0, 1)
+        values = rows[:, 1].reshape(NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE).permute(1, 0, 2)
+        assert torch.equal(payload[layer, 0], keys)
+        assert torch.equal(payload[layer, 1], values)
+
+
+def test_cuda_payload_is_canonical_from_k_then_v_cells() -> None:
+    caches = _kv_caches()
+    names = list(caches)
+    (payload,) = PagedKV(caches, names, _arrangement(CUDA_KV)).gather([6])
+    for layer, name in enumerate(names):
+        # FlashAttention, FlashInfer and Triton: kv.transpose(1, 2).split(head_size, dim=-1).
+        cells = caches[name][6]  # [heads, block_size, 2 * head_size]
+        assert torch.equal(payload[layer, 0], cells[..., :HEAD_SIZE].transpose(0, 1))
+        assert torch.equal(payload[layer, 1], cells[..., HEAD_SIZE:].transpose(0, 1))
 
 
 def test_paged_kv_rejects_buffers_of_another_layout() -> None:
     caches = _kv_caches()
+    other = VllmArrangement(CPU_VEC, KVLayout("float32", 16, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE))
     with pytest.raises(ValueError, match="expected"):
-        PagedKV(
-            caches,
-            list(caches),
-            kv_layout(
-                dtype=torch.float32,
-                block_size=16,
-                num_layers=NUM_LAYERS,
-                num_kv_heads=NUM_KV_HEADS,
-                head_size=HEAD_SIZE,
-            ),
-        )
+        PagedKV(caches, list(caches), other)
     with pytest.raises(ValueError, match="no KV cache"):
-        PagedKV(caches, [*caches, "model.layers.9.self_attn.attn"], _layout())
-    paged = PagedKV(caches, list(caches), _layout())
+        PagedKV(caches, [*caches, "model.layers.9.self_attn.attn"], _arrangement())
+    paged = PagedKV(caches, list(caches), _arrangement())
     with pytest.raises(ValueError, match="block ids"):
         paged.gather([NUM_BLOCKS])
 
@@ -117,14 +104,20 @@ def test_check_record_names_what_is_wrong() -> None:
     ns = Namespace("m", layout)
     (key, other_key) = block_keys(ns, list(range(2 * BLOCK_SIZE)))
     payload = bytes(layout.block_bytes)
-    good = KVBlock(key, ns.fingerprint, "float32", record_shape(layout), BLOCK_SIZE, payload)
+    good = KVBlock(key, ns.fingerprint, "float32", layout.payload_shape, BLOCK_SIZE, payload)
     assert check_record(good, key, ns.fingerprint, layout) is None
     assert check_record(good, other_key, ns.fingerprint, layout) == "another key"
     assert check_record(good, key, bytes(32), layout) == "another namespace"
     flat = KVBlock(key, ns.fingerprint, "float32", (layout.block_bytes // 4,), BLOCK_SIZE, payload)
     assert "instead of" in check_record(flat, key, ns.fingerprint, layout)
-    short = KVBlock(key, ns.fingerprint, "float32", record_shape(layout), 7, payload)
+    short = KVBlock(key, ns.fingerprint, "float32", layout.payload_shape, 7, payload)
     assert check_record(short, key, ns.fingerprint, layout) == f"7 tokens instead of {BLOCK_SIZE}"
+    # fp8 scales: vLLM has one per layer and cannot apply a block's own.
+    shape = layout.payload_shape
+    scaled = KVBlock(key, ns.fingerprint, "float32", shape, BLOCK_SIZE, payload, b"s")
+    assert "cannot apply" in check_record(scaled, key, ns.fingerprint, layout)
+    assert check_record(scaled, key, ns.fingerprint, layout, b"s") is None
+    assert "other fp8 scales" in check_record(scaled, key, ns.fingerprint, layout, b"t")
 
 
 def test_config_from_extra_config() -> None:
@@ -190,7 +183,7 @@ def test_open_store_stacks_the_configured_tiers(
     ns = Namespace("m", layout)
     (key,) = block_keys(ns, list(range(BLOCK_SIZE)))
     block = KVBlock(
-        key, ns.fingerprint, "float32", record_shape(layout), BLOCK_SIZE, bytes(layout.block_bytes)
+        key, ns.fingerprint, "float32", layout.payload_shape, BLOCK_SIZE, bytes(layout.block_bytes)
     )
     redis_only = ConnectorConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
     with open_store(redis_only, with_cpu=True) as store:

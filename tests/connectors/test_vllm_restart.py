@@ -204,21 +204,12 @@ def stored(
 
 
 def _namespace(model_dir: Path):
-    import torch
-
     from cachetier.fingerprint import model_fingerprint
-    from cachetier.keys import Namespace
-    from connectors.vllm.paged import kv_layout
+    from cachetier.keys import KVLayout, Namespace
     from engine.model_spec import ModelSpec
 
     spec = ModelSpec.from_folder(model_dir)
-    layout = kv_layout(
-        dtype=torch.float32,
-        block_size=BLOCK_SIZE,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_dim,
-    )
+    layout = KVLayout("float32", BLOCK_SIZE, spec.num_layers, spec.num_kv_heads, spec.head_dim)
     return Namespace(model_fingerprint(model_dir), layout, "")
 
 
@@ -291,12 +282,10 @@ def test_tampered_block_on_disk_is_recomputed(
     assert "Recovered from KV load failure" in log, "vLLM did not reschedule the bad blocks"
     assert_same_output(restored, stored["baseline"])
     # The recomputed blocks were saved again, so the tampered records are whole once more.
-    from connectors.vllm.paged import record_shape
-
     layout = _namespace(model_dir).layout
     for index in TAMPERED_BLOCKS:
         record = decode_record(paths[index].read_bytes())
-        assert tuple(record.shape) == record_shape(layout)
+        assert tuple(record.shape) == layout.payload_shape
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
@@ -23,18 +22,17 @@ from vllm.v1.core.sched.output import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-from cachetier.keys import BlockHash, Namespace, block_keys  # noqa: E402
+from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store import TieredStore  # noqa: E402
 from connectors.vllm.config import ConnectorConfig, open_store  # noqa: E402
 from connectors.vllm.metadata import StoredBlocks  # noqa: E402
-from connectors.vllm.paged import kv_layout, record_shape  # noqa: E402
 from connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 BS = 32  # block size
-LAYOUT = kv_layout(dtype=torch.float32, block_size=BS, num_layers=2, num_kv_heads=1, head_size=32)
+LAYOUT = KVLayout("float32", BS, num_layers=2, num_kv_heads=1, head_dim=32)
 FINGERPRINT = "test-model"
 
 
@@ -55,7 +53,7 @@ def _put(store: TieredStore, namespace: Namespace, keys: list[BlockHash]) -> Non
             key,
             namespace.fingerprint,
             LAYOUT.dtype,
-            record_shape(LAYOUT),
+            LAYOUT.payload_shape,
             BS,
             bytes(LAYOUT.block_bytes),
         )
