@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from cachetier.fingerprint import model_fingerprint
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, dtype_name, torch_dtype
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
+from kernels.paged_layouts import PagedBlocks, axes_view
+from kernels.staging import HostStaging
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -179,16 +180,21 @@ class HFCacheConnector:
         if not blocks:
             return _Restored(None, 0, ())
         cache = self._new_cache()
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] -> per layer and K/V
-        # [1, num_kv_heads, num_blocks * block_size, head_dim], as DynamicLayer holds them.
-        rows = np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
-        kv = torch.from_numpy(rows).view(torch_dtype(self.namespace.layout.dtype))
-        kv = kv.view(len(blocks), *self.block_shape).permute(1, 2, 4, 0, 3, 5)
-        num_layers, _, num_kv_heads, _, _, head_dim = kv.shape
-        kv = kv.reshape(num_layers, 2, num_kv_heads, len(blocks) * self.block_size, head_dim)
-        device = self.model.device
-        for layer in range(num_layers):
-            cache.update(kv[layer, 0][None].to(device), kv[layer, 1][None].to(device), layer)
+        # Each layer's K and V as DynamicLayer holds them, [1, num_kv_heads, tokens, head_dim],
+        # filled block by block straight from the tiers' bytes (``kernels.paged_layouts``).
+        layout = self.namespace.layout
+        shape = (1, layout.num_kv_heads, len(blocks) * self.block_size, layout.head_dim)
+        dtype, device = torch_dtype(layout.dtype), self.model.device
+        layers = [
+            (
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
+            )
+            for _ in range(layout.num_layers)
+        ]
+        _staging(layers, self.block_size).load(range(len(blocks)), [b.data for b in blocks])
+        for index, (k, v) in enumerate(layers):
+            cache.update(k, v, index)
         sources = tuple(found.sources[: len(blocks)])
         self.stats.restored_blocks += len(blocks)
         for name in sources:
@@ -255,10 +261,10 @@ class HFCacheConnector:
     def _records(self, cache: DynamicCache, keys: Sequence[BlockHash], start: int) -> list[KVBlock]:
         layout = self.namespace.layout
         bs = layout.block_size
-        begin, end = start * bs, len(keys) * bs
+        end = len(keys) * bs
         if len(cache.layers) != layout.num_layers:
             raise ValueError(f"cache has {len(cache.layers)} layers, the model {layout.num_layers}")
-        per_layer = []
+        layers = []
         for index, layer in enumerate(cache.layers):
             k, v = layer.keys, layer.values  # [batch, num_kv_heads, seq, head_dim]
             expected = (layout.num_kv_heads, layout.head_dim)
@@ -267,17 +273,14 @@ class HFCacheConnector:
                     f"cache layer {index} holds {k.dtype} {tuple(k.shape)}, the layout needs "
                     f"{layout.dtype} [*, {layout.num_kv_heads}, *, {layout.head_dim}]"
                 )
-            per_layer.append(torch.stack([k[0, :, begin:end], v[0, :, begin:end]]))
-        # [num_layers, 2, num_kv_heads, T, head_dim] -> [num_blocks, num_layers, 2, bs, heads, dim]
-        kv = torch.stack(per_layer)
-        num_layers, _, num_kv_heads, _, head_dim = kv.shape
-        kv = kv.view(num_layers, 2, num_kv_heads, len(keys) - start, bs, head_dim)
-        staging = kv.permute(3, 0, 1, 4, 2, 5).contiguous().cpu()
-        rows = staging.view(len(keys) - start, -1).view(torch.uint8).numpy()
+            layers.append((k[:1, :, :end], v[:1, :, :end]))
+        staging = _staging(layers, bs)
+        staging.save(range(start, len(keys)), None)
+        payloads = [p for saved in staging.drain() for p in saved.payloads]
         fp = self.namespace.fingerprint
         return [
-            KVBlock(key, fp, layout.dtype, self.block_shape, bs, memoryview(row).toreadonly())
-            for key, row in zip(keys[start:], rows, strict=True)
+            KVBlock(key, fp, layout.dtype, self.block_shape, bs, _readonly_bytes(payload))
+            for key, payload in zip(keys[start:], payloads, strict=True)
         ]
 
     def generate(self, input_ids: Any, **generate_kwargs: Any) -> tuple[Any, HFGenerateInfo]:
@@ -355,3 +358,18 @@ def _token_list(input_ids: Any) -> list[int]:
     if isinstance(input_ids, str):
         raise TypeError("input_ids must be token ids; tokenize the text first")
     return [int(t) for t in input_ids]
+
+
+def _staging(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> HostStaging:
+    """Block copies between per-layer ``[1, heads, tokens, dim]`` K/V tensors (block ``i`` is
+    tokens ``i * block_size ...``) and canonical payloads."""
+    axes = ("head", "slot", "dim")
+    parts = [
+        [axes_view(k[0], axes, block_size=block_size), axes_view(v[0], axes, block_size=block_size)]
+        for k, v in layers
+    ]
+    return HostStaging(PagedBlocks(parts))
+
+
+def _readonly_bytes(payload: torch.Tensor) -> memoryview:
+    return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()
