@@ -35,6 +35,8 @@ class KVPool:
         budget_bytes: memory for the pool; the number of blocks follows from it.
         dtype: element type name of the pool (``engine.config.POOL_DTYPES``).
         kernel_backend: backend for the gather kernel.
+        device: where the pool lives (any torch device; on CUDA the block copies run as the
+            Triton kernels and reach the host in one copy per batch).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class KVPool:
         budget_bytes: int,
         dtype: str,
         kernel_backend: str = "auto",
+        device: str | torch.device = "cpu",
     ) -> None:
         if dtype not in POOL_DTYPES:
             raise ValueError(f"KV dtype {dtype!r} is not one of {sorted(POOL_DTYPES)}")
@@ -61,12 +64,16 @@ class KVPool:
                 f"{2 * (self.block_bytes + self.aux_bytes)}"
             )
         self.kernel_backend = kernel_backend
-        self.cache = torch.zeros((num_blocks, *self.block_shape), dtype=torch_dtype(dtype))
+        self.cache = torch.zeros(
+            (num_blocks, *self.block_shape), dtype=torch_dtype(dtype), device=device
+        )
         # [num_blocks, num_layers, 2] float32 for fp8 pools (None otherwise); a block's scales
         # are 0 until something is written to it.
         self.scales: torch.Tensor | None = None
         if fp8:
-            self.scales = torch.zeros((num_blocks, spec.num_layers, 2), dtype=torch.float32)
+            self.scales = torch.zeros(
+                (num_blocks, spec.num_layers, 2), dtype=torch.float32, device=device
+            )
         # A byte view of each block row: restores copy tier buffers straight into the pool.
         self._rows = self.cache.view(num_blocks, -1).view(torch.uint8)
         log.info(
@@ -88,13 +95,14 @@ class KVPool:
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of whole blocks, as read-only byte views the caller owns."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.cache.device)
         if self.scales is not None:
             # The kernels take float pools only: copy fp8 blocks as bytes.
-            rows = torch.index_select(self._rows, 0, ids).numpy()
+            staged = torch.index_select(self._rows, 0, ids)
         else:
             staging = gather_blocks(self.cache, ids, backend=self.kernel_backend)
-            rows = staging.view(len(block_ids), -1).view(torch.uint8).numpy()
+            staged = staging.view(len(block_ids), -1).view(torch.uint8)
+        rows = staged.cpu().numpy()  # a no-op on CPU; one device-to-host copy elsewhere
         return [memoryview(row).toreadonly() for row in rows]
 
     def write_blocks(self, block_ids: Sequence[int], buffers: Sequence[object]) -> None:
@@ -106,9 +114,9 @@ class KVPool:
                 rows[block_id] = np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
             return
         staging = torch.stack([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in buffers])
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.cache.device)
         if self.scales is not None:
-            self._rows.index_copy_(0, ids.to(self.cache.device), staging.to(self.cache.device))
+            self._rows.index_copy_(0, ids, staging.to(self.cache.device))
             return
         staging = staging.view(self.cache.dtype).view(len(buffers), *self.block_shape)
         scatter_blocks(staging.to(self.cache.device), self.cache, ids, backend=self.kernel_backend)
