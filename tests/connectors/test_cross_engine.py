@@ -1,0 +1,293 @@
+"""One KV block format for every engine: blocks saved by one engine restore into another.
+
+SmolLM2 in float32, 32-token blocks everywhere, one model fingerprint and tenant, so HF, our
+engine and vLLM-CPU key the same prompt with the same keys. Each engine runs in a fresh process
+(this file is also the script it runs):
+
+1. ``torch-save``: HF stores ``PROMPTS["hf"]`` and our engine ``PROMPTS["engine"]`` in folder A;
+   both also run ``PROMPTS["vllm"]`` cold (their own reference).
+2. ``vllm``: vLLM runs all three prompts cold with the connector on an empty folder B (its
+   reference, and the blocks it stores there), then restarts on folder A and runs the HF and
+   engine prompts, which it must restore.
+3. ``torch-restore``: HF and our engine run ``PROMPTS["vllm"]`` on folder B, restoring vLLM's
+   blocks.
+
+Each pair A->B must restore every full block and give exactly B's own cold greedy tokens; HF
+and vLLM also report logprobs, which must agree with the cold run's within ``LOGPROB_ATOL``.
+Our engine reports no logprobs; for it the tokens are compared, and the records every engine
+wrote for the same key must hold the same KV within ``KV_ATOL`` (a wrong arrangement is off
+by the size of the values themselves, ~20, not by rounding).
+
+Block sizes: the block size is part of the namespace, so engines with different block sizes
+never share keys: a lookup is a clean miss, never a re-chunked block (``test_keys``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 32
+PROMPT_LEN = 4 * BLOCK_SIZE + 5  # 4 full blocks restored; the last 5 tokens are computed
+FULL_BLOCKS = 4
+MAX_TOKENS = 6
+LOGPROB_ATOL = 1e-3
+KV_ATOL = 1e-3
+RUN_TIMEOUT_S = 900
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 48000) for _ in range(PROMPT_LEN)]
+
+
+PROMPTS = {"hf": _prompt(151), "engine": _prompt(152), "vllm": _prompt(153)}
+
+
+# The subprocess side.
+
+
+def _hf_generate(model: Any, prompt: list[int], connector: Any | None) -> dict[str, Any]:
+    import torch
+
+    kwargs = dict(
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    if connector is None:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        cached = 0
+    else:
+        out, info = connector.generate(prompt, **kwargs)
+        cached = info.num_cached_tokens
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        float(torch.log_softmax(score[0].float(), dim=-1)[token])
+        for score, token in zip(out.scores, tokens)
+    ]
+    return {"token_ids": tokens, "logprobs": logprobs, "num_cached_tokens": cached}
+
+
+def _engine_generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    from engine.sampling import SamplingParams
+
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return {"token_ids": list(out.token_ids), "num_cached_tokens": out.num_cached_tokens}
+
+
+def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cachetier.config import StoreConfig, build_store
+    from connectors.hf import HFCacheConnector
+    from engine.llm import LLM
+
+    folder = spec["model"]
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    store_config = StoreConfig(cpu_bytes=0, disk_path=spec["disk"])
+    results: dict[str, Any] = {}
+    store = build_store(store_config)
+    try:
+        hf = HFCacheConnector(model, store, model_folder=folder, block_size=BLOCK_SIZE)
+        for name, prompt in spec["hf"].items():
+            results[f"hf:{name}"] = _hf_generate(model, prompt, hf)
+        for name, prompt in spec["hf_cold"].items():
+            results[f"hf-cold:{name}"] = _hf_generate(model, prompt, None)
+    finally:
+        store.close()
+    engine_args = dict(block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20, max_model_len=512)
+    with LLM(folder, store=store_config, **engine_args) as llm:
+        for name, prompt in spec["engine"].items():
+            results[f"engine:{name}"] = _engine_generate(llm, prompt)
+    with LLM(folder, store=None, **engine_args) as llm:
+        for name, prompt in spec["engine_cold"].items():
+            results[f"engine-cold:{name}"] = _engine_generate(llm, prompt)
+    return results
+
+
+def _run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    from connectors.vllm.launch import kv_transfer_config
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    results: dict[str, Any] = {}
+    for run in spec["runs"]:
+        llm = LLM(
+            model=spec["model"],
+            dtype="float32",
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            max_model_len=512,
+            seed=0,
+            kv_transfer_config=kv_transfer_config({"cpu_bytes": 0, "disk_path": run["disk"]}),
+        )
+        for name, prompt in run["prompts"].items():
+            (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            results[f"vllm-{run['name']}:{name}"] = {
+                "token_ids": tokens,
+                "logprobs": [
+                    float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)
+                ],
+                "num_cached_tokens": output.num_cached_tokens,
+            }
+        del llm
+        gc.collect()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    spec = json.loads(args.spec.read_text())
+    results = _run_vllm(spec) if spec["kind"] == "vllm" else _run_torch(spec)
+    args.out.write_text(json.dumps(results))
+
+
+# The pytest side.
+
+
+def _child(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    from connectors.vllm.launch import vllm_cpu_env
+
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.connectors.test_cross_engine",
+                str(spec_path),
+                str(out_path),
+            ],
+            cwd=ROOT,
+            env=vllm_cpu_env(os.environ, pythonpath=str(ROOT)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=RUN_TIMEOUT_S,
+        )
+    text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
+    workdir = tmp_path_factory.mktemp("cross-engine")
+    from_torch, from_vllm = workdir / "from-torch", workdir / "from-vllm"
+    model = str(smollm2_dir)
+    results: dict[str, Any] = {"folders": {"torch": from_torch, "vllm": from_vllm}}
+    results |= _child(
+        workdir,
+        "torch-save",
+        {
+            "kind": "torch",
+            "model": model,
+            "disk": str(from_torch),
+            "hf": {"hf": PROMPTS["hf"]},
+            "hf_cold": {"vllm": PROMPTS["vllm"]},
+            "engine": {"engine": PROMPTS["engine"]},
+            "engine_cold": {"vllm": PROMPTS["vllm"]},
+        },
+    )
+    results |= _child(
+        workdir,
+        "vllm",
+        {
+            "kind": "vllm",
+            "model": model,
+            "runs": [
+                {"name": "cold", "disk": str(from_vllm), "prompts": PROMPTS},
+                {
+                    "name": "restore",
+                    "disk": str(from_torch),
+                    "prompts": {"hf": PROMPTS["hf"], "engine": PROMPTS["engine"]},
+                },
+            ],
+        },
+    )
+    results |= _child(
+        workdir,
+        "torch-restore",
+        {
+            "kind": "torch",
+            "model": model,
+            "disk": str(from_vllm),
+            "hf": {"vllm": PROMPTS["vllm"]},
+            "hf_cold": {},
+            "engine": {"vllm": PROMPTS["vllm"]},
+            "engine_cold": {},
+        },
+    )
+    return results
+
+
+# (restored run, cold reference) of engine B for each pair A->B.
+PAIRS = {
+    "hf->vllm-cpu": ("vllm-restore:hf", "vllm-cold:hf"),
+    "engine->vllm-cpu": ("vllm-restore:engine", "vllm-cold:engine"),
+    "vllm-cpu->engine": ("engine:vllm", "engine-cold:vllm"),
+    "vllm-cpu->hf": ("hf:vllm", "hf-cold:vllm"),
+}
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_blocks_of_one_engine_restore_into_another(runs: dict[str, Any], pair: str) -> None:
+    restored_name, cold_name = PAIRS[pair]
+    restored, cold = runs[restored_name], runs[cold_name]
+    assert restored["num_cached_tokens"] == FULL_BLOCKS * BLOCK_SIZE, (pair, restored)
+    assert cold["num_cached_tokens"] == 0
+    assert restored["token_ids"] == cold["token_ids"], pair
+    if "logprobs" in cold:
+        for step, (got, want) in enumerate(zip(restored["logprobs"], cold["logprobs"])):
+            assert abs(got - want) <= LOGPROB_ATOL, (pair, step, got, want)
+
+
+def test_every_engine_writes_the_same_kv_for_the_same_key(runs: dict[str, Any]) -> None:
+    import numpy as np
+
+    from cachetier.record import decode_record
+
+    def records(folder: Path) -> dict[bytes, Any]:
+        found = {}
+        for path in folder.rglob("*.ctkv"):
+            record = decode_record(path.read_bytes())
+            found[bytes(record.key)] = record
+        return found
+
+    from_torch, from_vllm = (records(runs["folders"][k]) for k in ("torch", "vllm"))
+    shared = set(from_torch) & set(from_vllm)
+    # HF's and the engine's prompts, 4 blocks each, stored by both sides.
+    assert len(shared) == 2 * FULL_BLOCKS, (len(from_torch), len(from_vllm), len(shared))
+    for key in shared:
+        a, b = from_torch[key], from_vllm[key]
+        assert tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype == "float32"
+        diff = np.abs(np.frombuffer(a.data, "<f4") - np.frombuffer(b.data, "<f4")).max()
+        assert diff <= KV_ATOL, (key.hex()[:12], diff)
+
+
+if __name__ == "__main__":
+    main()
