@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench bench-peers lint clean
+.PHONY: setup demo test test-fast test-gpu bench bench-peers lint clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,13 @@ test: setup
 # Everything but the slow, model, vLLM and fault suites: the inner loop, under 5 minutes.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not model and not vllm and not faults"
+
+# The CUDA paths (adapters through the Triton kernels, pinned staging, a vLLM restart on CUDA)
+# on a GPU machine, in their own .venv-gpu with CUDA builds of torch and vLLM. Where no CUDA
+# device exists every test is skipped, and reported as skipped.
+test-gpu:
+	bash scripts/setup_gpu.sh .venv-gpu
+	TRITON_INTERPRET=0 .venv-gpu/bin/python -m pytest -q -rs -m cuda
 
 bench: setup
 	$(PY) benchmarks/bench_tiers.py --json
