@@ -75,8 +75,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--transfer-unauthenticated-connections",
         type=int,
-        help="transfer connections held before their hello; a new one drops the oldest "
-        "(default 8)",
+        help="transfer connections held before their hello; a new one drops the oldest (default 8)",
     )
     p.add_argument(
         "--open",
