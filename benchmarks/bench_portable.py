@@ -5,7 +5,8 @@ Three figures (issue 15):
 - ``adapter_copy_vs_memcpy``: for each engine arrangement on CPU, gathering 16 random blocks of
   SmolLM2's geometry (30 layers, 3 KV heads, head_dim 64, 32-token blocks; MLA: a 576-wide
   latent) into canonical payloads, against a plain ``copy_`` of the same number of bytes
-  between two contiguous buffers. Interleaved medians; a ratio of 1 is memcpy speed.
+  between two contiguous buffers, both on one core. Interleaved medians; a ratio of 1 is
+  memcpy speed.
   ``adapter_copy_vs_block_copy`` is the same gather against copying the same blocks as they
   lie (no rearranging), the engine-native copy the adapters replace.
 - ``cross_engine_pairs`` / ``cross_engine_pairs_identical``: runs

@@ -144,6 +144,7 @@ class PagedBlocks:
         self.geometry = BlockGeometry(len(layers), planes, block_size, heads, dim)
         # Where each part's planes start inside a layer of the payload.
         self._starts = [sum(plane_counts[:i]) for i in range(len(plane_counts))]
+        self._numpy: list[list[tuple[np.ndarray, tuple[int, ...]]]] | None = None
 
     def gather(
         self, block_ids: torch.Tensor, out: torch.Tensor, *, backend: str = "auto"
@@ -193,7 +194,8 @@ class PagedBlocks:
                 for start, part in zip(self._starts, parts):
                     copy_part_blocks(part, payloads, ids, layer, start, gather=gather)
         elif self.device.type == "cpu":
-            self._copy_numpy(ids.tolist(), payloads, gather=gather)
+            flat = payloads.view(_BITS[self.dtype.itemsize]).numpy()
+            self._copy_numpy(ids.tolist(), list(flat), gather=gather)
         else:
             for layer, parts in enumerate(self.layers):
                 for start, part in zip(self._starts, parts):
@@ -203,23 +205,80 @@ class PagedBlocks:
                     else:
                         part.index_copy_(0, ids, dst)
 
-    def _copy_numpy(self, ids: list[int], payloads: torch.Tensor, *, gather: bool) -> None:
+    def gather_each(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+        """``gather`` into separate payload tensors, one per block (CPU pages only).
+
+        Args:
+            block_ids: block ids, one per payload.
+            outs: contiguous ``payload_shape`` host tensors of this dtype, written.
+        """
+        self._copy_each(block_ids, outs, gather=True)
+
+    def scatter_each(self, block_ids: Sequence[int], payloads: Sequence[torch.Tensor]) -> None:
+        """``scatter`` from separate payload tensors (e.g. views of tier buffers; CPU pages).
+
+        Args:
+            block_ids: distinct block ids, one per payload.
+            payloads: contiguous ``payload_shape`` host tensors of this dtype, only read.
+        """
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("block ids to scatter into must be distinct")
+        self._copy_each(block_ids, payloads, gather=False)
+
+    def _copy_each(
+        self, block_ids: Sequence[int], payloads: Sequence[torch.Tensor], *, gather: bool
+    ) -> None:
+        if self.device.type != "cpu":
+            raise ValueError(f"per-block payloads are for CPU pages; these are on {self.device}")
+        if len(payloads) != len(block_ids):
+            raise ValueError(f"{len(payloads)} payloads for {len(block_ids)} blocks")
+        ids = [int(b) for b in block_ids]
+        if any(not 0 <= b < self.num_blocks for b in ids):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {ids}")
+        shape = self.geometry.payload_shape
+        for payload in payloads:
+            if (
+                payload.dtype != self.dtype
+                or tuple(payload.shape) != shape
+                or not payload.is_contiguous()
+                or payload.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"a payload is {payload.dtype} {tuple(payload.shape)} on "
+                    f"{payload.device}; expected contiguous {self.dtype} {shape} on the host"
+                )
         bits = _BITS[self.dtype.itemsize]
-        flat = payloads.view(bits).numpy()
-        for layer, parts in enumerate(self.layers):
-            for start, part in zip(self._starts, parts):
-                pages = part.view(bits).numpy()
-                # Walk each block in the page's memory order (reads or writes of the page
-                # sequential, the payload side strided): measured faster than payload order.
-                order = tuple(np.argsort([-abs(x) for x in pages.strides[1:]], kind="stable"))
-                stop = start + part.shape[1]
-                for i, block in enumerate(ids):
+        self._copy_numpy(ids, [p.view(bits).numpy() for p in payloads], gather=gather)
+
+    def _copy_numpy(self, ids: list[int], flat: Sequence[np.ndarray], *, gather: bool) -> None:
+        # One thread: spreading layers over cores was measured slower here (the copies are
+        # ~20 us each, and the Python between them holds the GIL).
+        for layer, parts in enumerate(self._numpy_parts()):
+            for start, (pages, order) in zip(self._starts, parts):
+                stop = start + pages.shape[1]
+                for payload, block in zip(flat, ids):
                     page = pages[block].transpose(order)
-                    payload = flat[i, layer, start:stop].transpose(order)
+                    plane = payload[layer, start:stop].transpose(order)
                     if gather:
-                        np.copyto(payload, page)
+                        np.copyto(plane, page)
                     else:
-                        np.copyto(page, payload)
+                        np.copyto(page, plane)
+
+    def _numpy_parts(self) -> list[list[tuple[np.ndarray, tuple[int, ...]]]]:
+        """Each part as a numpy view of its bits, with the order to walk a block in: the
+        page's memory order (page side sequential, payload side strided), measured faster
+        than the payload's. Built once."""
+        if self._numpy is None:
+            bits = _BITS[self.dtype.itemsize]
+            self._numpy = []
+            for parts in self.layers:
+                row = []
+                for part in parts:
+                    pages = part.view(bits).numpy()
+                    strides = [-abs(x) for x in pages.strides[1:]]
+                    row.append((pages, tuple(int(i) for i in np.argsort(strides, kind="stable"))))
+                self._numpy.append(row)
+        return self._numpy
 
     def _check(self, block_ids: torch.Tensor, payloads: torch.Tensor, name: str) -> torch.Tensor:
         check_tensor("block_ids", block_ids, ndim=1, dtypes=(torch.int32, torch.int64))

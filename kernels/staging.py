@@ -74,15 +74,13 @@ class HostStaging:
 
     def save(self, block_ids: Sequence[int], tag: object) -> None:
         """Start copying blocks to the host; ``poll`` returns them when they are there."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
         if not self.cuda:
-            payloads = []
-            for block in ids.split(1):
-                out = torch.empty(1, *self.payload_shape, dtype=self.paged.dtype)
-                self.paged.gather(block, out)
-                payloads.append(out[0])
+            # One allocation per block: a tier that keeps some of them frees the rest.
+            payloads = [torch.empty(self.payload_shape, dtype=self.paged.dtype) for _ in block_ids]
+            self.paged.gather_each(block_ids, payloads)
             self._pending.append(PendingSave(tag, payloads))
             return
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
         for chunk in ids.split(self._blocks_per_buffer):
             self._save_chunk(chunk, tag)
 
@@ -117,12 +115,11 @@ class HostStaging:
         if len(payloads) != len(block_ids):
             raise ValueError(f"{len(payloads)} payloads for {len(block_ids)} blocks")
         sources = [_as_tensor(p, self.paged.dtype, self.payload_shape) for p in payloads]
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
         if not self.cuda:
-            # Straight from the tier's bytes into the pages, block by block.
-            for block, source in zip(ids.split(1), sources):
-                self.paged.scatter(block, source[None])
+            # Straight from the tier's bytes into the pages.
+            self.paged.scatter_each(block_ids, sources)
             return
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
         for start in range(0, len(sources), self._blocks_per_buffer):
             chunk = sources[start : start + self._blocks_per_buffer]
             buffer = self._buffer_for()

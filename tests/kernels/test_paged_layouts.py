@@ -213,6 +213,28 @@ def test_triton_copies_what_torch_copies(case: Case, gen: torch.Generator) -> No
     assert any(not torch.equal(t, r) for t, r in zip(tensors, reference))
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_per_block_payloads_copy_what_batches_copy(case: Case, gen: torch.Generator) -> None:
+    paged, put, tensors = _paged(case)
+    blocks = _blocks(case, NB, gen)
+    for b in range(NB):
+        put(b, blocks[b])
+    outs = [torch.empty(paged.geometry.payload_shape) for _ in range(3)]
+    paged.gather_each([5, 0, 5], outs)
+    for out, b in zip(outs, (5, 0, 5)):
+        torch.testing.assert_close(out, blocks[b], rtol=0, atol=0)
+    paged.scatter_each([1, 2], [outs[0], outs[1]])
+    check = torch.empty(2, *paged.geometry.payload_shape)
+    paged.gather(torch.tensor([1, 2]), check)
+    torch.testing.assert_close(check, blocks[[5, 0]], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="distinct"):
+        paged.scatter_each([1, 1], [outs[0], outs[1]])
+    with pytest.raises(ValueError, match="block ids"):
+        paged.gather_each([NB], [outs[0]])
+    with pytest.raises(ValueError, match="expected contiguous"):
+        paged.gather_each([0], [torch.empty(3)])
+
+
 def test_axes_view_shares_memory_and_refuses_bad_axes() -> None:
     pool = torch.zeros(NB, L, 2, BS, H, D)
     axes = ("block", "layer", "kv", "token", "head", "dim")
