@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit, interleaved_medians  # noqa: E402
 from cachetier.keys import KVLayout  # noqa: E402
+from connectors.sglang.layouts import host_pool_parts  # noqa: E402
 from connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, VllmArrangement  # noqa: E402
 from kernels import gather_blocks  # noqa: E402
 from kernels.paged_layouts import PagedBlocks, axes_view  # noqa: E402
@@ -100,20 +101,13 @@ def layouts() -> dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], object],
     )
     pages = _vllm_pages(mla_spec, "LBHNC")
     add("vllm-mla", [mla.parts(p) for p in pages], pages)
-    first = torch.randn(2, L, NUM_BLOCKS * BS, H, D)
-    axes = ("kv", "layer", "slot", "head", "dim")
-    add(
-        "sglang-layer-first",
-        [[axes_view(first, axes, block_size=BS, layer=i)] for i in range(L)],
-        [first],
-    )
-    page_first = torch.randn(2, NUM_BLOCKS * BS, L, H, D)
-    axes = ("kv", "slot", "layer", "head", "dim")
-    add(
-        "sglang-page-first",
-        [[axes_view(page_first, axes, block_size=BS, layer=i)] for i in range(L)],
-        [page_first],
-    )
+    for sglang_layout, shape in (
+        ("layer_first", (2, L, NUM_BLOCKS * BS, H, D)),
+        ("page_first", (2, NUM_BLOCKS * BS, L, H, D)),
+    ):
+        buffer = torch.randn(shape)
+        name = "sglang-" + sglang_layout.replace("_", "-")
+        add(name, host_pool_parts(buffer, sglang_layout, BS), [buffer])
     hf = [
         (torch.randn(1, H, NUM_BLOCKS * BS, D), torch.randn(1, H, NUM_BLOCKS * BS, D))
         for _ in range(L)

@@ -90,30 +90,16 @@ def _mla():
     return layers, ("block", "token", "dim"), put
 
 
-def _sglang(kind: str):
-    if kind == "layer_first":
-        buf = torch.zeros(2, L, NB * BS, H, D)
-        axes = ("kv", "layer", "slot", "head", "dim")
-    elif kind == "page_first":
-        buf = torch.zeros(2, NB * BS, L, H, D)
-        axes = ("kv", "slot", "layer", "head", "dim")
-    else:
-        buf = torch.zeros(2, NB, L, BS, H, D)
-        axes = ("kv", "block", "layer", "token", "head", "dim")
+def _token_slots():
+    # A pool indexed by token slot (block * BS + token), layers inside: [2, slots, L, H, D].
+    buf = torch.zeros(2, NB * BS, L, H, D)
 
     def put(b, block):
         for layer in range(L):
             for kv in range(2):
-                for t in range(BS):
-                    slot = b * BS + t
-                    if kind == "layer_first":
-                        buf[kv, layer, slot] = block[layer, kv, t]
-                    elif kind == "page_first":
-                        buf[kv, slot, layer] = block[layer, kv, t]
-                    else:
-                        buf[kv, b, layer, t] = block[layer, kv, t]
+                buf[kv, b * BS : (b + 1) * BS, layer] = block[layer, kv]
 
-    return [buf], axes, put
+    return [buf], ("kv", "slot", "layer", "head", "dim"), put
 
 
 CASES = [
@@ -123,9 +109,7 @@ CASES = [
     Case("flash-hnd", 2, H, lambda: _flash(True)),
     Case("flashinfer", 2, H, _flashinfer),
     Case("mla", 1, 1, _mla),
-    Case("sglang-layer-first", 2, H, lambda: _sglang("layer_first")),
-    Case("sglang-page-first", 2, H, lambda: _sglang("page_first")),
-    Case("sglang-page-first-direct", 2, H, lambda: _sglang("page_first_direct")),
+    Case("token-slots", 2, H, _token_slots),
 ]
 
 

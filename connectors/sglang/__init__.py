@@ -1,0 +1,1 @@
+"""cachetier for SGLang: its host KV pool's layouts as canonical blocks."""
