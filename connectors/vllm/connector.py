@@ -53,7 +53,7 @@ logger = init_logger("vllm.cachetier.connector")
 
 
 class CacheTierConnector(KVConnectorBase_V1):
-    """Persistent prefix KV in cachetier's tiers, for vLLM on CPU (see the module docstring).
+    """Persistent prefix KV in cachetier's tiers, for vLLM on CPU or CUDA (module docstring).
 
     Args:
         vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``

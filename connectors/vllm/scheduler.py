@@ -2,7 +2,7 @@
 of whole-block loads and saves the worker carries out each step.
 
 A request's blocks are keyed with ``cachetier.keys.block_keys`` over its token ids in a
-``Namespace(model fingerprint, vLLM-CPU layout, tenant + cache salt)``; block ``i`` of the
+``Namespace(model fingerprint, canonical layout, tenant + cache salt)``; block ``i`` of the
 request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel together.
 
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
@@ -94,7 +94,7 @@ class CacheTierScheduler:
     Args:
         store: the shared tiers (disk, Redis) to look blocks up in; ``None`` if the worker's CPU
             tier is the only tier.
-        layout: the layout of a vLLM-CPU block for this model.
+        layout: the (canonical) layout of a block of this model.
         model_fingerprint: identity of the weights.
         tenant: tenant name; a request's cache salt is added to it.
         cpu_index_blocks: capacity of the worker's CPU tier in blocks (0 if it has none).

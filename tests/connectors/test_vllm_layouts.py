@@ -174,3 +174,26 @@ def test_native_pages_round_trip_whole() -> None:
     paged.write([0], [payload.numpy().tobytes()])
     for page in pages.values():
         assert torch.equal(page[0], page[4])
+
+
+def test_fp8_records_carry_the_layers_scales() -> None:
+    """vLLM keeps one K and one V scale per attention layer; every record carries them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cachetier.keys import KVLayout
+    from connectors.vllm.layouts import fp8_scales
+
+    names = ["a", "b"]
+    layers = {
+        "a": SimpleNamespace(_k_scale_float=0.5, _v_scale_float=2.0),
+        "b": SimpleNamespace(_k_scale_float=1.0, _v_scale_float=0.25),
+    }
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
+    fp8 = KVLayout("float8_e4m3fn", 32, 2, 1, 64)
+    scales = np.frombuffer(fp8_scales(config, names, fp8), "<f4").reshape(2, 2)
+    assert scales.tolist() == [[0.5, 2.0], [1.0, 0.25]]
+    mla = KVLayout("float8_e4m3fn", 32, 2, 1, 64, arrangement=MLA_ARRANGEMENT)
+    assert np.frombuffer(fp8_scales(config, names, mla), "<f4").tolist() == [0.5, 1.0]
+    assert fp8_scales(config, names, KVLayout("float32", 32, 2, 1, 64)) == b""
