@@ -5,11 +5,13 @@ A support module (not a test module): test modules import it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -59,3 +61,32 @@ def run_python_at_once(
     for child, (_, err) in zip(children, outputs, strict=True):
         assert child.returncode == 0, err
     return [out.strip().splitlines()[-1] for out, _ in outputs]
+
+
+def run_spec_module(
+    module: str, spec: dict[str, Any], workdir: Path, name: str, *, timeout: float = 900
+) -> tuple[Any, str]:
+    """Run ``python -m module SPEC OUT`` in vLLM-CPU's child environment, with ``spec`` as JSON.
+
+    Its output (stdout and stderr) goes to ``<workdir>/<name>.log``; it must exit 0.
+
+    Returns:
+        What it wrote to ``OUT`` (JSON), and its log.
+    """
+    from connectors.vllm.launch import vllm_cpu_env
+
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, str(spec_path), str(out_path)],
+            cwd=REPO_ROOT,
+            env=vllm_cpu_env(os.environ, pythonpath=str(REPO_ROOT)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
+    return json.loads(out_path.read_text()), text

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.children import run_spec_module
+
 BLOCK_SIZE = 32
 PROMPT_LEN = 4 * BLOCK_SIZE + 5  # 4 full blocks restored; the last 5 tokens are computed
 FULL_BLOCKS = 4
@@ -169,29 +167,10 @@ def main() -> None:
 
 
 def _child(workdir: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    from connectors.vllm.launch import vllm_cpu_env
-
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-    log_path = workdir / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.connectors.test_cross_engine",
-                str(spec_path),
-                str(out_path),
-            ],
-            cwd=ROOT,
-            env=vllm_cpu_env(os.environ, pythonpath=str(ROOT)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=RUN_TIMEOUT_S,
-        )
-    text = log_path.read_text(errors="replace")
-    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
-    return json.loads(out_path.read_text())
+    results, _ = run_spec_module(
+        "tests.connectors.test_cross_engine", spec, workdir, name, timeout=RUN_TIMEOUT_S
+    )
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.children import run_spec_module
 from tests.support import own_redis_prefix
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
 PROMPT_LEN = 1100  # 34 full blocks; vLLM computes the last 12 tokens itself
 MAX_TOKENS = 6
@@ -110,31 +107,10 @@ class EngineProcess:
         self.workdir = workdir
 
     def run(self, name: str, model: Path, runs: list[dict[str, Any]]) -> tuple[list[dict], str]:
-        spec_path = self.workdir / f"{name}.spec.json"
-        out_path = self.workdir / f"{name}.out.json"
-        log_path = self.workdir / f"{name}.log"
-        spec_path.write_text(json.dumps({"model": str(model), "prompt": _prompt(), "runs": runs}))
-        from connectors.vllm.launch import vllm_cpu_env
-
-        env = vllm_cpu_env(os.environ, pythonpath=str(ROOT))
-        with open(log_path, "w") as log:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.connectors.test_vllm_restart",
-                    str(spec_path),
-                    str(out_path),
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=RUN_TIMEOUT_S,
-            )
-        text = log_path.read_text(errors="replace")
-        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
-        return json.loads(out_path.read_text()), text
+        spec = {"model": str(model), "prompt": _prompt(), "runs": runs}
+        return run_spec_module(
+            "tests.connectors.test_vllm_restart", spec, self.workdir, name, timeout=RUN_TIMEOUT_S
+        )
 
 
 def _load_lines(log: str) -> list[str]:
