@@ -28,7 +28,7 @@ from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, dtype_nam
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from kernels.paged_layouts import PagedBlocks, axes_view
-from kernels.staging import HostStaging
+from kernels.staging import HostStaging, payload_view
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -279,7 +279,7 @@ class HFCacheConnector:
         payloads = [p for saved in staging.drain() for p in saved.payloads]
         fp = self.namespace.fingerprint
         return [
-            KVBlock(key, fp, layout.dtype, self.block_shape, bs, _readonly_bytes(payload))
+            KVBlock(key, fp, layout.dtype, self.block_shape, bs, payload_view(payload))
             for key, payload in zip(keys[start:], payloads, strict=True)
         ]
 
@@ -369,7 +369,3 @@ def _staging(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: in
         for k, v in layers
     ]
     return HostStaging(PagedBlocks(parts))
-
-
-def _readonly_bytes(payload: torch.Tensor) -> memoryview:
-    return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()

@@ -173,6 +173,21 @@ class HostStaging:
                 self._ready.extend(self.poll())
 
 
+def payload_view(payload: torch.Tensor) -> memoryview:
+    """A read-only byte view of one saved host payload (no copy), for a record.
+
+    The view keeps the tensor alive; nothing writes to it afterwards, which is what lets a CPU
+    tier keep the view without copying it.
+
+    Args:
+        payload: one block of every layer, contiguous, on the host.
+
+    Returns:
+        Its bytes.
+    """
+    return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()
+
+
 def _as_tensor(payload: object, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
         return payload.reshape(shape)

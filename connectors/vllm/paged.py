@@ -96,21 +96,6 @@ class PagedKV:
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {bad}")
 
 
-def payload_view(payload: torch.Tensor) -> memoryview:
-    """A read-only byte view of one of ``gather``'s tensors (no copy).
-
-    The view keeps the tensor alive; nothing writes to it afterwards, which is what lets a CPU
-    tier keep the view without copying it.
-
-    Args:
-        payload: one block of every layer, contiguous.
-
-    Returns:
-        Its bytes.
-    """
-    return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()
-
-
 def check_record(
     record: KVBlock, key: bytes, fingerprint: bytes, layout: KVLayout, aux: bytes = b""
 ) -> str | None:

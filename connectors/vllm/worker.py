@@ -24,9 +24,9 @@ from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from connectors.vllm.layouts import VllmArrangement
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
-from connectors.vllm.paged import PagedKV, check_record, payload_view
+from connectors.vllm.paged import PagedKV, check_record
 from connectors.vllm.stats import CacheTierConnectorStats
-from kernels.staging import PendingSave
+from kernels.staging import PendingSave, payload_view
 
 logger = init_logger("vllm.cachetier.worker")
 

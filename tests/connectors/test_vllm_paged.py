@@ -11,7 +11,8 @@ from cachetier.record import KVBlock
 from connectors.vllm.config import ConnectorConfig, open_store
 from connectors.vllm.launch import kv_transfer_config, serve_flag
 from connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
-from connectors.vllm.paged import PagedKV, check_record, payload_view
+from connectors.vllm.paged import PagedKV, check_record
+from kernels.staging import payload_view
 
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 32, 8, 10
 
