@@ -17,7 +17,6 @@ they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or two.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from cachetier.fingerprint import model_fingerprint
-from connectors.vllm.config import ConnectorConfig, open_store
+from connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
 from connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from connectors.vllm.metadata import CacheTierConnectorMetadata
 from connectors.vllm.scheduler import CacheTierScheduler
@@ -255,20 +253,7 @@ def _arrangement_of(
 
 def _model_fingerprint(vllm_config: VllmConfig) -> str:
     """Fingerprint of the weights vLLM loads (hashed once, then cached in the folder)."""
-    model = vllm_config.model_config.model
-    folder = Path(model)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(
-                snapshot_download(
-                    model, revision=vllm_config.model_config.revision, local_files_only=True
-                )
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to hash
-            raise ValueError(
-                f"cannot find a local folder for model {model!r} to fingerprint ({exc}); "
-                "pass kv_connector_extra_config['model_fingerprint']"
-            ) from None
-    return model_fingerprint(folder)
+    model_config = vllm_config.model_config
+    return model_folder_fingerprint(
+        model_config.model, model_config.revision, key="kv_connector_extra_config"
+    )

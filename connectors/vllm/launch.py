@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from connectors.vllm.config import ConnectorConfig
+from connectors.config import ConnectorConfig
 
 CONNECTOR_NAME = "CacheTierConnector"
 CONNECTOR_MODULE = "connectors.vllm.connector"

@@ -22,9 +22,10 @@ from vllm.logger import init_logger
 from cachetier.errors import CacheTierError
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
+from connectors.records import check_record
 from connectors.vllm.layouts import VllmArrangement
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
-from connectors.vllm.paged import PagedKV, check_record
+from connectors.vllm.paged import PagedKV
 from connectors.vllm.stats import CacheTierConnectorStats
 from kernels.staging import PendingSave, payload_view
 

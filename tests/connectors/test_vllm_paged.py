@@ -8,10 +8,11 @@ import torch
 from cachetier.keys import KVLayout, Namespace, block_keys, dtype_name
 from cachetier.kv_format import CANONICAL_ARRANGEMENT
 from cachetier.record import KVBlock
-from connectors.vllm.config import ConnectorConfig, open_store
+from connectors.config import ConnectorConfig, open_store
+from connectors.records import check_record
 from connectors.vllm.launch import kv_transfer_config, serve_flag
 from connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
-from connectors.vllm.paged import PagedKV, check_record
+from connectors.vllm.paged import PagedKV
 from kernels.staging import payload_view
 
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 32, 8, 10

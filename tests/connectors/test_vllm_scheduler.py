@@ -25,7 +25,7 @@ from vllm.v1.request import Request  # noqa: E402
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store import TieredStore  # noqa: E402
-from connectors.vllm.config import ConnectorConfig, open_store  # noqa: E402
+from connectors.config import ConnectorConfig, open_store  # noqa: E402
 from connectors.vllm.metadata import StoredBlocks  # noqa: E402
 from connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 

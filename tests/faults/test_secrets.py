@@ -29,7 +29,7 @@ from cachetier.server.config import load_config
 from cachetier.tiers.redis import RedisTier, RedisTierConfig, make_client, parse_cluster_url
 from cachetier.tiers.redis.resp import Endpoint, RespConnection
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from connectors.vllm.config import ConnectorConfig
+from connectors.config import ConnectorConfig
 from tests.server.live import ROOT, call, wait_healthy
 from tests.support import PrivateRedis, end_process, free_port, make_blocks, spawn_serve
 

@@ -18,7 +18,7 @@ from cachetier.keys import Namespace
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, batch_parts
 from cachetier.record import encode_parts
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from connectors.vllm.config import ConnectorConfig
+from connectors.config import ConnectorConfig
 from tests.server.batches import read_batch
 from tests.server.live import TOKENS, ThreadServer, call
 from tests.support import free_port, make_blocks

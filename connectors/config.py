@@ -1,6 +1,8 @@
-"""The connector's settings, read from vLLM's ``kv_connector_extra_config``, and its stores.
+"""A connector's settings, read from its engine's extra config, and its stores.
 
-No vLLM import here: the config is plain data, checked in ``__post_init__``.
+One config for every plugin point: vLLM's ``kv_connector_extra_config``, SGLang's
+``--hicache-storage-backend-extra-config`` and LMCache's ``extra_config``. No engine import
+here: the config is plain data, checked in ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -8,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cachetier.config import StoreConfig, build_store
+from cachetier.fingerprint import model_fingerprint
 from cachetier.redact import redacted_repr
 from cachetier.store import TieredStore
 
@@ -20,7 +24,7 @@ _REDIS_PREFIX_DEFAULT = "cachetier"
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """What ``kv_connector_extra_config`` may set.
+    """What an engine's extra config may set for its cachetier plugin.
 
     Args:
         cpu_bytes: capacity of the worker's in-process CPU tier; 0 leaves it out.
@@ -36,8 +40,8 @@ class ConnectorConfig:
         tenant: tenant name; engines of different tenants never share blocks. A request's
             ``cache_salt`` is appended to it.
         compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
-        model_fingerprint: identity of the weights; ``None`` hashes vLLM's model folder
-            (``cachetier.fingerprint.model_fingerprint``).
+        model_fingerprint: identity of the weights; ``None`` hashes the engine's model folder
+            (``model_folder_fingerprint``).
         fsync: fsync disk records before they are renamed into place.
         write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
             are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
@@ -79,11 +83,14 @@ class ConnectorConfig:
         return redacted_repr(self)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Build the config from vLLM's ``kv_connector_extra_config``.
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, *, source: str = "kv_connector_extra_config"
+    ) -> ConnectorConfig:
+        """Build the config from an engine's extra config.
 
         Args:
-            extra: the dict given to vLLM (``None`` for all defaults).
+            extra: the dict given to the engine (``None`` for all defaults).
+            source: what the engine calls that dict, for error messages.
 
         Returns:
             The config.
@@ -95,9 +102,7 @@ class ConnectorConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
-            )
+            raise ValueError(f"unknown {source} keys {unknown}; known: {sorted(known)}")
         for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks"):
             if name in extra:
                 extra[name] = _as_int(name, extra[name])
@@ -144,6 +149,35 @@ def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
         The store; the caller closes it.
     """
     return build_store(config.store_config(with_cpu=with_cpu))
+
+
+def model_folder_fingerprint(model: str, revision: str | None = None, *, key: str) -> str:
+    """Fingerprint of the weights an engine loads as ``model`` (hashed once, then cached).
+
+    Args:
+        model: a local folder, or a Hugging Face model id already in the local cache (nothing
+            is downloaded).
+        revision: the model's revision, for a model id.
+        key: where the user would pass ``model_fingerprint`` instead, for the error message.
+
+    Returns:
+        ``cachetier.fingerprint.model_fingerprint`` of that folder.
+
+    Raises:
+        ValueError: no local folder holds the model.
+    """
+    folder = Path(model)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to hash
+            raise ValueError(
+                f"cannot find a local folder for model {model!r} to fingerprint ({exc}); "
+                f"pass {key}['model_fingerprint']"
+            ) from None
+    return model_fingerprint(folder)
 
 
 def _as_int(name: str, value: object) -> int:
