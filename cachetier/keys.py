@@ -36,6 +36,7 @@ HASH_BYTES = 32
 # would parse to a shorter key.
 _HEX_KEY = re.compile(rf"[0-9a-fA-F]{{{2 * HASH_BYTES}}}")
 _NAMESPACE_DOMAIN = b"cachetier/namespace/v1\0"
+_FOREIGN_DOMAIN = b"cachetier/foreign-key/v1\0"
 
 # Element sizes of the KV dtypes a layout may name (bytes). Each name is torch's own
 # (``torch.<name>``), so ``torch_dtype`` and ``dtype_name`` need no second table.
@@ -266,6 +267,31 @@ def block_keys(
             prev = sha256(prev + data[start : start + step] + extra_keys[i]).digest()
             append(BlockHash(prev))
     return keys
+
+
+def foreign_key(namespace: Namespace, engine: str, key: str | bytes) -> BlockHash:
+    """Key of a block that an engine names by a hash of its own (SGLang's page hash, LMCache's
+    chunk hash), filed under ``namespace``.
+
+    The engine's hash already chains the tokens before the block; hashing it again with the
+    namespace fingerprint keeps two models, layouts or tenants apart even when the engine
+    names their blocks alike (SGLang's page hash does not include the model).
+
+    Args:
+        namespace: model, layout and tenant of the block.
+        engine: the engine's name (``"sglang"``, ``"lmcache"``): each names blocks its own way.
+        key: the engine's name for the block.
+
+    Returns:
+        The block's 32-byte key.
+    """
+    if not engine or "\0" in engine:
+        raise ValueError(f"engine must be a non-empty name without NUL, got {engine!r}")
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if not raw:
+        raise ValueError("an engine's block key must not be empty")
+    head = _FOREIGN_DOMAIN + engine.encode() + b"\0" + namespace.fingerprint
+    return BlockHash(hashlib.sha256(head + raw).digest())
 
 
 def num_leading_hits(

@@ -114,7 +114,7 @@ class HostStaging:
         """Copy tier payloads (bytes-like, canonical, one per block) into the pages."""
         if len(payloads) != len(block_ids):
             raise ValueError(f"{len(payloads)} payloads for {len(block_ids)} blocks")
-        sources = [_as_tensor(p, self.paged.dtype, self.payload_shape) for p in payloads]
+        sources = [payload_tensor(p, self.paged.dtype, self.payload_shape) for p in payloads]
         if not self.cuda:
             # Straight from the tier's bytes into the pages.
             self.paged.scatter_each(block_ids, sources)
@@ -188,7 +188,21 @@ def payload_view(payload: torch.Tensor) -> memoryview:
     return memoryview(payload.view(torch.uint8).reshape(-1).numpy()).toreadonly()
 
 
-def _as_tensor(payload: object, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def payload_tensor(payload: object, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tier's payload bytes (or a tensor) as a host tensor of ``shape``, without a copy.
+
+    Args:
+        payload: a tensor, or a bytes-like record payload (read-only views are fine: the
+            tensor is only read).
+        dtype: the element type.
+        shape: the payload's shape.
+
+    Returns:
+        A tensor over the same memory.
+
+    Raises:
+        ValueError: the payload's size is not that of ``shape``.
+    """
     if isinstance(payload, torch.Tensor):
         return payload.reshape(shape)
     view = memoryview(payload)  # type: ignore[arg-type]

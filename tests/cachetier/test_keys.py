@@ -14,6 +14,7 @@ from cachetier.keys import (
     Namespace,
     block_keys,
     dtype_name,
+    foreign_key,
     hash_block,
     num_leading_hits,
     parse_key,
@@ -165,3 +166,19 @@ def test_dtype_names_refuse_what_no_layout_holds() -> None:
         torch_dtype("float64")
     with pytest.raises(ValueError, match="torch.float64"):
         dtype_name(torch.float64)
+
+
+def test_foreign_keys_are_scoped_by_namespace_and_engine() -> None:
+    page = "ab" * 32  # an engine's own name for a block (SGLang: its page hash)
+    key = foreign_key(NS, "sglang", page)
+    assert len(key) == 32 and key == foreign_key(NS, "sglang", page.encode())
+    others = {
+        foreign_key(Namespace("model-b", LAYOUT), "sglang", page),
+        foreign_key(Namespace("model-a", LAYOUT, tenant="acme"), "sglang", page),
+        foreign_key(NS, "lmcache", page),
+        foreign_key(NS, "sglang", page[:-1] + "c"),
+    }
+    assert key not in others and len(others) == 4
+    for engine, name in (("", page), ("a\0b", page), ("sglang", "")):
+        with pytest.raises(ValueError):
+            foreign_key(NS, engine, name)
