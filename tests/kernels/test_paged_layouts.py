@@ -266,3 +266,29 @@ def test_copies_refuse_wrong_ids_shapes_and_dtypes() -> None:
         PagedBlocks([[torch.zeros(NB, 2, BS, H, D)], [torch.zeros(NB, 2, BS, H, D + 1)]])
     with pytest.raises(ValueError, match="other planes"):
         PagedBlocks([[torch.zeros(NB, 1, BS, H, D)] * 2, [torch.zeros(NB, 2, BS, H, D)]])
+
+
+def test_first_copies_from_many_threads_see_every_layer() -> None:
+    """The host copy plan is built lazily by whichever thread copies first; threads that
+    copy meanwhile (SGLang's prefetch threads) must still copy every layer."""
+    import threading
+
+    layers, blocks = 24, 8
+    pages = [torch.randn(blocks, 2, 4, 2, 8) for _ in range(layers)]  # separate tensors
+    want = torch.stack([torch.stack([p[b] for p in pages]) for b in range(blocks)])
+    for _ in range(20):
+        paged = PagedBlocks([[p] for p in pages])
+        outs = [torch.zeros(paged.geometry.payload_shape) for _ in range(blocks)]
+        barrier = threading.Barrier(blocks)
+
+        def copy(block: int, paged: PagedBlocks = paged, outs: list = outs) -> None:
+            barrier.wait()
+            paged.gather_each([block], [outs[block]])
+
+        threads = [threading.Thread(target=copy, args=(b,)) for b in range(blocks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for block in range(blocks):
+            assert torch.equal(outs[block], want[block]), f"block {block} lost layers"
