@@ -259,6 +259,17 @@ class TieredStore(Tier):
         found, _ = self._fetch(namespace, keys, None, None)
         return found
 
+    def get_into(
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+    ) -> list[KVBlock | None]:
+        # Each tier asked for what the faster ones missed, reading straight into ``dests``
+        # where it can (no lookup first: a get of blocks the caller expects pays no stats).
+        check_namespace(namespace)
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
+        found, _ = self._fetch(namespace, keys, None, dests)
+        return found
+
     def _fetch(
         self,
         namespace: str,
