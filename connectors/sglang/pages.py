@@ -123,8 +123,13 @@ class HostPoolPages:
         """Copy canonical payloads into these (distinct) pages."""
         self.paged.scatter_each(page_ids, payloads)
 
-    def flat_page(self, flat: torch.Tensor) -> PagedBlocks:
-        """One flat page in the pool's layout (``get_data_page``) as a one-block view."""
+    def page_tensor(self, flat: torch.Tensor) -> torch.Tensor:
+        """One flat page in the pool's layout (``get_data_page``) as a canonical payload view
+        ``[layers, planes, tokens, heads, head_dim]`` of its memory (no copy).
+
+        Raises:
+            ValueError: a tensor that is not one contiguous host page of this pool.
+        """
         geometry = self.paged.geometry
         shape = page_shape(
             self.layout,
@@ -144,5 +149,13 @@ class HostPoolPages:
                 f"a page is {flat.numel()} {flat.dtype} elements on {flat.device}; this pool's "
                 f"pages are {torch.Size(shape).numel()} contiguous {self.paged.dtype} on the host"
             )
-        parts = host_pool_parts(flat.view(shape), self.layout, self.page_size, mla=self.mla)
-        return PagedBlocks(parts)
+        # One page is the pool's layout with one page in it: a slot axis is the page's tokens.
+        axes = ["token" if a == "slot" else a for a in pool_axes(self.layout, mla=self.mla)]
+        view = flat.view(shape)
+        if "block" in axes:
+            view = view.squeeze(axes.index("block"))
+            axes.remove("block")
+        if "kv" not in axes:  # MLA: one plane
+            view = view.unsqueeze(0)
+            axes.insert(0, "kv")
+        return view.permute(*(axes.index(a) for a in ("layer", "kv", "token", "head", "dim")))

@@ -35,7 +35,8 @@ API carries only extra pools (Mamba, SWA, sparse indexers), which this backend d
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, Namespace, foreign_key
+from cachetier.parallel import map_in_threads
 from cachetier.record import KVBlock
 from connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
 from connectors.records import check_record
@@ -89,6 +91,7 @@ class CacheTierStorage(HiCacheStorage):
         self.store = open_store(self.config, with_cpu=True)
         self.pages: HostPoolPages | None = None
         self.namespace: Namespace | None = None
+        self._scratch = _Scratch()
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Read the host pool's layout; the namespace's layout comes from it."""
@@ -121,13 +124,13 @@ class CacheTierStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read pages into the host pool at ``host_indices``; per key, whether it was read."""
+        """Read pages into the host pool at ``host_indices``; per key, whether it was read.
+
+        Only the leading run of stored pages is read (SGLang uses no page after a miss)."""
         _, pages = self._ready()
         page_ids = pages.page_ids(host_indices, len(keys))
-        payloads = self._fetch(keys)
-        hits = [i for i, payload in enumerate(payloads) if payload is not None]
-        pages.load([page_ids[i] for i in hits], [payloads[i] for i in hits])  # type: ignore[misc]
-        return [payload is not None for payload in payloads]
+        found = self._read(keys, lambda at, got: pages.load([page_ids[at]], [got]))
+        return [i < found for i in range(len(keys))]
 
     def batch_set_v1(
         self,
@@ -156,18 +159,17 @@ class CacheTierStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """Pages into the flat page tensors ``target_locations``; ``None`` for a miss."""
+        """Pages into the flat page tensors ``target_locations``; ``None`` from the first miss
+        on."""
         _, pages = self._ready()
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError("batch_get needs one target flat page per key")
-        out: list[torch.Tensor | None] = []
-        for payload, target in zip(self._fetch(keys), target_locations):
-            if payload is None:
-                out.append(None)
-                continue
-            pages.flat_page(target).scatter_each([0], [payload])
-            out.append(target)
-        return out
+        targets = list(target_locations)
+        for target in targets:
+            pages.page_tensor(target)  # raises before any read for a target of the wrong size
+
+        found = self._read(keys, lambda at, got: pages.page_tensor(targets[at]).copy_(got))
+        return [target if i < found else None for i, target in enumerate(targets)]
 
     def set(
         self,
@@ -192,11 +194,7 @@ class CacheTierStorage(HiCacheStorage):
             raise ValueError("batch_set needs one flat page per key")
         if not self.is_writer:
             return True
-        payloads = []
-        for value in values:
-            payload = torch.empty(pages.payload_shape, dtype=pages.paged.dtype)
-            pages.flat_page(value).gather_each([0], [payload])
-            payloads.append(payload)
+        payloads = [pages.page_tensor(value).contiguous() for value in values]
         return all(self._put(keys, payloads))
 
     def exists(self, key: str) -> bool:
@@ -222,27 +220,45 @@ class CacheTierStorage(HiCacheStorage):
         namespace, _ = self._ready()
         return [foreign_key(namespace, "sglang", key) for key in keys]
 
-    def _fetch(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Each key's checked canonical payload (over the tier's bytes), or ``None``."""
+    def _read(self, keys: Sequence[str], into: Callable[[int, torch.Tensor], None]) -> int:
+        """Read the pages of ``keys`` and hand each checked canonical payload to
+        ``into(position, payload)`` (the payload lives in a buffer of the calling thread's
+        that the next page reuses). Returns how many pages, from the first, were read.
+
+        Pages are read on a few threads, each page copied on by the thread that read it while
+        its bytes are still in the CPU's cache (measured: ~1.4x the speed of reading a batch,
+        then copying it). Each thread reads into one reused buffer: bounded memory, and none
+        of the page faults of fresh buffers (a cold 94 MiB buffer costs 10x its copy here).
+        A page after a missing one may be copied too; SGLang uses only the leading run.
+        """
         namespace, pages = self._ready()
         block_keys = self._keys(keys)
-        try:
-            records = self.store.get_many(namespace.id, block_keys)
-        except CacheTierError as exc:  # a tier the store could not turn into a miss
-            log.warning("cachetier HiCache get failed, counted as misses: %s", exc)
-            return [None] * len(keys)
-        out: list[torch.Tensor | None] = []
-        for record, key in zip(records, block_keys):
+        layout = pages.kv_layout
+
+        def one(position: int) -> bool:
+            key = block_keys[position]
+            dest = self._scratch.block(layout.block_bytes)
+            try:
+                record = self.store.get_into(namespace.id, [key], [dest])[0]
+            except CacheTierError as exc:  # a tier the store could not turn into a miss
+                log.warning("cachetier HiCache get failed, counted as a miss: %s", exc)
+                return False
             if record is None:
-                out.append(None)
-                continue
-            problem = check_record(record, key, namespace.fingerprint, pages.kv_layout)
+                return False
+            problem = check_record(record, key, namespace.fingerprint, layout)
             if problem is not None:
                 log.warning("cachetier HiCache page %s refused: %s", key.hex()[:12], problem)
-                out.append(None)
-                continue
-            out.append(payload_tensor(record.data, pages.paged.dtype, pages.payload_shape))
-        return out
+                return False
+            into(position, payload_tensor(record.data, pages.paged.dtype, pages.payload_shape))
+            return True
+
+        results = map_in_threads(one, range(len(keys)))
+        for position, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise result
+            if not result:
+                return position
+        return len(keys)
 
     def _put(self, keys: Sequence[str], payloads: Sequence[torch.Tensor]) -> list[bool]:
         namespace, pages = self._ready()
@@ -264,6 +280,18 @@ class CacheTierStorage(HiCacheStorage):
             log.warning("cachetier HiCache set failed: %s", exc)
             return [False] * len(keys)
         return [i < stored for i in range(len(keys))]
+
+
+class _Scratch(threading.local):
+    """One reused read buffer per thread, the size of one page."""
+
+    def __init__(self) -> None:
+        self.buffer = memoryview(bytearray(0))
+
+    def block(self, block_bytes: int) -> memoryview:
+        if self.buffer.nbytes != block_bytes:
+            self.buffer = memoryview(bytearray(block_bytes))
+        return self.buffer
 
 
 def shard_name(config: HiCacheStorageConfig) -> str:
