@@ -66,6 +66,21 @@ def test_put_then_get(harness: TierHarness, namespace: Namespace) -> None:
     assert got[0].shape == blocks[0].shape and got[0].dtype == "float16"
 
 
+def test_get_into_lands_payloads_in_caller_buffers(
+    harness: TierHarness, namespace: Namespace
+) -> None:
+    tier = harness.open(BIG)
+    stored, absent = make_blocks(namespace, 2)
+    tier.put_many(namespace.id, [stored])
+    _settle(tier)
+    dests = [memoryview(bytearray(len(stored.data))) for _ in range(2)]
+    got = tier.get_into(namespace.id, [stored.key, absent.key], dests)
+    assert got[1] is None and _same(got[0], stored)
+    assert bytes(dests[0]) == bytes(stored.data)
+    with pytest.raises(ValueError, match="destinations"):
+        tier.get_into(namespace.id, [stored.key], dests)
+
+
 def test_miss_is_none_and_counted(harness: TierHarness, namespace: Namespace) -> None:
     tier = harness.open(BIG)
     stored, absent = make_blocks(namespace, 2)
