@@ -9,10 +9,11 @@ SGLang loads it with no patch of its own, through its dynamic backend path::
             "interface_v1": 1, "disk_path": "/var/cache/kv"}'
 
 Every other key of that JSON is a ``connectors.config.ConnectorConfig`` field (``disk_path``,
-``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...). ``interface_v1: 1`` makes
-SGLang call the zero-copy API (``batch_get_v1``/``batch_set_v1``: pages move straight between
-its host pool and the tiers); without it SGLang calls the key-based API with flat pages, which
-works too, with one more copy per page.
+``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the sidecar's
+token, a Redis password) come from the environment, never that JSON (``connector_config``).
+``interface_v1: 1`` makes SGLang call the zero-copy API (``batch_get_v1``/``batch_set_v1``:
+pages move straight between its host pool and the tiers); without it SGLang calls the
+key-based API with flat pages, which works too, with one more copy per page.
 
 - **Keys.** SGLang names a page by its own chained hash of the tokens up to it. Each name is
   filed under a cachetier ``Namespace`` (``cachetier.keys.foreign_key``): the model's
@@ -35,8 +36,9 @@ API carries only extra pools (Mamba, SWA, sparse indexers), which this backend d
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, Namespace, foreign_key
 from cachetier.parallel import map_in_threads
 from cachetier.record import KVBlock
+from cachetier.redact import url_secrets
 from connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
 from connectors.records import check_record
 from connectors.sglang.pages import HostPoolPages
@@ -73,10 +76,7 @@ class CacheTierStorage(HiCacheStorage):
     def __init__(
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
-        extra = dict(storage_config.extra_config or {})
-        self.config = ConnectorConfig.from_extra_config(
-            {k: v for k, v in extra.items() if k not in _SGLANG_KEYS}, source=EXTRA_CONFIG
-        )
+        self.config = connector_config(storage_config.extra_config, os.environ)
         self.shard = shard_name(storage_config)
         if self.config.model_fingerprint:
             self.model_fingerprint = self.config.model_fingerprint
@@ -292,6 +292,41 @@ class _Scratch(threading.local):
         if self.buffer.nbytes != block_bytes:
             self.buffer = memoryview(bytearray(block_bytes))
         return self.buffer
+
+
+def connector_config(extra: dict[str, Any] | None, env: Mapping[str, str]) -> ConnectorConfig:
+    """Our settings from SGLang's extra config, secrets from the environment.
+
+    SGLang logs its server arguments, the extra config's JSON among them, and a command line
+    is readable by every user of the node: the sidecar's token and a Redis password come from
+    ``CACHETIER_REMOTE_TOKEN`` and ``CACHETIER_REDIS_URL`` instead.
+
+    Args:
+        extra: ``--hicache-storage-backend-extra-config``.
+        env: the process environment.
+
+    Returns:
+        The config.
+
+    Raises:
+        ValueError: an unknown key, a bad value, or a secret in the extra config.
+    """
+    own = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
+    if own.get("remote_token"):
+        raise ValueError(
+            f"remote_token in {EXTRA_CONFIG} would be logged by SGLang: set "
+            "CACHETIER_REMOTE_TOKEN in its environment instead"
+        )
+    if url_secrets(own.get("redis_url")):
+        raise ValueError(
+            f"a redis_url with a password in {EXTRA_CONFIG} would be logged by SGLang: set "
+            "CACHETIER_REDIS_URL in its environment instead"
+        )
+    if own.get("remote_url") and env.get("CACHETIER_REMOTE_TOKEN"):
+        own["remote_token"] = env["CACHETIER_REMOTE_TOKEN"]
+    if not own.get("redis_url") and env.get("CACHETIER_REDIS_URL"):
+        own["redis_url"] = env["CACHETIER_REDIS_URL"]
+    return ConnectorConfig.from_extra_config(own, source=EXTRA_CONFIG)
 
 
 def shard_name(config: HiCacheStorageConfig) -> str:

@@ -233,6 +233,7 @@ def test_any_tier_stack_behind_it(
     tmp_path: Path,
     redis_url: str,
     redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
     tier: str,
 ) -> None:
     server = None
@@ -244,7 +245,8 @@ def test_any_tier_stack_behind_it(
         extra = {"disk_path": None, "cpu_bytes": 1 << 24}
     else:
         server = ThreadServer(test_config(tmp_path / "server")).start()
-        extra = {"disk_path": None, "remote_url": server.url, "remote_token": TOKENS["alice"]}
+        extra = {"disk_path": None, "remote_url": server.url}
+        monkeypatch.setenv("CACHETIER_REMOTE_TOKEN", TOKENS["alice"])
     try:
         pool = mha_pool()
         fill(pool, 7)
@@ -341,6 +343,21 @@ def test_bad_calls_and_settings_are_refused(make_backend: Callable[..., CacheTie
     unified.layout = "page_unified"
     with pytest.raises(ValueError, match="not one of"):
         make_backend(unified)
+
+
+def test_secrets_come_from_the_environment_never_the_logged_json(
+    make_backend: Callable[..., CacheTierStorage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="CACHETIER_REMOTE_TOKEN") as refused:
+        make_backend(mha_pool(), {"remote_url": "http://127.0.0.1:9", "remote_token": "s3cret"})
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(ValueError, match="CACHETIER_REDIS_URL") as refused:
+        make_backend(mha_pool(), {"redis_url": "redis://:hunter2@127.0.0.1:6379/0"})
+    assert "hunter2" not in str(refused.value)
+    monkeypatch.setenv("CACHETIER_REMOTE_TOKEN", "from-the-env-0123456789")
+    backend = make_backend(mha_pool(), {"remote_url": "http://127.0.0.1:9"})
+    assert backend.config.remote_token == "from-the-env-0123456789"
+    assert "from-the-env" not in repr(backend.config)
 
 
 def test_model_fingerprint_comes_from_sglangs_model_folder(

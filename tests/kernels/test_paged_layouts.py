@@ -281,7 +281,12 @@ def test_first_copies_from_many_threads_see_every_layer() -> None:
         outs = [torch.zeros(paged.geometry.payload_shape) for _ in range(blocks)]
         barrier = threading.Barrier(blocks)
 
-        def copy(block: int, paged: PagedBlocks = paged, outs: list = outs) -> None:
+        def copy(
+            block: int,
+            paged: PagedBlocks = paged,
+            outs: list = outs,
+            barrier: threading.Barrier = barrier,
+        ) -> None:
             barrier.wait()
             paged.gather_each([block], [outs[block]])
 
