@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-peers lint clean
+.PHONY: setup setup-peers demo test test-fast test-gpu bench bench-peers bench-plugins lint clean
 
 setup: $(STAMP)
 
@@ -12,15 +12,21 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
+# LMCache 0.5.6 beside cachetier in .venv-peers (it pulls ~100 packages): the LMCache plugin's
+# tests (marker `lmcache`, run from .venv's pytest as child processes) and bench-peers use it.
+# Skipped while its stamp is newer than its inputs.
+setup-peers:
+	bash scripts/setup_peers.sh .venv-peers
+
 demo: setup
 	$(PY) -m engine.demo
 
-test: setup
+test: setup setup-peers
 	$(PY) -m pytest -q
 
-# Everything but the slow, model, vLLM and fault suites: the inner loop, under 5 minutes.
+# Everything but the slow, model, vLLM, LMCache and fault suites: the inner loop, under 5 minutes.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not model and not vllm and not faults"
+	$(PY) -m pytest -q -m "not slow and not model and not vllm and not lmcache and not faults"
 
 # The CUDA paths (adapters through the Triton kernels, pinned staging, a vLLM restart on CUDA)
 # on a GPU machine, in their own .venv-gpu with CUDA builds of torch and vLLM. Where no CUDA
@@ -32,11 +38,13 @@ test-gpu:
 bench: setup
 	$(PY) benchmarks/bench_tiers.py --json
 
-# Side by side with LMCache 0.5.6 in its own .venv-peers (it pulls ~100 packages); `make test`
-# never needs it. The setup step is skipped while its stamp is newer than its inputs.
-bench-peers:
-	bash scripts/setup_peers.sh .venv-peers
+# Side by side with LMCache 0.5.6, in .venv-peers.
+bench-peers: setup-peers
 	LMCACHE_TRACK_USAGE=false .venv-peers/bin/python benchmarks/bench_peers.py --json
+
+# Our SGLang HiCache backend and LMCache plugin against those engines' own stores.
+bench-plugins: setup setup-peers
+	$(PY) benchmarks/bench_plugins.py --json
 
 lint: setup
 	$(PY) -m ruff check cachetier engine kernels connectors tests benchmarks
