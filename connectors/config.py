@@ -15,7 +15,7 @@ from typing import Any
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.fingerprint import model_fingerprint
-from cachetier.redact import redacted_repr
+from cachetier.redact import redacted_repr, url_secrets
 from cachetier.store import TieredStore
 
 _STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have live there
@@ -149,6 +149,45 @@ def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
         The store; the caller closes it.
     """
     return build_store(config.store_config(with_cpu=with_cpu))
+
+
+def plugin_config(
+    settings: Mapping[str, Any], env: Mapping[str, str], *, source: str
+) -> ConnectorConfig:
+    """A plugin's settings from an engine config that the engine logs, secrets from the
+    environment.
+
+    SGLang logs its server arguments and LMCache its config, the plugin's settings among
+    them, and a command line is readable by every user of the node: the sidecar's token and a
+    Redis password come from ``CACHETIER_REMOTE_TOKEN`` and ``CACHETIER_REDIS_URL`` instead.
+
+    Args:
+        settings: the plugin's keys of the engine's config (``ConnectorConfig`` fields).
+        env: the process environment.
+        source: where the settings were given, for error messages.
+
+    Returns:
+        The config.
+
+    Raises:
+        ValueError: an unknown key, a bad value, or a secret in ``settings``.
+    """
+    own = dict(settings)
+    if own.get("remote_token"):
+        raise ValueError(
+            f"remote_token in {source} would be logged by the engine: set "
+            "CACHETIER_REMOTE_TOKEN in its environment instead"
+        )
+    if url_secrets(own.get("redis_url")):
+        raise ValueError(
+            f"a redis_url with a password in {source} would be logged by the engine: set "
+            "CACHETIER_REDIS_URL in its environment instead"
+        )
+    if own.get("remote_url") and env.get("CACHETIER_REMOTE_TOKEN"):
+        own["remote_token"] = env["CACHETIER_REMOTE_TOKEN"]
+    if not own.get("redis_url") and env.get("CACHETIER_REDIS_URL"):
+        own["redis_url"] = env["CACHETIER_REDIS_URL"]
+    return ConnectorConfig.from_extra_config(own, source=source)
 
 
 def model_folder_fingerprint(model: str, revision: str | None = None, *, key: str) -> str:

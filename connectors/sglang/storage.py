@@ -10,7 +10,7 @@ SGLang loads it with no patch of its own, through its dynamic backend path::
 
 Every other key of that JSON is a ``connectors.config.ConnectorConfig`` field (``disk_path``,
 ``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the sidecar's
-token, a Redis password) come from the environment, never that JSON (``connector_config``).
+token, a Redis password) come from the environment, never that JSON (``plugin_config``).
 ``interface_v1: 1`` makes SGLang call the zero-copy API (``batch_get_v1``/``batch_set_v1``:
 pages move straight between its host pool and the tiers); without it SGLang calls the
 key-based API with flat pages, which works too, with one more copy per page.
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,13 +49,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, Namespace, foreign_key
-from cachetier.parallel import map_in_threads
 from cachetier.record import KVBlock
-from cachetier.redact import url_secrets
-from connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
-from connectors.records import check_record
+from connectors.config import model_folder_fingerprint, open_store, plugin_config
+from connectors.reads import ThreadScratch, read_each
 from connectors.sglang.pages import HostPoolPages
-from kernels.staging import payload_tensor, payload_view
+from kernels.staging import payload_view
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +73,10 @@ class CacheTierStorage(HiCacheStorage):
     def __init__(
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
-        self.config = connector_config(storage_config.extra_config, os.environ)
+        settings = {
+            k: v for k, v in (storage_config.extra_config or {}).items() if k not in _SGLANG_KEYS
+        }
+        self.config = plugin_config(settings, os.environ, source=EXTRA_CONFIG)
         self.shard = shard_name(storage_config)
         if self.config.model_fingerprint:
             self.model_fingerprint = self.config.model_fingerprint
@@ -91,7 +91,7 @@ class CacheTierStorage(HiCacheStorage):
         self.store = open_store(self.config, with_cpu=True)
         self.pages: HostPoolPages | None = None
         self.namespace: Namespace | None = None
-        self._scratch = _Scratch()
+        self._scratch = ThreadScratch()
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Read the host pool's layout; the namespace's layout comes from it."""
@@ -221,44 +221,20 @@ class CacheTierStorage(HiCacheStorage):
         return [foreign_key(namespace, "sglang", key) for key in keys]
 
     def _read(self, keys: Sequence[str], into: Callable[[int, torch.Tensor], None]) -> int:
-        """Read the pages of ``keys`` and hand each checked canonical payload to
-        ``into(position, payload)`` (the payload lives in a buffer of the calling thread's
-        that the next page reuses). Returns how many pages, from the first, were read.
-
-        Pages are read on a few threads, each page copied on by the thread that read it while
-        its bytes are still in the CPU's cache (measured: ~1.4x the speed of reading a batch,
-        then copying it). Each thread reads into one reused buffer: bounded memory, and none
-        of the page faults of fresh buffers (a cold 94 MiB buffer costs 10x its copy here).
-        A page after a missing one may be copied too; SGLang uses only the leading run.
-        """
+        """Read the pages of ``keys`` (``connectors.reads.read_each``), handing each checked
+        canonical payload to ``into(position, payload)``. Returns how many pages, from the
+        first, were read. A page after a missing one may be copied too; SGLang uses only the
+        leading run."""
         namespace, pages = self._ready()
-        block_keys = self._keys(keys)
-        layout = pages.kv_layout
 
-        def one(position: int) -> bool:
-            key = block_keys[position]
-            dest = self._scratch.block(layout.block_bytes)
-            try:
-                record = self.store.get_into(namespace.id, [key], [dest])[0]
-            except CacheTierError as exc:  # a tier the store could not turn into a miss
-                log.warning("cachetier HiCache get failed, counted as a miss: %s", exc)
-                return False
-            if record is None:
-                return False
-            problem = check_record(record, key, namespace.fingerprint, layout)
-            if problem is not None:
-                log.warning("cachetier HiCache page %s refused: %s", key.hex()[:12], problem)
-                return False
-            into(position, payload_tensor(record.data, pages.paged.dtype, pages.payload_shape))
+        def land(position: int, payload: torch.Tensor) -> bool:
+            into(position, payload)
             return True
 
-        results = map_in_threads(one, range(len(keys)))
-        for position, result in enumerate(results):
-            if isinstance(result, BaseException):
-                raise result
-            if not result:
-                return position
-        return len(keys)
+        got = read_each(
+            self.store, namespace, pages.kv_layout, self._keys(keys), land, self._scratch
+        )
+        return next((i for i, ok in enumerate(got) if not ok), len(got))
 
     def _put(self, keys: Sequence[str], payloads: Sequence[torch.Tensor]) -> list[bool]:
         namespace, pages = self._ready()
@@ -280,53 +256,6 @@ class CacheTierStorage(HiCacheStorage):
             log.warning("cachetier HiCache set failed: %s", exc)
             return [False] * len(keys)
         return [i < stored for i in range(len(keys))]
-
-
-class _Scratch(threading.local):
-    """One reused read buffer per thread, the size of one page."""
-
-    def __init__(self) -> None:
-        self.buffer = memoryview(bytearray(0))
-
-    def block(self, block_bytes: int) -> memoryview:
-        if self.buffer.nbytes != block_bytes:
-            self.buffer = memoryview(bytearray(block_bytes))
-        return self.buffer
-
-
-def connector_config(extra: dict[str, Any] | None, env: Mapping[str, str]) -> ConnectorConfig:
-    """Our settings from SGLang's extra config, secrets from the environment.
-
-    SGLang logs its server arguments, the extra config's JSON among them, and a command line
-    is readable by every user of the node: the sidecar's token and a Redis password come from
-    ``CACHETIER_REMOTE_TOKEN`` and ``CACHETIER_REDIS_URL`` instead.
-
-    Args:
-        extra: ``--hicache-storage-backend-extra-config``.
-        env: the process environment.
-
-    Returns:
-        The config.
-
-    Raises:
-        ValueError: an unknown key, a bad value, or a secret in the extra config.
-    """
-    own = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
-    if own.get("remote_token"):
-        raise ValueError(
-            f"remote_token in {EXTRA_CONFIG} would be logged by SGLang: set "
-            "CACHETIER_REMOTE_TOKEN in its environment instead"
-        )
-    if url_secrets(own.get("redis_url")):
-        raise ValueError(
-            f"a redis_url with a password in {EXTRA_CONFIG} would be logged by SGLang: set "
-            "CACHETIER_REDIS_URL in its environment instead"
-        )
-    if own.get("remote_url") and env.get("CACHETIER_REMOTE_TOKEN"):
-        own["remote_token"] = env["CACHETIER_REMOTE_TOKEN"]
-    if not own.get("redis_url") and env.get("CACHETIER_REDIS_URL"):
-        own["redis_url"] = env["CACHETIER_REDIS_URL"]
-    return ConnectorConfig.from_extra_config(own, source=EXTRA_CONFIG)
 
 
 def shard_name(config: HiCacheStorageConfig) -> str:
