@@ -1,0 +1,202 @@
+"""``CacheTierBackend``: cachetier's tiers as a storage plugin of LMCache 0.5.6.
+
+LMCache loads it by module path, through its own ``storage_plugins`` mechanism (no patch)::
+
+    # lmcache config (YAML or LMCACHE_* environment variables)
+    chunk_size: 256
+    storage_plugins: ["cachetier"]
+    extra_config:
+      storage_plugin.cachetier.module_path: connectors.lmcache.backend
+      storage_plugin.cachetier.class_name: CacheTierBackend
+      cachetier.disk_path: /var/cache/cachetier/kv
+      cachetier.cpu_bytes: 0
+
+Every ``cachetier.<field>`` key is a ``connectors.config.ConnectorConfig`` field; secrets come
+from the environment (``plugin_config``: LMCache logs its config).
+
+Why a storage plugin and not a remote connector (``remote_storage_plugins``): a plugin is a
+backend LMCache's ``StorageManager`` calls synchronously with its own ``MemoryObj``s, so a get
+reads a record and copies it straight into the object LMCache hands to the engine. A remote
+connector sits behind LMCache's ``RemoteBackend``: serde, an asyncio hop per call, and its own
+copies.
+
+- **Keys.** LMCache names a chunk by a ``CacheEngineKey`` (model, world size, worker, chunk
+  hash, dtype, request tags). Its string form is filed under a cachetier ``Namespace``
+  (``cachetier.keys.foreign_key``) of the model's fingerprint (``cachetier.model_fingerprint``,
+  or the hash of LMCache's model folder), the worker's shard (``tp<worker>of<world>``), the
+  chunk layout and ``cachetier.tenant``.
+- **Chunks** are stored in the canonical arrangement (LMCache's ``KV_2LTD``
+  ``[2, layers, tokens, heads * dim]`` becomes ``[layers, 2, tokens, heads, dim]``; MLA's
+  ``KV_MLA_FMT`` ``[1, layers, tokens, latent]`` becomes ``[layers, 1, tokens, 1, latent]``).
+  Only full chunks are stored, like every cachetier block: LMCache recomputes a partial last
+  chunk.
+- **Puts** are done when ``batched_submit_put_task`` returns: the first tier holds them, the
+  lower ones are written behind and flushed by ``close``.
+- **Failures** of a tier are misses; a record that is not exactly a chunk of this namespace is
+  a miss, never copied into LMCache's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from cachetier.errors import CacheTierError
+from cachetier.keys import Namespace, foreign_key
+from cachetier.record import KVBlock
+from connectors.config import model_folder_fingerprint, open_store, plugin_config
+from connectors.lmcache.chunks import ChunkFormat, chunk_format
+from connectors.reads import ThreadScratch, read_each
+from kernels.staging import payload_view
+
+log = logging.getLogger(__name__)
+
+PREFIX = "cachetier."
+SOURCE = "LMCache's extra_config (cachetier.*)"
+
+
+class CacheTierBackend(StoragePluginInterface):
+    """An LMCache storage backend over a cachetier ``TieredStore``.
+
+    Args:
+        dst_device: where LMCache wants gets (chunks are copied into its CPU objects).
+        config: LMCache's engine config; ``extra_config["cachetier.<field>"]`` are ours.
+        metadata: the model's shape, dtype, chunk size and this worker's rank.
+        local_cpu_backend: LMCache's CPU backend, whose allocator gets allocate from.
+        loop: LMCache's event loop (unused: every call here is synchronous).
+    """
+
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: Any = None,
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
+        if metadata is None or local_cpu_backend is None:
+            raise ValueError("LMCache passes its metadata and CPU backend to storage plugins")
+        extra = dict(getattr(config, "extra_config", None) or {})
+        settings = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}
+        self.settings = plugin_config(settings, os.environ, source=SOURCE)
+        fingerprint = self.settings.model_fingerprint or model_folder_fingerprint(
+            metadata.model_name, key="extra_config['cachetier.model_fingerprint']"
+        )
+        self.format: ChunkFormat = chunk_format(metadata)
+        if metadata.world_size > 1 and not metadata.use_mla:
+            fingerprint = f"{fingerprint}/lmcache:tp{metadata.worker_id}of{metadata.world_size}"
+        self.namespace = Namespace(fingerprint, self.format.layout, self.settings.tenant)
+        self.store = open_store(self.settings, with_cpu=True)
+        self._scratch = ThreadScratch()
+
+    def __str__(self) -> str:
+        return "CacheTierBackend"
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """How many of ``keys``, from the first, are stored."""
+        return self.store.contains_prefix(self.namespace.id, self._keys(keys))
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False  # puts are done when batched_submit_put_task returns
+
+    # -- puts ------------------------------------------------------------------------------
+
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[Future] | None:
+        """Store full chunks now (LMCache keeps its objects; these are copies)."""
+        layout = self.format.layout
+        blocks, stored = [], []
+        for key, obj in zip(keys, objs):
+            payload = self.format.to_canonical(obj)
+            if payload is None:
+                continue  # a partial chunk or another format: LMCache recomputes it
+            blocks.append(
+                KVBlock(
+                    key=self._keys([key])[0],
+                    fingerprint=self.namespace.fingerprint,
+                    dtype=layout.dtype,
+                    shape=layout.payload_shape,
+                    num_tokens=layout.block_size,
+                    data=payload_view(payload),
+                )
+            )
+            stored.append(key)
+        if blocks:
+            try:
+                self.store.put_many(self.namespace.id, blocks)
+            except CacheTierError as exc:
+                log.warning("cachetier LMCache put failed: %s", exc)
+                return None
+        if on_complete_callback is not None:
+            for key in stored:
+                on_complete_callback(key)
+        return None
+
+    # -- gets ------------------------------------------------------------------------------
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Each chunk in a new object of LMCache's allocator, or ``None`` (a miss).
+
+        Chunks are read on a few threads, each into a reused buffer of its own, checked, and
+        copied into LMCache's object by the thread that read it while the bytes are cached.
+        """
+        fmt = self.format
+
+        def land(position: int, payload: torch.Tensor) -> MemoryObj | None:
+            obj = self.local_cpu_backend.allocate(fmt.obj_shape, fmt.dtype, fmt.memory_format)
+            if obj is None:
+                log.warning("LMCache's CPU pool is full: chunk counted as a miss")
+                return None
+            fmt.from_canonical(payload, obj)
+            return obj
+
+        return read_each(
+            self.store, self.namespace, fmt.layout, self._keys(keys), land, self._scratch
+        )
+
+    # -- the rest of LMCache's interface ---------------------------------------------------
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return False  # tiers evict by their own policy; nothing is pinned
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return self.store.delete(self.namespace.id, self._keys([key])) > 0
+
+    def touch_cache(self) -> None:
+        return None  # reads refresh the tiers' LRU order themselves
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def close(self) -> None:
+        """Flush the writes still queued for lower tiers, then close them."""
+        self.store.close()
+
+    def _keys(self, keys: Sequence[CacheEngineKey]) -> list[Any]:
+        return [foreign_key(self.namespace, "lmcache", key.to_string()) for key in keys]
