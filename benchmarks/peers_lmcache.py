@@ -6,7 +6,9 @@ get can only be served by the tier under test:
 
 - ``cpu``: ``LocalCPUBackend`` (``local_cpu: true``);
 - ``disk``: ``LocalDiskBackend`` under a folder (the CPU backend is only its staging pool);
-- ``redis`` / ``server``: ``RemoteBackend`` with ``remote_url`` ``redis://...`` / ``lm://...``.
+- ``redis`` / ``server``: ``RemoteBackend`` with ``remote_url`` ``redis://...`` / ``lm://...``;
+- ``cachetier``: our storage plugin (``connectors.lmcache.backend``), loaded by LMCache's own
+  ``storage_plugins`` mechanism, with the cachetier settings given as ``plugin``.
 
 A chunk enters LMCache as a ``MemoryObj`` from its allocator (``[2, layers, tokens, heads x dim]``
 fp16, ``KV_2LTD``) holding exactly the bytes our block holds.
@@ -42,6 +44,11 @@ BACKENDS = {
     "disk": "LocalDiskBackend",
     "redis": "RemoteBackend",
     "server": "RemoteBackend",
+    "cachetier": "cachetier",
+}
+PLUGIN = {
+    "storage_plugin.cachetier.module_path": "connectors.lmcache.backend",
+    "storage_plugin.cachetier.class_name": "CacheTierBackend",
 }
 
 
@@ -54,6 +61,9 @@ class PeerStore:
         model_name: LMCache's key prefix (Redis keys and file names start with it).
         disk_path: folder of the disk tier.
         remote_url: ``redis://host:port/db`` or ``lm://host:port``.
+        plugin: for ``cachetier``, its settings (``ConnectorConfig`` fields, without the
+            ``cachetier.`` prefix of LMCache's extra_config).
+        worker: this worker's id and the world size (tensor-parallel rank and size).
         pool_copies: LMCache's CPU memory pool (allocated whole, up front) holds this many
             copies of the chunk set: the stored or staged one, its write-back into the CPU
             backend after a single-key get, and the objects of a get in flight.
@@ -68,6 +78,8 @@ class PeerStore:
         disk_path: str | None = None,
         remote_url: str | None = None,
         pool_copies: int = 3,
+        plugin: dict[str, object] | None = None,
+        worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.tier = tier
         self.location = BACKENDS[tier]
@@ -81,13 +93,16 @@ class PeerStore:
             "remote_url": remote_url,
             "remote_serde": "naive",
         }
+        if tier == "cachetier":
+            settings = {f"cachetier.{k}": v for k, v in (plugin or {}).items()}
+            config.update(storage_plugins=["cachetier"], extra_config={**PLUGIN, **settings})
         lay = chunks.layout
         self.metadata = LMCacheMetadata(
             model_name=model_name,
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
+            world_size=worker[1],
+            local_world_size=worker[1],
+            worker_id=worker[0],
+            local_worker_id=worker[0],
             kv_dtype=torch.float16,
             kv_shape=(lay.num_layers, 2, CHUNK_TOKENS, lay.num_kv_heads, lay.head_dim),
             chunk_size=CHUNK_TOKENS,
@@ -99,13 +114,16 @@ class PeerStore:
         self.manager = StorageManager(
             LMCacheEngineConfig.from_dict(config), self.metadata, EventManager()
         )
+        if self.location not in self.manager.storage_backends:
+            raise RuntimeError(f"LMCache did not create {self.location} (its log says why)")
         self.backend = self.manager.storage_backends[self.location]
         self.keys = [self.key_of(b.key) for b in chunks.blocks]
 
     def key_of(self, block_key: bytes) -> CacheEngineKey:
         """LMCache's key for one of our chunks: the same 256-bit hash as its chunk hash."""
+        world_size, worker_id = self.metadata.world_size, self.metadata.worker_id
         return CacheEngineKey(
-            self.model_name, 1, 0, int.from_bytes(block_key, "big"), torch.float16
+            self.model_name, world_size, worker_id, int.from_bytes(block_key, "big"), torch.float16
         )
 
     def stage(self, payloads: Sequence[bytes]) -> list[MemoryObj]:
