@@ -25,6 +25,7 @@ import xxhash
 from cachetier import buffers
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
+from cachetier.landing import Destination, flat, parts
 
 MAGIC = b"CTKV"
 FORMAT_VERSION = 1
@@ -374,7 +375,7 @@ def read_record(
     *,
     key: bytes | None = None,
     fingerprint: bytes | None = None,
-    payload_into: memoryview | None = None,
+    payload_into: Destination | None = None,
     max_raw_bytes: int | None = None,
 ) -> KVBlock:
     """Read a ``size``-byte record through ``readinto`` and decode it.
@@ -389,9 +390,10 @@ def read_record(
         size: the record's length (the file's size).
         key: the key asked for.
         fingerprint: the namespace fingerprint expected, if known.
-        payload_into: writable bytes the payload is read straight into (e.g. a KV pool block)
-            when the record is uncompressed and exactly that size; otherwise ignored. If the
-            record then fails a check, this memory holds garbage and must not be used.
+        payload_into: writable bytes the payload is read straight into (e.g. a KV pool block),
+            or ``Runs`` each run is read to, when the record is uncompressed and exactly that
+            size; otherwise ignored. If the record then fails a check, this memory holds
+            garbage and must not be used.
         max_raw_bytes: as ``decode_record``: checked on the fixed header, before the rest of
             the record is read.
 
@@ -420,14 +422,15 @@ def read_record(
     direct = (
         payload_into is not None
         and h.comp == Compression.NONE
-        and memoryview(payload_into).nbytes == h.payload_len
+        and flat(payload_into).nbytes == h.payload_len
     )
     if direct:
-        stored = byte_view(payload_into)  # type: ignore[arg-type]
+        stored = flat(payload_into)  # type: ignore[arg-type]
+        for run in parts(payload_into):  # type: ignore[arg-type]
+            _read_exactly(readinto, run, digest, size)
     else:
         stored = memoryview(buffers.take(h.payload_len)).cast("B")  # recycled: no page faults
-    _read_exactly(readinto, stored, digest, size)
-    if not direct:
+        _read_exactly(readinto, stored, digest, size)
         stored = stored.toreadonly()
     return _build(h, head, aux, stored, digest.digest(), key, fingerprint, not direct)
 

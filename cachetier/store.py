@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachetier.keys import BlockHash
+from cachetier.landing import Destination
 from cachetier.record import KVBlock
 from cachetier.stats import TierStats
 from cachetier.tiers.base import Tier, check_namespace
@@ -224,7 +225,7 @@ class TieredStore(Tier):
         keys: Sequence[BlockHash],
         *,
         fingerprint: bytes | None = None,
-        dests: Sequence[memoryview] | None = None,
+        dests: Sequence[Destination] | None = None,
     ) -> RestoredPrefix:
         """Fetch the leading run of stored blocks for ``keys``.
 
@@ -260,7 +261,7 @@ class TieredStore(Tier):
         return found
 
     def get_into(
-        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
     ) -> list[KVBlock | None]:
         # Each tier asked for what the faster ones missed, reading straight into ``dests``
         # where it can (no lookup first: a get of blocks the caller expects pays no stats).
@@ -275,7 +276,7 @@ class TieredStore(Tier):
         namespace: str,
         keys: Sequence[BlockHash],
         fingerprint: bytes | None,
-        dests: Sequence[memoryview] | None,
+        dests: Sequence[Destination] | None,
     ) -> tuple[list[KVBlock | None], list[int]]:
         start = time.perf_counter()
         found: list[KVBlock | None] = [None] * len(keys)

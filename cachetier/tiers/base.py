@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetier.keys import BlockHash
+from cachetier.landing import Destination, copy_pairs, flat
 from cachetier.parallel import copy_into
 from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
@@ -89,7 +90,7 @@ class Tier(ABC):
         """
 
     def get_into(
-        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
     ) -> list[KVBlock | None]:
         """Fetch blocks with each payload landing in caller memory (e.g. a KV pool block).
 
@@ -99,7 +100,9 @@ class Tier(ABC):
         Args:
             namespace: storage namespace.
             keys: keys to fetch.
-            dests: one writable buffer per key, exactly the size of the payload expected.
+            dests: one destination per key, exactly the size of the payload expected: flat
+                writable bytes, or ``Runs`` for memory that orders the payload's runs
+                otherwise.
 
         Returns:
             One entry per key: the checked block (its ``data`` is the destination when the copy
@@ -108,7 +111,7 @@ class Tier(ABC):
         """
         if len(dests) != len(keys):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
-        return land_in(self.get_many(namespace, keys), [byte_view(d) for d in dests])
+        return land_in(self.get_many(namespace, keys), dests)
 
     @abstractmethod
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -174,27 +177,29 @@ def first_miss(found: Sequence[Any]) -> int:
     return len(found)
 
 
-def land_in(found: list[KVBlock | None], dests: Sequence[memoryview]) -> list[KVBlock | None]:
+def land_in(found: list[KVBlock | None], dests: Sequence[Destination]) -> list[KVBlock | None]:
     """Copy each block whose payload is not already in its destination there, when sizes match.
 
     Args:
         found: blocks fetched for ``dests`` (some may already have been read into them).
-        dests: one flat byte view per block.
+        dests: one destination per block (flat bytes or ``Runs``).
 
     Returns:
         ``found`` with those blocks' payloads now in their destinations (``get_into``'s
         answer).
     """
-    todo = []
+    todo, pairs = [], []
     for i, (block, dest) in enumerate(zip(found, dests, strict=True)):
-        if block is None or block.data is dest:
+        into = flat(dest)
+        if block is None or block.data is into:
             continue
         data = byte_view(block.data)
-        if data.nbytes == dest.nbytes:
-            todo.append((i, dest, data))
-    copy_into([(dest, data) for _, dest, data in todo])  # a few threads for a large batch
-    for i, dest, _ in todo:
-        found[i] = with_data(found[i], dest)  # type: ignore[arg-type]
+        if data.nbytes == into.nbytes:
+            todo.append((i, into))
+            pairs.extend(copy_pairs(dest, data))
+    copy_into(pairs)  # a few threads for a large batch
+    for i, into in todo:
+        found[i] = with_data(found[i], into)  # type: ignore[arg-type]
     return found
 
 

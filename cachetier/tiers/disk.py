@@ -32,6 +32,7 @@ from pathlib import Path
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
+from cachetier.landing import Destination
 from cachetier.parallel import map_in_threads
 from cachetier.record import Buffer, Compression, KVBlock, encode_parts, read_record
 from cachetier.tiers.base import Tier, check_namespace
@@ -230,7 +231,7 @@ class DiskTier(Tier):
         return self._read_many(namespace, keys, None)
 
     def get_into(
-        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
     ) -> list[KVBlock | None]:
         # Payloads are read from the file straight into the destinations: no second copy.
         if len(dests) != len(keys):
@@ -241,7 +242,7 @@ class DiskTier(Tier):
         self,
         namespace: str,
         keys: Sequence[BlockHash],
-        dests: Sequence[memoryview] | None,
+        dests: Sequence[Destination] | None,
     ) -> list[KVBlock | None]:
         check_namespace(namespace)
         start = time.perf_counter()
@@ -334,7 +335,7 @@ class _CorruptFile(CorruptBlockError):
         self.inode = inode
 
 
-def _read_block(path: Path, key: BlockHash, dest: memoryview | None) -> tuple[KVBlock, int]:
+def _read_block(path: Path, key: BlockHash, dest: Destination | None) -> tuple[KVBlock, int]:
     # The inode read here never changes under us: records are replaced by rename and removed
     # by unlink, never written in place, so an open file stays whole to its end.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

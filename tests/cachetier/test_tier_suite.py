@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachetier.keys import KVLayout, Namespace
+from cachetier.landing import Runs
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
@@ -79,6 +80,24 @@ def test_get_into_lands_payloads_in_caller_buffers(
     assert bytes(dests[0]) == bytes(stored.data)
     with pytest.raises(ValueError, match="destinations"):
         tier.get_into(namespace.id, [stored.key], dests)
+
+
+def test_get_into_scatters_runs_to_their_offsets(
+    harness: TierHarness, namespace: Namespace
+) -> None:
+    # An engine whose memory orders a block's runs otherwise (LMCache's [K/V, layers, ...]).
+    tier = harness.open(BIG)
+    stored = make_blocks(namespace, 1)[0]
+    payload = bytes(stored.data)
+    run = len(payload) // 4
+    offsets = (2 * run, 0, 3 * run, run)  # run i of the payload goes to offsets[i]
+    dest = Runs(memoryview(bytearray(len(payload))), run, offsets)
+    tier.put_many(namespace.id, [stored])
+    _settle(tier)
+    got = tier.get_into(namespace.id, [stored.key], [dest])[0]
+    assert got is not None and got.data is dest.buffer
+    for i, offset in enumerate(offsets):
+        assert bytes(dest.buffer[offset : offset + run]) == payload[i * run : (i + 1) * run]
 
 
 def test_miss_is_none_and_counted(harness: TierHarness, namespace: Namespace) -> None:

@@ -38,6 +38,7 @@ from typing import TypeVar
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier.landing import Destination
 from cachetier.protocol.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 from cachetier.record import Buffer, KVBlock, read_record
 from cachetier.redact import redacted_repr
@@ -244,7 +245,7 @@ class RespConnection:
 
 
 def read_bulk_record(
-    conn: RespConnection, key: bytes, payload_into: memoryview | None
+    conn: RespConnection, key: bytes, payload_into: Destination | None
 ) -> GetResult:
     """Read one ``GET`` reply as a record of ``key``.
 
@@ -343,7 +344,7 @@ class RespClient:
         self,
         skeys: Sequence[bytes],
         keys: Sequence[bytes],
-        dests: Sequence[memoryview | None] | None = None,
+        dests: Sequence[Destination | None] | None = None,
     ) -> list[GetResult]:
         """``GET`` each storage key and read its reply as a record of the matching block key.
 

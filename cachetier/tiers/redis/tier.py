@@ -59,7 +59,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
 from cachetier.errors import TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import KVBlock, byte_view
+from cachetier.landing import Destination, normalize
+from cachetier.record import KVBlock
 from cachetier.redact import redact, redact_url
 from cachetier.throttle import LogThrottle
 from cachetier.tiers.base import Tier, check_namespace, land_in
@@ -188,7 +189,7 @@ class RedisTier(Tier):
         return self._get(skeys, keys, None) if keys else []
 
     def get_into(
-        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
     ) -> list[KVBlock | None]:
         check_namespace(namespace)
         if len(dests) != len(keys):
@@ -196,12 +197,12 @@ class RedisTier(Tier):
         skeys = self._storage_keys(namespace, keys)
         if not keys:
             return []
-        targets = [byte_view(d) for d in dests]
+        targets = [normalize(d) for d in dests]
         # A compressed record is decompressed elsewhere; land_in copies it where it belongs.
         return land_in(self._get(skeys, keys, targets), targets)
 
     def _get(
-        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None
+        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
     ) -> list[KVBlock | None]:
         """Read and count: records read into ``dests`` where the transport can, else fresh."""
         start = time.perf_counter()

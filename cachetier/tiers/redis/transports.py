@@ -25,6 +25,7 @@ import redis
 from cachetier.backoff import Guard
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import BlockHash
+from cachetier.landing import Destination
 from cachetier.record import (
     Buffer,
     Compression,
@@ -80,7 +81,7 @@ class Transport(ABC):
 
     @abstractmethod
     def get(
-        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None
+        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
     ) -> list[GetResult] | None:
         """Read records.
 
@@ -155,7 +156,7 @@ class RespTransport(Transport):
         return self._guard.breaker.is_open
 
     def get(
-        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None
+        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
     ) -> list[GetResult] | None:
         names = [skey.encode() for skey in skeys]
         return self._guard.call(lambda: self.resp.get_records(names, keys, dests), None)
@@ -229,7 +230,7 @@ class ExactLruTransport(RespTransport):
         self._meta_tick = [*self._meta, f"{prefix}:_tick"]
 
     def get(
-        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None
+        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
     ) -> list[GetResult] | None:
         results = super().get(skeys, keys, dests)
         if results is not None:
@@ -297,7 +298,7 @@ class ClusterTransport(Transport):
         self._router = router
 
     def get(
-        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[memoryview] | None
+        self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
     ) -> list[GetResult] | None:
         replies = self._router.run(_each("GET", skeys))
         return [_decoded(reply, key) for reply, key in zip(replies, keys, strict=True)]

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.record import Buffer, KVBlock, byte_view, decode_record, encode_parts
+from cachetier.landing import Destination, normalize
+from cachetier.record import Buffer, KVBlock, decode_record, encode_parts
 from cachetier.store import PrefixHit
 from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.remote.batching import RequestLimits
@@ -109,14 +110,14 @@ class RemoteTier(Tier):
         return self._wait(self._get_many(namespace, keys), misses, num_requests)
 
     def get_into(
-        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[memoryview]
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
     ) -> list[KVBlock | None]:
         if self._transfer_client() is None:
             return super().get_into(namespace, keys, dests)
         _check_keys(namespace, keys)
         if len(dests) != len(keys):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
-        targets = [byte_view(d) for d in dests]
+        targets = [normalize(d) for d in dests]
         return land_in(self._get_transfer(namespace, keys, targets), targets)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -229,7 +230,7 @@ class RemoteTier(Tier):
         self,
         namespace: str,
         keys: Sequence[BlockHash],
-        dests: Sequence[memoryview] | None,
+        dests: Sequence[Destination] | None,
     ) -> list[KVBlock | None]:
         """``_get_many`` over the transfer port, on the calling thread."""
         start = time.perf_counter()

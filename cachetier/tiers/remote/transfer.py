@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import BlockHash
+from cachetier.landing import Destination
 from cachetier.protocol.sockets import BoundedReader, BufferedSocket, SocketPool
 from cachetier.protocol.transfer_frames import (
     LENGTH,
@@ -144,7 +145,7 @@ class TransferClient:
         self,
         namespace: str,
         keys: Sequence[BlockHash],
-        dests: Sequence[memoryview] | None = None,
+        dests: Sequence[Destination] | None = None,
     ) -> Fetched:
         """Fetch records of ``keys`` and check them against the keys.
 
