@@ -1,11 +1,13 @@
 """Reading checked records straight into an engine's memory, a few at a time in parallel.
 
-The SGLang and LMCache plugins read pages and chunks that each go to their own place in the
-engine's memory. Each is read on one of a few threads into a reused buffer of that thread's,
+The SGLang plugin reads pages that each go to their own place in SGLang's host pool, spread
+over per-layer buffers in most of its layouts. Each is read on one of a few threads into a
+reused buffer of that thread's,
 checked, and copied on by the thread that read it while its bytes are still in the CPU's
 cache (measured: ~1.4x the speed of reading a batch, then copying it). One reused buffer per
 thread also keeps memory bounded and spares reads the page faults of fresh buffers (a cold
-94 MiB buffer cost 10x its copy here).
+94 MiB buffer cost 10x its copy here). A plugin whose engine keeps a block as equal runs in
+one buffer reads it there with no copy at all (``cachetier.landing.Runs``: the LMCache plugin).
 """
 
 from __future__ import annotations

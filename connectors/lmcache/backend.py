@@ -27,7 +27,8 @@ copies.
   chunk layout and ``cachetier.tenant``.
 - **Chunks** are stored in the canonical arrangement (LMCache's ``KV_2LTD``
   ``[2, layers, tokens, heads * dim]`` becomes ``[layers, 2, tokens, heads, dim]``; MLA's
-  ``KV_MLA_FMT`` ``[1, layers, tokens, latent]`` becomes ``[layers, 1, tokens, 1, latent]``).
+  ``KV_MLA_FMT`` ``[1, layers, tokens, latent]`` becomes ``[layers, 1, tokens, 1, latent]``);
+  a get reads each run of a record straight to its place in LMCache's object.
   Only full chunks are stored, like every cachetier block: LMCache recomputes a partial last
   chunk.
 - **Puts** are done when ``batched_submit_put_task`` returns: the first tier holds them, the
@@ -45,7 +46,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
@@ -55,7 +55,7 @@ from cachetier.keys import Namespace, foreign_key
 from cachetier.record import KVBlock
 from connectors.config import model_folder_fingerprint, open_store, plugin_config
 from connectors.lmcache.chunks import ChunkFormat, chunk_format
-from connectors.reads import ThreadScratch, read_each
+from connectors.records import check_record
 from kernels.staging import payload_view
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,6 @@ class CacheTierBackend(StoragePluginInterface):
             fingerprint = f"{fingerprint}/lmcache:tp{metadata.worker_id}of{metadata.world_size}"
         self.namespace = Namespace(fingerprint, self.format.layout, self.settings.tenant)
         self.store = open_store(self.settings, with_cpu=True)
-        self._scratch = ThreadScratch()
 
     def __str__(self) -> str:
         return "CacheTierBackend"
@@ -160,22 +159,39 @@ class CacheTierBackend(StoragePluginInterface):
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Each chunk in a new object of LMCache's allocator, or ``None`` (a miss).
 
-        Chunks are read on a few threads, each into a reused buffer of its own, checked, and
-        copied into LMCache's object by the thread that read it while the bytes are cached.
+        Objects are allocated first, and each record's runs are read straight to their place
+        in its object (``ChunkFormat.runs``): no buffer in between, no transposing copy. A
+        record that then fails a check leaves garbage in its object, which is released.
         """
         fmt = self.format
-
-        def land(position: int, payload: torch.Tensor) -> MemoryObj | None:
+        out: list[MemoryObj | None] = [None] * len(keys)
+        objs: list[tuple[int, MemoryObj]] = []
+        for position in range(len(keys)):
             obj = self.local_cpu_backend.allocate(fmt.obj_shape, fmt.dtype, fmt.memory_format)
             if obj is None:
-                log.warning("LMCache's CPU pool is full: chunk counted as a miss")
-                return None
-            fmt.from_canonical(payload, obj)
-            return obj
+                log.warning("LMCache's CPU pool is full: chunks counted as misses")
+                break
+            objs.append((position, obj))
+        wanted = self._keys([keys[p] for p, _ in objs])
+        try:
+            found = self.store.get_into(
+                self.namespace.id, wanted, [fmt.runs(obj) for _, obj in objs]
+            )
+        except CacheTierError as exc:  # a tier the store could not turn into a miss
+            log.warning("cachetier get failed, counted as misses: %s", exc)
+            found = [None] * len(objs)
+        for (position, obj), key, record in zip(objs, wanted, found):
+            problem = "missing" if record is None else self._refuse(record, key)
+            if problem is None:
+                out[position] = obj
+            else:
+                if record is not None:
+                    log.warning("cachetier record %s refused: %s", key.hex()[:12], problem)
+                obj.ref_count_down()  # back to LMCache's pool
+        return out
 
-        return read_each(
-            self.store, self.namespace, fmt.layout, self._keys(keys), land, self._scratch
-        )
+    def _refuse(self, record: KVBlock, key: bytes) -> str | None:
+        return check_record(record, key, self.namespace.fingerprint, self.format.layout)
 
     # -- the rest of LMCache's interface ---------------------------------------------------
 

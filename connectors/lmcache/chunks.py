@@ -8,8 +8,9 @@ LMCache hands its storage backends ``MemoryObj``s whose tensor is, for a full ch
     KV_MLA_FMT  [1, layers, tokens, latent]             (MLA)
 
 A canonical payload is ``[layers, 2, tokens, heads, head_dim]`` (MLA: ``[layers, 1, tokens,
-1, latent]``); both conversions only swap the first two axes, so each is a copy of whole
-``tokens * heads * head_dim`` runs.
+1, latent]``); both conversions only swap the first two axes, so a chunk is the same whole
+``tokens * heads * head_dim`` runs in another order: a put copies them into canonical order, a
+get reads each run of a record straight to its place in LMCache's object (``Runs``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from cachetier.keys import KVLayout, dtype_name
 from cachetier.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
+from cachetier.landing import Runs
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,22 @@ class ChunkFormat:
         payload.copy_(self._canonical_view(tensor))
         return payload
 
-    def from_canonical(self, payload: torch.Tensor, obj: Any) -> None:
-        """Copy a canonical payload into a full chunk's object of LMCache's allocator."""
-        self._canonical_view(obj.tensor).copy_(payload)
+    def runs(self, obj: Any) -> Runs:
+        """Where each run of a canonical payload goes in a full chunk's object of LMCache's
+        allocator, for a tier to read it there directly (``cachetier.landing``).
+
+        Canonical run ``layer * planes + plane`` (``tokens x heads x dim`` elements) is the
+        object's ``[plane, layer]`` row.
+        """
+        planes, layers = self.obj_shape[:2]
+        buffer = memoryview(obj.tensor.view(torch.uint8).reshape(-1).numpy())
+        run_bytes = buffer.nbytes // (planes * layers)
+        offsets = tuple(
+            (plane * layers + layer) * run_bytes
+            for layer in range(layers)
+            for plane in range(planes)
+        )
+        return Runs(buffer, run_bytes, offsets)
 
     def _canonical_view(self, tensor: torch.Tensor) -> torch.Tensor:
         # [planes, layers, tokens, heads * dim] -> [layers, planes, tokens, heads, dim]

@@ -9,6 +9,7 @@ import torch
 
 from cachetier.keys import KVLayout
 from cachetier.kv_format import MLA_ARRANGEMENT
+from cachetier.landing import copy_pairs
 from connectors.lmcache.chunks import ChunkFormat
 
 KV_2LTD, KV_MLA = "KV_2LTD", "KV_MLA_FMT"  # stand-ins for LMCache's MemoryFormat members
@@ -36,7 +37,7 @@ def test_kv_2ltd_becomes_layer_major_k_then_v() -> None:
             assert torch.equal(payload[layer, plane], want)
 
 
-def test_round_trip_is_byte_identical_and_copies() -> None:
+def test_runs_land_a_canonical_payload_back_in_lmcache_order() -> None:
     fmt = mha_format()
     kv = torch.randn(fmt.obj_shape).to(torch.float16)
     payload = fmt.to_canonical(chunk(kv))
@@ -44,7 +45,9 @@ def test_round_trip_is_byte_identical_and_copies() -> None:
     kv_before = kv.clone()
     kv.zero_()  # the payload is a copy: LMCache reuses its object after a put
     back = chunk(torch.empty(fmt.obj_shape, dtype=torch.float16))
-    fmt.from_canonical(payload, back)
+    flat_payload = memoryview(payload.view(torch.uint8).reshape(-1).numpy())
+    for to, src in copy_pairs(fmt.runs(back), flat_payload):  # as a tier lands a record
+        to[:] = src
     assert torch.equal(back.tensor, kv_before)
 
 
@@ -66,3 +69,5 @@ def test_mla_latent_is_one_plane_of_one_head() -> None:
     payload = fmt.to_canonical(chunk(kv, KV_MLA))
     assert payload is not None and payload.shape == (LAYERS, 1, TOKENS, 1, latent)
     assert torch.equal(payload[:, 0, :, 0], kv[0])
+    runs = fmt.runs(chunk(kv, KV_MLA))  # one plane: LMCache's order is the canonical one
+    assert list(runs.offsets) == list(range(0, runs.nbytes, runs.run_bytes))
