@@ -1,9 +1,38 @@
-"""What every connector checks of a restored record before its bytes enter an engine's memory."""
+"""The records connectors write, and what every connector checks of a restored record before
+its bytes enter an engine's memory."""
 
 from __future__ import annotations
 
+import torch
+
 from cachetier.keys import KVLayout
 from cachetier.record import KVBlock
+from kernels.staging import payload_view
+
+
+def payload_block(
+    key: bytes, fingerprint: bytes, layout: KVLayout, payload: torch.Tensor
+) -> KVBlock:
+    """The block of one full canonical payload of ``layout``, without a copy.
+
+    Args:
+        key: the block's key.
+        fingerprint: its namespace's fingerprint.
+        layout: the layout the payload has (dtype, shape, tokens).
+        payload: the payload, contiguous, on the host; nothing may write to it afterwards (a
+            CPU tier keeps a view of it).
+
+    Returns:
+        The block.
+    """
+    return KVBlock(
+        key=key,
+        fingerprint=fingerprint,
+        dtype=layout.dtype,
+        shape=layout.payload_shape,
+        num_tokens=layout.block_size,
+        data=payload_view(payload),
+    )
 
 
 def check_record(

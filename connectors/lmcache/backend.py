@@ -55,8 +55,7 @@ from cachetier.keys import Namespace, foreign_key
 from cachetier.record import KVBlock
 from connectors.config import model_folder_fingerprint, open_store, plugin_config
 from connectors.lmcache.chunks import ChunkFormat, chunk_format
-from connectors.records import check_record
-from kernels.staging import payload_view
+from connectors.records import check_record, payload_block
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +129,7 @@ class CacheTierBackend(StoragePluginInterface):
             if payload is None:
                 continue  # a partial chunk or another format: LMCache recomputes it
             blocks.append(
-                KVBlock(
-                    key=self._keys([key])[0],
-                    fingerprint=self.namespace.fingerprint,
-                    dtype=layout.dtype,
-                    shape=layout.payload_shape,
-                    num_tokens=layout.block_size,
-                    data=payload_view(payload),
-                )
+                payload_block(self._keys([key])[0], self.namespace.fingerprint, layout, payload)
             )
             stored.append(key)
         if blocks:

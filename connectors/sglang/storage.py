@@ -49,11 +49,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, Namespace, foreign_key
-from cachetier.record import KVBlock
 from connectors.config import model_folder_fingerprint, open_store, plugin_config
 from connectors.reads import ThreadScratch, read_each
+from connectors.records import payload_block
 from connectors.sglang.pages import HostPoolPages
-from kernels.staging import payload_view
 
 log = logging.getLogger(__name__)
 
@@ -240,14 +239,7 @@ class CacheTierStorage(HiCacheStorage):
         namespace, pages = self._ready()
         layout = pages.kv_layout
         blocks = [
-            KVBlock(
-                key=key,
-                fingerprint=namespace.fingerprint,
-                dtype=layout.dtype,
-                shape=layout.payload_shape,
-                num_tokens=layout.block_size,
-                data=payload_view(payload),
-            )
+            payload_block(key, namespace.fingerprint, layout, payload)
             for key, payload in zip(self._keys(keys), payloads)
         ]
         try:

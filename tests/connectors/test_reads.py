@@ -9,10 +9,9 @@ import torch
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.keys import KVLayout, Namespace, hash_block
-from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from connectors.reads import ThreadScratch, read_each
-from kernels.staging import payload_view
+from connectors.records import payload_block
 
 LAYOUT = KVLayout("float32", 4, 2, 2, 8)
 NS = Namespace("reads-test-model", LAYOUT)
@@ -28,15 +27,7 @@ def payload(seed: int) -> torch.Tensor:
 
 def put(store: TieredStore, namespace: Namespace, which: list[bytes]) -> None:
     blocks = [
-        KVBlock(
-            key=key,
-            fingerprint=namespace.fingerprint,
-            dtype=LAYOUT.dtype,
-            shape=LAYOUT.payload_shape,
-            num_tokens=LAYOUT.block_size,
-            data=payload_view(payload(i)),
-        )
-        for i, key in enumerate(which)
+        payload_block(key, namespace.fingerprint, LAYOUT, payload(i)) for i, key in enumerate(which)
     ]
     store.put_many(namespace.id, blocks)
 
@@ -72,19 +63,7 @@ def test_a_record_of_another_namespace_or_layout_never_lands(tmp_path: Path) -> 
         put(store, other_ns, wanted)
         # Same namespace id, other fingerprint in the record: the tiers hand it back, the
         # check refuses it.
-        store.put_many(
-            NS.id,
-            [
-                KVBlock(
-                    key=wanted[0],
-                    fingerprint=other_ns.fingerprint,
-                    dtype=LAYOUT.dtype,
-                    shape=LAYOUT.payload_shape,
-                    num_tokens=LAYOUT.block_size,
-                    data=payload_view(payload(0)),
-                )
-            ],
-        )
+        store.put_many(NS.id, [payload_block(wanted[0], other_ns.fingerprint, LAYOUT, payload(0))])
         got = read_each(store, NS, LAYOUT, wanted, lambda p, d: calls.append(p), ThreadScratch())
     assert got == [None, None] and calls == []
 
