@@ -16,6 +16,7 @@ get reads each run of a record straight to its place in LMCache's object (``Runs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -63,15 +64,21 @@ class ChunkFormat:
         Canonical run ``layer * planes + plane`` (``tokens x heads x dim`` elements) is the
         object's ``[plane, layer]`` row.
         """
-        planes, layers = self.obj_shape[:2]
         buffer = memoryview(obj.tensor.view(torch.uint8).reshape(-1).numpy())
-        run_bytes = buffer.nbytes // (planes * layers)
+        run_bytes, offsets = self._run_offsets
+        return Runs(buffer, run_bytes, offsets)
+
+    @cached_property
+    def _run_offsets(self) -> tuple[int, tuple[int, ...]]:
+        # The same for every object of the format: computed once, not per chunk of each get.
+        planes, layers = self.obj_shape[:2]
+        run_bytes = self.layout.block_bytes // (planes * layers)
         offsets = tuple(
             (plane * layers + layer) * run_bytes
             for layer in range(layers)
             for plane in range(planes)
         )
-        return Runs(buffer, run_bytes, offsets)
+        return run_bytes, offsets
 
     def _canonical_view(self, tensor: torch.Tensor) -> torch.Tensor:
         # [planes, layers, tokens, heads * dim] -> [layers, planes, tokens, heads, dim]
