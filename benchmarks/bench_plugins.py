@@ -17,9 +17,7 @@ Ratios are theirs over ours in time (> 1: we are faster), medians of alternating
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, run_json  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
@@ -38,24 +36,9 @@ def lmcache_figures(work: Path, chunks: int) -> dict[str, Any]:
     if not PEERS_PYTHON.exists():
         raise SystemExit(f"{PEERS_PYTHON} is missing: run `make setup-peers` first")
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [
-            str(PEERS_PYTHON),
-            str(ROOT / "benchmarks" / "plugins_lmcache.py"),
-            "--work",
-            str(work),
-            "--chunks",
-            str(chunks),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"plugins_lmcache.py failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    script = str(ROOT / "benchmarks" / "plugins_lmcache.py")
+    argv = [str(PEERS_PYTHON), script, "--work", str(work), "--chunks", str(chunks)]
+    return run_json(argv, timeout=1800, env=env)
 
 
 def main() -> None:

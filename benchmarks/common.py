@@ -6,6 +6,7 @@ import ctypes
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -56,3 +57,24 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
             print(f"{key:>32}: {value}", file=sys.stderr if as_json else sys.stdout)
     if as_json:
         print(json.dumps(result, sort_keys=True))
+
+
+def run_json(
+    argv: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run a benchmark step as its own process; the JSON of its last line.
+
+    Args:
+        argv: the command (interpreter, script, arguments).
+        timeout: seconds it may take.
+        env: its environment (``None``: this one's).
+
+    Raises:
+        RuntimeError: it failed (with the end of its stderr).
+    """
+    done = subprocess.run(
+        argv, capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:2])} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

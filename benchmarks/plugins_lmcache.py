@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import interleaved_medians, settle  # noqa: E402
+from benchmarks.common import interleaved_medians, run_json, settle  # noqa: E402
 from benchmarks.peers_common import ChunkSet, check_buffers, make_chunks  # noqa: E402
 from benchmarks.peers_lmcache import PeerStore, byte_view, release  # noqa: E402
 from benchmarks.peers_restart import count_lmcache  # noqa: E402
@@ -102,25 +101,8 @@ def speed(work: Path, num_chunks: int, repeats: int) -> dict[str, Any]:
 
 def child(step: str, work: Path, num_chunks: int) -> dict[str, Any]:
     """One step in a fresh interpreter of this venv (so a restart is a real one)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--step",
-            step,
-            "--work",
-            str(work),
-            "--chunks",
-            str(num_chunks),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"step {step} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    argv = [sys.executable, __file__, "--step", step, "--work", str(work)]
+    return run_json([*argv, "--chunks", str(num_chunks)], timeout=1200)
 
 
 def measure(work: Path, num_chunks: int = 32, repeats: int = 9) -> dict[str, Any]:
