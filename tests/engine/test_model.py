@@ -48,7 +48,9 @@ def _hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.mark.parametrize("chunks", [[100], [37, 1, 62], [16, 16, 16, 52], [1] * 5 + [95]])
+@pytest.mark.parametrize(
+    "chunks", [[100], [37, 1, 62], [16, 16, 16, 52], [1] * 5 + [95], [30, 70], [64, 36]]
+)
 def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int]) -> None:
     tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = _engine_logits(tiny_model_dir, tokens, chunks)
