@@ -40,6 +40,10 @@ class LookupEvent:
             partial tail here).
         restore_s: seconds spent restoring the hit from tiers (0 for pool hits).
         origin: who logged it (``engine``, ``server``).
+        recomputed_tokens: tokens the tiers held that were recomputed by choice, because the
+            cost model estimated recomputing them faster than loading them.
+        est_saved_s: seconds the cost model estimated the hit saved (against recomputing it
+            all); 0 where no estimate was made.
     """
 
     time_s: float
@@ -50,6 +54,8 @@ class LookupEvent:
     num_alignment_lost_tokens: int = 0
     restore_s: float = 0.0
     origin: str = "engine"
+    recomputed_tokens: int = 0
+    est_saved_s: float = 0.0
 
     def __post_init__(self) -> None:
         # A NaN or infinite time (JSON allows NaN) would wreck every plot over time, and a
@@ -58,6 +64,12 @@ class LookupEvent:
             raise ValueError(f"time_s must be a finite number of seconds, got {self.time_s}")
         if not (math.isfinite(self.restore_s) and self.restore_s >= 0):
             raise ValueError(f"restore_s must be a finite number >= 0, got {self.restore_s}")
+        if not (math.isfinite(self.est_saved_s) and self.est_saved_s >= 0):
+            raise ValueError(f"est_saved_s must be a finite number >= 0, got {self.est_saved_s}")
+        if self.recomputed_tokens < 0 or self.recomputed_tokens > self.num_tokens:
+            raise ValueError(
+                f"recomputed_tokens must be in [0, num_tokens], got {self.recomputed_tokens}"
+            )
         if self.num_alignment_lost_tokens < 0:
             raise ValueError(
                 f"num_alignment_lost_tokens must be >= 0, got {self.num_alignment_lost_tokens}"
@@ -94,6 +106,9 @@ class LookupEvent:
                 "num_alignment_lost_tokens": self.num_alignment_lost_tokens,
                 "restore_s": round(self.restore_s, 6),
                 "origin": self.origin,
+                # Only where a cost model spoke: logs without one stay as they were.
+                **({"recomputed_tokens": self.recomputed_tokens} if self.recomputed_tokens else {}),
+                **({"est_saved_s": round(self.est_saved_s, 6)} if self.est_saved_s else {}),
             },
             separators=(",", ":"),
         )
@@ -116,6 +131,8 @@ class LookupEvent:
                 num_alignment_lost_tokens=int(raw.get("num_alignment_lost_tokens", 0)),
                 restore_s=float(raw.get("restore_s", 0.0)),
                 origin=str(raw.get("origin", "engine")),
+                recomputed_tokens=int(raw.get("recomputed_tokens", 0)),
+                est_saved_s=float(raw.get("est_saved_s", 0.0)),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a lookup event: {exc}") from exc

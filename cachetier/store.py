@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachetier.costmodel import TierRates
 from cachetier.keys import BlockHash
 from cachetier.landing import Destination
 from cachetier.record import KVBlock
@@ -167,6 +168,9 @@ class TieredStore(Tier):
             _Writer(t, write_queue_blocks, write_queue_bytes, self._stats) for t in self._tiers[1:]
         ]
         self._closed = False
+        # Every tier's measured latency and read speed, from the lookups and gets below: what
+        # a cost model weighs a load against a recompute with.
+        self.rates = TierRates()
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -207,7 +211,11 @@ class TieredStore(Tier):
         pos = 0
         while pos < len(keys):
             for index, tier in enumerate(self._tiers):
+                errors = tier.num_errors
+                start = time.perf_counter()
                 found = tier.contains_prefix(namespace, keys[pos:])
+                if tier.num_errors == errors:
+                    self.rates.observe_latency(tier.name, time.perf_counter() - start)
                 if found:
                     spans.append((index, pos, pos + found))
                     pos += found
@@ -226,6 +234,7 @@ class TieredStore(Tier):
         *,
         fingerprint: bytes | None = None,
         dests: Sequence[Destination] | None = None,
+        hit: PrefixHit | None = None,
     ) -> RestoredPrefix:
         """Fetch the leading run of stored blocks for ``keys``.
 
@@ -236,13 +245,16 @@ class TieredStore(Tier):
             dests: optional caller memory, one buffer per key, that payloads are read into
                 (see ``Tier.get_into``). Blocks read this way are not promoted: the caller
                 holds them, and promoting would cost the copy this saves.
+            hit: the caller's own ``lookup`` of these keys, just made: not asked again (a
+                remote tier would pay a round trip for it).
 
         Returns:
             The blocks of the longest leading run that could actually be read (a block that
             vanished or failed its checks between lookup and read ends the run there).
         """
-        hit = self.lookup(namespace, keys)
-        n = hit.num_blocks
+        if hit is None:
+            hit = self.lookup(namespace, keys)
+        n = min(hit.num_blocks, len(keys))
         found, sources = self._fetch(
             namespace, keys[:n], fingerprint, None if dests is None else dests[:n]
         )
@@ -287,10 +299,18 @@ class TieredStore(Tier):
             if not missing:
                 break
             wanted = [keys[i] for i in missing]
+            errors = tier.num_errors
+            tier_start = time.perf_counter()
             if dests is None:
                 got = tier.get_many(namespace, wanted)
             else:
                 got = tier.get_into(namespace, wanted, [dests[i] for i in missing])
+            if tier.num_errors == errors:
+                self.rates.observe_read(
+                    tier.name,
+                    sum(b.nbytes for b in got if b is not None),
+                    time.perf_counter() - tier_start,
+                )
             still: list[int] = []
             promoted: list[KVBlock] = []
             for i, block in zip(missing, got):
@@ -341,6 +361,7 @@ class TieredStore(Tier):
         out = super().stats()
         out["pending_writes"] = {w.tier.name: w.pending_blocks() for w in self._writers}
         out["tiers"] = {tier.name: tier.stats() for tier in self._tiers}
+        out["rates"] = self.rates.snapshot()
         return out
 
     def close(self) -> None:

@@ -159,6 +159,13 @@ class Tier(ABC):
         out["used_bytes"] = self.used_bytes
         return out
 
+    @property
+    def num_errors(self) -> int:
+        """Failed calls to the backing service so far. The store leaves a call that failed out
+        of the tier's measured speed: a timeout against a Redis that is down says nothing about
+        how fast it reads once it is back."""
+        return self._stats.errors
+
     def close(self) -> None:
         """Release resources; the tier must not be used afterwards."""
 

@@ -77,6 +77,10 @@ def test_size_cap_drops_and_counts(tmp_path):
         {"hit_tokens": {"cpu": 200}},
         {"hit_tokens": {"cpu": -1}},
         {"block_size": 0},
+        {"recomputed_tokens": -1},
+        {"recomputed_tokens": 101},
+        {"est_saved_s": float("nan")},
+        {"est_saved_s": -1.0},
     ],
 )
 def test_invalid_events_are_refused(kwargs):
@@ -98,3 +102,11 @@ def test_a_torn_tail_is_forgiven_only_where_asked_and_only_at_the_end(tmp_path):
         f.write(_event(1).to_json() + "\n")
     with pytest.raises(ValueError, match=r"events.jsonl:2"):
         list(read_events(path, strict=True, allow_torn_tail=True))
+
+
+def test_cost_model_fields_round_trip_and_stay_out_of_old_lines():
+    chosen = LookupEvent(1.0, "t", 900, {"remote": 160}, recomputed_tokens=640, est_saved_s=1.25)
+    assert LookupEvent.from_json(chosen.to_json()) == chosen
+    plain = LookupEvent(1.0, "t", 900, {"disk": 800})
+    assert "recomputed_tokens" not in plain.to_json() and "est_saved_s" not in plain.to_json()
+    assert LookupEvent.from_json(plain.to_json()) == plain

@@ -1,0 +1,258 @@
+"""The cost model: measured tier rates, a fitted prefill model, and the load / recompute plan."""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+from cachetier.costmodel import CostModel, LoadPlan, PrefillModel, TierRates
+from cachetier.record import KVBlock
+from cachetier.store import TieredStore
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.redis import RedisTier, RedisTierConfig
+
+BLOCK_BYTES = 1 << 20
+BLOCK_SIZE = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+STILL = Clock()  # a clock that never moves: no tier ever looks stale
+
+
+def rates_with(clock: Clock = STILL, **gbps: float) -> TierRates:
+    """Rates as if each tier had been read at ``gbps`` GB/s with 1 ms round trips."""
+    rates = TierRates(clock)
+    for tier, speed in gbps.items():
+        rates.observe_latency(tier, 1e-3)
+        rates.observe_read(tier, 100 * BLOCK_BYTES, 1e-3 + 100 * BLOCK_BYTES / (speed * 1e9))
+    return rates
+
+
+def linear_prefill(seconds_per_token: float) -> PrefillModel:
+    model = PrefillModel()
+    for n in (64, 256, 1024, 4096):
+        model.observe(n, PrefillModel.attention_work(n, 0), n * seconds_per_token)
+    return model
+
+
+def plan(model: CostModel, spans: list[tuple[str, int]], num_tokens: int = 4096) -> LoadPlan:
+    return model.plan(
+        spans,
+        block_bytes=BLOCK_BYTES,
+        block_size=BLOCK_SIZE,
+        cached_tokens=0,
+        num_tokens=num_tokens,
+        chunk_tokens=2048,
+    )
+
+
+def test_tier_rates_average_latency_and_read_speed() -> None:
+    rates = TierRates(Clock())
+    assert rates.get("disk") is None
+    rates.observe_latency("disk", 0.002)
+    rates.observe_read("disk", 10**9, 0.502)  # 0.5 s of transfer after a 2 ms round trip
+    rate = rates.get("disk")
+    assert rate is not None and rate.num_reads == 1
+    assert rate.latency_s == pytest.approx(0.002)
+    assert rate.read_s(10**9) == pytest.approx(0.502)
+    assert rates.snapshot()["disk"]["read_gbps"] == pytest.approx(2.0)
+    # A slower read moves the average part of the way, not all of it.
+    rates.observe_read("disk", 10**9, 2.002)
+    slower = rates.get("disk")
+    assert slower is not None and 0.5 < slower.read_s(10**9) - 0.002 < 2.0
+
+
+def test_tier_rates_ignore_reads_that_teach_nothing() -> None:
+    rates = TierRates(Clock())
+    rates.observe_read("cpu", 0, 1.0)  # a miss: no bytes
+    rates.observe_read("cpu", 100, math.nan)
+    rates.observe_read("cpu", 100, -1.0)
+    rates.observe_latency("cpu", math.inf)
+    assert rates.get("cpu") is None
+
+
+def test_prefill_model_recovers_a_quadratic_cost() -> None:
+    c0, c1, c2 = 0.01, 2e-4, 3e-8
+    model = PrefillModel()
+    assert model.recompute_s(0, 100, 2048) is None
+    for n, cached in [(64, 0), (512, 0), (2048, 0), (2048, 2048), (2048, 4096), (8, 6000)]:
+        work = PrefillModel.attention_work(n, cached)
+        model.observe(n, work, c0 + c1 * n + c2 * work)
+    coef = model.coefficients
+    assert coef is not None
+    assert coef == pytest.approx((c0, c1, c2), rel=1e-3)
+    # 6,000 tokens in chunks of 2,048: three steps, each attending to what came before.
+    expected = sum(
+        c0 + c1 * n + c2 * PrefillModel.attention_work(n, start)
+        for start, n in [(0, 2048), (2048, 2048), (4096, 1904)]
+    )
+    assert model.recompute_s(0, 6000, 2048) == pytest.approx(expected, rel=1e-3)
+
+
+def test_prefill_model_never_fits_a_negative_cost() -> None:
+    model = PrefillModel()
+    # Noisy small steps that a free fit would explain with a negative per-token cost.
+    for n, seconds in [(10, 0.05), (20, 0.04), (40, 0.045), (80, 0.05)]:
+        model.observe(n, PrefillModel.attention_work(n, 0), seconds)
+    coef = model.coefficients
+    assert coef is not None and min(coef) >= 0
+    assert model.recompute_s(0, 1000, 256) is not None
+
+
+def test_a_fast_tier_is_loaded_a_slow_one_recomputed() -> None:
+    prefill = linear_prefill(1e-4)  # 4,096 tokens in 0.41 s
+    fast = CostModel(rates_with(disk=5.0), prefill, clock=STILL)
+    # 256 blocks of 1 MiB: 0.05 s at 5 GB/s, 27 s at 0.01 GB/s.
+    assert plan(fast, [("disk", 256)]).num_load_blocks == 256
+    slow = CostModel(rates_with(remote=0.01), prefill, clock=STILL)
+    chosen = plan(slow, [("remote", 256)])
+    assert chosen.num_load_blocks == 0 and chosen.num_recompute_blocks == 256
+    assert chosen.reason == "model"
+    assert chosen.est_ttft_s == pytest.approx(chosen.est_recompute_all_s)
+    assert chosen.est_load_all_s is not None and chosen.est_load_all_s > 20
+
+
+def quadratic_prefill() -> PrefillModel:
+    prefill = PrefillModel()
+    for n, cached in [(256, 0), (1024, 0), (2048, 0), (2048, 2048), (1024, 3072)]:
+        work = PrefillModel.attention_work(n, cached)
+        prefill.observe(n, work, 1e-3 + 1e-5 * n + 4e-8 * work)
+    return prefill
+
+
+def test_a_link_a_little_slower_than_compute_loads_the_late_blocks() -> None:
+    # Every block costs the same to load, but a late block costs more to compute (it attends
+    # to more context): the best plan recomputes the early blocks and loads the late ones. The
+    # plan must be the exact minimum over every such split.
+    prefill = quadratic_prefill()
+    rates = rates_with(remote=0.7)
+    chosen = plan(CostModel(rates, prefill, clock=STILL), [("remote", 256)])
+    rate = rates.get("remote")
+    assert rate is not None
+
+    def ttft(j: int) -> float:  # recompute [0, j), load [j, 256), then the suffix
+        early = prefill.recompute_s(0, j * BLOCK_SIZE, 2048)
+        load = rate.read_s((256 - j) * BLOCK_BYTES) if j < 256 else 0.0
+        assert early is not None and load is not None
+        return early + load
+
+    best = min(ttft(j) for j in range(257))
+    assert 0 < chosen.load_start < 256 and chosen.load_end == 256
+    assert ttft(chosen.load_start) <= max(best * 1.02, best + 1e-3) + 1e-12
+    assert chosen.est_ttft_s is not None and chosen.est_recompute_all_s is not None
+    assert chosen.est_ttft_s < min(chosen.est_recompute_all_s, chosen.est_load_all_s or 0)
+    assert chosen.est_saved_s == pytest.approx(chosen.est_recompute_all_s - chosen.est_ttft_s)
+    # An engine that takes only a loaded prefix gets all or nothing here.
+    prefix = CostModel(rates, prefill, clock=STILL).plan(
+        [("remote", 256)],
+        block_bytes=BLOCK_BYTES,
+        block_size=BLOCK_SIZE,
+        cached_tokens=0,
+        num_tokens=4096,
+        chunk_tokens=2048,
+        prefix_only=True,
+    )
+    assert prefix.load_start == 0 and prefix.num_load_blocks in (0, 256)
+
+
+def test_a_gain_within_the_estimates_noise_loads() -> None:
+    # 8 blocks read at 10 GB/s after a 1 ms round trip (1.8 ms), against 128 tokens at 10 us
+    # each (1.3 ms): the recompute wins on paper by less than the estimates are worth.
+    model = CostModel(rates_with(redis=10.0), linear_prefill(1e-5), clock=STILL)
+    chosen = plan(model, [("redis", 8)], num_tokens=129)
+    assert chosen.num_load_blocks == 8
+    assert chosen.est_load_all_s is not None and chosen.est_recompute_all_s is not None
+    assert 0 < chosen.est_load_all_s - chosen.est_recompute_all_s < 1e-3
+    # At 50 MB/s the same blocks take 0.17 s: a real gain, and the plan recomputes.
+    slow = CostModel(rates_with(redis=0.05), linear_prefill(1e-5), clock=STILL)
+    assert plan(slow, [("redis", 8)], num_tokens=129).num_load_blocks == 0
+
+
+def test_spans_of_two_tiers_load_the_fast_one_only() -> None:
+    model = CostModel(rates_with(cpu=10.0, remote=0.01), linear_prefill(1e-4), clock=STILL)
+    chosen = plan(model, [("cpu", 100), ("remote", 156)])
+    assert chosen.num_load_blocks == 100
+
+
+def test_unmeasured_or_disabled_loads_everything() -> None:
+    prefill = linear_prefill(1e-4)
+    assert plan(CostModel(TierRates(Clock()), prefill), [("disk", 8)]).reason == "unmeasured"
+    assert plan(CostModel(rates_with(disk=1.0), PrefillModel()), [("disk", 8)]).reason == (
+        "unmeasured"
+    )
+    off = plan(CostModel(rates_with(remote=1e-4), prefill, enabled=False), [("remote", 8)])
+    assert (off.num_load_blocks, off.reason) == (8, "disabled")
+
+
+def test_an_avoided_tier_is_probed_again_after_a_while() -> None:
+    clock = Clock()
+    model = CostModel(
+        rates_with(clock, remote=0.01), linear_prefill(1e-4), probe_interval_s=30, clock=clock
+    )
+    assert plan(model, [("remote", 256)]).num_load_blocks == 0
+    clock.now += 31
+    probe = plan(model, [("remote", 256)])
+    assert (probe.num_load_blocks, probe.reason) == (1, "probe")
+
+
+def block(key: bytes, size: int = 4096) -> KVBlock:
+    return KVBlock(key, b"f" * 32, "float32", (size // 4,), 16, bytes(size))
+
+
+def test_a_store_measures_its_tiers_on_real_gets(tmp_path: Path) -> None:
+    disk = DiskTier(DiskTierConfig(root=str(tmp_path), capacity_bytes=1 << 30, fsync=False))
+    store = TieredStore([CPUTier(CPUTierConfig(capacity_bytes=1 << 20)), disk])
+    keys = [bytes([i]) * 32 for i in range(8)]
+    disk.put_many("ns", [block(k) for k in keys])
+    assert store.rates.get("disk") is None
+    hit = store.lookup("ns", keys)
+    assert hit.num_blocks == 8
+    restored = store.restore_prefix("ns", keys, hit=hit)
+    assert len(restored.blocks) == 8
+    rates = store.stats()["rates"]
+    assert rates["disk"]["reads"] == 1 and rates["disk"]["read_gbps"] > 0
+    assert rates["disk"]["latency_ms"] >= 0
+    store.close()
+
+
+def test_a_link_that_recovered_is_trusted_again_within_a_few_reads() -> None:
+    rates = TierRates(Clock())
+    rates.observe_read("remote", 10**8, 50.0)  # 2 MB/s: a thin link
+    for _ in range(3):
+        rates.observe_read("remote", 10**8, 0.25)  # 400 MB/s again
+    rate = rates.get("remote")
+    assert rate is not None and rate.read_s(10**8) is not None
+    # A plain mean of seconds per byte would still say ~6 MB/s here (17 s for 100 MB).
+    assert rate.read_s(10**8) < 0.5  # type: ignore[operator]
+
+
+def test_calls_that_failed_teach_nothing_about_a_tier() -> None:
+    # A Redis that accepts connections and never answers: every call times out. Those timeouts
+    # are the outage, not the link's speed; learnt, they would keep a Redis that came back
+    # looking slow, and its hits recomputed, long after it recovered.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        redis = RedisTier(
+            RedisTierConfig(
+                url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.05, connect_timeout_s=0.05
+            )
+        )
+        store = TieredStore([CPUTier(CPUTierConfig(capacity_bytes=1 << 20)), redis])
+        keys = [bytes([i]) * 32 for i in range(4)]
+        assert store.lookup("ns", keys).num_blocks == 0
+        assert store.get_many("ns", keys) == [None] * 4
+        assert redis.num_errors >= 2
+        assert store.rates.get("redis") is None
+        assert store.rates.get("cpu") is not None  # the tier that answered is measured
+        store.close()
