@@ -14,7 +14,7 @@ import json
 import sys
 
 from cachetier.config import StoreConfig
-from engine.config import MODEL_DTYPES
+from engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 from engine.smollm2 import smollm2_path
@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--disk-path", default=None, help="disk tier folder")
     gen.add_argument("--redis-url", default=None)
     gen.add_argument("--tenant", default="")
+    gen.add_argument(
+        "--kv-load-policy",
+        default="cost",
+        choices=KV_LOAD_POLICIES,
+        help="cost: load a tier hit only where that beats recomputing it; always: load every hit",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per answer")
     return parser
 
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_bytes,
         tenant=args.tenant,
+        kv_load_policy=args.kv_load_policy,
     ) as llm:
         ids = [llm.encode(p, chat=args.chat) for p in prompts]
         outputs = llm.generate(ids, params, use_tqdm=sys.stderr.isatty() or len(ids) > 1)

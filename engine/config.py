@@ -12,6 +12,8 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # Element types a KV pool may have: a float pool holds K/V as computed, an fp8 pool quantises.
 POOL_DTYPES = (*MODEL_DTYPES, *FP8_KV_DTYPES.values())
+# ``cost``: load a tier hit only where that beats recomputing it; ``always``: load every hit.
+KV_LOAD_POLICIES = ("cost", "always")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,8 @@ class EngineConfig:
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         event_log: a JSON-lines file that gets one ``cachetier.events.LookupEvent`` per admitted
             request (for ``cachetier report``); ``None`` for none.
+        kv_load_policy: ``cost`` loads a tier hit only where the measured tier speed beats the
+            measured prefill speed (``cachetier.costmodel``); ``always`` loads every hit.
     """
 
     model: str
@@ -49,6 +53,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     num_threads: int | None = None
     event_log: str | None = None
+    kv_load_policy: str = "cost"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -73,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.kv_load_policy not in KV_LOAD_POLICIES:
+            raise ValueError(
+                f"kv_load_policy must be one of {KV_LOAD_POLICIES}, got {self.kv_load_policy!r}"
+            )
         if self.event_log is not None and not self.event_log.strip():
             raise ValueError("event_log must be a file path, or None for no log")
 

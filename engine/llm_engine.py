@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cachetier.costmodel import CostModel, PrefillModel
 from cachetier.events import EventLog
 from cachetier.fingerprint import model_fingerprint
 from cachetier.keys import Namespace, torch_dtype
@@ -36,6 +37,9 @@ class RequestOutput:
 
     ``cached_tokens_by_source`` says where its cached prompt tokens came from: ``pool`` (the
     engine's own blocks) or a tier name (``cpu``, ``disk``, ``redis``, ``remote``).
+    ``ttft_breakdown`` says where ``ttft_s`` went (``engine.sequence.TTFT_PARTS`` and
+    ``other_s``); ``num_recomputed_hit_tokens`` are tokens the tiers held that the cost model
+    chose to recompute.
     """
 
     request_id: str
@@ -48,6 +52,8 @@ class RequestOutput:
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
     ttft_s: float | None = None
     text: str = ""
+    ttft_breakdown: dict[str, float] = field(default_factory=dict)
+    num_recomputed_hit_tokens: int = 0
 
 
 class LLMEngine:
@@ -80,7 +86,7 @@ class LLMEngine:
             self.spec.max_position_embeddings,
             self.pool.num_blocks * config.block_size,
         )
-        self.model.warm_up(self.pool.cache, self.pool.scales)
+        warm_up = self.model.warm_up(self.pool.cache, self.pool.scales)
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
         self.bridge = TierBridge(store, self.namespace, self.pool) if store is not None else None
         self.blocks = BlockManager(
@@ -90,7 +96,21 @@ class LLMEngine:
         )
         # Owned here (the config names a file, not an object): close() closes it.
         self.events = EventLog(config.event_log) if config.event_log is not None else None
-        self.scheduler = Scheduler(config, self.namespace, self.blocks, self.bridge, self.events)
+        # The engine's measured prefill speed, weighed against the store's measured tier speeds
+        # for every tier hit (``kv_load_policy="always"`` loads without asking).
+        self.prefill_model = PrefillModel()
+        for num_tokens, seconds in warm_up:
+            self.prefill_model.observe(
+                num_tokens, PrefillModel.attention_work(num_tokens, 0), seconds
+            )
+        self.cost_model = (
+            CostModel(store.rates, self.prefill_model, enabled=config.kv_load_policy == "cost")
+            if store is not None
+            else None
+        )
+        self.scheduler = Scheduler(
+            config, self.namespace, self.blocks, self.bridge, self.events, self.cost_model
+        )
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
@@ -164,6 +184,8 @@ class LLMEngine:
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
         samplers: list[Sequence] = []
+        prompt_seqs: list[Sequence] = []
+        attention = 0.0
         for item in scheduled:
             seq, n = item.seq, item.num_new
             start = seq.num_computed_tokens
@@ -182,8 +204,10 @@ class LLMEngine:
             if context == seq.num_tokens:
                 logits_rows.append(row + n - 1)
                 samplers.append(seq)
+            attention += PrefillModel.attention_work(n, start)
             if n > 1 or seq.num_tokens == seq.num_prompt_tokens:
                 self.num_prefill_tokens += n
+                prompt_seqs.append(seq)
             else:
                 self.num_decode_tokens += n
         batch = ForwardBatch(
@@ -193,13 +217,24 @@ class LLMEngine:
             tuple(slices),
             torch.tensor(logits_rows, dtype=torch.long),
         )
+        forward_start = time.perf_counter()
         logits = self.model.forward(batch, self.pool.cache, kv_scales=self.pool.scales)
+        forward_s = time.perf_counter() - forward_start
+        if prompt_seqs:
+            # Steps that compute prompts teach the cost model what a recompute costs; decode-only
+            # steps would bias it towards the one-token case.
+            self.prefill_model.observe(len(ids), attention, forward_s)
+            for seq in prompt_seqs:
+                seq.add_time("prefill_s", forward_s)
         for item in scheduled:
             before = item.seq.num_computed_tokens
             item.seq.num_computed_tokens += item.num_new
             self.scheduler.register_computed(item.seq, before)
+        sample_start = time.perf_counter()
         new_tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         now = time.perf_counter()
+        for seq in samplers:
+            seq.add_time("sample_s", now - sample_start)
         outputs: list[RequestOutput] = []
         for seq, token in zip(samplers, new_tokens):
             seq.output_token_ids.append(token)
@@ -235,6 +270,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_source=dict(seq.cached_tokens_by_source),
             ttft_s=seq.ttft_s,
+            ttft_breakdown=seq.ttft_breakdown(),
+            num_recomputed_hit_tokens=seq.num_recomputed_hit_tokens,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -261,4 +298,11 @@ class LLMEngine:
                 save_s=s.save_s,
                 restored_by_tier=dict(s.restored_by_tier),
             )
+        if self.cost_model is not None:
+            out["cost_model"] = {
+                "enabled": self.cost_model.enabled,
+                "recomputed_tokens": self.scheduler.num_recomputed_hit_tokens,
+                "prefill": self.prefill_model.snapshot(),
+                "tiers": self.cost_model.rates.snapshot(),
+            }
         return out

@@ -13,8 +13,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from cachetier.costmodel import CostModel, LoadPlan
 from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import BlockHash, Namespace, block_keys
+from cachetier.store import PrefixHit
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -35,8 +37,10 @@ class Scheduler:
         blocks: BlockManager,
         bridge: TierBridge | None,
         events: EventLog | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.config = config
+        self.cost = cost
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.blocks = blocks
@@ -45,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_hit_tokens = 0  # tier hits the cost model chose to recompute
 
     def add(self, seq: Sequence) -> None:
         self.extend_keys(seq)
@@ -73,6 +78,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.skip is not None:
+                num_new = min(num_new, seq.skip[0] - seq.num_computed_tokens)
             need = self._blocks_needed(seq, num_new)
             while need > self.blocks.num_free_blocks and len(self.running) - 1 > i:
                 self._preempt(self.running.pop())
@@ -104,42 +111,75 @@ class Scheduler:
             Tokens to compute this step, or ``None`` if the pool cannot take it now.
         """
         bs = self.block_size
+        start = time.perf_counter()
+        first = seq.num_preemptions == 0
+        if first:
+            seq.add_time("queue_s", start - seq.arrival_s)
         pool_ids: list[int] = []
-        tier_hits = 0
         keys = []
+        hit: PrefixHit | None = None
+        plan: LoadPlan | None = None
         if self.config.enable_prefix_caching:
             # At least one token must be computed to get logits, so a prompt that is all full
             # blocks leaves its last block to be recomputed.
             keys = seq.block_keys[: (seq.num_tokens - 1) // bs]
             pool_ids = self.blocks.match_prefix(keys)
             if self.bridge is not None:
-                tier_hits = self.bridge.lookup(keys[len(pool_ids) :])
-        cached = (len(pool_ids) + tier_hits) * bs
-        num_new = min(seq.num_tokens - cached, budget)
-        need = -(-(cached + num_new) // bs) - len(pool_ids)
+                hit = self.bridge.lookup(keys[len(pool_ids) :])
+                plan = self._plan(seq, hit, len(pool_ids) * bs)
+                seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
+        # Hit blocks [load_start, load_end) come from the tiers; those before load_start are
+        # recomputed first (the plan found that cheaper), then the sequence skips over the
+        # loaded ones.
+        load_start = plan.load_start if plan is not None and plan.num_load_blocks else 0
+        load_end = plan.load_end if plan is not None and plan.num_load_blocks else 0
+        first_new = len(pool_ids) * bs if load_start else (len(pool_ids) + load_end) * bs
+        num_new = min(seq.num_tokens - first_new, budget)
+        if load_start:
+            num_new = min(num_new, load_start * bs)
+        need = max(load_end, -(-(first_new + num_new) // bs) - len(pool_ids))
         if need > self.blocks.num_free_blocks - self.blocks.num_free_among(pool_ids):
             return None
         self.blocks.acquire(pool_ids)
         new_ids = self.blocks.allocate(need)
         assert new_ids is not None, "allocation failed after the free-block check"
         seq.block_table = pool_ids + new_ids
+        seq.skip = None
         sources: list[str] = []
         restore_s = 0.0
-        if tier_hits and self.bridge is not None:
-            tier_keys = keys[len(pool_ids) : len(pool_ids) + tier_hits]
-            start = time.perf_counter()
-            sources = self.bridge.restore(tier_keys, new_ids[:tier_hits])
-            restore_s = time.perf_counter() - start
-            for key, block_id in zip(tier_keys, new_ids[: len(sources)]):
+        if first:
+            seq.add_time("lookup_s", time.perf_counter() - start)
+        if load_end > load_start and self.bridge is not None:
+            base = len(pool_ids)
+            tier_keys = keys[base + load_start : base + load_end]
+            # Every key asked for is inside the hit just looked up: not looked up again.
+            restored = self.bridge.restore(tier_keys, new_ids[load_start:load_end], hit)
+            sources = restored.sources
+            restore_s = restored.read_s + restored.copy_s
+            if first:
+                seq.add_time("restore_read_s", restored.read_s)
+                seq.add_time("restore_copy_s", restored.copy_s)
+            for key, block_id in zip(tier_keys, new_ids[load_start : load_start + len(sources)]):
                 self.blocks.register(block_id, key, stored=True)
+        if load_start:
+            seq.num_computed_tokens = len(pool_ids) * bs
+            if sources:
+                begin = (len(pool_ids) + load_start) * bs
+                seq.skip = (begin, begin + len(sources) * bs)
+        else:
+            seq.num_computed_tokens = (len(pool_ids) + len(sources)) * bs
+            if len(sources) < load_end:
+                # Fewer blocks arrived than the lookup promised: compute the rest, within the
+                # blocks already taken.
+                cached = seq.num_computed_tokens
+                num_new = min(seq.num_tokens - cached, budget, len(seq.block_table) * bs - cached)
         cached = (len(pool_ids) + len(sources)) * bs
-        if len(sources) < tier_hits:
-            # Fewer blocks arrived than the lookup promised: compute the rest, within the
-            # blocks already taken.
-            num_new = min(seq.num_tokens - cached, budget, len(seq.block_table) * bs - cached)
-        seq.num_computed_tokens = cached
-        if seq.num_preemptions == 0:
+        if first:
             seq.num_cached_tokens = cached
+            if plan is not None:
+                seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * bs
+                self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
+                seq.est_saved_s = plan.est_saved_s
             by_source: dict[str, int] = {}
             if pool_ids:
                 by_source["pool"] = len(pool_ids) * bs
@@ -151,6 +191,21 @@ class Scheduler:
             if self.events is not None and self.config.enable_prefix_caching:
                 self._log_lookup(seq, keys, by_source, restore_s)
         return num_new
+
+    def _plan(self, seq: Sequence, hit: PrefixHit, pool_tokens: int) -> LoadPlan:
+        """Load or recompute the tier hit: without a cost model, load all of it."""
+        if self.cost is None or self.bridge is None:
+            return LoadPlan.load_all(hit.num_blocks, "disabled")
+        spans = [(hit.tier_names[tier], end - begin) for tier, begin, end in hit.spans]
+        pool = self.bridge.pool
+        return self.cost.plan(
+            spans,
+            block_bytes=pool.block_bytes + pool.aux_bytes,
+            block_size=self.block_size,
+            cached_tokens=pool_tokens,
+            num_tokens=seq.num_tokens,
+            chunk_tokens=self.config.max_num_batched_tokens,
+        )
 
     def _log_lookup(
         self, seq: Sequence, keys: list[BlockHash], by_source: dict[str, int], restore_s: float
@@ -171,6 +226,8 @@ class Scheduler:
                 num_alignment_lost_tokens=lost,
                 restore_s=restore_s,
                 origin="engine",
+                recomputed_tokens=seq.num_recomputed_hit_tokens,
+                est_saved_s=seq.est_saved_s,
             )
         )
 
@@ -180,20 +237,27 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.skip = None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def register_computed(self, seq: Sequence, before: int) -> None:
-        """Index blocks that became full and computed this step in the prefix cache."""
+        """Index blocks that became full and computed this step in the prefix cache, and step
+        over blocks loaded from the tiers once the recomputed ones before them are done."""
+        if seq.skip is not None and seq.num_computed_tokens == seq.skip[0]:
+            seq.num_computed_tokens = seq.skip[1]
+            seq.skip = None
         if not self.config.enable_prefix_caching:
             return
         bs = self.block_size
         for index in range(before // bs, seq.num_computed_tokens // bs):
             block_id = seq.block_table[index]
             if self.blocks.blocks[block_id].key is None:
-                self.blocks.register(block_id, seq.block_keys[index])
+                self.blocks.register(
+                    block_id, seq.block_keys[index], stored=index < seq.num_stored_blocks
+                )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence: save its full blocks to the tiers and free them."""

@@ -11,6 +11,12 @@ import torch
 from cachetier.keys import BlockHash
 from engine.sampling import SamplingParams
 
+TTFT_PARTS = ("queue_s", "lookup_s", "restore_read_s", "restore_copy_s", "prefill_s", "sample_s")
+"""The parts of a request's TTFT the engine times: waiting to be admitted, the prefix lookup
+(pool, tiers and the load plan), reading the hit from the tiers, copying what could not be read
+in place, the forward passes that computed its prompt, and sampling its first token. What they
+do not cover (other requests' steps, scheduling, Python between steps) is ``other_s``."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -38,6 +44,18 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # Where the time to first token went, in seconds (``TTFT_PARTS``), filled as it runs.
+    timings: dict[str, float] = field(default_factory=dict)
+    # Hit blocks the cost model chose to recompute rather than load, and the seconds it
+    # estimated the hit saved (against recomputing all of it).
+    num_recomputed_hit_tokens: int = 0
+    est_saved_s: float = 0.0
+    # (from, to): blocks loaded from the tiers sit at tokens [from, to), after blocks the
+    # cost model chose to recompute; once ``num_computed_tokens`` reaches ``from`` it jumps.
+    skip: tuple[int, int] | None = None
+    # Leading blocks the tiers already hold (from its last lookup): computed again by choice,
+    # they are not written back over the link the cost model avoided.
+    num_stored_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -62,3 +80,18 @@ class Sequence:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    def add_time(self, part: str, seconds: float) -> None:
+        """Add to one part of the TTFT breakdown (nothing once the first token is out)."""
+        if self.first_token_s is None:
+            self.timings[part] = self.timings.get(part, 0.0) + seconds
+
+    def ttft_breakdown(self) -> dict[str, float]:
+        """Every part of ``TTFT_PARTS`` plus ``other_s``, which make up ``ttft_s``; empty
+        before the first token."""
+        ttft = self.ttft_s
+        if ttft is None:
+            return {}
+        out = {part: self.timings.get(part, 0.0) for part in TTFT_PARTS}
+        out["other_s"] = max(0.0, ttft - sum(out.values()))
+        return out

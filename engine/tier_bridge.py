@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store import PrefixHit, TieredStore
 from engine.block_manager import Block
 from engine.kv_cache import KVPool
 
@@ -26,6 +26,17 @@ class BridgeStats:
     restored_bytes: int = 0
     rejected_blocks: int = 0  # restored blocks whose layout did not match the pool
     restored_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """One restore: the source tier of each block put in place (a prefix of the keys asked
+    for), and where its time went: reading from the tiers (straight into the pool where a tier
+    can) and copying what could not be read in place."""
+
+    sources: list[str]
+    read_s: float
+    copy_s: float
 
 
 class TierBridge:
@@ -74,21 +85,29 @@ class TierBridge:
         self.stats.saved_blocks += len(records)
         self.stats.save_s += time.perf_counter() - start
 
-    def lookup(self, keys: Sequence[BlockHash]) -> int:
-        """How many leading ``keys`` the store holds (no data is read)."""
-        if not keys:
-            return 0
-        return self.store.lookup(self.namespace.id, keys).num_blocks
+    def lookup(self, keys: Sequence[BlockHash]) -> PrefixHit:
+        """Which leading ``keys`` the store holds, and in which tier (no data is read)."""
+        return self.store.lookup(self.namespace.id, keys)
 
-    def restore(self, keys: Sequence[BlockHash], block_ids: Sequence[int]) -> list[str]:
+    def restore(
+        self,
+        keys: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        hit: PrefixHit | None = None,
+    ) -> Restored:
         """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
 
         Every block is checked before use: its key and namespace fingerprint (by the store),
         its dtype, shape, size, scale count and token count (here). The first block that fails
         ends the run.
 
+        Args:
+            keys: the blocks to restore, in sequence order.
+            block_ids: pool blocks to put them in, one per key.
+            hit: the ``lookup`` just made for (at least) these keys, so it is not made twice.
+
         Returns:
-            The source tier name of each restored block (a prefix of ``keys``).
+            The source tier of each restored block (a prefix of ``keys``) and the time taken.
         """
         start = time.perf_counter()
         restored = self.store.restore_prefix(
@@ -96,6 +115,7 @@ class TierBridge:
             keys,
             fingerprint=self.namespace.fingerprint,
             dests=self.pool.block_views(block_ids[: len(keys)]),
+            hit=hit,
         )
         good: list[KVBlock] = []
         for block in restored.blocks:
@@ -110,6 +130,7 @@ class TierBridge:
                 break
             good.append(block)
         # Tiers that could read straight into the pool did; copy only what they could not.
+        read_end = time.perf_counter()
         copies = [
             (bid, b.data) for bid, b in zip(block_ids, good) if not self.pool.holds(bid, b.data)
         ]
@@ -121,5 +142,6 @@ class TierBridge:
         self.stats.restored_bytes += len(good) * (self.pool.block_bytes + self.pool.aux_bytes)
         for name in sources:
             self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
-        self.stats.restore_s += time.perf_counter() - start
-        return sources
+        end = time.perf_counter()
+        self.stats.restore_s += end - start
+        return Restored(sources, read_end - start, end - read_end)

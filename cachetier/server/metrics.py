@@ -137,6 +137,7 @@ class _StoreCollector(Collector):
         for tier, count in stats["pending_writes"].items():
             pending.add_metric([tier], count)
         yield pending
+        yield from tier_rate_families(stats["rates"])
         per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
         for name in _TENANT_COUNTERS:
             family = CounterMetricFamily(
@@ -145,6 +146,27 @@ class _StoreCollector(Collector):
             for tenant, figures in per_tenant.items():
                 family.add_metric([tenant], figures[name])
             yield family
+
+
+def tier_rate_families(rates: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The cost model's view of each tier (``TierRates.snapshot``): moving averages of its
+    round-trip latency and read bandwidth, as measured on real lookups and gets."""
+    latency = GaugeMetricFamily(
+        "cachetier_tier_latency_seconds",
+        "Moving average of one round trip to a tier (lookups)",
+        labels=["tier"],
+    )
+    bandwidth = GaugeMetricFamily(
+        "cachetier_tier_read_bytes_per_second",
+        "Moving average of a tier's read bandwidth (real gets, round trips taken out)",
+        labels=["tier"],
+    )
+    for tier, rate in rates.items():
+        latency.add_metric([tier], rate["latency_ms"] / 1e3)
+        if rate["read_gbps"] is not None:
+            bandwidth.add_metric([tier], rate["read_gbps"] * 1e9)
+    yield latency
+    yield bandwidth
 
 
 class _TransferCollector(Collector):

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import uvicorn
 
 from cachetier.config import StoreConfig, env_values
-from engine.config import MODEL_DTYPES
+from engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from engine.server.openai_app import create_app
 from engine.server.openai_config import SMOLLM2, EngineServerConfig
 
@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         "--event-log",
         default=None,
         help="append one JSON line per prefix lookup here (cachetier report)",
+    )
+    engine.add_argument(
+        "--kv-load-policy",
+        default="cost",
+        choices=KV_LOAD_POLICIES,
+        help="cost: load a tier hit only where that beats recomputing it; always: load every hit",
     )
     tiers = p.add_argument_group("tiers (override CACHETIER_* variables)")
     tiers.add_argument("--cpu-bytes", type=int, default=None, help="CPU tier capacity (0: none)")
@@ -115,6 +121,7 @@ def server_config(
         "tenant": args.tenant,
         "num_threads": args.num_threads,
         "event_log": args.event_log,
+        "kv_load_policy": args.kv_load_policy,
     }
     try:
         config = EngineServerConfig(

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cachetier.events import SOURCES
+from cachetier.server.metrics import tier_rate_families
 from engine.llm_engine import RequestOutput
 
 PREFIX = "cachetier_engine_"
@@ -134,3 +135,13 @@ class _EngineStatsCollector(Collector):
         )
         preemptions.add_metric(label, stats["num_preemptions"])
         yield preemptions
+        cost = stats.get("cost_model")
+        if cost is not None:
+            recomputed = CounterMetricFamily(
+                "cachetier_recomputed_by_choice_tokens",
+                "Prompt tokens the tiers held that the cost model chose to recompute",
+                labels=["model_name"],
+            )
+            recomputed.add_metric(label, cost["recomputed_tokens"])
+            yield recomputed
+            yield from tier_rate_families(cost["tiers"])

@@ -42,7 +42,9 @@ def test_the_engine_serves_through_redis_outages(
     reference = LLM(tiny_model_dir, enable_prefix_caching=False, kv_cache_bytes=4 << 20)
     expected = [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
     store = build_store(StoreConfig(cpu_bytes=0, redis_url=redis_server.url))
-    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20)
+    # Always load: this test asks whether the tier comes back, not whether Redis beats the tiny
+    # model's recompute (which a busy host can make it not: that choice is tested elsewhere).
+    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_load_policy="always")
     failed = 0
     latencies: dict[str, float] = {}
 

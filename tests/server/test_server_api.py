@@ -138,6 +138,9 @@ def test_metrics_are_prometheus_text(
     }
     assert samples[("cachetier_tier_hits_total", (("tier", "cpu"),))] == 2
     assert samples[("cachetier_tier_puts_total", (("tier", "disk"),))] == 2
+    # The cost model's inputs: measured on the real get above.
+    assert samples[("cachetier_tier_read_bytes_per_second", (("tier", "cpu"),))] > 0
+    assert ("cachetier_tier_latency_seconds", (("tier", "cpu"),)) in samples
     assert samples[("cachetier_tenant_bytes_out_total", (("tenant", "alice"),))] == sum(
         b.nbytes for b in blocks
     )

@@ -52,6 +52,11 @@ def test_tiers_come_from_the_environment_and_flags_win() -> None:
     assert config.engine_args["event_log"] == "/tmp/e.jsonl" and timeout == 5
     with pytest.raises(SystemExit):
         server_config(["--block-size", "3"], {})
+    assert server_config([], {})[0].engine_args["kv_load_policy"] == "cost"
+    config, _ = server_config(["--kv-load-policy", "always"], {})
+    assert config.engine_args["kv_load_policy"] == "always"
+    with pytest.raises(SystemExit):
+        server_config(["--kv-load-policy", "never"], {})
 
 
 def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_path: Path) -> None:

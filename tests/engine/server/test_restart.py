@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cachetier.config import StoreConfig
 from cachetier.events import read_events
-from tests.engine.server.live import EngineServer, post
+from tests.engine.server.live import EngineServer, get, post
 
 PROMPT = [(i * 13 + 7) % 250 for i in range(50)]  # 3 full blocks of 16 and 2 tokens
 
@@ -29,6 +29,14 @@ def test_cached_tokens_come_from_disk_after_a_restart(
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
     assert warm["cachetier"] == {"cached_tokens_by_source": {"disk": 48}}
     assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    # The cost model's inputs, measured on that restore, and its choices so far.
+    text = get(server.url, "/metrics")[1].decode()
+    for name in (
+        'cachetier_tier_read_bytes_per_second{tier="disk"}',
+        'cachetier_tier_latency_seconds{tier="disk"}',
+        'cachetier_recomputed_by_choice_tokens_total{model_name="tiny"} 0.0',
+    ):
+        assert name in text, name
     server.stop()
 
     events = list(read_events(log, strict=True))
