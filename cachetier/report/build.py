@@ -130,6 +130,9 @@ def headline(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
             restore_s=saved["restore_s"],
             net_saved_s=saved["net_saved_s"],
             alignment_lost_tokens=figures["alignment"]["alignment_lost_tokens"],
+            loaded_tokens=figures["load_or_recompute"]["loaded_tokens"],
+            recomputed_by_choice_tokens=figures["load_or_recompute"]["recomputed_by_choice_tokens"],
+            cost_model_est_saved_s=figures["load_or_recompute"]["est_saved_s"],
         )
     if "capacity_curve" in figures:
         curve = figures["capacity_curve"]

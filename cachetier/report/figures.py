@@ -78,8 +78,8 @@ def lookup_figures(
         bin_s: width of the time bins; ``None`` picks a round width giving at most 60 bins.
 
     Returns:
-        Figures by name: ``hit_rate_over_time``, ``per_tier``, ``per_tenant``, ``saved`` and
-        ``alignment``.
+        Figures by name: ``hit_rate_over_time``, ``per_tier``, ``per_tenant``, ``saved``,
+        ``alignment`` and ``load_or_recompute``.
     """
     if not events:
         raise ValueError("no lookups to report on")
@@ -102,6 +102,7 @@ def lookup_figures(
         "per_tenant": _per_tenant(events, total_hits, tokens, lost, saved_s - restore),
         "saved": _saved(bins, total_hits, saved_s, restore, prefill_tokens_per_s, prefill_source),
         "alignment": _alignment(events, num_tokens, hits, sources, lost),
+        "load_or_recompute": _load_or_recompute(events, hits),
     }
 
 
@@ -187,6 +188,27 @@ def _saved(
         "bin_end_s": [(i + 1) * bins.width for i in range(bins.num_bins)],
         "cumulative_hit_tokens": np.cumsum(bins.sum(total_hits)).astype(np.int64).tolist(),
         "cumulative_net_saved_s": np.cumsum(bins.sum(saved_s - restore)).tolist(),
+    }
+
+
+def _load_or_recompute(
+    events: Sequence[LookupEvent], hits: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    loaded = sum(int(hits[s].sum()) for s in SOURCES if s != "pool")
+    recomputed = sum(e.recomputed_tokens for e in events)
+    return {
+        "title": "Load or recompute",
+        "how": (
+            "Tokens the tiers held, split by what the engine's cost model chose: loaded (read "
+            "from a tier) or recomputed by choice (reading them was estimated slower than "
+            "computing them, e.g. a slow link). Estimated seconds saved is the model's own "
+            "estimate per lookup: TTFT had the whole hit been recomputed, minus TTFT of the "
+            "chosen plan. Lookups logged without a cost model count as all loaded."
+        ),
+        "loaded_tokens": loaded,
+        "recomputed_by_choice_tokens": recomputed,
+        "num_lookups_with_recompute": sum(1 for e in events if e.recomputed_tokens),
+        "est_saved_s": float(sum(e.est_saved_s for e in events)),
     }
 
 

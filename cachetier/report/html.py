@@ -83,6 +83,9 @@ _HEADLINE_LABELS = {
     "restore_s": "seconds spent restoring",
     "net_saved_s": "prefill seconds saved, net",
     "alignment_lost_tokens": "tokens lost to block alignment",
+    "loaded_tokens": "tokens loaded from tiers",
+    "recomputed_by_choice_tokens": "tokens the tiers held, recomputed by choice (cost model)",
+    "cost_model_est_saved_s": "seconds saved, the cost model's estimate",
     "block_hit_ratio": "block hit ratio of the modelled store",
     "default_policy": "default eviction policy",
     "ceiling": "block hit ratio of an infinite cache",
@@ -149,6 +152,14 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
         return ["prompt tokens", *parts], rows
     if name == "saved":
         keys = ["hit_tokens", "saved_s", "restore_s", "net_saved_s", "prefill_tokens_per_s"]
+        return ["figure", "value"], [[k, fig[k]] for k in keys]
+    if name == "load_or_recompute":
+        keys = [
+            "loaded_tokens",
+            "recomputed_by_choice_tokens",
+            "num_lookups_with_recompute",
+            "est_saved_s",
+        ]
         return ["figure", "value"], [[k, fig[k]] for k in keys]
     if name == "tier_counters":
         return fig["columns"], fig["rows"]

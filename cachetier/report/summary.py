@@ -30,6 +30,9 @@ def render_summary(doc: dict[str, Any]) -> str:
             f"  prefill saved      {_duration(head['saved_s'])} estimated, "
             f"{_duration(head['net_saved_s'])} net of {_duration(head['restore_s'])} restoring "
             f"(at {figures['saved']['prefill_tokens_per_s']:.1f} tokens/s)",
+            f"  load or recompute  {head['loaded_tokens']:,} tokens loaded from tiers, "
+            f"{head['recomputed_by_choice_tokens']:,} recomputed by choice "
+            f"(cost model: {_duration(head['cost_model_est_saved_s'])} saved, estimated)",
         ]
     if "capacity_curve" in figures:
         settings = doc["settings"]

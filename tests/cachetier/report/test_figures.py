@@ -140,3 +140,21 @@ def test_trace_figures_on_the_hand_made_trace(tmp_path: Path) -> None:
     assert curve["token_series"]["lru"][2] == pytest.approx(5120 / tiny.NUM_TOKENS)
     assert curve["default_ge_lru_at_every_capacity"] is True
     assert "LRU itself" in curve["how"]
+
+
+def test_load_or_recompute_counts_the_cost_models_choices() -> None:
+    events = [
+        *EVENTS,
+        LookupEvent(
+            180.0, "b", 900, {"remote": 160}, 16, 0, 0.2, recomputed_tokens=640, est_saved_s=0.0
+        ),
+        LookupEvent(190.0, "a", 900, {"disk": 800}, 16, 0, 0.1, est_saved_s=2.5),
+    ]
+    fig = lookup_figures(events, prefill_tokens_per_s=100.0, prefill_source="a test")[
+        "load_or_recompute"
+    ]
+    # Loaded: every tier source (the pool's own hits are not a load).
+    assert fig["loaded_tokens"] == 300 + 100 + 160 + 800
+    assert fig["recomputed_by_choice_tokens"] == 640
+    assert fig["num_lookups_with_recompute"] == 1
+    assert fig["est_saved_s"] == pytest.approx(2.5)
