@@ -45,6 +45,9 @@ class ConnectorConfig:
         fsync: fsync disk records before they are renamed into place.
         write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
             are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
+        kv_load_policy: ``cost`` reports (and loads) only the part of a hit that the measured
+            tier speeds load faster than the engine recomputes it (``cachetier.costmodel``);
+            ``always`` loads every hit.
     """
 
     cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
@@ -60,8 +63,13 @@ class ConnectorConfig:
     model_fingerprint: str | None = None
     fsync: bool = True
     write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
+    kv_load_policy: str = "cost"
 
     def __post_init__(self) -> None:
+        if self.kv_load_policy not in ("cost", "always"):
+            raise ValueError(
+                f"kv_load_policy must be 'cost' or 'always', got {self.kv_load_policy!r}"
+            )
         if not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
         if self.model_fingerprint is not None and not self.model_fingerprint:

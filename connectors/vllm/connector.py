@@ -96,6 +96,8 @@ class CacheTierConnector(KVConnectorBase_V1):
                 fingerprint,
                 config.tenant,
                 config.cpu_bytes // layout.block_bytes,
+                cost_model=config.kv_load_policy == "cost",
+                chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             )
             logger.info(
                 "cachetier scheduler: model %s..., layout %s, tenant %r",
@@ -118,6 +120,11 @@ class CacheTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         scales = fp8_scales(self._vllm_config, self._layer_names, self._layout)
         self._require_worker().register_kv_caches(kv_caches, scales)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_started()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's restored blocks into the paged buffers (all layers, before the

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from cachetier.costmodel import TierRate
 from cachetier.keys import BlockHash
 
 
@@ -46,22 +47,32 @@ class CacheTierConnectorMetadata(KVConnectorMetadata):
     Args:
         loads: blocks to restore before the forward (each request's first new blocks).
         saves: blocks whose every token was computed by this step's forward, to store after it.
+        step_tokens: tokens this step computes, if it computes prompt tokens (else 0).
+        step_attention: their attention work (``cachetier.costmodel.PrefillModel``).
     """
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    # A step that computes prompt tokens: its tokens and attention work (``PrefillModel``), so
+    # the worker can report how long its forward took; 0 for a decode-only step.
+    step_tokens: int = 0
+    step_attention: float = 0.0
 
 
 @dataclass
 class StoredBlocks(KVConnectorWorkerMetadata):
     """Worker -> scheduler: keys the worker stored or failed to restore, by namespace id.
 
-    Only the scheduler's view of the worker's in-process CPU tier needs it; disk and Redis the
-    scheduler can ask itself.
+    The scheduler's view of the worker's in-process CPU tier needs the keys (disk and Redis the
+    scheduler can ask itself); its cost model needs the step times and tier rates.
     """
 
     stored: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed: dict[str, list[BlockHash]] = field(default_factory=dict)
+    # What the cost model on the scheduler side learns from the worker: ``(tokens, attention,
+    # forward seconds)`` of prefill steps, and the worker's measured tier rates by tier name.
+    steps: list[tuple[int, float, float]] = field(default_factory=list)
+    rates: dict[str, TierRate] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredBlocks:
         if not isinstance(other, StoredBlocks):
@@ -74,4 +85,6 @@ class StoredBlocks(KVConnectorWorkerMetadata):
             out.stored.setdefault(ns, []).extend(keys)
         for ns, keys in other.failed.items():
             out.failed.setdefault(ns, []).extend(keys)
+        out.steps = [*self.steps, *other.steps]
+        out.rates = {**self.rates, **other.rates}
         return out

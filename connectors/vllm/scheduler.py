@@ -6,7 +6,9 @@ A request's blocks are keyed with ``cachetier.keys.block_keys`` over its token i
 request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel together.
 
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
-  stored, stopping one token short of the prompt (vLLM must compute at least one token).
+  stored, stopping one token short of the prompt (vLLM must compute at least one token), and
+  reports the leading part of them that the cost model finds faster to load than to recompute
+  (tier rates and prefill speed come from the worker's reports).
 - ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
 - ``build_connector_meta`` hands the step's loads to the worker, plus a save of every block
   whose last token this step computes; the worker saves after the forward, in the same step, so
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from cachetier.costmodel import CostModel, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
 from cachetier.store import TieredStore
@@ -98,6 +101,9 @@ class CacheTierScheduler:
         model_fingerprint: identity of the weights.
         tenant: tenant name; a request's cache salt is added to it.
         cpu_index_blocks: capacity of the worker's CPU tier in blocks (0 if it has none).
+        cost_model: report only hits that load faster than they recompute; ``False`` reports
+            every hit.
+        chunk_tokens: vLLM's ``max_num_batched_tokens`` (a recompute runs in such chunks).
     """
 
     def __init__(
@@ -107,6 +113,9 @@ class CacheTierScheduler:
         model_fingerprint: str,
         tenant: str,
         cpu_index_blocks: int,
+        *,
+        cost_model: bool = True,
+        chunk_tokens: int = 2048,
     ) -> None:
         self._store = store
         self._layout = layout
@@ -115,6 +124,13 @@ class CacheTierScheduler:
         self._tenant = tenant
         self._cpu_index = WorkerCPUIndex(cpu_index_blocks)
         self._requests: dict[str, _Tracked] = {}
+        # Lookups here measure latency; reads and forwards happen in the worker, which reports
+        # its rates and prefill step times back (``StoredBlocks``).
+        self.rates = store.rates if store is not None else TierRates()
+        self.prefill = PrefillModel()
+        self.cost = CostModel(self.rates, self.prefill, enabled=cost_model)
+        self._chunk_tokens = chunk_tokens
+        self.num_recomputed_by_choice_tokens = 0
 
     def namespace(self, cache_salt: str | None) -> Namespace:
         """The namespace of a request with this cache salt."""
@@ -133,8 +149,36 @@ class CacheTierScheduler:
             return 0, False
         tracked = self._track(request)
         keys = self._keys_upto(tracked, last)[first:last]
-        num_hit, by_tier = self._lookup(tracked.namespace.id, keys)
+        spans = self._lookup(tracked.namespace.id, keys)
+        plan = self.cost.plan(
+            spans,
+            block_bytes=self._layout.block_bytes,
+            block_size=self._block_size,
+            cached_tokens=num_computed_tokens,
+            num_tokens=request.num_tokens,
+            chunk_tokens=self._chunk_tokens,
+            prefix_only=True,  # vLLM takes a number of leading tokens
+        )
+        num_hit = plan.num_load_blocks
+        by_tier: dict[str, int] = {}
+        left = num_hit
+        for tier, count in spans:
+            take = min(count, left)
+            if take:
+                by_tier[tier] = by_tier.get(tier, 0) + take
+            left -= take
         tracked.hit = (first, num_hit, by_tier)
+        if plan.num_recompute_blocks:
+            self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * self._block_size
+            logger.info(
+                "request %s: recomputing %d of %d stored blocks (est. TTFT %.3f s, loading all "
+                "%.3f s)",
+                request.request_id,
+                plan.num_recompute_blocks,
+                plan.num_hit_blocks,
+                plan.est_ttft_s or 0.0,
+                plan.est_load_all_s or 0.0,
+            )
         if num_hit:
             logger.debug(
                 "request %s: %d blocks stored after %d computed tokens (%s)",
@@ -176,6 +220,7 @@ class CacheTierScheduler:
         """This step's loads and saves; consumes the pending loads."""
         meta = CacheTierConnectorMetadata()
         num_scheduled = scheduler_output.num_scheduled_tokens
+        _describe_step(scheduler_output, meta)
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:  # its blocks are freed; a resume brings new ones
                 self._requests[req_id].block_ids = []
@@ -204,6 +249,10 @@ class CacheTierScheduler:
         """
         if not isinstance(report, StoredBlocks):
             return
+        for tokens, attention, seconds in report.steps:
+            self.prefill.observe(tokens, attention, seconds)
+        for tier, rate in report.rates.items():
+            self.rates.adopt(tier, rate)
         self._cpu_index.update(report)
         for namespace_id, keys in report.failed.items():
             failed = set(keys)
@@ -258,19 +307,19 @@ class CacheTierScheduler:
             tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
         return tracked.keys
 
-    def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> tuple[int, dict[str, int]]:
+    def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> list[tuple[str, int]]:
+        """``(tier, blocks)`` runs of the leading stored ``keys``, in order."""
         num_hit = self._cpu_index.leading(namespace_id, keys)
-        by_tier = {"cpu": num_hit} if num_hit else {}
+        spans = [("cpu", num_hit)] if num_hit else []
         if self._store is None or num_hit == len(keys):
-            return num_hit, by_tier
+            return spans
         try:
             hit = self._store.lookup(namespace_id, keys[num_hit:])
         except (CacheTierError, OSError) as exc:  # tiers turn outages into misses; belt and braces
             logger.warning("cachetier lookup failed, treating it as a miss: %s", exc)
-            return num_hit, by_tier
-        for tier, count in hit.blocks_per_tier().items():
-            by_tier[tier] = by_tier.get(tier, 0) + count
-        return num_hit + hit.num_blocks, by_tier
+            return spans
+        spans.extend((hit.tier_names[tier], end - start) for tier, start, end in hit.spans)
+        return spans
 
     def _plan(
         self, tracked: _Tracked, num_computed_after: int, meta: CacheTierConnectorMetadata
@@ -295,6 +344,26 @@ class CacheTierScheduler:
             )
         )
         tracked.num_stored_blocks = num_full
+
+
+def _describe_step(scheduler_output: SchedulerOutput, meta: CacheTierConnectorMetadata) -> None:
+    """Fill the step's prefill features: its tokens and attention work, if it computes a prompt
+    chunk (a decode-only step would teach the prefill model the one-token case only)."""
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    attention = 0.0
+    prefill = False
+    for new in scheduler_output.scheduled_new_reqs:
+        n = num_scheduled.get(new.req_id, 0)
+        attention += PrefillModel.attention_work(n, new.num_computed_tokens)
+        prefill = prefill or n > 1
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        n = num_scheduled.get(req_id, 0)
+        attention += PrefillModel.attention_work(n, cached.num_computed_tokens[i])
+        prefill = prefill or n > 1
+    if prefill:
+        meta.step_tokens = scheduler_output.total_num_scheduled_tokens
+        meta.step_attention = attention
 
 
 def _cacheable(request: Request) -> bool:

@@ -54,6 +54,10 @@ class CacheTierWorker:
         self._failed_req_ids: set[str] = set()
         self._report = StoredBlocks()
         self._stats = CacheTierConnectorStats()
+        # The step's forward is timed from bind (before it) to save (after it), less our loads.
+        self._step_start: float | None = None
+        self._step_load_s = 0.0
+        self._loaded_since_report = False
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], aux: bytes = b"") -> None:
         """Take vLLM's per-layer KV tensors (checked against the layout).
@@ -77,8 +81,20 @@ class CacheTierWorker:
             [tier.name for tier in self._store.tiers],
         )
 
+    def step_started(self) -> None:
+        """vLLM bound this step's metadata: its forward is about to run."""
+        self._step_start = time.perf_counter()
+        self._step_load_s = 0.0
+
     def load(self, meta: CacheTierConnectorMetadata) -> None:
         """Restore this step's planned blocks into the paged buffers (before the forward)."""
+        start = time.perf_counter()
+        try:
+            self._load(meta)
+        finally:
+            self._step_load_s += time.perf_counter() - start
+
+    def _load(self, meta: CacheTierConnectorMetadata) -> None:
         self._failed_req_ids.clear()
         paged = self._require_paged()
         self._store_saved(paged.poll())
@@ -90,6 +106,10 @@ class CacheTierWorker:
 
     def save(self, meta: CacheTierConnectorMetadata) -> None:
         """Store this step's completed blocks (after the forward wrote them)."""
+        if self._step_start is not None and meta.step_tokens:
+            forward_s = time.perf_counter() - self._step_start - self._step_load_s
+            self._report.steps.append((meta.step_tokens, meta.step_attention, forward_s))
+        self._step_start = None
         for transfer in meta.saves:
             if transfer.req_id in self._failed_req_ids:
                 # Its forward attended over blocks that failed to load, so what it wrote is
@@ -107,7 +127,10 @@ class CacheTierWorker:
     def take_report(self) -> StoredBlocks | None:
         """What was stored or failed since the last call, for the scheduler (or ``None``)."""
         report, self._report = self._report, StoredBlocks()
-        return report if report.stored or report.failed else None
+        if self._loaded_since_report:
+            report.rates = self._store.rates.measured()
+            self._loaded_since_report = False
+        return report if report.stored or report.failed or report.steps or report.rates else None
 
     def take_stats(self) -> CacheTierConnectorStats | None:
         """Counters since the last call (``None`` if nothing happened)."""
@@ -150,6 +173,7 @@ class CacheTierWorker:
                 transfer.keys[num_good:]
             )
         elapsed = time.perf_counter() - start
+        self._loaded_since_report = True
         by_tier: dict[str, int] = {}
         for source in sources[:num_good]:
             by_tier[source] = by_tier.get(source, 0) + 1

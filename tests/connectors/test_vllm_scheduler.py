@@ -22,6 +22,7 @@ from vllm.v1.core.sched.output import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
+from cachetier.costmodel import PrefillModel  # noqa: E402
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store import TieredStore  # noqa: E402
@@ -231,3 +232,49 @@ def test_worker_cpu_tier_is_seen_through_its_reports() -> None:
     assert sched.hit_sources(request, 2 * BS) == {CacheHitSource.HOST: 2 * BS}
     sched.update_connector_output(StoredBlocks(failed={ns.id: [keys[1]]}))
     assert sched.get_num_new_matched_tokens(request, 0) == (BS, False)
+
+
+def _teach(sched: CacheTierScheduler, tier_gbps: float) -> None:
+    """What the worker reports after reads and prefill steps: a tier at ``tier_gbps`` and a
+    prefill of 1 ms per token (as ``StoredBlocks`` carries them from the worker's process)."""
+    from cachetier.costmodel import TierRate
+
+    steps = [(n, PrefillModel.attention_work(n, 0), 1e-3 * n) for n in (64, 256, 1024)]
+    rate = TierRate(1e-4, 1e-9 / tier_gbps, 4, 0.0)
+    sched.update_connector_output(StoredBlocks(steps=steps, rates={"disk": rate}))
+
+
+def test_cost_model_reports_only_hits_worth_loading(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    _put(store, ns, block_keys(ns, request.prompt_token_ids))
+    # Unmeasured: load everything, as before the model.
+    assert sched.get_num_new_matched_tokens(request, 0) == (5 * BS, False)
+    _teach(sched, 1e-6)  # 1 kB/s: 8 kB blocks take 8 s each; 160 tokens compute in 0.16 s
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched.num_recomputed_by_choice_tokens == 5 * BS
+    _teach(sched, 10.0)  # a fast link again: the whole hit loads
+    assert sched.get_num_new_matched_tokens(request, 0) == (5 * BS, False)
+    assert sched.hit_sources(request, 5 * BS) != {}
+
+
+def test_always_load_policy_reports_every_hit(store: TieredStore) -> None:
+    sched = CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, cost_model=False)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    _put(store, ns, block_keys(ns, request.prompt_token_ids))
+    _teach(sched, 1e-6)
+    assert sched.get_num_new_matched_tokens(request, 0) == (5 * BS, False)
+
+
+def test_prefill_steps_are_described_for_the_worker(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 3 * BS)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, _blocks([1, 2, 3]), 0)
+    meta = sched.build_connector_meta(_new_step(request, [1, 2, 3], 0, 2 * BS))
+    assert meta.step_tokens == 2 * BS
+    assert meta.step_attention == PrefillModel.attention_work(2 * BS, 0)
+    decode = sched.build_connector_meta(_cached_step(request, None, 3 * BS, 1))
+    assert decode.step_tokens == 0
