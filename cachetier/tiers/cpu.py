@@ -110,8 +110,7 @@ class CPUTier(Tier):
                     hits += 1
                     nbytes += block.nbytes
                 out.append(block)
-        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes)
-        self._stats.observe(time.perf_counter() - start)
+        self._stats.record_get(time.perf_counter() - start, hits, len(keys) - hits, nbytes)
         return out
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
