@@ -44,6 +44,8 @@ class StoreConfig:
         write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
             for no limit but ``write_queue_blocks``.
         fsync: fsync disk records before they are renamed into place.
+        writer_nice: CPU priority of the background writes to lower tiers, 0 (the process's)
+            to 19 (the lowest, the default: they use the cores the engine leaves idle).
         remote_url: base URL of a cachetier server (``http://host:port``); ``None`` leaves the
             remote tier out.
         remote_token: bearer token for the server (it names the tenant); ``None`` for a server
@@ -69,6 +71,7 @@ class StoreConfig:
     write_queue_blocks: int = 4096
     write_queue_bytes: int | None = None
     fsync: bool = True
+    writer_nice: int = 19
     remote_url: str | None = None
     remote_token: str | None = field(default=None, repr=False)
     redis_ssl_ca_certs: str | None = None
@@ -86,6 +89,8 @@ class StoreConfig:
         check_mode("disk_dir_mode", self.disk_dir_mode, needs=0o700)
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+        if not 0 <= self.writer_nice <= 19:
+            raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
         if not (self.cpu_bytes or self.disk_path or self.redis_url or self.remote_url):
             raise ValueError(
                 "a store needs at least one tier: set cpu_bytes, disk_path, redis_url or remote_url"
@@ -220,4 +225,5 @@ def build_store(config: StoreConfig) -> TieredStore:
         build_tiers(config),
         write_queue_blocks=config.write_queue_blocks,
         write_queue_bytes=config.write_queue_bytes,
+        writer_nice=config.writer_nice,
     )

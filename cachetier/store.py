@@ -23,6 +23,7 @@ from typing import Any
 from cachetier.costmodel import TierRates
 from cachetier.keys import BlockHash
 from cachetier.landing import Destination
+from cachetier.parallel import BACKGROUND_NICE, become_background
 from cachetier.record import KVBlock
 from cachetier.stats import TierStats
 from cachetier.tiers.base import Tier, check_namespace
@@ -71,9 +72,10 @@ class _Writer:
     """One background thread applying queued puts to one lower tier."""
 
     def __init__(
-        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats
+        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats, nice: int
     ) -> None:
         self.tier = tier
+        self._nice = nice
         self._queue: queue.Queue[Any] = queue.Queue()
         self._max_blocks = max_blocks
         self._max_bytes = max_bytes
@@ -101,6 +103,7 @@ class _Writer:
         return True
 
     def _run(self) -> None:
+        become_background(self._nice)
         while True:
             item = self._queue.get()
             try:
@@ -142,6 +145,9 @@ class TieredStore(Tier):
         write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
             for no limit but ``write_queue_blocks``.
         promote: copy hits from lower tiers into the tiers above them.
+        writer_nice: CPU priority of the lower tiers' writer threads, 0 (the process's) to 19
+            (the lowest, the default: they use the cores the engine leaves idle; see
+            ``cachetier.parallel.BACKGROUND_NICE``).
     """
 
     name = "tiered"
@@ -153,10 +159,13 @@ class TieredStore(Tier):
         write_queue_blocks: int = 4096,
         write_queue_bytes: int | None = None,
         promote: bool = True,
+        writer_nice: int = BACKGROUND_NICE,
     ) -> None:
         super().__init__()
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
+        if not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice must be in [0, 19], got {writer_nice}")
         if write_queue_blocks <= 0:
             raise ValueError(f"write_queue_blocks must be positive, got {write_queue_blocks}")
         if write_queue_bytes is not None and write_queue_bytes <= 0:
@@ -165,7 +174,8 @@ class TieredStore(Tier):
         self._promote = promote
         self._names = tuple(tier.name for tier in self._tiers)
         self._writers = [
-            _Writer(t, write_queue_blocks, write_queue_bytes, self._stats) for t in self._tiers[1:]
+            _Writer(t, write_queue_blocks, write_queue_bytes, self._stats, writer_nice)
+            for t in self._tiers[1:]
         ]
         self._closed = False
         # Every tier's measured latency and read speed, from the lookups and gets below: what

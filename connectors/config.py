@@ -45,6 +45,8 @@ class ConnectorConfig:
         fsync: fsync disk records before they are renamed into place.
         write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
             are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
+        writer_nice: CPU priority of those background writes, 0 (the engine's) to 19 (the
+            lowest, the default: they use the cores the engine leaves idle).
         kv_load_policy: ``cost`` reports (and loads) only the part of a hit that the measured
             tier speeds load faster than the engine recomputes it (``cachetier.costmodel``);
             ``always`` loads every hit.
@@ -63,6 +65,7 @@ class ConnectorConfig:
     model_fingerprint: str | None = None
     fsync: bool = True
     write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
+    writer_nice: int = _STORE_DEFAULTS.writer_nice
     kv_load_policy: str = "cost"
 
     def __post_init__(self) -> None:
@@ -111,7 +114,7 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown {source} keys {unknown}; known: {sorted(known)}")
-        for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks"):
+        for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks", "writer_nice"):
             if name in extra:
                 extra[name] = _as_int(name, extra[name])
         if extra.get("redis_ttl_s") is not None:
@@ -140,6 +143,7 @@ class ConnectorConfig:
             compression=self.compression,
             fsync=self.fsync,
             write_queue_blocks=self.write_queue_blocks,
+            writer_nice=self.writer_nice,
             remote_url=self.remote_url,
             remote_token=self.remote_token,
         )

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -8,6 +10,7 @@ import pytest
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.keys import Namespace
+from cachetier.parallel import map_in_threads
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
@@ -131,6 +134,45 @@ def test_a_stalled_lower_tier_never_blocks_puts_and_overflow_is_counted(
     assert store.flush(timeout=10)
     assert store.stats()["pending_writes"] == {"slow": 0}
     store.close()
+
+
+class _WatchedTier(CPUTier):
+    """A lower tier that notes the priority and the threads its puts run on."""
+
+    name = "watched"
+
+    def __init__(self) -> None:
+        super().__init__(CPUTierConfig(BIG))
+        self.seen: list[tuple[int, set[str]]] = []
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # What a disk tier's batched write does: fan out over the data threads, if allowed.
+        names = map_in_threads(lambda _: threading.current_thread().name, list(range(4)))
+        self.seen.append((nice, set(names)))  # type: ignore[arg-type]
+        return super().put_many(namespace, blocks)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice is Linux's")
+@pytest.mark.parametrize("writer_nice", [19, 0])
+def test_background_writes_run_at_the_lowest_priority_on_their_own_thread(
+    namespace: Namespace, writer_nice: int
+) -> None:
+    # Writes to lower tiers must not preempt an engine that keeps every core busy: at nice 19
+    # they use what it leaves idle, and they never take the data threads reads wait on.
+    watched = _WatchedTier()
+    store = TieredStore([CPUTier(CPUTierConfig(BIG)), watched], writer_nice=writer_nice)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        assert store.put_many(namespace.id, make_blocks(namespace, 3)) == 3
+        assert store.flush(timeout=10)
+    finally:
+        store.close()
+    assert watched.seen == [(max(before, writer_nice), {"cachetier-writer-watched"})]
+    # The caller's own thread keeps its priority.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    with pytest.raises(ValueError, match="writer_nice"):
+        StoreConfig(writer_nice=20)
 
 
 def test_config_builds_the_embedded_default(tmp_path: Path, namespace: Namespace) -> None:
