@@ -33,6 +33,7 @@ from connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from connectors.vllm.metadata import CacheTierConnectorMetadata
 from connectors.vllm.scheduler import CacheTierScheduler
 from connectors.vllm.stats import CacheTierConnectorStats
+from connectors.vllm.timing import timed
 from connectors.vllm.worker import CacheTierWorker
 
 if TYPE_CHECKING:
@@ -121,11 +122,13 @@ class CacheTierConnector(KVConnectorBase_V1):
         scales = fp8_scales(self._vllm_config, self._layer_names, self._layout)
         self._require_worker().register_kv_caches(kv_caches, scales)
 
+    @timed("bind_connector_metadata")
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.step_started()
 
+    @timed("start_load_kv")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's restored blocks into the paged buffers (all layers, before the
         forward: vLLM schedules them as sync loads)."""
@@ -144,18 +147,22 @@ class CacheTierConnector(KVConnectorBase_V1):
         """Nothing per layer: a record holds every layer of a block, so ``wait_for_save``
         copies whole blocks once the forward has written all layers."""
 
+    @timed("wait_for_save")
     def wait_for_save(self) -> None:
         """Store the blocks this step completed, before vLLM may reuse them."""
         if self.has_connector_metadata():
             self._require_worker().save(self._metadata())
 
+    @timed("get_block_ids_with_load_errors")
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed this step; vLLM recomputes them."""
         return self._require_worker().take_failed_block_ids()
 
+    @timed("build_connector_worker_meta")
     def build_connector_worker_meta(self) -> Any:
         return self._require_worker().take_report()
 
+    @timed("get_kv_connector_stats")
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
 
@@ -164,6 +171,10 @@ class CacheTierConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return CacheTierConnectorStats(data=dict(data or {}))
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The worker's tiers' counters (``TieredStore.stats``), ``None`` on the scheduler."""
+        return self._worker.tier_stats() if self._worker is not None else None
 
     def shutdown(self) -> None:
         """Flush queued writes (disk, Redis) and close the tiers."""
@@ -174,23 +185,28 @@ class CacheTierConnector(KVConnectorBase_V1):
 
     # Scheduler side.
 
+    @timed("get_num_new_matched_tokens")
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` whose blocks are stored (loaded synchronously)."""
         return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @timed("update_state_after_alloc")
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @timed("build_connector_meta")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._require_scheduler().build_connector_meta(scheduler_output)
 
+    @timed("update_connector_output")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._require_scheduler().update_connector_output(connector_output.kv_connector_worker_meta)
 
+    @timed("request_finished")
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

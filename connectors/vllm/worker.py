@@ -23,6 +23,7 @@ from cachetier.errors import CacheTierError
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from connectors.records import check_record
+from connectors.vllm import timing
 from connectors.vllm.layouts import VllmArrangement
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
 from connectors.vllm.paged import PagedKV
@@ -110,6 +111,7 @@ class CacheTierWorker:
             forward_s = time.perf_counter() - self._step_start - self._step_load_s
             self._report.steps.append((meta.step_tokens, meta.step_attention, forward_s))
         self._step_start = None
+        start = time.perf_counter()
         for transfer in meta.saves:
             if transfer.req_id in self._failed_req_ids:
                 # Its forward attended over blocks that failed to load, so what it wrote is
@@ -117,7 +119,10 @@ class CacheTierWorker:
                 self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
                 continue
             self._save_one(transfer)
+        copied = time.perf_counter()
+        timing.add("wait_for_save.copy", copied - start)
         self._store_saved(self._require_paged().poll())
+        timing.add("wait_for_save.store", time.perf_counter() - copied)
 
     def take_failed_block_ids(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
@@ -138,6 +143,10 @@ class CacheTierWorker:
             return None
         stats, self._stats = self._stats, CacheTierConnectorStats()
         return stats
+
+    def tier_stats(self) -> dict[str, object]:
+        """The store's counters, per tier (``TieredStore.stats``)."""
+        return self._store.stats()
 
     def close(self) -> None:
         """Finish copies in flight, flush queued writes to the lower tiers and close them."""
