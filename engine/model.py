@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.model_spec import ModelSpec
-from kernels import common_prefix_blocks, paged_attention_decode, store_kvcache
+from kernels import common_prefix_blocks, merge_attention, paged_attention_decode, store_kvcache
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,9 +342,7 @@ class LlamaModel:
         out_new, lse_new = _FLASH_WITH_LSE(
             qh, kh[:, :, cached:], vh[:, :, cached:], 0.0, True, scale=self.scale
         )[:2]
-        top = torch.maximum(lse_old, lse_new)
-        w_old, w_new = torch.exp(lse_old - top), torch.exp(lse_new - top)
-        out = (out_old * w_old[..., None] + out_new * w_new[..., None]) / (w_old + w_new)[..., None]
+        out = merge_attention(out_old, lse_old, out_new, lse_new)
         return out[0].transpose(0, 1).to(q.dtype)
 
     def _suffix_attention(

@@ -17,7 +17,7 @@ from kernels.cache_ops import (
 )
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 from kernels.pool_shape import DecodeInputs, PoolShape
-from kernels.torch_paged_attention import common_prefix_blocks
+from kernels.torch_paged_attention import common_prefix_blocks, merge_attention
 
 __all__ = [
     "BACKENDS",
@@ -26,6 +26,7 @@ __all__ = [
     "common_prefix_blocks",
     "gather_blocks",
     "gather_blocks_ref",
+    "merge_attention",
     "paged_attention_decode",
     "paged_attention_decode_ref",
     "resolve_backend",

@@ -38,10 +38,18 @@ def _attend(
     return torch.matmul(probs, value.float().transpose(0, 1)), lse
 
 
-def _merge(
+def merge_attention(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> torch.Tensor:
-    # Two softmaxes over disjoint key sets, combined as one over their union.
+    """Two softmax attentions of the same queries over disjoint key sets, combined exactly as
+    one over their union.
+
+    Args:
+        out_a: ``[..., head_dim]`` outputs over the first key set.
+        lse_a: ``[...]`` their log-sum-exps.
+        out_b: the same over the second key set.
+        lse_b: and theirs.
+    """
     top = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
@@ -91,7 +99,7 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
             v = values.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:own_len]
             result, lse = _attend(q[row], k, v, scale)
             if shared_out is not None:
-                result = _merge(shared_out[row], shared_lse[row], result, lse)  # type: ignore[index]
+                result = merge_attention(shared_out[row], shared_lse[row], result, lse)  # type: ignore[index]
         out[row] = result.reshape(num_heads, head_dim).to(query.dtype)
     return out
 
