@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, run_vllm_child  # noqa: E402
 
 OUTPUT_TOKENS = 64
 BLOCK_SIZE = 32
@@ -106,32 +105,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
-    from connectors.vllm.launch import vllm_cpu_env
-
-    spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec", "out", "log"))
-    spec_path.write_text(json.dumps(spec))
-    env = vllm_cpu_env(os.environ, pythonpath=str(ROOT))
-    env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # the 32 requests' ~21k tokens of fp32 KV, with room
     print(f"bench_vllm_overhead: {name} ...", file=sys.stderr, flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                str(spec_path),
-                str(out_path),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=1800,
-        )
-    if proc.returncode != 0:
-        text = log_path.read_text(errors="replace")
-        sys.exit(f"{name} process failed ({proc.returncode}):\n{text[-4000:]}")
-    out = json.loads(out_path.read_text())
+    out, _ = run_vllm_child(
+        Path(__file__).resolve(),
+        spec,
+        workdir,
+        name,
+        # The 32 requests' ~21k tokens of fp32 KV, with room.
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+    )
     print(f"  {out['seconds']:.2f} s", file=sys.stderr, flush=True)
     return out
 

@@ -18,7 +18,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, run_vllm_child  # noqa: E402
 
 BLOCK_SIZE = 32
 CHECK_TOKENS = 8
@@ -87,29 +86,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(spec: dict[str, Any], workdir: Path, name: str) -> tuple[dict[str, Any], str]:
-    from connectors.vllm.launch import vllm_cpu_env
-
-    spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec", "out", "log"))
-    spec_path.write_text(json.dumps(spec))
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                str(spec_path),
-                str(out_path),
-            ],
-            cwd=ROOT,
-            env=vllm_cpu_env(os.environ, pythonpath=str(ROOT)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=1800,
-        )
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0:
-        sys.exit(f"{name} process failed ({proc.returncode}):\n{text[-4000:]}")
-    return json.loads(out_path.read_text()), text
+    return run_vllm_child(Path(__file__).resolve(), spec, workdir, name)
 
 
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:

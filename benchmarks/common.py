@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -78,3 +80,47 @@ def run_json(
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:2])} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_vllm_child(
+    script: Path,
+    spec: dict[str, Any],
+    workdir: Path,
+    name: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 1800,
+) -> tuple[dict[str, Any], str]:
+    """Run ``script --child SPEC OUT`` as a fresh vLLM-CPU process (``vllm_cpu_env``).
+
+    Args:
+        script: the benchmark, whose ``--child`` mode reads the spec and writes its result.
+        spec: what the child runs (JSON).
+        workdir: where ``name.spec``, ``name.out`` and ``name.log`` go.
+        name: the run's name.
+        env: variables set over ``vllm_cpu_env``'s.
+        timeout: seconds the child may take.
+
+    Returns:
+        The child's result and its log. A child that fails ends the benchmark with its log.
+    """
+    from connectors.vllm.launch import vllm_cpu_env
+
+    root = Path(__file__).resolve().parents[1]
+    spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec", "out", "log"))
+    spec_path.write_text(json.dumps(spec))
+    child_env = vllm_cpu_env(os.environ, pythonpath=str(root))
+    child_env.update(env or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--child", str(spec_path), str(out_path)],
+            cwd=root,
+            env=child_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        sys.exit(f"{name} process failed ({proc.returncode}):\n{text[-4000:]}")
+    return json.loads(out_path.read_text()), text
