@@ -1,8 +1,10 @@
 """Decode attention over the paged KV pool: one new query token per sequence.
 
-``paged_attention_decode_ref`` is the plain-torch oracle of the tests; the CPU path is
-``kernels.torch_paged_attention`` (per sequence, with shared-prefix reuse) and the Triton
-kernel lives in ``kernels.triton_paged_attention``.
+``paged_attention_decode_ref`` is the plain-torch oracle of the tests. On CPU, ``"auto"`` runs
+the compiled kernel of ``kernels.native_paged_attention`` (reads the pool in place) where it
+builds, and ``kernels.torch_paged_attention`` (per sequence, with shared-prefix reuse)
+otherwise or when ``backend="torch"`` is asked for; the Triton kernel lives in
+``kernels.triton_paged_attention``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import torch
 
 from kernels.backend import resolve_backend
+from kernels.native_paged_attention import paged_attention_decode_native
 from kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
@@ -53,7 +56,9 @@ def paged_attention_decode(
         num_shared_blocks: leading block-table columns that every row has in common and that
             lie inside every row's context (``common_prefix_blocks``); the torch path reads
             them once for the whole batch. It never changes the result, only the work.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``). On CPU
+            tensors ``"auto"`` takes the compiled kernel where it is available and ``"torch"``
+            always the plain-torch code.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in the query's dtype.
@@ -70,6 +75,10 @@ def paged_attention_decode(
         from kernels.triton_paged_attention import paged_attention_decode_triton
 
         return paged_attention_decode_triton(inputs, pool)
+    if backend == "auto":
+        out = paged_attention_decode_native(inputs)
+        if out is not None:
+            return out
     return paged_attention_decode_torch(inputs, num_shared_blocks)
 
 

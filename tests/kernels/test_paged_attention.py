@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import (
     DecodeInputs,
@@ -11,58 +10,7 @@ from kernels import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-
-TOLERANCES = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
-    # Both paths compute in fp32 and round once at the end: allow about one fp16 ulp near 1.
-    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
-}
-
-NUM_KV_HEADS = 2
-
-
-def _decode_batch(
-    gen: torch.Generator,
-    context_lens: list[int],
-    *,
-    num_blocks: int,
-    block_size: int,
-    index_dtype: torch.dtype = torch.int64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables for ragged sequences on shuffled, distinct blocks, padded with 0.
-
-    Returns:
-        ``block_tables`` ``[batch, max_blocks_per_seq]`` (one spare padding column) and
-        ``context_lens`` ``[batch]``.
-    """
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
-    width = max(blocks_per_seq) + 1
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    assert sum(blocks_per_seq) <= num_blocks, "test pool too small for its sequences"
-    tables = torch.zeros(len(context_lens), width, dtype=index_dtype)
-    for seq, num_used in enumerate(blocks_per_seq):
-        tables[seq, :num_used] = torch.tensor([free.pop() for _ in range(num_used)])
-    return tables, torch.tensor(context_lens, dtype=index_dtype)
-
-
-def _dense_sdpa(query, kv_cache, layer, block_tables, context_lens, scale) -> torch.Tensor:
-    """Per sequence: gather K/V into contiguous tensors and run PyTorch's SDPA on them."""
-    block_size = kv_cache.shape[3]
-    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[4]
-    outs = []
-    for seq, context_len in enumerate(context_lens.tolist()):
-        num_used = -(-context_len // block_size)
-        kv = kv_cache[block_tables[seq, :num_used].long(), layer].float()
-        k = kv[:, 0].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
-        v = kv[:, 1].flatten(0, 1)[:context_len]
-        group = num_heads // num_kv_heads
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, context_len, head_dim]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        q = query[seq].float()[:, None, :]  # [num_heads, 1, head_dim]
-        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[:, 0])
-    return torch.stack(outs).to(query.dtype)
-
+from tests.kernels.attention_cases import NUM_KV_HEADS, TOLERANCES, decode_batch, dense_sdpa
 
 RAGGED = [1, 16, 17, 45]  # one token, exactly a block, a block and one, several blocks
 
@@ -72,9 +20,9 @@ RAGGED = [1, 16, 17, 45]  # one token, exactly a block, a block and one, several
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 48])
 @pytest.mark.parametrize("path", ["reference", "torch"])
-def test_torch_paths_match_dense_sdpa(make_pool, gen, dtype, group, block_size, head_dim, path):
+def test_torch_paths_matchdense_sdpa(make_pool, gen, dtype, group, block_size, head_dim, path):
     pool = make_pool(num_blocks=12, block_size=block_size, head_dim=head_dim, dtype=dtype)
-    tables, lens = _decode_batch(gen, RAGGED, num_blocks=12, block_size=block_size)
+    tables, lens = decode_batch(gen, RAGGED, num_blocks=12, block_size=block_size)
     query = torch.randn(len(RAGGED), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
@@ -82,7 +30,7 @@ def test_torch_paths_match_dense_sdpa(make_pool, gen, dtype, group, block_size, 
         actual = paged_attention_decode_ref(DecodeInputs(query, pool, 1, tables, lens, scale))
     else:
         actual = paged_attention_decode(query, pool, 1, tables, lens, scale, backend="torch")
-    expected = _dense_sdpa(query, pool, 1, tables, lens, scale)
+    expected = dense_sdpa(query, pool, 1, tables, lens, scale)
 
     torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
 
@@ -93,7 +41,7 @@ def test_torch_paths_match_dense_sdpa(make_pool, gen, dtype, group, block_size, 
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_triton_matches_reference(make_pool, gen, dtype, group, block_size, head_dim):
     pool = make_pool(num_blocks=12, block_size=block_size, head_dim=head_dim, dtype=dtype)
-    tables, lens = _decode_batch(gen, RAGGED, num_blocks=12, block_size=block_size)
+    tables, lens = decode_batch(gen, RAGGED, num_blocks=12, block_size=block_size)
     query = torch.randn(len(RAGGED), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
@@ -107,11 +55,11 @@ def test_triton_matches_reference(make_pool, gen, dtype, group, block_size, head
 def test_triton_int32_tables_and_odd_block_size(make_pool, gen):
     # block_size 12 and head_dim 40 are not powers of two; the kernel pads its tiles with masks.
     pool = make_pool(num_blocks=10, block_size=12, head_dim=40)
-    tables, lens = _decode_batch(
+    tables, lens = decode_batch(
         gen, [5, 24, 30], num_blocks=10, block_size=12, index_dtype=torch.int32
     )
     query = torch.randn(3, 4, 40, generator=gen)
-    expected = _dense_sdpa(query, pool, 1, tables, lens, 0.2)
+    expected = dense_sdpa(query, pool, 1, tables, lens, 0.2)
     actual = paged_attention_decode(query, pool, 1, tables, lens, 0.2, backend="triton")
     torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
 
@@ -119,7 +67,7 @@ def test_triton_int32_tables_and_odd_block_size(make_pool, gen):
 def test_triton_is_stable_for_large_scores(make_pool, gen):
     # Scores in the thousands overflow a naive exp; the online softmax must stay finite.
     pool = make_pool(num_blocks=8, block_size=16)
-    tables, lens = _decode_batch(gen, [40, 7], num_blocks=8, block_size=16)
+    tables, lens = decode_batch(gen, [40, 7], num_blocks=8, block_size=16)
     query = 300.0 * torch.randn(2, 6, 64, generator=gen)
     expected = paged_attention_decode(query, pool, 0, tables, lens, 1.0, backend="torch")
     actual = paged_attention_decode(query, pool, 0, tables, lens, 1.0, backend="triton")
@@ -129,7 +77,7 @@ def test_triton_is_stable_for_large_scores(make_pool, gen):
 
 def test_padding_entries_of_the_block_table_are_not_read(make_pool, gen):
     pool = make_pool(num_blocks=8, block_size=16)
-    tables, lens = _decode_batch(gen, [20, 3], num_blocks=8, block_size=16)
+    tables, lens = decode_batch(gen, [20, 3], num_blocks=8, block_size=16)
     query = torch.randn(2, 2, 64, generator=gen)
     before = paged_attention_decode(query, pool, 0, tables, lens, 0.125, backend="triton")
     # Poison block 0 past every sequence's end and the slots past each context length.

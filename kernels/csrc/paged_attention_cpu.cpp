@@ -1,0 +1,207 @@
+// Decode attention on CPU that reads K and V where they lie in the paged pool.
+//
+// The torch path copies each sequence's blocks out of the pool (index_select), then runs two
+// matmuls, once per sequence and layer from Python. Here one task per (sequence, KV head)
+// walks its block table and folds each block into an online softmax, so nothing is copied and
+// the Python loop is gone. Scores, softmax and the weighted sum run in float32.
+//
+// The group size (query heads per KV head) and head_dim are template parameters, so that the
+// group's accumulators stay in vector registers and every inner loop has a fixed trip count;
+// shapes outside the instantiated set return an undefined tensor and the caller takes the
+// torch path. The caller (kernels/native_paged_attention.py) has checked every input as
+// kernels.paged_attention does; this file only trusts them.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+// e^x for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2/2,
+// e^r by its Taylor polynomial to r^6 (relative error below 2e-7, float32's own rounding),
+// 2^n written into the exponent bits. Below -87.3 the result is 2^-126 times e^r, which the
+// softmax's sum swamps; NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Pool {
+  int64_t block_stride, layer_offset, kv_stride, token_stride, head_stride, block_size;
+};
+
+// One (sequence, KV head): its G query heads over context_len tokens.
+template <typename scalar_t, int G, int D>
+void attend_one(const scalar_t* q_in, const scalar_t* kv, const int64_t* table,
+                int64_t context_len, const Pool& pool, float scale, scalar_t* out) {
+  constexpr int kMaxBlock = 256;  // block_size above this takes the torch path
+  float q[G][D], acc[G][D], scores[G][kMaxBlock];
+  float running_max[G], running_sum[G];
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < D; ++i) {
+      q[g][i] = static_cast<float>(q_in[g * D + i]) * scale;
+      acc[g][i] = 0.f;
+    }
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.f;
+  }
+  const int64_t block_size = pool.block_size;
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int n = static_cast<int>(std::min(block_size, context_len - b * block_size));
+    const scalar_t* k_base = kv + table[b] * pool.block_stride + pool.layer_offset;
+    const scalar_t* v_base = k_base + pool.kv_stride;
+    for (int t = 0; t < n; ++t) {
+      const scalar_t* k = k_base + t * pool.token_stride;
+      float s[G] = {};
+      // One pass over the key row for all G queries that read it.
+#pragma omp simd reduction(+ : s[:G])
+      for (int i = 0; i < D; ++i) {
+        const float kf = static_cast<float>(k[i]);
+        for (int g = 0; g < G; ++g) s[g] += q[g][i] * kf;
+      }
+      for (int g = 0; g < G; ++g) scores[g][t] = s[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      float block_max = scores[g][0];
+      for (int t = 1; t < n; ++t) block_max = std::max(block_max, scores[g][t]);
+      const float new_max = std::max(running_max[g], block_max);
+      // First block: running_max is -inf, the correction 0, and acc and the sum are 0 anyway.
+      const float correction = exp_nonpositive(running_max[g] - new_max);
+      running_max[g] = new_max;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < n; ++t) {
+        scores[g][t] = exp_nonpositive(scores[g][t] - new_max);
+        sum += scores[g][t];
+      }
+      running_sum[g] = running_sum[g] * correction + sum;
+#pragma omp simd
+      for (int i = 0; i < D; ++i) acc[g][i] *= correction;
+    }
+    for (int t = 0; t < n; ++t) {
+      const scalar_t* v = v_base + t * pool.token_stride;
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g][t];
+#pragma omp simd
+        for (int i = 0; i < D; ++i) acc[g][i] += p * static_cast<float>(v[i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.f / running_sum[g];
+    for (int i = 0; i < D; ++i) out[g * D + i] = static_cast<scalar_t>(acc[g][i] * inv);
+  }
+}
+
+template <typename scalar_t, int G, int D>
+void decode(const torch::Tensor& query, const torch::Tensor& kv_cache, int64_t layer,
+            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+            torch::Tensor& out) {
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  // kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous.
+  const int64_t block_size = kv_cache.size(3), num_kv_heads = kv_cache.size(4);
+  Pool pool;
+  pool.block_size = block_size;
+  pool.head_stride = D;
+  pool.token_stride = num_kv_heads * D;
+  pool.kv_stride = block_size * pool.token_stride;
+  pool.layer_offset = layer * 2 * pool.kv_stride;
+  pool.block_stride = kv_cache.size(1) * 2 * pool.kv_stride;
+  const int64_t table_stride = block_tables.size(1);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* kv_ptr = kv_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
+      // Query head h = kv_head * G + g reads KV head kv_head.
+      const int64_t first_head = (row * num_heads + kv_head * G) * D;
+      attend_one<scalar_t, G, D>(q_ptr + first_head, kv_ptr + kv_head * D,
+                                 tables + row * table_stride, lens[row], pool, fscale,
+                                 out_ptr + first_head);
+    }
+  });
+}
+
+template <typename scalar_t, int D>
+bool dispatch_group(int64_t group, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                    int64_t layer, const torch::Tensor& tables, const torch::Tensor& lens,
+                    double scale, torch::Tensor& out) {
+  switch (group) {
+#define CACHETIER_GROUP(G)                                                  \
+  case G:                                                                   \
+    decode<scalar_t, G, D>(query, kv_cache, layer, tables, lens, scale, out); \
+    return true;
+    CACHETIER_GROUP(1)
+    CACHETIER_GROUP(2)
+    CACHETIER_GROUP(3)
+    CACHETIER_GROUP(4)
+    CACHETIER_GROUP(5)
+    CACHETIER_GROUP(6)
+    CACHETIER_GROUP(7)
+    CACHETIER_GROUP(8)
+#undef CACHETIER_GROUP
+    default:
+      return false;
+  }
+}
+
+// Returns an undefined tensor where the shape is not instantiated (the caller falls back).
+torch::Tensor paged_attention_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                     int64_t layer, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "contiguous inputs expected");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong &&
+                  context_lens.scalar_type() == torch::kLong,
+              "int64 block_tables and context_lens expected");
+  const int64_t head_dim = query.size(2), group = query.size(1) / kv_cache.size(4);
+  if (kv_cache.size(3) > 256) return torch::Tensor();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty_like(query);
+  bool done = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "decode", [&] {
+    switch (head_dim) {
+      case 64:
+        done = dispatch_group<scalar_t, 64>(group, query, kv_cache, layer, tables, lens, scale,
+                                            out);
+        break;
+      case 128:
+        done = dispatch_group<scalar_t, 128>(group, query, kv_cache, layer, tables, lens,
+                                             scale, out);
+        break;
+      default:
+        break;
+    }
+  });
+  return done ? out : torch::Tensor();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_decode", &paged_attention_decode,
+        "Decode attention reading the paged pool in place (CPU); undefined where unsupported");
+}
