@@ -18,6 +18,7 @@ from tests.deploy.promql import (
     check_dashboard,
     dashboard_queries,
     load_dashboards,
+    prometheus_binary,
     readme_queries,
     substitute,
 )
@@ -163,3 +164,9 @@ def test_a_misspelt_metric_or_variable_fails_the_check(
     broken["panels"][0]["targets"][0]["expr"] += " + on() vector($nosuch)"
     failures = check_queries(live.prometheus, {name: broken}, "").failures()
     assert any("$nosuch" in f for f in failures), failures
+
+
+def test_a_missing_prometheus_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(FileNotFoundError, match="Debian's `prometheus` package"):
+        prometheus_binary()
