@@ -317,6 +317,14 @@ class LoadPlan:
         return self.num_hit_blocks - self.num_load_blocks
 
     @property
+    def choice(self) -> str:
+        """``load_all``, ``recompute_all`` or ``partial`` (some blocks of each): what a
+        dashboard counts the plans by."""
+        if self.num_recompute_blocks == 0:
+            return "load_all"
+        return "recompute_all" if self.num_load_blocks == 0 else "partial"
+
+    @property
     def est_saved_s(self) -> float:
         """Estimated seconds this plan saves against recomputing the whole hit (0 unknown)."""
         if self.est_ttft_s is None or self.est_recompute_all_s is None:

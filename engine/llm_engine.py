@@ -302,6 +302,7 @@ class LLMEngine:
             out["cost_model"] = {
                 "enabled": self.cost_model.enabled,
                 "recomputed_tokens": self.scheduler.num_recomputed_hit_tokens,
+                "plans": dict(self.scheduler.num_plans_by_choice),
                 "prefill": self.prefill_model.snapshot(),
                 "tiers": self.cost_model.rates.snapshot(),
             }

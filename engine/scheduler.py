@@ -50,6 +50,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_recomputed_hit_tokens = 0  # tier hits the cost model chose to recompute
+        # Plans of requests whose prefix the tiers held, by ``LoadPlan.choice``.
+        self.num_plans_by_choice = {"load_all": 0, "partial": 0, "recompute_all": 0}
 
     def add(self, seq: Sequence) -> None:
         self.extend_keys(seq)
@@ -177,6 +179,8 @@ class Scheduler:
         if first:
             seq.num_cached_tokens = cached
             if plan is not None:
+                if plan.num_hit_blocks:
+                    self.num_plans_by_choice[plan.choice] += 1
                 seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * bs
                 self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
                 seq.est_saved_s = plan.est_saved_s

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cachetier.backoff import BreakerState
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
 from cachetier.stats import COUNTERS
@@ -114,13 +115,7 @@ class _StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._service.store.stats()
         tiers: dict[str, dict[str, Any]] = stats["tiers"]
-        for name in _TIER_COUNTERS:
-            family = CounterMetricFamily(
-                f"cachetier_tier_{name}", f"{name} of each server tier", labels=["tier"]
-            )
-            for tier, figures in tiers.items():
-                family.add_metric([tier], figures.get(name, 0))
-            yield family
+        yield from tier_counter_families(tiers)
         used = GaugeMetricFamily("cachetier_tier_used_bytes", "bytes a tier holds", labels=["tier"])
         cap = GaugeMetricFamily(
             "cachetier_tier_capacity_bytes", "capacity of a tier", labels=["tier"]
@@ -138,6 +133,7 @@ class _StoreCollector(Collector):
             pending.add_metric([tier], count)
         yield pending
         yield from tier_rate_families(stats["rates"])
+        yield from store_health_families(stats)
         per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
         for name in _TENANT_COUNTERS:
             family = CounterMetricFamily(
@@ -146,6 +142,60 @@ class _StoreCollector(Collector):
             for tenant, figures in per_tenant.items():
                 family.add_metric([tenant], figures[name])
             yield family
+
+
+def tier_counter_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """``cachetier_tier_<counter>{tier}`` for every counter of ``TierStats``.
+
+    Args:
+        tiers: each tier's ``stats()`` by tier name (``TieredStore.stats()["tiers"]``).
+    """
+    for name in _TIER_COUNTERS:
+        family = CounterMetricFamily(
+            f"cachetier_tier_{name}", f"{name} of each tier", labels=["tier"]
+        )
+        for tier, figures in tiers.items():
+            family.add_metric([tier], figures.get(name, 0))
+        yield family
+
+
+def store_health_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """What an operator alerts on besides hit rates: blocks the write queues dropped or failed
+    to write (``TieredStore.stats()``'s own ``rejected`` and ``errors``), and each breaker's
+    state (tiers behind a network: ``remote``, ``redis``).
+
+    Args:
+        stats: ``TieredStore.stats()``.
+    """
+    dropped = CounterMetricFamily(
+        "cachetier_write_queue_dropped_blocks",
+        "Blocks not written to a lower tier because its write queue was full",
+    )
+    dropped.add_metric([], stats.get("rejected", 0))
+    yield dropped
+    failed = CounterMetricFamily(
+        "cachetier_write_queue_failed_blocks",
+        "Blocks a background writer failed to write to a lower tier",
+    )
+    failed.add_metric([], stats.get("errors", 0))
+    yield failed
+    state = GaugeMetricFamily(
+        "cachetier_tier_breaker_state",
+        "1 for the state a tier's circuit breaker is in (closed, open, half_open), else 0",
+        labels=["tier", "state"],
+    )
+    opens = CounterMetricFamily(
+        "cachetier_tier_breaker_opens", "Times a tier's circuit breaker opened", labels=["tier"]
+    )
+    for tier, figures in stats["tiers"].items():
+        breaker = figures.get("breaker")
+        if breaker is None:
+            continue  # a local tier (cpu, disk) has no service to break from
+        for value in BreakerState:
+            state.add_metric([tier, value.value], float(breaker["state"] == value.value))
+        opens.add_metric([tier], breaker["num_opens"])
+    yield state
+    yield opens
 
 
 def tier_rate_families(rates: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -74,7 +74,11 @@ def create_app(config: EngineServerConfig) -> FastAPI:
         engine, store, tokenizer = await run_in_threadpool(_open_engine, config)
         engine_thread = AsyncEngine(engine)
         try:
-            metrics = EngineMetrics(engine_thread.stats, config.model_name)
+            metrics = EngineMetrics(
+                engine_thread.stats,
+                config.model_name,
+                store.stats if store is not None else None,
+            )
             engine_thread.observer = metrics
             engine_thread.start()
             serving = OpenAIServing(

@@ -18,7 +18,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cachetier.events import SOURCES
-from cachetier.server.metrics import tier_rate_families
+from cachetier.server.metrics import (
+    store_health_families,
+    tier_counter_families,
+    tier_rate_families,
+)
 from engine.llm_engine import RequestOutput
 
 PREFIX = "cachetier_engine_"
@@ -36,9 +40,16 @@ class EngineMetrics:
     Args:
         stats: returns the engine's latest ``stats()`` (read at scrape time).
         model_name: the served model's name (the ``model_name`` label, as vLLM labels).
+        store_stats: returns the engine's ``TieredStore.stats()`` (read at scrape time), or
+            ``None`` when the engine has no tiers.
     """
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], Mapping[str, Any]],
+        model_name: str,
+        store_stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -78,7 +89,20 @@ class EngineMetrics:
         for source in SOURCES:
             # Every series exists from the start: an alert on a rate needs it before the first hit.
             self._hits.labels(model_name, source)
+        # Likewise: a series born with its first request has no sample from before it, so
+        # rate() and histogram_quantile() would leave that request out.
+        for family in (
+            self._prompt_tokens,
+            self._generation_tokens,
+            self._queries,
+            self._ttft,
+            self._tpot,
+            self._e2e,
+        ):
+            family.labels(model_name)
         self.registry.register(_EngineStatsCollector(stats, model_name))
+        if store_stats is not None:
+            self.registry.register(_EngineStoreCollector(store_stats))
 
     def on_output(
         self, output: RequestOutput, arrival_s: float, previous_token_s: float | None, now: float
@@ -135,6 +159,37 @@ class _EngineStatsCollector(Collector):
         )
         preemptions.add_metric(label, stats["num_preemptions"])
         yield preemptions
+        yield _counter(
+            "evicted_blocks",
+            "KV pool blocks evicted (saved to the tiers first)",
+            label,
+            stats["num_evicted_blocks"],
+        )
+        if "restored_bytes" in stats:
+            # Restore bandwidth is rate(restored_bytes) / rate(restore_seconds).
+            yield _counter(
+                "saved_blocks", "Blocks saved to the tiers", label, stats["saved_blocks"]
+            )
+            yield _counter(
+                "restored_bytes",
+                "Bytes restored from the tiers into the pool",
+                label,
+                stats["restored_bytes"],
+            )
+            yield _counter(
+                "restore_seconds",
+                "Seconds spent restoring blocks from the tiers",
+                label,
+                stats["restore_s"],
+            )
+            by_tier = CounterMetricFamily(
+                PREFIX + "restored_blocks",
+                "Blocks restored from the tiers, by the tier that held them",
+                labels=["model_name", "tier"],
+            )
+            for tier, count in stats["restored_by_tier"].items():
+                by_tier.add_metric([*label, tier], count)
+            yield by_tier
         cost = stats.get("cost_model")
         if cost is not None:
             recomputed = CounterMetricFamily(
@@ -144,4 +199,32 @@ class _EngineStatsCollector(Collector):
             )
             recomputed.add_metric(label, cost["recomputed_tokens"])
             yield recomputed
+            plans = CounterMetricFamily(
+                "cachetier_load_plans",
+                "Requests with a tier hit, by the cost model's choice: load_all, partial "
+                "(recompute some hit blocks) or recompute_all",
+                labels=["model_name", "choice"],
+            )
+            for choice, count in cost["plans"].items():
+                plans.add_metric([*label, choice], count)
+            yield plans
             yield from tier_rate_families(cost["tiers"])
+
+
+def _counter(name: str, doc: str, label: list[str], value: float) -> Metric:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric(label, value)
+    return family
+
+
+class _EngineStoreCollector(Collector):
+    """The engine's own tiers (a CPU tier in the pod, the sidecar behind it): the sidecar's
+    names, told apart by the scrape's ``job``."""
+
+    def __init__(self, store_stats: Callable[[], dict[str, Any]]) -> None:
+        self._store_stats = store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._store_stats()
+        yield from tier_counter_families(stats["tiers"])
+        yield from store_health_families(stats)

@@ -256,3 +256,10 @@ def test_calls_that_failed_teach_nothing_about_a_tier() -> None:
         assert store.rates.get("redis") is None
         assert store.rates.get("cpu") is not None  # the tier that answered is measured
         store.close()
+
+
+def test_a_plan_names_its_choice_for_the_dashboard() -> None:
+    assert LoadPlan.load_all(4, "model").choice == "load_all"
+    assert LoadPlan(4, 0, 0, "model").choice == "recompute_all"
+    assert LoadPlan(4, 1, 4, "model").choice == "partial"
+    assert LoadPlan(4, 0, 2, "model").choice == "partial"

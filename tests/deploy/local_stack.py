@@ -29,7 +29,13 @@ from tests.support import free_port
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 # The port each service listens on inside its container (images' defaults and our flags).
-CONTAINER_PORTS = {"redis": 6379, "sidecar": 8470, "engine": 8000, "prometheus": 9090}
+CONTAINER_PORTS = {
+    "redis": 6379,
+    "sidecar": 8470,
+    "engine": 8000,
+    "prometheus": 9090,
+    "grafana": 3000,
+}
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
