@@ -244,7 +244,11 @@ def _table(
         )
         body.append(f"<tr{who}>{cells}</tr>")
     kind = ' class="sortable"' if sortable else ""
-    return f"<table{kind}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    # A wide table (the counters) scrolls inside the page instead of widening it.
+    return (
+        f'<div class="table-scroll"><table{kind}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _cell(value: Any, is_tenant: bool) -> str:

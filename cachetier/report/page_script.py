@@ -98,6 +98,7 @@ th[aria-sort] { cursor: pointer; user-select: none; }
 th[aria-sort="ascending"]::after { content: " \\25B2"; }
 th[aria-sort="descending"]::after { content: " \\25BC"; }
 .filtered-out { display: none; }
+.table-scroll { overflow-x: auto; max-width: 100%; }
 #tip { position: absolute; background: #222; color: #fff; padding: 3px 7px; font-size: 12px;
        border-radius: 3px; pointer-events: none; max-width: 420px; }
 .toolbar { background: #f7f7f7; padding: .4em .8em; position: sticky; top: 0; z-index: 1; }

@@ -16,6 +16,7 @@ from html import escape
 
 WIDTH, HEIGHT = 760, 320
 _LEFT, _RIGHT, _TOP = 64, 16, 30
+_LEGEND_COLUMN = 170
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,15 +225,17 @@ def log_line_chart(
                 f'r="4.5" fill="{_attr(line.color)}" data-tip="{_attr(text)}">'
                 f"<title>{escape(text)}</title></circle>"
             )
-        ly = _TOP + 14 + 16 * index
+        # The legend sits below the x axis, four to a row: inside, it would hide the lines.
+        lx = _LEFT + _LEGEND_COLUMN * (index % 4)
+        ly = bottom + 58 + 16 * (index // 4)
         body.append(
-            f'<line x1="{_LEFT + 16}" x2="{_LEFT + 36}" y1="{ly - 4}" y2="{ly - 4}" '
+            f'<line x1="{lx}" x2="{lx + 20}" y1="{ly - 4}" y2="{ly - 4}" '
             f'stroke="{_attr(line.color)}" stroke-width="2"{dash}/>'
-            f'<text class="legend" x="{_LEFT + 42}" y="{ly}">{escape(line.name)}</text>'
+            f'<text class="legend" x="{lx + 26}" y="{ly}">{escape(line.name)}</text>'
         )
     body.append(
         f'<line class="axis" x1="{_LEFT}" x2="{WIDTH - _RIGHT}" y1="{bottom}" y2="{bottom}"/>'
         f'<text class="axis-label" x="{WIDTH / 2:.0f}" y="{bottom + 34}" text-anchor="middle">'
         f"{escape(x_label)}</text>"
     )
-    return _frame(body, title, 10)
+    return _frame(body, title, 34 + 16 * -(-len(series) // 4))
