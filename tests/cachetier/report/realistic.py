@@ -39,6 +39,9 @@ HOSTILE_TENANTS = (
 )
 """Tenant names a client may pick as its cache salt: each must show as text, run nothing."""
 
+HOSTILE_NAME_PLACES = 3
+"""Where the page shows a tenant's name as text: its table row, its filter option, its bar."""
+
 
 def conversation_slice(folder: Path, num_requests: int = 3000) -> Path:
     """The first ``num_requests`` requests of the conversation trace (about 17 minutes of it).

@@ -16,7 +16,11 @@ import pytest
 
 from tests.cachetier.report.browser import PageFindings, inspect_report
 from tests.cachetier.report.cdp import BrowserMissingError
-from tests.cachetier.report.realistic import HOSTILE_TENANTS, realistic_reports
+from tests.cachetier.report.realistic import (
+    HOSTILE_NAME_PLACES,
+    HOSTILE_TENANTS,
+    realistic_reports,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +92,7 @@ def test_hostile_tenant_names_stay_text(
     _assert_clean(found, doc)
     assert found.num_scripts == 2  # the data block and the page's own script, nothing injected
     # Each name shows as itself: in its table row, its filter option and under its bar.
-    assert found.literal == {name: 3 for name in HOSTILE_TENANTS}
+    assert found.literal == {name: HOSTILE_NAME_PLACES for name in HOSTILE_TENANTS}
     assert any(t.startswith(_tip_of_largest_tenant(doc)) for t in found.tooltips), found.tooltips
 
 
