@@ -8,6 +8,8 @@
 - ``figures`` / ``curve`` / ``counters``: every figure as a plain dict (what the JSON holds
   and the plots draw): lookup figures, the trace-only ones, the tier counters table.
 - ``plots`` / ``html`` / ``summary``: the PNGs, the self-contained page, the terminal text.
+- ``svg`` / ``svg_figures`` / ``page_script``: the page's hoverable SVG plots (per tier, per
+  tenant, the capacity curve) and its one inline script (sorting, tenant filter, tooltips).
 - ``build``: the steps in order.
 
 Needs the ``report`` extra (matplotlib, tqdm); nothing outside this package but the command

@@ -1,7 +1,10 @@
-"""The report as one self-contained HTML page: PNGs inline as base64, no scripts, no links out.
+"""The report as one self-contained HTML page: plots inline (SVG, or PNG as base64), one inline
+script, no links out.
 
 The report document itself is embedded too (``<script type="application/json"
 id="report-data">``, data only), so the page carries the same figures as the JSON output.
+Tables sort by a click on a header, a tenant filter hides the other tenants' rows and bars, and
+hovering a bar or point of an SVG plot shows its value (``page_script``, ``svg_figures``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import json
 from html import escape
 from typing import Any
 
+from cachetier.report.page_script import SCRIPT, STYLE, script_csp
 from cachetier.report.plots import DRAWERS, render_png
+from cachetier.report.svg_figures import SVG_DRAWERS
 
 _STYLE = """
 body { font: 15px/1.45 system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #222;
@@ -39,28 +44,77 @@ def render_html(doc: dict[str, Any]) -> str:
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{script_csp()}">',
         f"<title>cachetier report: {escape(str(inp.get('path') or inp.get('stats')))}</title>",
-        f"<style>{_STYLE}</style></head><body>",
+        f"<style>{_STYLE}{STYLE}</style></head><body>",
         "<h1>cachetier hit-rate report</h1>",
         f'<p class="meta">{escape(_describe_input(doc))}</p>',
+        _tenant_filter(doc["figures"]),
         "<h2>Headline</h2>",
-        _table(["figure", "value"], _headline_rows(doc["headline"])),
+        _table(["figure", "value"], _headline_rows(doc["headline"]), sortable=False),
     ]
     for name, figure in doc["figures"].items():
         parts.append(f'<section id="{escape(name)}"><h2>{escape(figure["title"])}</h2>')
-        if name in DRAWERS:
+        if name in SVG_DRAWERS:
+            parts.append(SVG_DRAWERS[name](figure))
+        elif name in DRAWERS:
             png = base64.b64encode(render_png(name, figure)).decode("ascii")
-            parts.append(f'<img alt="{escape(figure["title"])}" src="data:image/png;base64,{png}">')
+            parts.append(
+                f'<img class="plot" alt="{escape(figure["title"])}" '
+                f'src="data:image/png;base64,{png}">'
+            )
         parts.append(f'<p class="how">{escape(figure["how"])}</p>')
         table = figure_table(name, figure)
         if table is not None:
-            parts.append(_table(*table))
+            parts.append(_table(*table, tenant_of=_TENANT_OF.get(name)))
         parts.append("</section>")
-    # "</" cannot close the script element early once escaped; JSON reads "<\/" as "</".
-    data = json.dumps(doc, separators=(",", ":")).replace("</", "<\\/")
-    parts.append(f'<script type="application/json" id="report-data">{data}</script>')
+    parts.append('<div id="tip" role="tooltip" hidden></div>')
+    parts.append(f'<script type="application/json" id="report-data">{_json_for_html(doc)}</script>')
+    parts.append(f"<script>{SCRIPT}</script>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _json_for_html(doc: dict[str, Any]) -> str:
+    # No "<" at all: neither "</script>" nor "<!--" (which would keep a later "</script>" from
+    # closing the element) can appear in the data, whatever a tenant is named. JSON reads
+    # "\u003c" as "<"; outside strings JSON has no "<", ">" or "&" to replace.
+    text = json.dumps(doc, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _tenant_names(figures: dict[str, dict[str, Any]]) -> list[str]:
+    names: list[str] = []
+    if "per_tenant" in figures:
+        names += figures["per_tenant"]["tenants"][:_MAX_TABLE_TENANTS]
+    if "tier_counters" in figures:
+        names += [str(r[1]) for r in figures["tier_counters"]["rows"] if r[0] == "tenant"]
+    return list(dict.fromkeys(names))
+
+
+def _tenant_filter(figures: dict[str, dict[str, Any]]) -> str:
+    names = _tenant_names(figures)
+    if len(names) < 2:
+        return ""  # nothing to choose between
+    options = "".join(
+        f'<option data-choice="{escape(n, quote=True)}">{escape(n or "(none)")}</option>'
+        for n in names
+    )
+    return (
+        '<p class="toolbar"><label>Tenant: <select id="tenant-filter">'
+        f"<option data-all>all tenants</option>{options}</select></label> "
+        '<span class="meta">click a column header to sort; hover a bar or point for its value'
+        "</span></p>"
+    )
+
+
+# Which column of a figure's table names the tenant a row is about, and whether it applies to
+# every row or only to rows whose first cell says "tenant" (the counters table).
+_TENANT_OF: dict[str, tuple[int, str | None]] = {
+    "per_tenant": (0, None),
+    "tier_counters": (1, "tenant"),
+}
+_MAX_TABLE_TENANTS = 50
 
 
 def _describe_input(doc: dict[str, Any]) -> str:
@@ -141,7 +195,8 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
             "net_saved_s",
         ]
         rows = [
-            [t or "(none)", *(fig[k][i] for k in keys)] for i, t in enumerate(fig["tenants"][:50])
+            [t, *(fig[k][i] for k in keys)]
+            for i, t in enumerate(fig["tenants"][:_MAX_TABLE_TENANTS])
         ]
         return ["tenant", *keys], rows
     if name == "alignment":
@@ -166,12 +221,46 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
     return None
 
 
-def _table(columns: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{escape(str(c))}</th>" for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(_fmt(v))}</td>" for v in row) + "</tr>" for row in rows
+def _table(
+    columns: list[str],
+    rows: list[list[Any]],
+    *,
+    sortable: bool = True,
+    tenant_of: tuple[int, str | None] | None = None,
+) -> str:
+    head = "".join(
+        f'<th tabindex="0" aria-sort="none">{escape(str(c))}</th>'
+        if sortable
+        else f"<th>{escape(str(c))}</th>"
+        for c in columns
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    body = []
+    for row in rows:
+        who = ""
+        if tenant_of is not None and (tenant_of[1] is None or row[0] == tenant_of[1]):
+            who = f' data-tenant="{escape(str(row[tenant_of[0]]), quote=True)}"'
+        cells = "".join(
+            _cell(v, tenant_of is not None and i == tenant_of[0]) for i, v in enumerate(row)
+        )
+        body.append(f"<tr{who}>{cells}</tr>")
+    kind = ' class="sortable"' if sortable else ""
+    # A wide table (the counters) scrolls inside the page instead of widening it.
+    return (
+        f'<div class="table-scroll"><table{kind}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
+
+
+def _cell(value: Any, is_tenant: bool) -> str:
+    if is_tenant and value == "":
+        return "<td>(none)</td>"
+    # A number keeps its full value for sorting; its text is rounded, with commas.
+    sort_key = (
+        f' data-v="{value!r}"'
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else ""
+    )
+    return f"<td{sort_key}>{escape(_fmt(value))}</td>"
 
 
 def _fmt(value: Any) -> str:
