@@ -14,6 +14,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from cachetier.cli_pins import add_pin, add_pins, add_unpin
+
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``cachetier serve``: the sidecar (uvicorn + FastAPI over a TieredStore).
@@ -300,7 +302,13 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (add_serve, add_report)
+SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
+    add_serve,
+    add_report,
+    add_pin,
+    add_unpin,
+    add_pins,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,8 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cachetier.checks import fraction
+from cachetier.pin_registry import PinRegistry
 from cachetier.redact import redacted_repr
 from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
@@ -56,6 +58,10 @@ class StoreConfig:
         redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
         remote_ca_file: CA bundle the server's certificate is checked against (``https://``
             only; ``None``: the system's CAs).
+        max_pinned_fraction: share of the CPU and disk tiers' capacity pinned blocks may hold,
+            in [0, 1) (``TieredStore.pin_prefix``).
+        pin_file: a JSON file that keeps the store's pins across restarts
+            (``cachetier.pin_registry``); ``None`` keeps them in memory only.
     """
 
     cpu_bytes: int = 2 * GiB
@@ -78,6 +84,8 @@ class StoreConfig:
     redis_ssl_certfile: str | None = None
     redis_ssl_keyfile: str | None = None
     remote_ca_file: str | None = None
+    max_pinned_fraction: float = 0.5
+    pin_file: str | None = None
 
     def __repr__(self) -> str:
         return redacted_repr(self)
@@ -89,6 +97,7 @@ class StoreConfig:
         check_mode("disk_dir_mode", self.disk_dir_mode, needs=0o700)
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+        fraction("max_pinned_fraction", self.max_pinned_fraction)
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
         if not (self.cpu_bytes or self.disk_path or self.redis_url or self.remote_url):
@@ -167,7 +176,15 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
     """The tiers ``config`` names, fastest first (not yet stacked)."""
     tiers: list[Tier] = []
     if config.cpu_bytes:
-        tiers.append(CPUTier(CPUTierConfig(config.cpu_bytes, policy=config.policy)))
+        tiers.append(
+            CPUTier(
+                CPUTierConfig(
+                    config.cpu_bytes,
+                    policy=config.policy,
+                    max_pinned_fraction=config.max_pinned_fraction,
+                )
+            )
+        )
     if config.disk_path:
         tiers.append(
             DiskTier(
@@ -179,6 +196,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                     fsync=config.fsync,
                     file_mode=config.disk_file_mode,
                     dir_mode=config.disk_dir_mode,
+                    max_pinned_fraction=config.max_pinned_fraction,
                 )
             )
         )
@@ -221,9 +239,17 @@ def build_store(config: StoreConfig) -> TieredStore:
     Returns:
         The store; close it (or use it as a context manager) to flush and release the tiers.
     """
-    return TieredStore(
-        build_tiers(config),
-        write_queue_blocks=config.write_queue_blocks,
-        write_queue_bytes=config.write_queue_bytes,
-        writer_nice=config.writer_nice,
-    )
+    registry = None if not config.pin_file else PinRegistry(config.pin_file, config.disk_file_mode)
+    tiers = build_tiers(config)
+    try:
+        return TieredStore(
+            tiers,
+            write_queue_blocks=config.write_queue_blocks,
+            write_queue_bytes=config.write_queue_bytes,
+            writer_nice=config.writer_nice,
+            pin_registry=registry,
+        )
+    except BaseException:
+        for tier in tiers:  # e.g. an unreadable pin registry: leave no tier open
+            tier.close()
+        raise

@@ -32,6 +32,11 @@ class RequestRefusedError(CacheTierError):
     same request cannot help, unlike a ``TierUnavailableError``."""
 
 
+class PinLimitError(RequestRefusedError):
+    """A pin would pass a tier's bound on pinned bytes (``max_pinned_fraction``); nothing of
+    the request was pinned."""
+
+
 class OverloadedError(CacheTierError):
     """A service has no room for a request right now (too many bytes in flight): unlike a
     ``RequestRefusedError``, the same request may succeed later."""

@@ -246,12 +246,37 @@ def block_keys(
     Returns:
         ``len(token_ids) // block_size`` keys, in order.
     """
+    prev = namespace.fingerprint if parent is None else parent
+    return chain_keys(prev, namespace.layout.block_size, token_ids, extra_keys=extra_keys)
+
+
+def chain_keys(
+    root: bytes,
+    block_size: int,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    extra_keys: Sequence[bytes] | None = None,
+) -> list[BlockHash]:
+    """Keys of every *full* block of ``token_ids``, chained from ``root``: the one loop
+    ``block_keys`` runs, for callers that know a namespace by its fingerprint alone (the
+    sidecar pins a prefix of a ``Namespace.id`` it was never told the model of).
+
+    Args:
+        root: ``Namespace.fingerprint``, or the key of the block just before ``token_ids[0]``.
+        block_size: tokens per block.
+        token_ids: the token ids.
+        extra_keys: optional per-block extra bytes, one entry per full block.
+
+    Returns:
+        ``len(token_ids) // block_size`` keys, in order.
+    """
+    positive_int("block_size", block_size)
     data = token_bytes(token_ids)
-    step = namespace.layout.block_size * 4
+    step = block_size * 4
     num_blocks = len(data) // step
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_blocks} blocks")
-    prev = namespace.fingerprint if parent is None else parent
+    prev = root
     if len(prev) != HASH_BYTES:
         raise ValueError(f"parent must be {HASH_BYTES} bytes, got {len(prev)}")
     sha256 = hashlib.sha256

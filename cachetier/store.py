@@ -9,6 +9,7 @@
   dropped and counted, so a slow Redis never stalls the serving loop. With write-through the
   lower tiers already hold what an upper tier evicts, so nothing needs to spill on eviction.
 - ``flush()`` waits until every queued write has been applied.
+- ``pin_prefix()`` keeps a prefix's blocks from every tier's eviction (``store_pins``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachetier.costmodel import TierRates
-from cachetier.keys import BlockHash
+from cachetier.keys import BlockHash, Namespace, block_keys
 from cachetier.landing import Destination
 from cachetier.parallel import BACKGROUND_NICE, become_background
+from cachetier.pin_registry import PinRegistry, Pins
 from cachetier.record import KVBlock
 from cachetier.stats import TierStats
+from cachetier.store_pins import PinResult, StorePins
 from cachetier.tiers.base import Tier, check_namespace
 
 _STOP = object()
@@ -148,6 +151,8 @@ class TieredStore(Tier):
         writer_nice: CPU priority of the lower tiers' writer threads, 0 (the process's) to 19
             (the lowest, the default: they use the cores the engine leaves idle; see
             ``cachetier.parallel.BACKGROUND_NICE``).
+        pin_registry: where pins are kept across restarts (they are applied to the tiers
+            now); ``None`` keeps pins in memory only.
     """
 
     name = "tiered"
@@ -160,6 +165,7 @@ class TieredStore(Tier):
         write_queue_bytes: int | None = None,
         promote: bool = True,
         writer_nice: int = BACKGROUND_NICE,
+        pin_registry: PinRegistry | None = None,
     ) -> None:
         super().__init__()
         if not tiers:
@@ -181,6 +187,7 @@ class TieredStore(Tier):
         # Every tier's measured latency and read speed, from the lookups and gets below: what
         # a cost model weighs a load against a recompute with.
         self.rates = TierRates()
+        self._pins = StorePins(self._tiers, pin_registry)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -352,6 +359,60 @@ class TieredStore(Tier):
     def clear(self, namespace: str) -> int:
         self.flush()
         return max((tier.clear(namespace) for tier in self._tiers), default=0)
+
+    def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:
+        """Keep blocks from eviction in every tier that can pin, now or once they arrive.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to pin (e.g. a prefix's chain, ``block_keys``).
+
+        Returns:
+            The keys pinned, and how many each tier holds and protects now.
+
+        Raises:
+            PinLimitError: a tier's bound on pinned bytes refused them; nothing was pinned.
+        """
+        self.flush()  # blocks queued for a lower tier are counted there
+        return self._pins.pin(namespace, keys)
+
+    def pin_prefix(self, namespace: Namespace, token_ids: Sequence[int]) -> PinResult:
+        """Pin the chain of full blocks of a token prefix (a system prompt, say).
+
+        Args:
+            namespace: model, layout and tenant of the blocks (keys come from ``block_keys``).
+            token_ids: the prefix's token ids; a partial last block is not pinned.
+
+        Returns:
+            As ``pin_keys``.
+
+        Raises:
+            ValueError: the prefix is shorter than one block.
+            PinLimitError: as ``pin_keys``.
+        """
+        keys = block_keys(namespace, token_ids)
+        if not keys:
+            raise ValueError(
+                f"{len(token_ids)} tokens make no full block of {namespace.block_size}: "
+                "nothing to pin"
+            )
+        return self.pin_keys(namespace.id, keys)
+
+    def unpin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Let pinned blocks be evicted again.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to unpin.
+
+        Returns:
+            How many of them were pinned.
+        """
+        return self._pins.unpin(namespace, keys)
+
+    def pinned(self, prefix: str = "") -> Pins:
+        """Pinned keys by storage namespace (those starting with ``prefix``), in pin order."""
+        return self._pins.listing(prefix)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued background write has been applied.

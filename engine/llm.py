@@ -10,6 +10,7 @@ from typing import Any
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.store import TieredStore
+from cachetier.store_pins import PinResult
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
@@ -99,6 +100,29 @@ class LLM:
             for out in outputs:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
+
+    def pin_prefix(
+        self, prompt: str | Sequence[int], *, chat: bool = False, warm: bool = True
+    ) -> PinResult:
+        """Pin a prompt's full blocks (a system prompt every request starts with) in the tiers:
+        no tier that can pin evicts them.
+
+        Args:
+            prompt: text (needs a tokenizer) or token ids.
+            chat: render text through the chat template first, as ``encode`` does.
+            warm: run the prompt once (one output token) so its blocks are computed and
+                stored now; otherwise they are pinned on arrival, by the first request that
+                computes them.
+
+        Returns:
+            The store's ``PinResult`` (the chain's keys, and how many each tier holds now).
+        """
+        if self.store is None:
+            raise ValueError("this LLM has no tiers (store=None): there is nothing to pin in")
+        ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        if warm:
+            self.generate([ids], SamplingParams(max_tokens=1))
+        return self.store.pin_prefix(self.engine.namespace, ids)  # flushes the writes first
 
     def flush(self) -> None:
         """Wait until every block handed to the tiers has been written to all of them."""

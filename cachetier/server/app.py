@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.config import build_store
-from cachetier.server import routes_admin, routes_blocks
+from cachetier.server import routes_admin, routes_blocks, routes_pins
 from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, route_limit
@@ -104,6 +104,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestMetricsMiddleware)
     app.include_router(routes_blocks.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_pins.router)
     _install_error_handlers(app)
     return app
 

@@ -103,6 +103,8 @@ class ServerConfig:
             stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
         log_level: uvicorn's log level.
+        max_pinned_fraction: share of the CPU and disk tiers' capacity pinned blocks may hold
+            (``POST /v1/pins``), in [0, 1); pins are kept in ``<data_dir>/pins.json``.
     """
 
     host: str = "127.0.0.1"
@@ -142,6 +144,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     log_level: str = "info"
+    max_pinned_fraction: float = 0.5
 
     def __repr__(self) -> str:
         return redacted_repr(self)
@@ -249,6 +252,8 @@ class ServerConfig:
             compression=self.compression,
             fsync=self.fsync,
             write_queue_bytes=self.write_queue_bytes,
+            max_pinned_fraction=self.max_pinned_fraction,
+            pin_file=str(Path(self.data_dir) / "pins.json"),
         )
 
     def describe(self) -> dict[str, Any]:

@@ -126,6 +126,7 @@ class _StoreCollector(Collector):
                 cap.add_metric([tier], figures["capacity_bytes"])
         yield used
         yield cap
+        yield from pin_families(tiers)
         pending = GaugeMetricFamily(
             "cachetier_pending_writes", "blocks queued for a lower tier", labels=["tier"]
         )
@@ -154,6 +155,20 @@ def tier_counter_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         family = CounterMetricFamily(
             f"cachetier_tier_{name}", f"{name} of each tier", labels=["tier"]
         )
+        for tier, figures in tiers.items():
+            family.add_metric([tier], figures.get(name, 0))
+        yield family
+
+
+def pin_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Each tier's pinned blocks and bytes, and the bound on those bytes (``Tier.pin_stats``)."""
+    families = {
+        "pinned_blocks": "pinned blocks a tier holds (never evicted)",
+        "pinned_bytes": "bytes of the pinned blocks a tier holds",
+        "max_pinned_bytes": "most bytes of pinned blocks a tier may hold",
+    }
+    for name, doc in families.items():
+        family = GaugeMetricFamily(f"cachetier_tier_{name}", doc, labels=["tier"])
         for tier, figures in tiers.items():
             family.add_metric([tier], figures.get(name, 0))
         yield family

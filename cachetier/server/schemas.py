@@ -93,6 +93,62 @@ class StatsPublic(BaseModel):
     pending_writes: dict[str, int] | None = None
 
 
+class PinsCreate(BaseModel):
+    """Blocks to pin or unpin: their keys, or a token prefix whose chain of keys the server
+    computes (``keys.chain_keys``, from the namespace's fingerprint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(
+        min_length=1,
+        max_length=128,
+        description="the client's namespace, as in /v1/namespaces/{namespace}; token_ids "
+        "need a Namespace.id (64 hex digits: its fingerprint roots the chain)",
+    )
+    tenant: str | None = Field(
+        default=None,
+        max_length=32,
+        description="whose namespace (admin tenants only; default: the caller's)",
+    )
+    keys: list[KeyHex] | None = Field(default=None, description="block keys, 64 hex digits")
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = Field(
+        default=None, description="a token prefix: its full blocks are pinned"
+    )
+    block_size: int | None = Field(
+        default=None, ge=1, le=1 << 16, description="tokens per block (with token_ids)"
+    )
+
+
+class PinnedPublic(BaseModel):
+    tenant: str
+    namespace: str
+    keys: list[str] = Field(description="every key the request pinned, in order")
+    num_new: int = Field(description="how many of them were not pinned before")
+    protected: dict[str, int] = Field(
+        description="per tier that can pin: how many of the keys it holds and keeps from "
+        "eviction now; the others are kept once they arrive there"
+    )
+
+
+class UnpinnedPublic(BaseModel):
+    num_unpinned: int = Field(description="how many of the keys were pinned")
+
+
+class PinEntryPublic(BaseModel):
+    tenant: str
+    namespace: str
+    keys: list[str]
+
+
+class PinsPublic(BaseModel):
+    pins: list[PinEntryPublic]
+    tiers: dict[str, dict[str, int]] | None = Field(
+        default=None,
+        description="per tier: pinned_keys, pinned_blocks, pinned_bytes, pinned_waiting, "
+        "max_pinned_bytes (admin tenants only)",
+    )
+
+
 class ErrorPublic(BaseModel):
     error: str = Field(description="machine-readable code, e.g. bad_record, too_large")
     message: str = Field(description="what is wrong and what to change")

@@ -20,6 +20,7 @@ from cachetier.server.budget import ByteBudget
 from cachetier.server.config import OPEN_TENANT, ServerConfig
 from cachetier.stats import TierStats
 from cachetier.store import PrefixHit, TieredStore
+from cachetier.store_pins import PinResult
 
 # Keys read per step of a get with a byte budget: the budget is checked between steps, so it
 # may be overshot by at most this many blocks.
@@ -235,6 +236,41 @@ class BlockService:
         """
         return self.store.clear(scope.storage)
 
+    def pin(self, scope: Scope, keys: Sequence[BlockHash]) -> PinResult:
+        """Keep blocks of the scope's namespace from eviction in every tier that can pin.
+
+        Args:
+            scope: the scope whose blocks are pinned (a tenant's own, or any for an admin).
+            keys: the keys, e.g. a prefix's chain.
+
+        Returns:
+            The store's ``PinResult``.
+
+        Raises:
+            PinLimitError: a tier's bound on pinned bytes refused them; nothing was pinned.
+        """
+        return self.store.pin_keys(scope.storage, keys)
+
+    def unpin(self, scope: Scope, keys: Sequence[BlockHash]) -> int:
+        """Let pinned blocks of the scope's namespace be evicted again.
+
+        Returns:
+            How many of ``keys`` were pinned.
+        """
+        return self.store.unpin_keys(scope.storage, keys)
+
+    def pins_of(self, tenant: str | None) -> list[tuple[str, str, list[BlockHash]]]:
+        """Pinned keys of one tenant (``None``: every tenant).
+
+        Returns:
+            ``(tenant, namespace as its client names it, keys)`` per pinned namespace.
+        """
+        out = []
+        for storage, keys in self.store.pinned("t." if tenant is None else f"t.{tenant}.").items():
+            _, owner, namespace = storage.split(".", 2)  # tenant names have no "."
+            out.append((owner, namespace, keys))
+        return out
+
     def tenant_stats(self, tenant: str) -> dict[str, Any]:
         """Counters of one tenant.
 
@@ -242,11 +278,13 @@ class BlockService:
             tenant: a configured tenant.
 
         Returns:
-            ``TierStats.snapshot`` without the counters only a tier keeps (errors, evictions).
+            ``TierStats.snapshot`` without the counters only a tier keeps (errors, evictions),
+            plus ``pinned_keys``: the keys the tenant has pinned.
         """
         out = self._tenant_stats[tenant].snapshot()
         for name in ("errors", "evictions"):
             out.pop(name, None)
+        out["pinned_keys"] = sum(len(keys) for keys in self.store.pinned(f"t.{tenant}.").values())
         return out
 
     @property

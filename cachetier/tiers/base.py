@@ -10,6 +10,7 @@ from typing import Any
 from cachetier.keys import BlockHash
 from cachetier.landing import Destination, copy_pairs, flat
 from cachetier.parallel import copy_into
+from cachetier.pins import NO_PINS
 from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
 
@@ -61,6 +62,9 @@ class Tier(ABC):
     """
 
     name: str = "tier"
+    supports_pins: bool = False
+    """Whether ``pin`` keeps blocks from this tier's eviction (``TieredStore`` pins only in
+    those that do)."""
 
     def __init__(self) -> None:
         self._stats = TierStats()
@@ -151,12 +155,46 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes this tier accounts for now."""
 
+    def pin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Keep blocks from this tier's eviction, now or once they arrive (``cachetier.pins``).
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to pin.
+
+        Returns:
+            How many of them are stored and protected now.
+
+        Raises:
+            PinLimitError: the stored ones would pass the tier's bound; nothing was pinned.
+            NotImplementedError: the tier cannot pin (``supports_pins`` is false).
+        """
+        raise NotImplementedError(f"the {self.name} tier cannot pin blocks")
+
+    def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Let blocks be evicted again.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to unpin.
+
+        Returns:
+            How many of them were pinned.
+        """
+        raise NotImplementedError(f"the {self.name} tier cannot pin blocks")
+
+    def pin_stats(self) -> dict[str, Any]:
+        """``PinSet.snapshot`` of this tier (zeros for a tier that cannot pin)."""
+        return dict(NO_PINS)
+
     def stats(self) -> dict[str, Any]:
-        """Counters and latency of this tier (see ``TierStats``), plus capacity and use."""
+        """Counters and latency of this tier (see ``TierStats``), plus capacity, use and
+        pins (``pin_stats``)."""
         out = self._stats.snapshot()
         out["tier"] = self.name
         out["capacity_bytes"] = self.capacity_bytes
         out["used_bytes"] = self.used_bytes
+        out.update(self.pin_stats())
         return out
 
     @property

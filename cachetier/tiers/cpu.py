@@ -6,10 +6,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from cachetier.checks import positive_int
+from cachetier.checks import fraction, positive_int
 from cachetier.eviction import make_policy
 from cachetier.keys import BlockHash
+from cachetier.pins import PinSet
 from cachetier.record import KVBlock
 from cachetier.tiers.base import EvictCallback, Tier, check_namespace
 
@@ -21,13 +23,17 @@ class CPUTierConfig:
     Args:
         capacity_bytes: most payload bytes held at once.
         policy: eviction policy name (``cachetier.eviction.POLICIES``).
+        max_pinned_fraction: share of ``capacity_bytes`` pinned blocks may hold, in [0, 1)
+            (0: nothing can be pinned); the rest is what eviction works in.
     """
 
     capacity_bytes: int
     policy: str = "lru"
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         positive_int("capacity_bytes", self.capacity_bytes)
+        fraction("max_pinned_fraction", self.max_pinned_fraction)
 
 
 class CPUTier(Tier):
@@ -38,9 +44,11 @@ class CPUTier(Tier):
     paged KV pool). A put copies a mutable payload once so the tier owns what it holds; bytes
     and read-only memoryviews are kept as they are.
     Records are not re-checked on a get: the bytes never left this process's memory.
+    Pinned blocks (``pin``) stay out of the eviction policy, so it never offers them.
     """
 
     name = "cpu"
+    supports_pins = True
 
     def __init__(self, config: CPUTierConfig, on_evict: EvictCallback | None = None) -> None:
         super().__init__()
@@ -50,6 +58,7 @@ class CPUTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._on_evict = on_evict
+        self._pins = PinSet(int(config.capacity_bytes * config.max_pinned_fraction), self.name)
 
     @property
     def capacity_bytes(self) -> int:
@@ -73,8 +82,13 @@ class CPUTier(Tier):
                     continue
                 slot = (namespace, block.key)
                 old = self._blocks.get(slot)
+                was_protected = old is not None and self._pins.leave(slot)
+                protected = self._pins.arrive(slot, size)
                 if old is not None:
                     self._used -= old.nbytes
+                if protected:
+                    self._policy.remove(slot)
+                elif old is not None and not was_protected:
                     self._policy.touch(slot)
                 else:
                     self._policy.insert(slot)
@@ -84,6 +98,8 @@ class CPUTier(Tier):
                 nbytes += size
                 while self._used > self._config.capacity_bytes:
                     victim = self._policy.pop_victim()
+                    # Protected bytes stay below the capacity (max_pinned_fraction < 1), and
+                    # every other block, this one included, is in the policy.
                     assert victim is not None, "capacity exceeded with nothing left to evict"
                     gone = self._blocks.pop(victim)  # type: ignore[call-overload]
                     self._used -= gone.nbytes
@@ -130,6 +146,7 @@ class CPUTier(Tier):
             for key in keys:
                 block = self._blocks.pop((namespace, key), None)
                 if block is not None:
+                    self._pins.leave((namespace, key))
                     self._policy.remove((namespace, key))
                     self._used -= block.nbytes
                     removed += 1
@@ -140,6 +157,28 @@ class CPUTier(Tier):
         with self._lock:
             slots = [slot for slot in self._blocks if slot[0] == namespace]
         return self.delete(namespace, [BlockHash(slot[1]) for slot in slots])
+
+    def pin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        slots = [(namespace, bytes(key)) for key in keys]
+        with self._lock:
+            stored = {s: self._blocks[s].nbytes for s in slots if s in self._blocks}
+            protected = self._pins.pin(slots, stored)
+            for slot in protected:
+                self._policy.remove(slot)
+            return sum(1 for s in dict.fromkeys(slots) if self._pins.is_protected(s))
+
+    def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        with self._lock:
+            removed, released = self._pins.unpin((namespace, bytes(key)) for key in keys)
+            for slot in released:
+                self._policy.insert(slot)  # evictable again, as if just stored
+        return removed
+
+    def pin_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._pins.snapshot()
 
 
 def _immutable(buf: object) -> bool:

@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
@@ -52,6 +53,7 @@ class DiskTier(Tier):
     """
 
     name = "disk"
+    supports_pins = True
 
     def __init__(self, config: DiskTierConfig) -> None:
         super().__init__()
@@ -321,6 +323,26 @@ class DiskTier(Tier):
         except TierUnavailableError:
             self._stats.add(errors=1)
             return 0
+
+    def pin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        for key in keys:
+            self.path_of(namespace, key)  # checks the key
+        slots = [(namespace, bytes(key)) for key in keys]
+        with self._folder.lock:
+            self._folder.index.pin(slots)
+            return sum(1 for s in dict.fromkeys(slots) if self._folder.index.pins.is_protected(s))
+
+    def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        check_namespace(namespace)
+        for key in keys:
+            self.path_of(namespace, key)  # checks the key
+        with self._folder.lock:
+            return self._folder.index.unpin([(namespace, bytes(key)) for key in keys])
+
+    def pin_stats(self) -> dict[str, Any]:
+        with self._folder.lock:
+            return self._folder.index.pins.snapshot()
 
     def close(self) -> None:
         """Release this tier's mark and ledger file; its records stay for the next process."""

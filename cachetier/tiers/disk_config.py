@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachetier.checks import positive_int
+from cachetier.checks import fraction, positive_int
 
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
@@ -32,6 +32,10 @@ class DiskTierConfig:
         orphan_temp_age_s: a temp file older than this is removed when a tier opens the folder,
             even if its writer still runs (a write that old is stuck); a dead writer's temp file
             is removed at once.
+        max_pinned_fraction: share of ``capacity_bytes`` pinned records may hold, in [0, 1)
+            (0: nothing can be pinned). Pins live in the process that made them: another
+            process sharing the folder evicts by its own pins, so give every process the same
+            pins (the sidecar owns its folder alone).
     """
 
     root: str
@@ -42,6 +46,7 @@ class DiskTierConfig:
     file_mode: int = DEFAULT_FILE_MODE
     dir_mode: int = DEFAULT_DIR_MODE
     orphan_temp_age_s: float = 3600.0
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -53,6 +58,7 @@ class DiskTierConfig:
         check_mode("dir_mode", self.dir_mode, needs=0o700)
         if not self.orphan_temp_age_s > 0:
             raise ValueError(f"orphan_temp_age_s must be positive, got {self.orphan_temp_age_s}")
+        fraction("max_pinned_fraction", self.max_pinned_fraction)
 
 
 def check_mode(name: str, mode: object, *, needs: int) -> int:

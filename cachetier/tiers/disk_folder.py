@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cachetier.errors import TierUnavailableError
+from cachetier.pins import PinSet
 from cachetier.stats import TierStats
 from cachetier.tiers.disk_budget import Ledger, LedgerState
 from cachetier.tiers.disk_config import DiskTierConfig
@@ -66,7 +67,8 @@ class SharedFolder:
         self._mark = OwnerMark(self.root, owner_id, config.file_mode, config.dir_mode)
         self._ledger = Ledger(self.root, self._boot_id, config.file_mode, self._make_root)
         self.lock = threading.Lock()  # guards the index and the fields below
-        self.index = LocalIndex(config.policy)
+        max_pinned = int(config.capacity_bytes * config.max_pinned_fraction)
+        self.index = LocalIndex(config.policy, PinSet(max_pinned, "disk"))
         # Completeness of the index: while the ledger still shows (ledger id, adds) as last
         # seen, every record of the folder is in the index; otherwise every record stamped up
         # to ``_synced_clock`` is (or is gone).

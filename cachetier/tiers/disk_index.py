@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from cachetier.eviction import EvictionPolicy, make_policy
+from cachetier.pins import PinSet
 
 Slot = tuple[str, bytes]
 """(namespace, key bytes) of a record."""
@@ -32,15 +33,18 @@ class IndexEntry(NamedTuple):
 
 
 class LocalIndex:
-    """Records by slot, with an eviction policy over them.
+    """Records by slot, with an eviction policy over those that are not pinned.
 
     Args:
         policy: eviction policy name (``cachetier.eviction.make_policy``).
+        pins: the tier's pins; a pinned record within their bound never enters the policy,
+            so this process never evicts it.
     """
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, pins: PinSet | None = None) -> None:
         self._policy_name = policy
         self._policy: EvictionPolicy = make_policy(policy)
+        self.pins = pins if pins is not None else PinSet(0, "disk")
         # Plain ints, not an object per record: the garbage collector does not track ints, and
         # 100k tracked objects made opening a large folder a third slower.
         self._sizes: dict[Slot, int] = {}
@@ -61,12 +65,20 @@ class LocalIndex:
     def add(self, slot: Slot, size: int, stamp: int) -> None:
         """A record was written, found or used: it becomes the most recently used."""
         old = self._sizes.get(slot)
+        was_protected = old is not None and self.pins.leave(slot)
+        protected = self.pins.arrive(slot, size)
         if old is None:
-            self._policy.insert(slot)
+            if not protected:
+                self._policy.insert(slot)
             self._stamps[slot] = stamp
         else:
             self._used -= old
-            self._policy.touch(slot)
+            if protected:
+                self._policy.remove(slot)
+            elif was_protected:
+                self._policy.insert(slot)
+            else:
+                self._policy.touch(slot)
             self._stamps[slot] = max(stamp, self._stamps[slot])
         self._sizes[slot] = size
         self._used += size
@@ -77,8 +89,32 @@ class LocalIndex:
         if size is None:
             return None
         self._used -= size
+        self.pins.leave(slot)
         self._policy.remove(slot)
         return IndexEntry(size, self._stamps.pop(slot))
+
+    def pin(self, slots: list[Slot]) -> list[Slot]:
+        """Pin slots (``PinSet.pin``); those stored leave the policy.
+
+        Returns:
+            The slots that became protected now.
+        """
+        stored = {s: self._sizes[s] for s in slots if s in self._sizes}
+        protected = self.pins.pin(slots, stored)
+        for slot in protected:
+            self._policy.remove(slot)
+        return protected  # type: ignore[return-value]
+
+    def unpin(self, slots: list[Slot]) -> int:
+        """Remove pins; their stored records enter the policy as just used.
+
+        Returns:
+            How many were pinned.
+        """
+        removed, released = self.pins.unpin(slots)
+        for slot in released:
+            self._policy.insert(slot)
+        return removed
 
     def pop_victim(self) -> tuple[Slot, IndexEntry] | None:
         """Remove and return the policy's next victim, ``None`` if the index is empty."""
@@ -118,9 +154,11 @@ class LocalIndex:
             # the last look moves to its place (an LRU's order is then the folder's).
             merged = iter(sorted(by_slot.values(), key=lambda item: item[0]))
         self._policy = make_policy(self._policy_name)
-        insert, sizes, stamps, used = self._policy.insert, {}, {}, 0
+        self.pins.forget_protected()
+        insert, arrive, sizes, stamps, used = self._policy.insert, self.pins.arrive, {}, {}, 0
         for stamp, slot, size in merged:
-            insert(slot)
+            if not arrive(slot, size):
+                insert(slot)
             sizes[slot] = size
             stamps[slot] = stamp
             used += size

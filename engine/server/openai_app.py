@@ -17,7 +17,7 @@ from cachetier.server.body_limit import install_body_limit
 from cachetier.store import TieredStore
 from engine.llm import maybe_tokenizer
 from engine.llm_engine import LLMEngine
-from engine.server import routes
+from engine.server import routes, routes_pins
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import body_refused_answer, install_error_handlers
 from engine.server.openai_config import SMOLLM2, EngineServerConfig
@@ -117,5 +117,6 @@ def create_app(config: EngineServerConfig) -> FastAPI:
     install_body_limit(app, lambda scope: config.max_request_bytes, body_refused_answer)
     app.include_router(routes.router)
     app.include_router(routes.v1)
+    app.include_router(routes_pins.v1)
     install_error_handlers(app)
     return app

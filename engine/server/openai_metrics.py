@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from cachetier.events import SOURCES
 from cachetier.server.metrics import (
+    pin_families,
     store_health_families,
     tier_counter_families,
     tier_rate_families,
@@ -227,4 +228,5 @@ class _EngineStoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._store_stats()
         yield from tier_counter_families(stats["tiers"])
+        yield from pin_families(stats["tiers"])
         yield from store_health_families(stats)

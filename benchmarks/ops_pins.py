@@ -1,0 +1,162 @@
+"""Pinned prefixes against a flood: a real sidecar (CPU + disk tiers) keeps a pinned chain of
+blocks whole while far more than its capacity of other blocks goes through it.
+
+The flood: a "system prompt" chain is stored and pinned over HTTP (``POST /v1/pins`` with its
+token ids), an unpinned chain of the same length is stored next to it (the baseline: what a
+flood does to a prefix nobody pinned), then ``flood_factor`` times the server's whole capacity
+(CPU and disk together) of other blocks is put, the server is restarted on its data folder
+(pins must survive that), and both chains are read back.
+
+``measure_pins()`` is what ``bench_ops.py`` calls; ``tests/server/test_pins_server.py`` runs
+the same ``flood_pinned_chain`` against its own live server.
+
+    python benchmarks/ops_pins.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.record import KVBlock  # noqa: E402
+from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
+from tests.server.live import TOKENS, ThreadServer, call_json, test_config  # noqa: E402
+
+# 64 KiB blocks: a flood of a few times a small server's capacity is a few hundred blocks.
+LAYOUT = KVLayout("float16", block_size=16, num_layers=4, num_kv_heads=4, head_dim=64)
+CPU_BYTES = 4 << 20
+DISK_BYTES = 8 << 20
+
+
+def chain(namespace: Namespace, num_blocks: int, seed: int) -> tuple[list[int], list[KVBlock]]:
+    """Token ids of ``num_blocks`` full blocks and their blocks (random payloads), keyed with
+    the one key function."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, size=num_blocks * LAYOUT.block_size).tolist()
+    shape = LAYOUT.payload_shape
+    blocks = [
+        KVBlock(
+            key,
+            namespace.fingerprint,
+            LAYOUT.dtype,
+            shape,
+            LAYOUT.block_size,
+            rng.integers(0, 256, size=LAYOUT.block_bytes, dtype=np.uint8).tobytes(),
+        )
+        for key in block_keys(namespace, tokens)
+    ]
+    return tokens, blocks
+
+
+def _num_restored(tier: RemoteTier, namespace: Namespace, blocks: list[KVBlock]) -> int:
+    """How many of ``blocks`` come back whole, byte for byte."""
+    got = tier.get_many(namespace.id, [b.key for b in blocks])
+    return sum(1 for g, b in zip(got, blocks) if g is not None and bytes(g.data) == bytes(b.data))
+
+
+def flood_pinned_chain(
+    url: str,
+    restart: Callable[[], None] | None,
+    *,
+    capacity_bytes: int,
+    chain_blocks: int = 8,
+    flood_factor: float = 4.0,
+    tenant: str = "alice",
+) -> dict[str, Any]:
+    """Pin a chain on a live sidecar, flood it, (restart it,) and read the chain back.
+
+    Args:
+        url: the sidecar's base URL (tenants and tokens of ``tests.server.live.TOKENS``).
+        restart: restarts the sidecar on the same data folder, or ``None`` for no restart.
+        capacity_bytes: the sidecar's CPU and disk capacity together.
+        chain_blocks: blocks of the pinned chain (and of the unpinned baseline).
+        flood_factor: the flood is this many times ``capacity_bytes``.
+        tenant: the tenant that stores and pins.
+
+    Returns:
+        ``pinned_blocks`` (what the pin answer says the tiers protect), the blocks of the
+        pinned chain and of the unpinned one restored after the flood, the flood's size, and
+        each tier's pin figures from ``GET /v1/pins`` after it.
+    """
+    token = TOKENS[tenant]
+    namespace = Namespace("ops-pins-model", LAYOUT, tenant=tenant)
+    tokens, pinned = chain(namespace, chain_blocks, seed=1)
+    _, unpinned = chain(namespace, chain_blocks, seed=2)
+    tier = RemoteTier(RemoteTierConfig(url=url, token=token, timeout_s=60))
+    try:
+        tier.put_many(namespace.id, pinned + unpinned)
+        status, answer = call_json(
+            url,
+            "POST",
+            "/v1/pins",
+            {"namespace": namespace.id, "token_ids": tokens, "block_size": LAYOUT.block_size},
+            token=token,
+        )
+        if status != 200:
+            raise RuntimeError(f"POST /v1/pins answered {status}: {answer}")
+        if answer["keys"] != [b.key.hex() for b in pinned]:
+            raise RuntimeError("the server's chain of keys is not block_keys'")
+        num_flood = int(flood_factor * capacity_bytes / LAYOUT.block_bytes) + 1
+        step = 32
+        for first in range(0, num_flood, step):
+            _, blocks = chain(namespace, min(step, num_flood - first), seed=1000 + first)
+            tier.put_many(namespace.id, blocks)
+    finally:
+        tier.close()
+    if restart is not None:
+        restart()
+    tier = RemoteTier(RemoteTierConfig(url=url, token=token, timeout_s=60))
+    try:
+        restored = _num_restored(tier, namespace, pinned)
+        baseline = _num_restored(tier, namespace, unpinned)
+    finally:
+        tier.close()
+    _, listing = call_json(url, "GET", "/v1/pins", token=TOKENS["ops"])
+    return {
+        "pinned_blocks": min(answer["protected"].values(), default=0),
+        "pinned_blocks_restored_after_flood": restored,
+        "unpinned_blocks_restored_after_flood": baseline,
+        "pinned_chain_blocks": chain_blocks,
+        "flood_blocks": num_flood,
+        "flood_over_capacity": round(num_flood * LAYOUT.block_bytes / capacity_bytes, 2),
+        "restarted_before_restore": restart is not None,
+        "pins_listed_after_restart": sum(len(p["keys"]) for p in listing["pins"]),
+        "tier_pins": listing["tiers"],
+    }
+
+
+def measure_pins() -> dict[str, Any]:
+    """The pin figures of ``bench_ops.py``: a sidecar of 4 MiB CPU and 8 MiB disk flooded with
+    four times that, restarted, and the pinned chain read back.
+
+    Returns:
+        As ``flood_pinned_chain``.
+    """
+    with tempfile.TemporaryDirectory(prefix="ops-pins-") as tmp:
+        config = test_config(
+            Path(tmp) / "server",
+            cpu_bytes=CPU_BYTES,
+            disk_bytes=DISK_BYTES,
+            max_batch_bytes=4 << 20,
+        )
+        server = ThreadServer(config).start()
+        try:
+            return flood_pinned_chain(
+                server.url, server.restart, capacity_bytes=CPU_BYTES + DISK_BYTES
+            )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure_pins()))

@@ -1,0 +1,124 @@
+"""The pins of a ``TieredStore``: which keys each namespace pins, applied to every tier that
+can pin, and kept in a ``PinRegistry`` when the store has one (so they survive a restart).
+
+A pin request is all or nothing across the tiers: if one tier refuses it (its bound on pinned
+bytes), the tiers that took it give it back and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachetier.errors import PinLimitError
+from cachetier.keys import BlockHash
+from cachetier.pin_registry import PinRegistry, Pins
+from cachetier.tiers.base import Tier, check_namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    """What one pin request did.
+
+    Args:
+        keys: every key of the request, in order (all pinned: a refused request raises).
+        num_new: how many of them were not pinned before.
+        protected: tier name -> how many of ``keys`` it holds and keeps from eviction now;
+            the others are pinned on arrival (protected once stored there).
+    """
+
+    keys: tuple[BlockHash, ...]
+    num_new: int
+    protected: dict[str, int]
+
+
+class StorePins:
+    """Pins of one store.
+
+    Args:
+        tiers: the store's tiers (those with ``supports_pins`` are pinned in).
+        registry: where pins are kept across restarts; ``None`` keeps them in memory only.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], registry: PinRegistry | None) -> None:
+        self._tiers = [t for t in tiers if t.supports_pins]
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._pins: dict[str, dict[BlockHash, None]] = {}
+        if registry is not None:
+            for namespace, keys in registry.load().items():
+                self._pins[namespace] = dict.fromkeys(keys)
+                for tier in self._tiers:
+                    try:
+                        tier.pin(namespace, keys)
+                    except PinLimitError as exc:
+                        # The bound was lowered since they were pinned: keep the pins (an
+                        # unpin makes room), but say which ones this tier does not protect.
+                        log.warning(
+                            "pins of %s are not kept in the %s tier: %s", namespace, tier.name, exc
+                        )
+
+    def pin(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:
+        """Pin keys in every tier that can pin (all or nothing) and record them.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys, e.g. the chain of a prefix.
+
+        Returns:
+            What was pinned.
+
+        Raises:
+            PinLimitError: a tier's bound refused them; nothing was pinned.
+        """
+        check_namespace(namespace)
+        keys = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
+        with self._lock:
+            held = self._pins.get(namespace, {})
+            new = [k for k in keys if k not in held]
+            protected: dict[str, int] = {}
+            done: list[Tier] = []
+            try:
+                for tier in self._tiers:
+                    protected[tier.name] = tier.pin(namespace, keys)
+                    done.append(tier)
+            except PinLimitError:
+                for tier in done:
+                    tier.unpin(namespace, new)  # only what this request added
+                raise
+            if new:
+                if self._registry is not None:
+                    self._registry.add(namespace, new)
+                self._pins.setdefault(namespace, {}).update(dict.fromkeys(new))
+        return PinResult(tuple(keys), len(new), protected)
+
+    def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Unpin keys in every tier and forget them.
+
+        Returns:
+            How many of them were pinned.
+        """
+        check_namespace(namespace)
+        keys = [BlockHash(bytes(k)) for k in keys]
+        with self._lock:
+            held = self._pins.get(namespace, {})
+            gone = [k for k in dict.fromkeys(keys) if k in held]
+            for tier in self._tiers:
+                tier.unpin(namespace, keys)
+            if gone:
+                if self._registry is not None:
+                    self._registry.remove(namespace, gone)
+                for key in gone:
+                    del held[key]
+                if not held:
+                    self._pins.pop(namespace, None)
+        return len(gone)
+
+    def listing(self, prefix: str = "") -> Pins:
+        """Pinned keys by namespace, for the namespaces that start with ``prefix``."""
+        with self._lock:
+            return {ns: list(keys) for ns, keys in self._pins.items() if ns.startswith(prefix)}
