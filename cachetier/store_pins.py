@@ -42,9 +42,17 @@ class StorePins:
     Args:
         tiers: the store's tiers (those with ``supports_pins`` are pinned in).
         registry: where pins are kept across restarts; ``None`` keeps them in memory only.
+        max_keys: most keys pinned at once, over every namespace. Pins of keys not stored
+            yet cost no tier bytes, so without this a caller could grow the registry (and
+            the file rewritten on every pin) without end.
     """
 
-    def __init__(self, tiers: Sequence[Tier], registry: PinRegistry | None) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], registry: PinRegistry | None, max_keys: int = 16_384
+    ) -> None:
+        if max_keys < 0:
+            raise ValueError(f"max_keys must be >= 0, got {max_keys}")
+        self.max_keys = max_keys
         self._tiers = [t for t in tiers if t.supports_pins]
         self._registry = registry
         self._lock = threading.Lock()
@@ -73,13 +81,19 @@ class StorePins:
             What was pinned.
 
         Raises:
-            PinLimitError: a tier's bound refused them; nothing was pinned.
+            PinLimitError: a tier's bound, or ``max_keys``, refused them; nothing was pinned.
         """
         check_namespace(namespace)
         keys = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
         with self._lock:
             held = self._pins.get(namespace, {})
             new = [k for k in keys if k not in held]
+            num_pinned = sum(len(ks) for ks in self._pins.values())
+            if num_pinned + len(new) > self.max_keys:
+                raise PinLimitError(
+                    f"the store may pin {self.max_keys} keys; {num_pinned} are pinned and this "
+                    f"request adds {len(new)}: unpin some first"
+                )
             protected: dict[str, int] = {}
             done: list[Tier] = []
             try:

@@ -13,6 +13,7 @@ from cachetier.errors import PinLimitError
 from cachetier.keys import Namespace, block_keys
 from cachetier.pin_registry import PinRegistry, PinRegistryError
 from cachetier.record import KVBlock
+from cachetier.store_pins import StorePins
 from cachetier.tiers.cpu import CPUTierConfig
 from cachetier.tiers.disk_config import DiskTierConfig
 from tests.cachetier.tier_harness import TierHarness, build
@@ -172,3 +173,20 @@ def test_a_corrupt_pin_registry_is_refused_with_its_name(tmp_path: Path) -> None
     with pytest.raises(PinRegistryError, match="pins.json"):
         build_store(StoreConfig(cpu_bytes=1 << 20, pin_file=str(path)))
     assert path.read_text() == "{not json"  # never overwritten
+
+
+def test_pins_of_keys_not_stored_are_bounded_in_number(
+    tmp_path: Path, namespace: Namespace
+) -> None:
+    # Keys pinned before they arrive cost no tier bytes; the count bound is what stops a caller
+    # from growing the registry without end.
+    pins = StorePins([], PinRegistry(tmp_path / "pins.json"), max_keys=4)
+    keys = [b.key for b in make_blocks(namespace, 6)]
+    pins.pin(namespace.id, keys[:3])
+    pins.pin(namespace.id, keys[:3])  # pinned again: adds nothing, still allowed
+    with pytest.raises(PinLimitError, match="may pin 4 keys"):
+        pins.pin(namespace.id, keys[2:5])
+    assert pins.listing() == {namespace.id: keys[:3]}
+    assert PinRegistry(tmp_path / "pins.json").load() == {namespace.id: keys[:3]}
+    pins.pin(namespace.id, keys[3:4])
+    assert len(pins.listing()[namespace.id]) == 4
