@@ -1,0 +1,68 @@
+"""What an operator needs, measured in one run (issue 19): the server-only install, the
+dashboard against a real Prometheus, the report in a real browser, and pinned prefixes.
+
+    python benchmarks/bench_ops.py --json
+
+Each part is the same harness its test uses:
+
+- ``server_only_env_mib`` / ``server_only_env_has_torch``: ``pip install cachetier[server]``
+  from a wheel of this checkout in a fresh venv (``benchmarks/ops_install.py``;
+  ``tests/deploy/test_server_install.py``).
+- ``dashboard_queries_with_data`` / ``dashboard_queries``: Debian's ``prometheus`` scraping a
+  live sidecar and engine server under a little load, every query of
+  ``deploy/grafana/dashboards/cachetier.json`` and of the README evaluated through its HTTP API
+  (``benchmarks/ops_dashboard.py``; ``tests/deploy/test_dashboard.py``).
+- ``report_browser_console_errors``: ``cachetier report``'s pages in headless Chromium
+  (``benchmarks/ops_report.py``; ``tests/cachetier/report/test_report_browser.py``).
+- ``pinned_blocks_restored_after_flood`` / ``pinned_blocks``: a pinned chain on a live sidecar
+  flooded with 4x its capacity and restarted (``benchmarks/ops_pins.py``;
+  ``tests/server/test_pins_server.py``).
+
+Targets: ``server_only_env_has_torch`` false, the two pairs equal, no console errors. Needs
+Redis on 127.0.0.1:6379, Debian's ``prometheus`` and ``chromium``, and pip's package index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import emit  # noqa: E402
+from benchmarks.ops_dashboard import measure_dashboard  # noqa: E402
+from benchmarks.ops_install import measure_server_env  # noqa: E402
+from benchmarks.ops_pins import measure_pins  # noqa: E402
+from benchmarks.ops_report import measure_report_browser  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name, measure in (
+        ("install", measure_server_env),
+        ("dashboard", measure_dashboard),
+        ("report", measure_report_browser),
+        ("pins", measure_pins),
+    ):
+        start = time.perf_counter()
+        result.update(measure())
+        seconds[name] = round(time.perf_counter() - start, 1)
+    result["seconds"] = seconds
+    result["targets_met"] = (
+        result["server_only_env_has_torch"] is False
+        and result["dashboard_queries_with_data"] == result["dashboard_queries"]
+        and result["report_browser_console_errors"] == 0
+        and result["pinned_blocks_restored_after_flood"] == result["pinned_blocks"]
+    )
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
