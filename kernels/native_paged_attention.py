@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 
 from kernels.pool_shape import DecodeInputs
+from kernels.torch_paged_attention import merge_attention, shared_prefix_attention
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +63,41 @@ def native_decode_kernel() -> ModuleType | None:
         return None
 
 
-def paged_attention_decode_native(inputs: DecodeInputs) -> torch.Tensor | None:
+def paged_attention_decode_native(
+    inputs: DecodeInputs, num_shared_blocks: int = 0
+) -> torch.Tensor | None:
     """``paged_attention_decode`` on CPU tensors through the extension.
 
     Args:
         inputs: the step's inputs, already checked by ``kernels.paged_attention``.
+        num_shared_blocks: leading block-table columns every row shares (see there). Those
+            are read once for the batch as one matmul (``shared_prefix_attention``), each row's
+            own blocks by the extension, and the two parts merged by log-sum-exp: without
+            it every row would read the shared prefix again.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in the query's dtype, or ``None`` where the extension
-        is unavailable or the tensors are not on the CPU (the caller takes the torch path).
+        is unavailable, is not built for these shapes, or the tensors are not on the CPU (the
+        caller takes the torch path).
     """
     query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
-    if query.device.type != "cpu" or not kv_cache.is_contiguous():
+    if query.device.type != "cpu" or not kv_cache.is_contiguous() or query.shape[0] == 0:
         return None
     kernel = native_decode_kernel()
     if kernel is None:
         return None
-    return kernel.paged_attention_decode(
-        query.contiguous(),
-        kv_cache,
-        layer,
-        block_tables.long(),
-        context_lens.long(),
-        float(scale),
+    query = query.contiguous()
+    tables, lens = block_tables.long(), context_lens.long()
+    if not num_shared_blocks:
+        return kernel.paged_attention_decode(query, kv_cache, layer, tables, lens, float(scale))
+    part = kernel.paged_attention_decode_part(
+        query, kv_cache, layer, tables, lens, float(scale), num_shared_blocks
     )
+    if not part:
+        return None
+    own_out, own_lse = part  # [batch, num_heads, head_dim], [batch, num_heads]
+    shared_out, shared_lse = shared_prefix_attention(inputs, num_shared_blocks)
+    merged = merge_attention(
+        shared_out.reshape(own_out.shape), shared_lse.reshape(own_lse.shape), own_out, own_lse
+    )
+    return merged.to(query.dtype)

@@ -54,7 +54,7 @@ def paged_attention_decode(
         context_lens: ``[batch]`` int32/int64, each in ``[1, max_blocks_per_seq * block_size]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         num_shared_blocks: leading block-table columns that every row has in common and that
-            lie inside every row's context (``common_prefix_blocks``); the torch path reads
+            lie inside every row's context (``common_prefix_blocks``); the CPU paths read
             them once for the whole batch. It never changes the result, only the work.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``). On CPU
             tensors ``"auto"`` takes the compiled kernel where it is available and ``"torch"``
@@ -76,7 +76,7 @@ def paged_attention_decode(
 
         return paged_attention_decode_triton(inputs, pool)
     if backend == "auto":
-        out = paged_attention_decode_native(inputs)
+        out = paged_attention_decode_native(inputs, num_shared_blocks)
         if out is not None:
             return out
     return paged_attention_decode_torch(inputs, num_shared_blocks)

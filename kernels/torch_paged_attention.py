@@ -80,13 +80,7 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
     shared_out = shared_lse = None
     shared_len = num_shared_blocks * block_size
     if num_shared_blocks:
-        ids = tables[0, :num_shared_blocks]
-        k = keys.index_select(0, ids).view(-1, num_kv_heads, head_dim)
-        v = values.index_select(0, ids).view(-1, num_kv_heads, head_dim)
-        all_q = q.transpose(0, 1).reshape(num_kv_heads, batch * group, head_dim)
-        o, lse = _attend(all_q, k, v, scale)  # [hk, batch * group, d], [hk, batch * group]
-        shared_out = o.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
-        shared_lse = lse.view(num_kv_heads, batch, group).transpose(0, 1)
+        shared_out, shared_lse = shared_prefix_attention(inputs, num_shared_blocks)
 
     for row, context_len in enumerate(lens):
         own_len = context_len - shared_len
@@ -102,6 +96,34 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
                 result = merge_attention(shared_out[row], shared_lse[row], result, lse)  # type: ignore[index]
         out[row] = result.reshape(num_heads, head_dim).to(query.dtype)
     return out
+
+
+def shared_prefix_attention(
+    inputs: DecodeInputs, num_shared_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's queries over the leading blocks all rows share, read once for the batch.
+
+    Args:
+        inputs: the step's inputs, already checked.
+        num_shared_blocks: the shared leading block-table columns (``common_prefix_blocks``),
+            at least 1.
+
+    Returns:
+        float32 outputs ``[batch, num_kv_heads, group, head_dim]`` and their log-sum-exps
+        ``[batch, num_kv_heads, group]``, to merge with each row's own part.
+    """
+    query, kv_cache, layer, block_tables, _, scale = inputs.unpack()
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    ids = block_tables[0, :num_shared_blocks].long()
+    k = kv_cache[:, layer, 0].index_select(0, ids).view(-1, num_kv_heads, head_dim)
+    v = kv_cache[:, layer, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim)
+    # [hk, batch * group, d]: every query that reads a KV head, as one matrix.
+    all_q = query.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+    o, lse = _attend(all_q.reshape(num_kv_heads, batch * group, head_dim), k, v, scale)
+    out = o.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
+    return out, lse.view(num_kv_heads, batch, group).transpose(0, 1)
 
 
 def common_prefix_blocks(

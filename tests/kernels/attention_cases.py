@@ -53,3 +53,16 @@ def dense_sdpa(query, kv_cache, layer, block_tables, context_lens, scale) -> tor
         q = query[seq].float()[:, None, :]  # [num_heads, 1, head_dim]
         outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[:, 0])
     return torch.stack(outs).to(query.dtype)
+
+
+def shared_prefix_batch(gen, num_shared: int, own_lens: list[int], block_size: int = 16):
+    """Rows that start with the same ``num_shared`` blocks, then blocks of their own."""
+    own_blocks = [-(-n // block_size) for n in own_lens]
+    free = torch.randperm(num_shared + sum(own_blocks), generator=gen).tolist()
+    shared = [free.pop() for _ in range(num_shared)]
+    width = num_shared + max(own_blocks) + 1
+    tables = torch.zeros(len(own_lens), width, dtype=torch.long)
+    for row, n in enumerate(own_blocks):
+        tables[row, : num_shared + n] = torch.tensor(shared + [free.pop() for _ in range(n)])
+    lens = torch.tensor([num_shared * block_size + n for n in own_lens])
+    return tables, lens, num_shared + sum(own_blocks)

@@ -10,7 +10,12 @@ import torch
 
 from kernels import DecodeInputs, paged_attention_decode, paged_attention_decode_ref
 from kernels.native_paged_attention import native_decode_kernel, paged_attention_decode_native
-from tests.kernels.attention_cases import TOLERANCES, decode_batch, dense_sdpa
+from tests.kernels.attention_cases import (
+    TOLERANCES,
+    decode_batch,
+    dense_sdpa,
+    shared_prefix_batch,
+)
 
 RAGGED = [1, 31, 32, 33, 200]  # one token, a block less one, a block, one more, many blocks
 
@@ -118,3 +123,20 @@ def test_the_environment_switch_keeps_every_call_on_torch():
     )
     env = {**os.environ, "CACHETIER_NATIVE_KERNELS": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# A row whose context ends where the shared blocks end has nothing of its own: its own part
+# is empty (log-sum-exp -inf) and the merge must give the shared part alone.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("own_lens", [[0, 1, 17, 40], [5, 33, 0]])
+def test_shared_blocks_read_once_and_merged_match_the_reference(make_pool, gen, dtype, own_lens):
+    tables, lens, num_blocks = shared_prefix_batch(gen, 3, own_lens)
+    pool = make_pool(num_blocks=num_blocks, dtype=dtype)
+    query = torch.randn(len(own_lens), 6, 64, generator=gen).to(dtype)
+    inputs = DecodeInputs(query, pool, 1, tables, lens, 0.125)
+    expected = paged_attention_decode_ref(inputs)
+
+    for num_shared in range(4):
+        actual = paged_attention_decode_native(inputs, num_shared)
+        assert actual is not None and actual.dtype == dtype
+        torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])

@@ -10,7 +10,13 @@ from kernels import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-from tests.kernels.attention_cases import NUM_KV_HEADS, TOLERANCES, decode_batch, dense_sdpa
+from tests.kernels.attention_cases import (
+    NUM_KV_HEADS,
+    TOLERANCES,
+    decode_batch,
+    dense_sdpa,
+    shared_prefix_batch,
+)
 
 RAGGED = [1, 16, 17, 45]  # one token, exactly a block, a block and one, several blocks
 
@@ -91,24 +97,11 @@ def test_padding_entries_of_the_block_table_are_not_read(make_pool, gen):
         torch.testing.assert_close(after, before, **TOLERANCES[torch.float32])
 
 
-def _shared_prefix_batch(gen, num_shared: int, own_lens: list[int], block_size: int = 16):
-    """Rows that start with the same ``num_shared`` blocks, then blocks of their own."""
-    own_blocks = [-(-n // block_size) for n in own_lens]
-    free = torch.randperm(num_shared + sum(own_blocks), generator=gen).tolist()
-    shared = [free.pop() for _ in range(num_shared)]
-    width = num_shared + max(own_blocks) + 1
-    tables = torch.zeros(len(own_lens), width, dtype=torch.long)
-    for row, n in enumerate(own_blocks):
-        tables[row, : num_shared + n] = torch.tensor(shared + [free.pop() for _ in range(n)])
-    lens = torch.tensor([num_shared * block_size + n for n in own_lens])
-    return tables, lens, num_shared + sum(own_blocks)
-
-
 # A row whose context ends exactly where the shared blocks end has no blocks of its own.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("own_lens", [[0, 1, 17, 40], [5, 33]])
 def test_shared_prefix_path_matches_reference(make_pool, gen, dtype, own_lens):
-    tables, lens, num_blocks = _shared_prefix_batch(gen, 3, own_lens)
+    tables, lens, num_blocks = shared_prefix_batch(gen, 3, own_lens)
     pool = make_pool(num_blocks=num_blocks, dtype=dtype)
     query = torch.randn(len(own_lens), 6, 64, generator=gen).to(dtype)
     assert common_prefix_blocks(tables, lens, 16) == 3
@@ -121,7 +114,7 @@ def test_shared_prefix_path_matches_reference(make_pool, gen, dtype, own_lens):
 
 
 def test_shared_prefix_path_is_stable_for_large_scores(make_pool, gen):
-    tables, lens, num_blocks = _shared_prefix_batch(gen, 2, [9, 30])
+    tables, lens, num_blocks = shared_prefix_batch(gen, 2, [9, 30])
     pool = make_pool(num_blocks=num_blocks)
     query = 300.0 * torch.randn(2, 6, 64, generator=gen)
     expected = paged_attention_decode_ref(DecodeInputs(query, pool, 0, tables, lens, 1.0))
