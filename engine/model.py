@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.model_spec import ModelSpec
 from kernels import common_prefix_blocks, merge_attention, paged_attention_decode, store_kvcache
+from kernels.cpu_linear import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +230,7 @@ class LlamaModel:
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
             q = self._rotate(q.view(-1, hq, d), cos, sin)
             k = self._rotate(k.view(-1, hk, d), cos, sin)
@@ -267,12 +268,12 @@ class LlamaModel:
                 attn[rows] = self._prefill_attention(
                     q[rows], k[rows], v[rows], s, kv_cache, index, kv_scales
                 )
-            x = x + F.linear(attn.view(-1, hq * d), layer["o"])
+            x = x + linear(attn.view(-1, hq * d), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer["down"])
         rows = x if all_logits else x[batch.logits_rows]
-        return F.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
+        return linear(self._rms_norm(rows, self.norm), self.lm_head).float()
 
     def _prefill_attention(
         self,

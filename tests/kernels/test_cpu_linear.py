@@ -1,0 +1,40 @@
+"""kernels.cpu_linear.linear against F.linear: the same projection, summed in another order."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_linear import _onednn_linear, linear
+
+
+def test_onednn_is_there_on_this_torch():
+    # The x86 CPU wheels ship oneDNN; without it every call would quietly take F.linear.
+    assert _onednn_linear() is not None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 5e-3)]
+)
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 5), (0,)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_matches_f_linear(gen, dtype, tol, lead, with_bias):
+    x = torch.randn(*lead, 96, generator=gen).to(dtype)
+    weight = torch.randn(40, 96, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype) if with_bias else None
+
+    out = linear(x, weight, bias)
+
+    assert out.shape == (*lead, 40) and out.dtype == dtype
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=tol, atol=tol)
+
+
+def test_non_contiguous_input(gen):
+    x = torch.randn(6, 192, generator=gen)[:, ::2]  # a strided view, as a chunk() gives
+    weight = torch.randn(24, 96, generator=gen)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_mismatched_dtypes_fall_back_to_f_linear_and_its_error(gen):
+    x = torch.randn(3, 8, generator=gen)
+    with pytest.raises(RuntimeError):
+        linear(x, torch.randn(4, 8, generator=gen).to(torch.bfloat16))
