@@ -19,7 +19,7 @@ from cachetier.tiers.disk_config import DiskTierConfig
 from tests.cachetier.tier_harness import TierHarness, build
 from tests.support import make_blocks
 
-PINNABLE = ["cpu", "disk"]
+PINNABLE = ["cpu", "disk", "redis"]
 
 
 @pytest.fixture(params=PINNABLE)
