@@ -74,8 +74,8 @@ UNPIN_SCRIPT = f"""{PRELUDE}
 local n = #KEYS - first + 1
 local tick = redis.call('INCRBY', tick_key, n) - n
 local removed = 0
-for i = first, #KEYS do
-  local key = KEYS[i]
+for i = 1, n do
+  local key = KEYS[first + i - 1]
   if redis.call('SREM', pinned, key) == 1 then
     removed = removed + 1
     if redis.call('SREM', protected, key) == 1 then
