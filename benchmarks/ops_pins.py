@@ -10,6 +10,10 @@ flood does to a prefix nobody pinned), then ``flood_factor`` times the server's 
 ``measure_pins()`` is what ``bench_ops.py`` calls; ``tests/server/test_pins_server.py`` runs
 the same ``flood_pinned_chain`` against its own live server.
 
+``measure_redis_pins()`` does it with a Redis tier behind the sidecar too, and in place of the
+restart another pod (empty CPU tier, a disk folder of its own, no pin file) takes the port:
+the chain can only come back from Redis, which kept it because Redis holds the pins itself.
+
     python benchmarks/ops_pins.py
 """
 
@@ -19,6 +23,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +34,16 @@ sys.path.insert(0, str(ROOT))
 
 from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
+from cachetier.server.config import ServerConfig  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
 from tests.server.live import TOKENS, ThreadServer, call_json, test_config  # noqa: E402
+from tests.support import own_redis_prefix  # noqa: E402
 
 # 64 KiB blocks: a flood of a few times a small server's capacity is a few hundred blocks.
 LAYOUT = KVLayout("float16", block_size=16, num_layers=4, num_kv_heads=4, head_dim=64)
 CPU_BYTES = 4 << 20
 DISK_BYTES = 8 << 20
+REDIS_BYTES = 8 << 20
 
 
 def chain(namespace: Namespace, num_blocks: int, seed: int) -> tuple[list[int], list[KVBlock]]:
@@ -158,5 +166,60 @@ def measure_pins() -> dict[str, Any]:
             server.stop()
 
 
+def flood_then_switch_pods(config: ServerConfig, other_data_dir: Path) -> dict[str, Any]:
+    """``flood_pinned_chain`` on a sidecar with CPU, disk and Redis tiers; then, in place of a
+    restart, another sidecar on the same port and Redis but with ``other_data_dir`` (its CPU and
+    disk tiers empty, no pin file) serves the read back.
+
+    Args:
+        config: the first sidecar's settings (``redis_url`` and ``redis_bytes`` set).
+        other_data_dir: the second sidecar's data folder.
+
+    Returns:
+        As ``flood_pinned_chain`` (``pins_listed_after_restart`` is the second pod's: 0).
+    """
+    assert config.redis_url and config.redis_bytes, "the flood is meant to reach Redis"
+    first = ThreadServer(config).start()
+    second = ThreadServer(replace(config, data_dir=str(other_data_dir)))
+
+    def switch_pods() -> None:
+        first.stop()
+        second.start()
+
+    try:
+        capacity = config.cpu_bytes + config.disk_bytes + config.redis_bytes
+        return flood_pinned_chain(first.url, switch_pods, capacity_bytes=capacity)
+    finally:
+        first.stop()
+        second.stop()
+
+
+def measure_redis_pins(redis_url: str = "redis://127.0.0.1:6379/0") -> dict[str, Any]:
+    """``measure_pins`` with an 8 MiB Redis tier (a key prefix of its own, deleted after)
+    behind the sidecar, read back through another pod (``flood_then_switch_pods``).
+
+    Args:
+        redis_url: a single-node Redis.
+
+    Returns:
+        As ``flood_pinned_chain``.
+    """
+    with (
+        tempfile.TemporaryDirectory(prefix="ops-pins-") as tmp,
+        own_redis_prefix(redis_url, "ops-pins") as prefix,
+    ):
+        config = test_config(
+            Path(tmp) / "server",
+            cpu_bytes=CPU_BYTES,
+            disk_bytes=DISK_BYTES,
+            redis_url=redis_url,
+            redis_key_prefix=prefix,
+            redis_bytes=REDIS_BYTES,
+            max_batch_bytes=4 << 20,
+        )
+        return flood_then_switch_pods(config, Path(tmp) / "other-pod")
+
+
 if __name__ == "__main__":
     print(json.dumps(measure_pins()))
+    print(json.dumps(measure_redis_pins()))

@@ -50,6 +50,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "given here shows in the process list: prefer CACHETIER_REDIS_URL or --config",
     )
     p.add_argument(
+        "--redis-bytes",
+        type=int,
+        help="most record bytes kept in Redis (an exact LRU shared by every server on the key "
+        "prefix; single-node Redis; needed for pins in Redis; default: Redis's maxmemory)",
+    )
+    p.add_argument(
         "--tls-cert",
         help="PEM certificate chain: serve HTTPS, and TLS on the transfer port (default: off)",
     )
@@ -115,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
             transfer_socket=args.transfer_socket,
             data_dir=args.data_dir,
             redis_url=args.redis_url,
+            redis_bytes=args.redis_bytes,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             head_timeout_s=args.head_timeout_s,

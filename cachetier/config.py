@@ -40,6 +40,9 @@ class StoreConfig:
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
         redis_key_prefix: first part of every Redis key (tests and tenants of one Redis use
             their own).
+        redis_bytes: most record bytes the Redis tier keeps under ``redis_key_prefix`` (its
+            exact LRU, shared by every process using the prefix; single-node Redis only);
+            ``None`` leaves the bound to Redis's ``maxmemory`` policy, and pins out of Redis.
         compression: ``"none"`` or ``"lz4"`` for the disk and Redis records.
         policy: eviction policy of the CPU and disk tiers.
         write_queue_blocks: most blocks queued per lower tier before puts are dropped.
@@ -58,8 +61,8 @@ class StoreConfig:
         redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
         remote_ca_file: CA bundle the server's certificate is checked against (``https://``
             only; ``None``: the system's CAs).
-        max_pinned_fraction: share of the CPU and disk tiers' capacity pinned blocks may hold,
-            in [0, 1) (``TieredStore.pin_prefix``).
+        max_pinned_fraction: share of the CPU, disk and Redis (with ``redis_bytes``) tiers'
+            capacity pinned blocks may hold, in [0, 1) (``TieredStore.pin_prefix``).
         pin_file: a JSON file that keeps the store's pins across restarts
             (``cachetier.pin_registry``); ``None`` keeps them in memory only.
     """
@@ -72,6 +75,7 @@ class StoreConfig:
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_key_prefix: str = "cachetier"
+    redis_bytes: int | None = None
     compression: str = "none"
     policy: str = "lru"
     write_queue_blocks: int = 4096
@@ -108,6 +112,8 @@ class StoreConfig:
             raise ValueError("remote_token is set without remote_url: name the server too")
         if self.remote_ca_file and not self.remote_url:
             raise ValueError("remote_ca_file is set without remote_url: name the server too")
+        if self.redis_bytes is not None and not self.redis_url:
+            raise ValueError("redis_bytes is set without redis_url: name the Redis too")
         redis_tls = (self.redis_ssl_ca_certs, self.redis_ssl_certfile, self.redis_ssl_keyfile)
         if any(redis_tls) and not self.redis_url:
             raise ValueError("redis_ssl_* settings are set without redis_url: name the Redis too")
@@ -209,10 +215,12 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                     url=config.redis_url,
                     key_prefix=config.redis_key_prefix,
                     ttl_s=config.redis_ttl_s,
+                    capacity_bytes=config.redis_bytes,
                     compression=config.compression,
                     ssl_ca_certs=config.redis_ssl_ca_certs,
                     ssl_certfile=config.redis_ssl_certfile,
                     ssl_keyfile=config.redis_ssl_keyfile,
+                    max_pinned_fraction=config.max_pinned_fraction,
                 )
             )
         )

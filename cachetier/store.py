@@ -372,6 +372,7 @@ class TieredStore(Tier):
 
         Raises:
             PinLimitError: a tier's bound on pinned bytes refused them; nothing was pinned.
+            TierUnavailableError: a tier's Redis did not answer; nothing was pinned.
         """
         self.flush()  # blocks queued for a lower tier are counted there
         return self._pins.pin(namespace, keys)
@@ -407,6 +408,9 @@ class TieredStore(Tier):
 
         Returns:
             How many of them were pinned.
+
+        Raises:
+            TierUnavailableError: a tier's Redis did not answer; the pins stay.
         """
         return self._pins.unpin(namespace, keys)
 

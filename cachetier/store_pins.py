@@ -2,17 +2,18 @@
 can pin, and kept in a ``PinRegistry`` when the store has one (so they survive a restart).
 
 A pin request is all or nothing across the tiers: if one tier refuses it (its bound on pinned
-bytes), the tiers that took it give it back and nothing is recorded.
+bytes) or fails (a Redis that is down), the tiers that took it give it back and nothing is
+recorded. An unpin that a tier fails is undone the same way, so the record and the tiers agree.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cachetier.errors import PinLimitError
+from cachetier.errors import CacheTierError, PinLimitError
 from cachetier.keys import BlockHash
 from cachetier.pin_registry import PinRegistry, Pins
 from cachetier.tiers.base import Tier, check_namespace
@@ -63,9 +64,10 @@ class StorePins:
                 for tier in self._tiers:
                     try:
                         tier.pin(namespace, keys)
-                    except PinLimitError as exc:
-                        # The bound was lowered since they were pinned: keep the pins (an
-                        # unpin makes room), but say which ones this tier does not protect.
+                    except CacheTierError as exc:
+                        # The bound was lowered since they were pinned, or the tier's service
+                        # is down (a Redis keeps its pins itself): keep the pins (an unpin
+                        # makes room), but say which ones this tier does not protect.
                         log.warning(
                             "pins of %s are not kept in the %s tier: %s", namespace, tier.name, exc
                         )
@@ -82,6 +84,7 @@ class StorePins:
 
         Raises:
             PinLimitError: a tier's bound, or ``max_keys``, refused them; nothing was pinned.
+            TierUnavailableError: a tier's service (Redis) did not answer; nothing was pinned.
         """
         check_namespace(namespace)
         keys = list(dict.fromkeys(BlockHash(bytes(k)) for k in keys))
@@ -100,9 +103,9 @@ class StorePins:
                 for tier in self._tiers:
                     protected[tier.name] = tier.pin(namespace, keys)
                     done.append(tier)
-            except PinLimitError:
+            except CacheTierError:
                 for tier in done:
-                    tier.unpin(namespace, new)  # only what this request added
+                    _undo(tier.unpin, namespace, new)  # only what this request added
                 raise
             if new:
                 if self._registry is not None:
@@ -115,14 +118,24 @@ class StorePins:
 
         Returns:
             How many of them were pinned.
+
+        Raises:
+            TierUnavailableError: a tier's service (Redis) did not answer; the pins stay.
         """
         check_namespace(namespace)
         keys = [BlockHash(bytes(k)) for k in keys]
         with self._lock:
             held = self._pins.get(namespace, {})
             gone = [k for k in dict.fromkeys(keys) if k in held]
-            for tier in self._tiers:
-                tier.unpin(namespace, keys)
+            done: list[Tier] = []
+            try:
+                for tier in self._tiers:
+                    tier.unpin(namespace, keys)
+                    done.append(tier)
+            except CacheTierError:
+                for tier in done:
+                    _undo(tier.pin, namespace, gone)
+                raise
             if gone:
                 if self._registry is not None:
                     self._registry.remove(namespace, gone)
@@ -136,3 +149,16 @@ class StorePins:
         """Pinned keys by namespace, for the namespaces that start with ``prefix``."""
         with self._lock:
             return {ns: list(keys) for ns, keys in self._pins.items() if ns.startswith(prefix)}
+
+
+def _undo(
+    change: Callable[[str, Sequence[BlockHash]], int], namespace: str, keys: Sequence[BlockHash]
+) -> None:
+    """Best effort to take back what a tier did for a request that failed elsewhere: the
+    request's own error is what the caller hears, so a failure here is only logged."""
+    if not keys:
+        return
+    try:
+        change(namespace, keys)
+    except CacheTierError as exc:
+        log.warning("could not take back a pin change of %s: %s", namespace, exc)

@@ -61,6 +61,9 @@ class ServerConfig:
         redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
         redis_key_prefix: first part of every Redis key the server writes.
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        redis_bytes: most record bytes kept in Redis under ``redis_key_prefix`` (an exact LRU
+            shared by every server using the prefix; single-node Redis only, and needed for
+            pins in Redis); ``None`` leaves the bound to Redis's ``maxmemory`` policy.
         compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
         fsync: fsync each disk record before it is renamed into place.
         sync_puts: answer a put once every tier holds the block, so an acknowledged block
@@ -103,8 +106,9 @@ class ServerConfig:
             stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
         log_level: uvicorn's log level.
-        max_pinned_fraction: share of the CPU and disk tiers' capacity pinned blocks may hold
-            (``POST /v1/pins``), in [0, 1); pins are kept in ``<data_dir>/pins.json``.
+        max_pinned_fraction: share of the CPU, disk and Redis (with ``redis_bytes``) tiers'
+            capacity pinned blocks may hold (``POST /v1/pins``), in [0, 1); pins are kept in
+            ``<data_dir>/pins.json`` (and in Redis itself for the Redis tier).
     """
 
     host: str = "127.0.0.1"
@@ -120,6 +124,7 @@ class ServerConfig:
     redis_ssl_keyfile: str | None = None
     redis_key_prefix: str = "cachetier"
     redis_ttl_s: float | None = None
+    redis_bytes: int | None = None
     compression: str = "none"
     fsync: bool = True
     sync_puts: bool = True
@@ -225,6 +230,7 @@ class ServerConfig:
                 url=self.redis_url,
                 key_prefix=self.redis_key_prefix,
                 ttl_s=self.redis_ttl_s,
+                capacity_bytes=self.redis_bytes,
                 ssl_ca_certs=self.redis_ssl_ca_certs,
                 ssl_certfile=self.redis_ssl_certfile,
                 ssl_keyfile=self.redis_ssl_keyfile,
@@ -246,6 +252,7 @@ class ServerConfig:
             redis_url=self.redis_url,
             redis_ttl_s=self.redis_ttl_s,
             redis_key_prefix=self.redis_key_prefix,
+            redis_bytes=self.redis_bytes,
             redis_ssl_ca_certs=self.redis_ssl_ca_certs,
             redis_ssl_certfile=self.redis_ssl_certfile,
             redis_ssl_keyfile=self.redis_ssl_keyfile,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
-from cachetier.errors import PinLimitError
+from cachetier.errors import PinLimitError, TierUnavailableError
 from cachetier.keys import BlockHash, chain_keys, parse_key
 from cachetier.pin_registry import PinRegistryError
 from cachetier.server.auth import Caller, Scope
@@ -31,7 +31,8 @@ from cachetier.server.service import BlockService
 
 router = APIRouter(prefix="/v1/pins", tags=["pins"])
 # 409: the pin would pass a tier's bound on pinned bytes (nothing was pinned).
-_ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422)
+# 503: a tier's service (Redis) did not answer; nothing was changed, retry later.
+_ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 503)
 
 
 def _tenant(caller: Caller, service: BlockService, tenant: str | None) -> str:
@@ -77,15 +78,24 @@ def _scope_and_keys(
     return scope, keys
 
 
+def _unavailable(exc: TierUnavailableError) -> HTTPException:
+    """503: a tier could not take the change now (its message names the tier, never a
+    password: urls are redacted)."""
+    return api_error(503, "tier_unavailable", str(exc), headers={"Retry-After": "1"})
+
+
 @router.post("", response_model=PinnedPublic, responses=_ERRORS)
 async def pin(body: PinsCreate, caller: CallerDep, service: ServiceDep) -> PinnedPublic:
     """Pin blocks (all or none): stored ones are kept from eviction at once, the others once
-    they arrive. Refused with 409 when a tier's pinned bytes would pass its bound."""
+    they arrive. Refused with 409 when a tier's pinned bytes would pass its bound, 503 when a
+    tier's Redis does not answer."""
     scope, keys = _scope_and_keys(body, caller, service)
     try:
         result = await run_in_threadpool(service.pin, scope, keys)
     except PinLimitError as exc:
         raise api_error(409, "pin_limit", str(exc)) from None
+    except TierUnavailableError as exc:
+        raise _unavailable(exc) from None
     except PinRegistryError as exc:
         raise api_error(500, "pin_registry", str(exc)) from None
     return PinnedPublic(
@@ -103,6 +113,8 @@ async def unpin(body: PinsCreate, caller: CallerDep, service: ServiceDep) -> Unp
     scope, keys = _scope_and_keys(body, caller, service)
     try:
         num = await run_in_threadpool(service.unpin, scope, keys)
+    except TierUnavailableError as exc:
+        raise _unavailable(exc) from None
     except PinRegistryError as exc:
         raise api_error(500, "pin_registry", str(exc)) from None
     return UnpinnedPublic(num_unpinned=num)

@@ -16,10 +16,11 @@ from cachetier.record import KVBlock
 from cachetier.store_pins import StorePins
 from cachetier.tiers.cpu import CPUTierConfig
 from cachetier.tiers.disk_config import DiskTierConfig
+from cachetier.tiers.redis import RedisTierConfig
 from tests.cachetier.tier_harness import TierHarness, build
 from tests.support import make_blocks
 
-PINNABLE = ["cpu", "disk"]
+PINNABLE = ["cpu", "disk", "redis"]
 
 
 @pytest.fixture(params=PINNABLE)
@@ -109,6 +110,8 @@ def test_max_pinned_fraction_is_checked(bad: object, tmp_path: Path) -> None:
         CPUTierConfig(1 << 20, max_pinned_fraction=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_pinned_fraction"):
         DiskTierConfig(str(tmp_path), 1 << 20, max_pinned_fraction=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        RedisTierConfig(capacity_bytes=1 << 20, max_pinned_fraction=bad)  # type: ignore[arg-type]
 
 
 def _store_config(tmp_path: Path, per_block: int) -> StoreConfig:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.ops_pins import flood_pinned_chain
+from benchmarks.ops_pins import flood_pinned_chain, flood_then_switch_pods
 from cachetier.keys import Namespace, block_keys
 from tests.server.batches import ALICE, put_batch
-from tests.server.live import TOKENS, ThreadServer, call, call_json
-from tests.support import make_blocks
+from tests.server.live import TOKENS, ThreadServer, call, call_json, test_config
+from tests.support import PrivateRedis, make_blocks
 
 BOB, OPS = TOKENS["bob"], TOKENS["ops"]
 
@@ -30,6 +31,49 @@ def test_a_pinned_chain_survives_a_flood_past_capacity_and_a_restart(
     assert result["unpinned_blocks_restored_after_flood"] == 0  # the flood did evict
     assert result["pins_listed_after_restart"] == 8
     assert result["tier_pins"]["disk"]["pinned_blocks"] == 8
+
+
+def test_a_pinned_chain_is_restored_from_redis_after_cpu_and_disk_lost_it(
+    redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    config = test_config(
+        tmp_path / "server",
+        cpu_bytes=2 << 20,
+        disk_bytes=4 << 20,
+        redis_url=redis_url,
+        redis_key_prefix=redis_prefix,
+        redis_bytes=4 << 20,
+    )
+    # The read back goes through another pod whose CPU tier and disk folder start empty, with
+    # no pin file: only the pins Redis keeps itself protected the chain there.
+    result = flood_then_switch_pods(config, tmp_path / "other-pod")
+    assert result["pinned_blocks"] == 8  # protected in cpu, disk and redis alike
+    assert result["pinned_blocks_restored_after_flood"] == 8
+    assert result["unpinned_blocks_restored_after_flood"] == 0  # Redis evicted that one
+    assert result["pins_listed_after_restart"] == 0  # the other pod has no pin file
+    assert result["tier_pins"]["redis"]["pinned_blocks"] == 8
+
+
+def test_a_pin_is_answered_503_while_redis_is_down(
+    make_server: Callable[..., ThreadServer], own_namespace: Namespace, tmp_path: Path
+) -> None:
+    redis = PrivateRedis(tmp_path / "redis")
+    redis.folder.mkdir()
+    redis.start()
+    try:
+        blocks = make_blocks(own_namespace, 2)
+        server = make_server(redis_url=redis.url, redis_bytes=1 << 20)
+        put_batch(server.url, own_namespace.id, blocks)
+        redis.stop()
+        status, answer = call_json(
+            server.url, "POST", "/v1/pins", _pin_body(own_namespace, blocks), token=ALICE
+        )
+        assert status == 503 and answer["error"] == "tier_unavailable", answer
+        assert "redis tier could not pin" in answer["message"]
+        _, listing = call_json(server.url, "GET", "/v1/pins", token=OPS)
+        assert listing["pins"] == [] and listing["tiers"]["cpu"]["pinned_keys"] == 0
+    finally:
+        redis.stop()
 
 
 def test_a_tenant_pins_its_own_blocks_and_no_one_else_s(

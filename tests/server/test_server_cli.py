@@ -69,3 +69,15 @@ def test_a_bad_config_exits_with_a_message(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "no tenants are configured" in done.stderr
+
+
+def test_redis_bytes_without_a_redis_is_a_bad_config(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cachetier.cli", "serve", "--open", "--redis-bytes", "1048576"]
+        + ["--data-dir", str(tmp_path)],
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "redis_bytes is set without redis_url" in done.stderr

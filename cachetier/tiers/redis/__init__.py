@@ -3,7 +3,7 @@
 ``tier`` is the tier, ``config`` its settings and the one redis-py client factory,
 ``transports`` the three ways it reaches Redis, ``resp`` a Redis protocol client for block
 records, ``cluster`` the routing of commands to a cluster's masters, ``scripts`` the Lua of the
-exact LRU.
+exact LRU, ``pins`` the pinned records kept next to it.
 """
 
 from cachetier.tiers.redis.cluster import ClusterAddress, parse_cluster_url

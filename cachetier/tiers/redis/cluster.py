@@ -22,6 +22,11 @@ or a master's breaker opening (a replica may have taken over its slots).
 Redis must serve the other slots when a master is lost: run the nodes with
 ``cluster-require-full-coverage no``. With the default ``yes``, every node answers CLUSTERDOWN
 once the lost master is flagged as failed, and every key becomes a miss.
+
+Pins. A tier on a cluster cannot pin (``RedisTier.supports_pins`` is false, and a store pins
+only in its other tiers): it keeps no LRU of its own to keep pinned records out of (each
+master's ``maxmemory-policy`` evicts, and knows nothing of pins), and the pin scripts of the
+single-node tier touch keys in many slots, which a cluster refuses.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from cachetier.backoff import ExponentialBackoff
-from cachetier.checks import positive_int
+from cachetier.checks import fraction, positive_int
 from cachetier.redact import redact_url, redacted_repr
 from cachetier.tiers.redis.cluster import CLUSTER_SCHEMES, parse_cluster_url
 
@@ -65,6 +65,9 @@ class RedisTierConfig:
         urls only); ``None`` trusts the system's CAs.
     ssl_certfile: PEM client certificate for a Redis that asks for one (``rediss`` only).
     ssl_keyfile: PEM private key of ``ssl_certfile`` (``None``: it is in ``ssl_certfile``).
+    max_pinned_fraction: share of ``capacity_bytes`` pinned records may hold, in [0, 1) (0:
+        nothing can be pinned); the rest is what the exact LRU evicts in. Pins need a capacity
+        and a single node: without the tier's own LRU there is nothing to keep them from.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -82,6 +85,7 @@ class RedisTierConfig:
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    max_pinned_fraction: float = 0.5
 
     def __repr__(self) -> str:
         return redacted_repr(self)
@@ -118,6 +122,7 @@ class RedisTierConfig:
                 )
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+        fraction("max_pinned_fraction", self.max_pinned_fraction)
         for name in ("socket_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")

@@ -36,6 +36,12 @@ Lua scripts (``scripts``) keep them consistent with the records: a put runs its 
 accounting script in one MULTI; the script evicts least recently used records until the total
 fits. This needs a single Redis node (the scripts touch keys in many slots).
 
+Pins. With a capacity on a single node (``rediss://`` too) the tier can pin (``pin``): pinned
+records are kept out of ``_lru``, so the LRU never evicts them, up to ``max_pinned_fraction``
+of the capacity. The pins live in Redis next to the LRU (``pins``), shared by every process
+using the same ``key_prefix``. Without a capacity, or on a cluster, Redis's own ``maxmemory``
+policy evicts and knows nothing of pins: ``supports_pins`` is false there.
+
 Failures. Every call goes through a ``Guard`` (``cachetier.backoff``): a Redis that is down or
 slower than the socket timeout turns into misses and counted errors, and after
 ``failure_threshold`` failures in a row the tier stops calling it (``skipped`` in stats) until
@@ -60,12 +66,14 @@ from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, 
 from cachetier.errors import TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.landing import Destination, normalize
+from cachetier.pins import NO_PINS
 from cachetier.record import KVBlock
 from cachetier.redact import redact, redact_url
 from cachetier.throttle import LogThrottle
 from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.redis.cluster import ClusterRouter
 from cachetier.tiers.redis.config import RedisTierConfig, make_client
+from cachetier.tiers.redis.pins import RedisPins
 from cachetier.tiers.redis.resp import CORRUPT, ErrorReply, Hit, RespAuthError
 from cachetier.tiers.redis.transports import (
     ClusterTransport,
@@ -101,6 +109,7 @@ class RedisTier(Tier):
         self._last_used_bytes = 0
         self._auth_log = LogThrottle(AUTH_LOG_INTERVAL_S, clock)
         self._transport: Transport
+        self._pins: RedisPins | None = None
         if config.cluster:  # connects on first use: building the client reads the slot map
             router = ClusterRouter(
                 connect=lambda: make_client(config),
@@ -118,8 +127,14 @@ class RedisTier(Tier):
                 on_failure=self._call_failed,
                 on_skipped=self._count_skipped,
             )
-            lru = config.capacity_bytes is not None
-            self._transport = (ExactLruTransport if lru else RespTransport)(config, guard)
+            if config.capacity_bytes is None:
+                self._transport = RespTransport(config, guard)
+            else:
+                lru = ExactLruTransport(config, guard)
+                self._transport, self._pins = lru, lru.pins
+        # Only the exact LRU can keep a record from eviction: Redis's maxmemory policy (no
+        # capacity, or a cluster) evicts what it likes.
+        self.supports_pins = self._pins is not None
 
     @property
     def config(self) -> RedisTierConfig:
@@ -246,6 +261,48 @@ class RedisTier(Tier):
     def clear(self, namespace: str) -> int:
         check_namespace(namespace)
         return self._transport.clear(f"{self._config.key_prefix}:{namespace}:*")
+
+    def pin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """``Tier.pin``, in Redis: the pins are shared by every process using this
+        ``key_prefix`` (see ``cachetier.tiers.redis.pins``).
+
+        Raises:
+            PinLimitError: the stored ones would pass ``max_pinned_fraction`` of the capacity;
+                nothing was pinned.
+            TierUnavailableError: Redis did not answer (or the breaker is open); nothing was
+                pinned.
+            NotImplementedError: the tier has no capacity, or is on a cluster.
+        """
+        check_namespace(namespace)
+        skeys = self._storage_keys(namespace, keys)
+        return self._pin_set().pin(skeys) if skeys else 0
+
+    def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """``Tier.unpin``, in Redis (for every process using this ``key_prefix``).
+
+        Raises:
+            TierUnavailableError: Redis did not answer (or the breaker is open); nothing was
+                unpinned.
+        """
+        check_namespace(namespace)
+        skeys = self._storage_keys(namespace, keys)
+        return self._pin_set().unpin(skeys) if skeys else 0
+
+    def pin_stats(self) -> dict[str, Any]:
+        """``Tier.pin_stats`` read from Redis (all processes); the last values read while
+        Redis cannot be reached (with the breaker open, not even tried: ``stats`` already
+        counts one skipped read for ``used_bytes``)."""
+        if self._pins is None:
+            return dict(NO_PINS)
+        return self._pins.snapshot(read=not self._transport.is_down)
+
+    def _pin_set(self) -> RedisPins:
+        if self._pins is None:
+            raise NotImplementedError(
+                "the redis tier pins only with capacity_bytes on a single node: otherwise "
+                "Redis's own maxmemory policy evicts, and it knows nothing of pins"
+            )
+        return self._pins
 
     def _call_failed(self, exc: BaseException, fault: Fault) -> None:
         """Count a call that failed (the guard told the breaker)."""

@@ -5,6 +5,7 @@
   scripts, scans and deletes over redis-py.
 - ``ExactLruTransport`` (one node with ``capacity_bytes``): the same gets followed by the touch
   script; a put is one MULTI of its SETs and the accounting script (``scripts``), over redis-py.
+  It also holds the tier's pins (``pins``), which live next to its LRU.
 - ``ClusterTransport`` (``redis+cluster://``): each command sent to the master owning its key
   (``ClusterRouter``), every master behind a breaker of its own.
 
@@ -34,11 +35,19 @@ from cachetier.record import (
     encode_parts,
     encode_record,
 )
+from cachetier.redact import redact_url
 from cachetier.tiers.base import first_miss
 from cachetier.tiers.redis.cluster import ClusterRouter
 from cachetier.tiers.redis.config import RedisTierConfig, make_client
+from cachetier.tiers.redis.pins import RedisPins
 from cachetier.tiers.redis.resp import CORRUPT, Endpoint, GetResult, Hit, RespClient
-from cachetier.tiers.redis.scripts import FORGET_SCRIPT, LEADING_SCRIPT, PUT_SCRIPT, TOUCH_SCRIPT
+from cachetier.tiers.redis.scripts import (
+    FORGET_SCRIPT,
+    LEADING_SCRIPT,
+    PUT_SCRIPT,
+    TOUCH_SCRIPT,
+    meta_keys,
+)
 from cachetier.tls import client_context
 
 _T = TypeVar("_T")
@@ -225,9 +234,13 @@ class ExactLruTransport(RespTransport):
         super().__init__(config, guard)
         assert config.capacity_bytes is not None, "the exact LRU needs a capacity"
         self._capacity = config.capacity_bytes
-        prefix = config.key_prefix
-        self._meta = [f"{prefix}:_lru", f"{prefix}:_size", f"{prefix}:_used"]
-        self._meta_tick = [*self._meta, f"{prefix}:_tick"]
+        self._meta = meta_keys(config.key_prefix)
+        self.pins = RedisPins(
+            self._redis,
+            config.key_prefix,
+            int(config.capacity_bytes * config.max_pinned_fraction),
+            redact_url(config.url),
+        )
 
     def get(
         self, skeys: list[str], keys: Sequence[BlockHash], dests: list[Destination] | None
@@ -237,7 +250,7 @@ class ExactLruTransport(RespTransport):
             # Right after the reads, not atomically with them: a record evicted in between is
             # only a stale LRU entry the script drops. Also forgets the accounting of records
             # that expired, which only a get notices.
-            meta = self._meta_tick
+            meta = self._meta
             self._redis(
                 lambda client: client.eval(TOUCH_SCRIPT, len(meta) + len(skeys), *meta, *skeys)
             )
@@ -264,9 +277,17 @@ class ExactLruTransport(RespTransport):
         pipe = client.pipeline(transaction=True)
         for skey, record in zip(skeys, records, strict=True):
             pipe.set(skey, record, px=self._ttl_ms)
-        meta = self._meta_tick
+        meta = self._meta
         sizes = [len(record) for record in records]
-        pipe.eval(PUT_SCRIPT, len(meta) + len(skeys), *meta, *skeys, self._capacity, *sizes)
+        pipe.eval(
+            PUT_SCRIPT,
+            len(meta) + len(skeys),
+            *meta,
+            *skeys,
+            self._capacity,
+            self.pins.max_bytes,
+            *sizes,
+        )
         return int(pipe.execute()[-1])
 
     def _find(self, client: redis.Redis, pattern: str) -> set[bytes]:
@@ -281,7 +302,7 @@ class ExactLruTransport(RespTransport):
         return int(client.eval(FORGET_SCRIPT, len(meta) + len(skeys), *meta, *skeys))
 
     def used_bytes(self) -> int | None:
-        used = self._redis(lambda client: int(client.get(self._meta[2]) or 0))
+        used = self._redis(lambda client: int(client.get(self._meta[2]) or 0))  # _used
         return None if used is None else max(0, used)
 
 
