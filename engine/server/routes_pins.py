@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from cachetier.errors import PinLimitError
+from cachetier.errors import PinLimitError, TierUnavailableError
 from engine.sampling import SamplingParams
 from engine.server.errors import APIError
 from engine.server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -73,6 +73,9 @@ async def pin(body: PinRequest, request: Request) -> PinsResponse:
         result = await run_in_threadpool(engine.bridge.store.pin_prefix, engine.namespace, ids)
     except PinLimitError as exc:
         raise APIError(409, str(exc), code="pin_limit") from None
+    except TierUnavailableError as exc:
+        # A network tier (Redis) is down: nothing was pinned anywhere; the client may retry.
+        raise APIError(503, str(exc), code="tier_unavailable") from None
     return PinsResponse(
         num_prompt_tokens=len(ids),
         keys=[k.hex() for k in result.keys],

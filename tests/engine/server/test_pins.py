@@ -11,6 +11,7 @@ from cachetier.keys import block_keys
 from engine.llm import LLM
 from tests.engine.server.live import EngineServer
 from tests.server.live import call_json
+from tests.support import PrivateRedis
 
 BLOCK_BYTES = 8192  # float32, 2 layers, K and V, 16 tokens, 2 KV heads of 16
 SYSTEM = "You are a helpful assistant of the cachetier project. " * 3
@@ -67,3 +68,25 @@ def test_llm_pin_prefix_pins_the_prompt_chain(chat_model_dir: Path) -> None:
         assert list(result.keys) == block_keys(llm.engine.namespace, ids)
         assert result.protected == {"cpu": len(ids) // 16} and result.num_new == len(ids) // 16
         assert llm.store.pinned() == {llm.engine.namespace.id: list(result.keys)}
+
+
+def test_a_pin_while_redis_is_down_is_a_503_and_pins_nothing(
+    make_server: Callable[..., EngineServer], tmp_path: Path
+) -> None:
+    redis_server = PrivateRedis(tmp_path)
+    redis_server.start()
+    try:
+        store = StoreConfig(
+            cpu_bytes=1 << 20, redis_url=redis_server.url, redis_bytes=1 << 20, fsync=False
+        )
+        server = make_server(store=store)
+        redis_server.stop()
+        body = {"prompt": SYSTEM, "warm": False}
+        status, answer = call_json(server.url, "POST", "/v1/pins", body)
+        assert status == 503, answer
+        assert answer["error"]["code"] == "tier_unavailable"
+        redis_server.start()
+        status, answer = call_json(server.url, "POST", "/v1/pins", body)
+        assert status == 200 and set(answer["protected"]) == {"cpu", "redis"}, answer
+    finally:
+        redis_server.stop()
