@@ -16,7 +16,8 @@ Each part is the same harness its test uses:
   (``benchmarks/ops_report.py``; ``tests/cachetier/report/test_report_browser.py``).
 - ``pinned_blocks_restored_after_flood`` / ``pinned_blocks``: a pinned chain on a live sidecar
   flooded with 4x its capacity and restarted (``benchmarks/ops_pins.py``;
-  ``tests/server/test_pins_server.py``).
+  ``tests/server/test_pins_server.py``); ``redis_pinned_*`` the same with a Redis tier behind
+  it, read back by a second sidecar whose CPU and disk tiers are empty.
 
 Targets: ``server_only_env_has_torch`` false, the two pairs equal, no console errors. Needs
 Redis on 127.0.0.1:6379, Debian's ``prometheus`` and ``chromium``, and pip's package index.
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import emit  # noqa: E402
 from benchmarks.ops_dashboard import measure_dashboard  # noqa: E402
 from benchmarks.ops_install import measure_server_env  # noqa: E402
-from benchmarks.ops_pins import measure_pins  # noqa: E402
+from benchmarks.ops_pins import measure_pins, measure_redis_pins  # noqa: E402
 from benchmarks.ops_report import measure_report_browser  # noqa: E402
 
 
@@ -54,12 +55,23 @@ def main() -> None:
         start = time.perf_counter()
         result.update(measure())
         seconds[name] = round(time.perf_counter() - start, 1)
+    # The same flood with a Redis tier behind the sidecar, read back by a second pod with empty
+    # CPU and disk tiers: the chain must come from Redis's pins.
+    start = time.perf_counter()
+    redis = measure_redis_pins()
+    seconds["redis_pins"] = round(time.perf_counter() - start, 1)
+    result["redis_pinned_blocks"] = redis["pinned_blocks"]
+    result["redis_pinned_blocks_restored_after_flood"] = redis["pinned_blocks_restored_after_flood"]
+    result["redis_unpinned_blocks_restored_after_flood"] = redis[
+        "unpinned_blocks_restored_after_flood"
+    ]
     result["seconds"] = seconds
     result["targets_met"] = (
         result["server_only_env_has_torch"] is False
         and result["dashboard_queries_with_data"] == result["dashboard_queries"]
         and result["report_browser_console_errors"] == 0
         and result["pinned_blocks_restored_after_flood"] == result["pinned_blocks"]
+        and result["redis_pinned_blocks_restored_after_flood"] == result["redis_pinned_blocks"]
     )
     emit(result, args.json)
 
