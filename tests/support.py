@@ -18,6 +18,7 @@ import numpy as np
 import redis
 import uvicorn
 
+from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
 
@@ -271,3 +272,23 @@ class AppThread:
             self._thread.join(timeout=60)
             assert not self._thread.is_alive(), f"the {self.name} did not stop"
         self._server = self._thread = None
+
+
+def write_engine_event_log(path: Path, hit_tokens: dict[str, int], num_events: int = 40) -> None:
+    """An engine's lookup event log of ``num_events`` 1,000-token lookups, 15 s apart: tenants
+    alice (3 in 4) and bob; every other lookup hits ``hit_tokens`` (by source) with 8 tokens
+    lost to alignment and 0.5 s of restore, the rest miss."""
+    with EventLog(path) as log:
+        for i in range(num_events):
+            log.record(
+                LookupEvent(
+                    time_s=1_700_000_000.0 + 15 * i,
+                    tenant="alice" if i % 4 else "bob",
+                    num_tokens=1000,
+                    hit_tokens=hit_tokens if i % 2 else {},
+                    block_size=16,
+                    num_alignment_lost_tokens=8 if i % 2 else 0,
+                    restore_s=0.5 if i % 2 else 0.0,
+                    origin="engine",
+                )
+            )

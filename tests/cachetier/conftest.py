@@ -1,14 +1,17 @@
-"""Fixtures of the cachetier tests: a plain client of the shared Redis, and a real Redis Cluster
-started once per session."""
+"""Fixtures of the cachetier tests: a plain client of the shared Redis, tiers on it, a private
+redis-server a test can stop, and a real Redis Cluster started once per session."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from cachetier.tiers.redis import RedisTier
 from tests.cachetier.local_cluster import LocalCluster
+from tests.support import PrivateRedis, opened_redis_tiers
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +34,20 @@ def raw(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def make_tier(redis_url: str, redis_prefix: str) -> Iterator[Callable[..., RedisTier]]:
+    """Builds tiers on the shared Redis under this test's prefix (each one a "process"); closes
+    them afterwards. (A module with a Redis of its own, such as the Cluster's, overrides it.)"""
+    with opened_redis_tiers(url=redis_url, key_prefix=redis_prefix) as make:
+        yield make
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own, started; stopped at the end."""
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -8,7 +8,7 @@ Redis does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -22,24 +22,9 @@ from cachetier.keys import BlockHash, Namespace
 from cachetier.pin_registry import PinRegistry
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from tests.support import PrivateRedis, make_blocks, opened_redis_tiers
+from tests.support import PrivateRedis, make_blocks
 
 _T = TypeVar("_T")
-
-
-@pytest.fixture
-def make_tier(redis_url: str, redis_prefix: str) -> Iterator:
-    """Tiers on the shared Redis under this test's prefix (each one a "process")."""
-    with opened_redis_tiers(url=redis_url, key_prefix=redis_prefix) as make:
-        yield make
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 def _keys(blocks: list[KVBlock]) -> list[BlockHash]:

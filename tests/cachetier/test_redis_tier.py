@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,25 +24,9 @@ from tests.support import (
     PrivateRedis,
     free_port,
     make_blocks,
-    opened_redis_tiers,
 )
 
 MakeTier = Callable[..., RedisTier]
-
-
-@pytest.fixture
-def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
-    """Builds tiers on the shared Redis under this test's prefix; closes them afterwards."""
-    with opened_redis_tiers(url=redis_url, key_prefix=redis_prefix) as make:
-        yield make
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import Namespace
 from cachetier.report.inputs import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
@@ -33,7 +32,7 @@ from tests.deploy.server_env import (
     serving,
 )
 from tests.server.live import TOKENS
-from tests.support import make_blocks
+from tests.support import make_blocks, write_engine_event_log
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -134,20 +133,7 @@ def test_the_sidecar_serves_from_the_server_env(
 @pytest.mark.slow
 def test_the_report_works_in_the_server_env(server_env: ServerEnv, tmp_path: Path) -> None:
     log_path = tmp_path / "events.jsonl"
-    with EventLog(log_path) as log:
-        for i in range(40):
-            log.record(
-                LookupEvent(
-                    time_s=1_700_000_000.0 + 15 * i,
-                    tenant="alice" if i % 4 else "bob",
-                    num_tokens=1000,
-                    hit_tokens={"cpu": 160, "redis": 320} if i % 2 else {},
-                    block_size=16,
-                    num_alignment_lost_tokens=8 if i % 2 else 0,
-                    restore_s=0.5 if i % 2 else 0.0,
-                    origin="engine",
-                )
-            )
+    write_engine_event_log(log_path, {"cpu": 160, "redis": 320})
     stats = tmp_path / "stats.json"
     snapshot = {"hits": 30, "misses": 10, "puts": 5, "hit_rate": 0.75, "used_bytes": 1024}
     stats.write_text(json.dumps({"tiers": {"cpu": snapshot}, "tenants": {}}))

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 
 from cachetier.cli import main
-from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.report.inputs import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.cachetier.report import tiny
 from tests.server.live import TOKENS, ThreadServer, test_config
-from tests.support import SMALL_LAYOUT
+from tests.support import SMALL_LAYOUT, write_engine_event_log
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -93,20 +92,7 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_event_log_report_end_to_end(tmp_path: Path) -> None:
     log_path = tmp_path / "events.jsonl"
-    with EventLog(log_path) as log:
-        for i in range(40):
-            log.record(
-                LookupEvent(
-                    time_s=1_700_000_000.0 + 15 * i,
-                    tenant="alice" if i % 4 else "bob",
-                    num_tokens=1000,
-                    hit_tokens={"pool": 160, "disk": 320} if i % 2 else {},
-                    block_size=16,
-                    num_alignment_lost_tokens=8 if i % 2 else 0,
-                    restore_s=0.5 if i % 2 else 0.0,
-                    origin="engine",
-                )
-            )
+    write_engine_event_log(log_path, {"pool": 160, "disk": 320})
     with open(log_path, "a") as f:
         f.write('{"time_s": 17')  # a crash mid-line: forgiven
     status, doc, html = _report(tmp_path, "--events", str(log_path), "--prefill-tokens-per-s", "96")
