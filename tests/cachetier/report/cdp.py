@@ -9,10 +9,12 @@ refuses its sandbox. ``--remote-debugging-port=0`` lets it pick a free port, whi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -99,6 +101,9 @@ class Browser:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(profile / "chromium.log", "wb"),  # noqa: SIM115  (closed with the process)
+            # Its own process group: the renderer, GPU and zygote processes are stopped with
+            # it, so none is still writing into the profile when the profile is removed.
+            start_new_session=True,
         )
         try:
             await self._connect(profile)
@@ -136,6 +141,10 @@ class Browser:
         tb: TracebackType | None,
     ) -> None:
         if self._ws is not None:
+            if self._reader is not None:
+                # A clean exit lets Chromium flush the profile before its processes go.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.send("Browser.close", {}, browser=True), 5)
             await self._ws.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -148,8 +157,11 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)  # whatever of the group is left
         if self._profile is not None:
-            self._profile.cleanup()
+            _remove_profile(Path(self._profile.name))
+            self._profile.cleanup()  # gone already: only detaches its finaliser
 
     async def _read(self) -> None:
         assert self._ws is not None, "connected"
@@ -237,3 +249,13 @@ class Browser:
     async def move_mouse(self, x: float, y: float) -> None:
         """Move the real mouse pointer to viewport coordinates (fires mouseover/mousemove)."""
         await self.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": y})
+
+
+def _remove_profile(folder: Path) -> None:
+    """Remove Chromium's profile folder; a process of the killed group may still be closing a
+    file in it for a moment, so a failed removal is tried again before it is left to /tmp."""
+    for _ in range(20):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.1)
