@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
-TOKEN_ENV = "CACHETIER_REMOTE_TOKEN"
+from cachetier.sidecar_http import TOKEN_ENV, call_sidecar
 
 
 def add_pin(subparsers: argparse._SubParsersAction) -> None:
@@ -111,7 +108,7 @@ def _run_change(args: argparse.Namespace, path: str) -> int:
             print(f"cachetier {args.command}: {exc}", file=sys.stderr)
             return 2
         body["block_size"] = args.block_size
-    status, answer = _call(args.url, "POST", path, body)
+    status, answer = call_sidecar(args.url.rstrip("/") + path, "POST", body)
     if status != 200:
         return _refused(args.command, status, answer)
     if args.json:
@@ -131,7 +128,7 @@ def _run_list(args: argparse.Namespace) -> int:
     path = "/v1/pins" + (
         f"?{urllib.parse.urlencode({'tenant': args.tenant})}" if args.tenant else ""
     )
-    status, answer = _call(args.url, "GET", path, None)
+    status, answer = call_sidecar(args.url.rstrip("/") + path, "GET")
     if status != 200:
         return _refused(args.command, status, answer)
     if args.json:
@@ -151,25 +148,3 @@ def _refused(command: str, status: int, answer: Any) -> int:
     message = answer.get("message", answer) if isinstance(answer, dict) else answer
     print(f"cachetier {command}: {status or 'unreachable'}: {message}", file=sys.stderr)
     return 1
-
-
-def _call(url: str, method: str, path: str, body: Any) -> tuple[int, Any]:
-    """One request to the sidecar; ``(0, reason)`` when it cannot be reached."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method)
-    request.add_header("Accept", "application/json")
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    token = os.environ.get(TOKEN_ENV)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read())
-        except ValueError:
-            return exc.code, exc.reason
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return 0, getattr(exc, "reason", exc)

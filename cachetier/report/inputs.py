@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from cachetier.events import LookupEvent, read_events
 from cachetier.replay import ReplayTrace
+from cachetier.sidecar_http import call_sidecar
 
 log = logging.getLogger(__name__)
-
-TOKEN_ENV = "CACHETIER_REMOTE_TOKEN"
-"""Bearer token sent with ``--stats http://...`` (the variable ``StoreConfig.from_env`` reads)."""
 
 
 def load_trace(path: str) -> ReplayTrace:
@@ -89,18 +84,15 @@ def load_stats(source: str, *, timeout_s: float = 10.0) -> dict[str, Any]:
     if source.startswith(("http://", "https://")):
         url = source.rstrip("/")
         url = url if url.endswith("/v1/stats") else url + "/v1/stats"
-        request = urllib.request.Request(url, headers={"Accept": "application/json"})
-        token = os.environ.get(TOKEN_ENV)
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                text = response.read().decode("utf-8")
-        except urllib.error.HTTPError as exc:
-            raise ValueError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ValueError(f"cannot reach {url}: {reason}") from None
+        status, answer = call_sidecar(url, "GET", timeout_s=timeout_s)
+        if status == 0:
+            raise ValueError(f"cannot reach {url}: {answer}")
+        if status != 200:
+            message = answer.get("message", answer) if isinstance(answer, dict) else answer
+            raise ValueError(f"{url}: HTTP {status} {message}")
+        if not isinstance(answer, dict):
+            raise ValueError(f"{source}: stats must be a JSON object, got {type(answer).__name__}")
+        return answer
     else:
         try:
             text = Path(source).read_text(encoding="utf-8")

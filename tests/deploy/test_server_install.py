@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from cachetier.keys import Namespace
-from cachetier.report.inputs import TOKEN_ENV
+from cachetier.sidecar_http import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.cachetier.report import tiny
 from tests.deploy.server_env import (

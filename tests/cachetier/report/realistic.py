@@ -23,7 +23,7 @@ from cachetier.cli import main
 from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.report.inputs import TOKEN_ENV
+from cachetier.sidecar_http import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT

@@ -15,7 +15,7 @@ import pytest
 from cachetier.cli import main
 from cachetier.keys import Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.report.inputs import TOKEN_ENV
+from cachetier.sidecar_http import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.cachetier.report import tiny
 from tests.server.live import TOKENS, ThreadServer, test_config
