@@ -37,6 +37,11 @@ class PinLimitError(RequestRefusedError):
     the request was pinned."""
 
 
+class PinsUnsupportedError(RequestRefusedError):
+    """A tier that cannot keep blocks from eviction was asked to (``Tier.supports_pins`` is
+    false: e.g. Redis without a capacity of ours, whose own maxmemory policy evicts)."""
+
+
 class OverloadedError(CacheTierError):
     """A service has no room for a request right now (too many bytes in flight): unlike a
     ``RequestRefusedError``, the same request may succeed later."""

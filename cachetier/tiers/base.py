@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachetier.errors import PinsUnsupportedError
 from cachetier.keys import BlockHash
 from cachetier.landing import Destination, copy_pairs, flat
 from cachetier.parallel import copy_into
@@ -167,9 +168,9 @@ class Tier(ABC):
 
         Raises:
             PinLimitError: the stored ones would pass the tier's bound; nothing was pinned.
-            NotImplementedError: the tier cannot pin (``supports_pins`` is false).
+            PinsUnsupportedError: the tier cannot pin (``supports_pins`` is false).
         """
-        raise NotImplementedError(f"the {self.name} tier cannot pin blocks")
+        raise PinsUnsupportedError(f"the {self.name} tier cannot pin blocks")
 
     def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         """Let blocks be evicted again.
@@ -180,8 +181,11 @@ class Tier(ABC):
 
         Returns:
             How many of them were pinned.
+
+        Raises:
+            PinsUnsupportedError: the tier cannot pin (``supports_pins`` is false).
         """
-        raise NotImplementedError(f"the {self.name} tier cannot pin blocks")
+        raise PinsUnsupportedError(f"the {self.name} tier cannot pin blocks")
 
     def pin_stats(self) -> dict[str, Any]:
         """``PinSet.snapshot`` of this tier (zeros for a tier that cannot pin)."""

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from cachetier.config import StoreConfig, build_store
-from cachetier.errors import TierUnavailableError
+from cachetier.errors import PinsUnsupportedError, TierUnavailableError
 from cachetier.keys import BlockHash, Namespace
 from cachetier.pin_registry import PinRegistry
 from cachetier.record import KVBlock, encode_record
@@ -149,7 +149,7 @@ def test_only_a_single_node_with_a_capacity_can_pin(make_tier, namespace: Namesp
     try:
         for tier in (unbounded, cluster):
             assert not tier.supports_pins
-            with pytest.raises(NotImplementedError, match="maxmemory"):
+            with pytest.raises(PinsUnsupportedError, match="maxmemory"):
                 tier.pin(namespace.id, [key])
             assert tier.pin_stats()["max_pinned_bytes"] == 0
     finally:

@@ -63,7 +63,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
-from cachetier.errors import TierUnavailableError
+from cachetier.errors import PinsUnsupportedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.landing import Destination, normalize
 from cachetier.pins import NO_PINS
@@ -271,7 +271,7 @@ class RedisTier(Tier):
                 nothing was pinned.
             TierUnavailableError: Redis did not answer (or the breaker is open); nothing was
                 pinned.
-            NotImplementedError: the tier has no capacity, or is on a cluster.
+            PinsUnsupportedError: the tier has no capacity, or is on a cluster.
         """
         check_namespace(namespace)
         skeys = self._storage_keys(namespace, keys)
@@ -298,7 +298,7 @@ class RedisTier(Tier):
 
     def _pin_set(self) -> RedisPins:
         if self._pins is None:
-            raise NotImplementedError(
+            raise PinsUnsupportedError(
                 "the redis tier pins only with capacity_bytes on a single node: otherwise "
                 "Redis's own maxmemory policy evicts, and it knows nothing of pins"
             )
