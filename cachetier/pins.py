@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from cachetier.errors import PinLimitError
+from cachetier.eviction import EvictionPolicy
 
 
 class PinSet:
@@ -36,12 +37,6 @@ class PinSet:
         self._pinned: set[Hashable] = set()
         self._protected: dict[Hashable, int] = {}  # stored and pinned: its bytes
         self._protected_bytes = 0
-
-    def is_pinned(self, slot: Hashable) -> bool:
-        return slot in self._pinned
-
-    def is_protected(self, slot: Hashable) -> bool:
-        return slot in self._protected
 
     def pin(self, slots: Iterable[Hashable], stored: Mapping[Hashable, int]) -> list[Hashable]:
         """Pin slots, all or none.
@@ -116,6 +111,48 @@ class PinSet:
             return False
         self._protected_bytes -= size
         return True
+
+    def place(self, policy: EvictionPolicy, slot: Hashable, size: int, replaces: bool) -> None:
+        """A block of ``size`` bytes was stored (or found) under ``slot``: account its pin and
+        tell the tier's eviction ``policy`` whether it may ever offer it.
+
+        Args:
+            policy: the tier's policy over its unprotected blocks.
+            slot: the block's slot.
+            size: its bytes.
+            replaces: the tier already held a block under ``slot`` (now replaced or used).
+        """
+        was_protected = replaces and self.leave(slot)
+        if self.arrive(slot, size):
+            policy.remove(slot)
+        elif replaces and not was_protected:
+            policy.touch(slot)
+        else:
+            policy.insert(slot)  # new, or just left the protected set
+
+    def pin_stored(
+        self, policy: EvictionPolicy, slots: Iterable[Hashable], stored: Mapping[Hashable, int]
+    ) -> int:
+        """``pin``, then take the blocks it protected out of ``policy``.
+
+        Returns:
+            How many of ``slots`` are stored and protected now.
+        """
+        slots = list(dict.fromkeys(slots))
+        for slot in self.pin(slots, stored):
+            policy.remove(slot)
+        return sum(1 for s in slots if s in self._protected)
+
+    def unpin_stored(self, policy: EvictionPolicy, slots: Iterable[Hashable]) -> int:
+        """``unpin``, then give the blocks it released back to ``policy`` as just used.
+
+        Returns:
+            How many of ``slots`` were pinned.
+        """
+        removed, released = self.unpin(slots)
+        for slot in released:
+            policy.insert(slot)
+        return removed
 
     def forget_protected(self) -> None:
         """Every block left at once (a tier rebuilding its view): pins stay, none protected."""

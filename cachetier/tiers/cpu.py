@@ -82,16 +82,9 @@ class CPUTier(Tier):
                     continue
                 slot = (namespace, block.key)
                 old = self._blocks.get(slot)
-                was_protected = old is not None and self._pins.leave(slot)
-                protected = self._pins.arrive(slot, size)
                 if old is not None:
                     self._used -= old.nbytes
-                if protected:
-                    self._policy.remove(slot)
-                elif old is not None and not was_protected:
-                    self._policy.touch(slot)
-                else:
-                    self._policy.insert(slot)
+                self._pins.place(self._policy, slot, size, replaces=old is not None)
                 self._blocks[slot] = block
                 self._used += size
                 stored += 1
@@ -163,18 +156,12 @@ class CPUTier(Tier):
         slots = [(namespace, bytes(key)) for key in keys]
         with self._lock:
             stored = {s: self._blocks[s].nbytes for s in slots if s in self._blocks}
-            protected = self._pins.pin(slots, stored)
-            for slot in protected:
-                self._policy.remove(slot)
-            return sum(1 for s in dict.fromkeys(slots) if self._pins.is_protected(s))
+            return self._pins.pin_stored(self._policy, slots, stored)
 
     def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         check_namespace(namespace)
         with self._lock:
-            removed, released = self._pins.unpin((namespace, bytes(key)) for key in keys)
-            for slot in released:
-                self._policy.insert(slot)  # evictable again, as if just stored
-        return removed
+            return self._pins.unpin_stored(self._policy, [(namespace, bytes(k)) for k in keys])
 
     def pin_stats(self) -> dict[str, Any]:
         with self._lock:

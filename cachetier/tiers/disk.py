@@ -330,8 +330,7 @@ class DiskTier(Tier):
             self.path_of(namespace, key)  # checks the key
         slots = [(namespace, bytes(key)) for key in keys]
         with self._folder.lock:
-            self._folder.index.pin(slots)
-            return sum(1 for s in dict.fromkeys(slots) if self._folder.index.pins.is_protected(s))
+            return self._folder.index.pin(slots)
 
     def unpin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         check_namespace(namespace)

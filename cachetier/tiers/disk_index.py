@@ -65,20 +65,11 @@ class LocalIndex:
     def add(self, slot: Slot, size: int, stamp: int) -> None:
         """A record was written, found or used: it becomes the most recently used."""
         old = self._sizes.get(slot)
-        was_protected = old is not None and self.pins.leave(slot)
-        protected = self.pins.arrive(slot, size)
+        self.pins.place(self._policy, slot, size, replaces=old is not None)
         if old is None:
-            if not protected:
-                self._policy.insert(slot)
             self._stamps[slot] = stamp
         else:
             self._used -= old
-            if protected:
-                self._policy.remove(slot)
-            elif was_protected:
-                self._policy.insert(slot)
-            else:
-                self._policy.touch(slot)
             self._stamps[slot] = max(stamp, self._stamps[slot])
         self._sizes[slot] = size
         self._used += size
@@ -93,17 +84,14 @@ class LocalIndex:
         self._policy.remove(slot)
         return IndexEntry(size, self._stamps.pop(slot))
 
-    def pin(self, slots: list[Slot]) -> list[Slot]:
+    def pin(self, slots: list[Slot]) -> int:
         """Pin slots (``PinSet.pin``); those stored leave the policy.
 
         Returns:
-            The slots that became protected now.
+            How many of them are stored and protected now.
         """
         stored = {s: self._sizes[s] for s in slots if s in self._sizes}
-        protected = self.pins.pin(slots, stored)
-        for slot in protected:
-            self._policy.remove(slot)
-        return protected  # type: ignore[return-value]
+        return self.pins.pin_stored(self._policy, slots, stored)
 
     def unpin(self, slots: list[Slot]) -> int:
         """Remove pins; their stored records enter the policy as just used.
@@ -111,10 +99,7 @@ class LocalIndex:
         Returns:
             How many were pinned.
         """
-        removed, released = self.pins.unpin(slots)
-        for slot in released:
-            self._policy.insert(slot)
-        return removed
+        return self.pins.unpin_stored(self._policy, slots)
 
     def pop_victim(self) -> tuple[Slot, IndexEntry] | None:
         """Remove and return the policy's next victim, ``None`` if the index is empty."""
