@@ -153,36 +153,26 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(label, stats[key])
             yield family
-        preemptions = CounterMetricFamily(
-            PREFIX + "num_preemptions",
-            "Sequences preempted (recomputed later)",
-            labels=["model_name"],
-        )
-        preemptions.add_metric(label, stats["num_preemptions"])
-        yield preemptions
-        yield _counter(
-            "evicted_blocks",
-            "KV pool blocks evicted (saved to the tiers first)",
-            label,
-            stats["num_evicted_blocks"],
-        )
+        counters = [
+            ("num_preemptions", "Sequences preempted (recomputed later)", "num_preemptions"),
+            (
+                "evicted_blocks",
+                "KV pool blocks evicted (saved to the tiers first)",
+                "num_evicted_blocks",
+            ),
+        ]
         if "restored_bytes" in stats:
             # Restore bandwidth is rate(restored_bytes) / rate(restore_seconds).
-            yield _counter(
-                "saved_blocks", "Blocks saved to the tiers", label, stats["saved_blocks"]
-            )
-            yield _counter(
-                "restored_bytes",
-                "Bytes restored from the tiers into the pool",
-                label,
-                stats["restored_bytes"],
-            )
-            yield _counter(
-                "restore_seconds",
-                "Seconds spent restoring blocks from the tiers",
-                label,
-                stats["restore_s"],
-            )
+            counters += [
+                ("saved_blocks", "Blocks saved to the tiers", "saved_blocks"),
+                ("restored_bytes", "Bytes restored from the tiers into the pool", "restored_bytes"),
+                ("restore_seconds", "Seconds spent restoring blocks from the tiers", "restore_s"),
+            ]
+        for name, doc, key in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(label, stats[key])
+            yield family
+        if "restored_bytes" in stats:
             by_tier = CounterMetricFamily(
                 PREFIX + "restored_blocks",
                 "Blocks restored from the tiers, by the tier that held them",
@@ -210,12 +200,6 @@ class _EngineStatsCollector(Collector):
                 plans.add_metric([*label, choice], count)
             yield plans
             yield from tier_rate_families(cost["tiers"])
-
-
-def _counter(name: str, doc: str, label: list[str], value: float) -> Metric:
-    family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-    family.add_metric(label, value)
-    return family
 
 
 class _EngineStoreCollector(Collector):
