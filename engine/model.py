@@ -70,7 +70,7 @@ def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
-# Chunks of at most this many new tokens use grouped einsum attention instead of SDPA.
+# Chunks of at most this many new tokens attend to themselves by grouped einsums, not SDPA.
 _SMALL_CHUNK = 64
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp: a chunk
 # after a cached context attends to the cached part unmasked and to itself causally, and the
@@ -109,6 +109,20 @@ def _decode_groups(decodes: list[SeqSlice], block_size: int, *, fp8: bool) -> li
         rows = torch.tensor([s.start for s in members], dtype=torch.long)
         groups.append(_DecodeGroup(rows, tables, lens, shared))
     return groups
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens' K and V of one layer, ``[length, hk, d]`` each.
+
+    One copy of K and one of V out of the pool's blocks, straight into the layout attention
+    reads; a gather of whole blocks then a transpose would copy everything twice.
+    """
+    table = block_table[: -(-length // kv_cache.shape[3])]
+    k = kv_cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:length]
+    v = kv_cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:length]
+    return k, v
 
 
 class LlamaModel:
@@ -287,25 +301,18 @@ class LlamaModel:
     ) -> torch.Tensor:
         # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new.
         n, cached = s.num_new, s.context_len - s.num_new
-        if cached and kv_scales is None and n <= _SMALL_CHUNK:
-            return self._suffix_attention(q, k_new, v_new, s, kv_cache, layer)
+        if cached and kv_scales is None and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+            return self._split_attention(q, k_new, v_new, s, kv_cache, layer)
         if cached == 0 and kv_scales is None:
             k, v = k_new, v_new  # nothing cached: skip the gather from the pool
         elif kv_scales is None:
-            # One copy of K and one of V out of the pool's blocks, straight into the layout
-            # attention reads ([tokens, hk, d]); a gather of whole blocks then a transpose would
-            # copy everything twice.
-            k = kv_cache[:, layer, 0].index_select(0, s.block_table).flatten(0, 1)
-            v = kv_cache[:, layer, 1].index_select(0, s.block_table).flatten(0, 1)
-            k, v = k[: s.context_len], v[: s.context_len]
+            k, v = _gather_context(kv_cache, layer, s.block_table, s.context_len)
         else:
             # fp8 always reads the pool: attention sees the quantised K/V, the same whether a
             # prefix was computed here or restored from a tier.
             kv = dequantize_blocks(kv_cache, kv_scales, s.block_table, layer, self.dtype)
             kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, : s.context_len]
             k, v = kv[0], kv[1]
-        if cached and n > _SMALL_CHUNK and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
-            return self._split_attention(q, k, v, cached)
         mask = None
         if cached:
             # Query i sits at position cached + i and sees keys 0 .. cached + i.
@@ -327,26 +334,6 @@ class LlamaModel:
         return out[0].transpose(0, 1)
 
     def _split_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int
-    ) -> torch.Tensor:
-        # Queries [n, hq, d] at positions cached .. cached + n - 1; k, v [cached + n, hk, d].
-        # Every query sees all cached keys (no mask) and the new keys up to itself (causal, a
-        # square n x n block): two flash calls, merged by their log-sum-exps.
-        assert _FLASH_WITH_LSE is not None, "_split_attention without the CPU flash kernel"
-        group = q.shape[1] // k.shape[1]
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, hq, n, d]
-        kh = k.transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1)  # [1, hq, ctx, d]
-        vh = v.transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1)
-        out_old, lse_old = _FLASH_WITH_LSE(
-            qh, kh[:, :, :cached], vh[:, :, :cached], 0.0, False, scale=self.scale
-        )[:2]
-        out_new, lse_new = _FLASH_WITH_LSE(
-            qh, kh[:, :, cached:], vh[:, :, cached:], 0.0, True, scale=self.scale
-        )[:2]
-        out = merge_attention(out_old, lse_old, out_new, lse_new)
-        return out[0].transpose(0, 1).to(q.dtype)
-
-    def _suffix_attention(
         self,
         q: torch.Tensor,
         k_new: torch.Tensor,
@@ -355,28 +342,62 @@ class LlamaModel:
         kv_cache: torch.Tensor,
         layer: int,
     ) -> torch.Tensor:
-        # A few new tokens after a long cached context (the suffix of a restored prompt): every
-        # query sees all of the cached part, so only the new part needs a mask. The cached K/V
-        # are copied once each out of the pool blocks (no gather of whole blocks, no transpose,
-        # no [n, context] mask), and the new tokens' own K/V are used as computed.
+        # New tokens after a cached context (a chunk of a long prompt, the suffix of a restored
+        # one): every query sees all cached keys unmasked and the new keys up to itself. The two
+        # halves run apart and merge exactly by their log-sum-exps, so the cached half needs no
+        # [n, context] mask and the new half's K/V are used as computed, not read back.
         n, hq, d = q.shape
         hk = k_new.shape[1]
+        group = hq // hk
         cached = s.context_len - n
-        num_blocks = -(-cached // kv_cache.shape[3])
-        table = s.block_table[:num_blocks]
-        k_old = kv_cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:cached]
-        v_old = kv_cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:cached]
-        # Query head h reads KV head h // group: [hk, n * group, d], queries of a KV head together.
-        qg = q.view(n, hk, hq // hk, d).permute(1, 0, 2, 3).reshape(hk, -1, d).float()
-        scores_old = torch.matmul(qg, k_old.float().permute(1, 2, 0))  # [hk, n * group, cached]
-        scores_new = torch.matmul(qg, k_new.float().permute(1, 2, 0))  # [hk, n * group, n]
-        causal = torch.ones(n, n, dtype=torch.bool).tril().repeat_interleave(hq // hk, dim=0)
-        scores_new = scores_new.masked_fill(~causal, float("-inf"))
-        probs = torch.cat((scores_old, scores_new), dim=-1).mul_(self.scale).softmax(-1)
-        out = torch.matmul(probs[..., :cached], v_old.float().transpose(0, 1))
-        out += torch.matmul(probs[..., cached:], v_new.float().transpose(0, 1))
-        # [hk, n * group, d] -> [n, hq, d]
-        return out.view(hk, n, hq // hk, d).permute(1, 0, 2, 3).reshape(n, hq, d).to(q.dtype)
+        k_old, v_old = _gather_context(kv_cache, layer, s.block_table, cached)
+        assert _FLASH_WITH_LSE is not None, "_split_attention without the CPU flash kernel"
+        # Unmasked, the query heads that share a KV head are just more rows against the same
+        # keys: folded into the query length, K and V are read as they lie instead of being
+        # repeated once per query head, and softmax and weighting run fused in one kernel
+        # (measured: 4,096 cached tokens, 15 new, 30 layers: 61 ms against 124 ms for the
+        # matmuls, mask and softmax this replaced).
+        folded = q.view(n, hk, group, d).permute(1, 0, 2, 3).reshape(1, hk, n * group, d)
+        out_old, lse_old = _FLASH_WITH_LSE(
+            folded,
+            k_old.transpose(0, 1).unsqueeze(0),
+            v_old.transpose(0, 1).unsqueeze(0),
+            0.0,
+            False,
+            scale=self.scale,
+        )[:2]
+        out_old = out_old[0].view(hk, n, group, d).permute(1, 0, 2, 3).reshape(n, hq, d)
+        lse_old = lse_old[0].view(hk, n, group).permute(1, 0, 2).reshape(n, hq)
+        if n <= _SMALL_CHUNK:
+            out_new, lse_new = self._causal_small(q, k_new, v_new)
+        else:
+            # Causal with the new keys: a square block, GQA by repeat (n x n is the small part).
+            out_new, lse_new = _FLASH_WITH_LSE(
+                q.transpose(0, 1).unsqueeze(0),
+                k_new.transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1),
+                v_new.transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1),
+                0.0,
+                True,
+                scale=self.scale,
+            )[:2]
+            out_new, lse_new = out_new[0].transpose(0, 1), lse_new[0].transpose(0, 1)
+        out = merge_attention(out_old.float(), lse_old, out_new.float(), lse_new)
+        return out.to(q.dtype)
+
+    def _causal_small(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # n <= _SMALL_CHUNK queries over their own n keys, causally: [n, hq, d] float32 outputs
+        # and [n, hq] log-sum-exps (grouped einsums; the scores are at most 64 x 64 a head).
+        n, hq, d = q.shape
+        hk = k.shape[1]
+        qg = q.view(n, hk, hq // hk, d).float()
+        scores = torch.einsum("nhgd,thd->nhgt", qg, k.float()) * self.scale  # [n, hk, G, n]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[:, None, None, :]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        lse = scores.logsumexp(-1)
+        out = torch.einsum("nhgt,thd->nhgd", torch.exp(scores - lse[..., None]), v.float())
+        return out.reshape(n, hq, d), lse.reshape(n, hq)
 
     def _grouped_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
