@@ -92,23 +92,34 @@ class _DecodeGroup:
 def _decode_groups(decodes: list[SeqSlice], block_size: int, *, fp8: bool) -> list[_DecodeGroup]:
     # Sequences behind one shared system prompt hold the same leading pool blocks (prefix
     # cache): grouping by first block lets the kernel read those blocks once per group instead
-    # of once per sequence (cascade attention). An fp8 pool dequantises per row, so it gets one
-    # group and no sharing.
+    # of once per sequence (cascade attention). Sequences that share no full block with
+    # another go together into one group with nothing shared: one kernel call for all of them,
+    # not one each (32 unrelated decodes were 32 calls a layer, each with its own checks and
+    # only num_kv_heads tasks for the threads). An fp8 pool dequantises per row, so it gets
+    # one group and no sharing.
     by_first: dict[int, list[SeqSlice]] = {}
     for s in decodes:
         by_first.setdefault(-1 if fp8 else int(s.block_table[0]), []).append(s)
-    groups = []
+    groups, alone = [], []
     for members in by_first.values():
-        tables = torch.zeros(
-            len(members), max(len(s.block_table) for s in members), dtype=torch.long
-        )
-        for i, s in enumerate(members):
-            tables[i, : len(s.block_table)] = s.block_table
-        lens = torch.tensor([s.context_len for s in members], dtype=torch.long)
-        shared = 0 if fp8 else common_prefix_blocks(tables, lens, block_size)
-        rows = torch.tensor([s.start for s in members], dtype=torch.long)
-        groups.append(_DecodeGroup(rows, tables, lens, shared))
+        group = _decode_group(members, block_size, share=not fp8)
+        if group.num_shared_blocks:
+            groups.append(group)
+        else:
+            alone.extend(members)
+    if alone:
+        groups.append(_decode_group(alone, block_size, share=False))
     return groups
+
+
+def _decode_group(members: list[SeqSlice], block_size: int, *, share: bool) -> _DecodeGroup:
+    tables = torch.zeros(len(members), max(len(s.block_table) for s in members), dtype=torch.long)
+    for i, s in enumerate(members):
+        tables[i, : len(s.block_table)] = s.block_table
+    lens = torch.tensor([s.context_len for s in members], dtype=torch.long)
+    shared = common_prefix_blocks(tables, lens, block_size) if share else 0
+    rows = torch.tensor([s.start for s in members], dtype=torch.long)
+    return _DecodeGroup(rows, tables, lens, shared)
 
 
 def _gather_context(
@@ -210,9 +221,14 @@ class LlamaModel:
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Rotate-half RoPE, x * cos + [-x2, x1] * sin, written as one product and two in-place
+        # multiply-adds on the halves: no concatenated copy of x, no negated one (several
+        # times faster than the cat form on a 2,048-token chunk's q and k, measured here).
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out
 
     @torch.inference_mode()
     def forward(
@@ -245,17 +261,17 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
             qkv = linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            q = self._rotate(q.view(-1, hq, d), cos, sin)
-            k = self._rotate(k.view(-1, hk, d), cos, sin)
-            v = v.view(-1, hk, d)
+            # q and k lie side by side in qkv: rotated together, as [T, hq + hk, d] heads.
+            qk = self._rotate(qkv[:, : (hq + hk) * d].view(-1, hq + hk, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, (hq + hk) * d :].view(-1, hk, d)
             if kv_scales is None:
                 store_kvcache(
                     k, v, kv_cache, index, batch.slot_mapping, backend=self.kernel_backend
                 )
             else:
                 store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
-            attn = torch.empty_like(q)
+            attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
             for group in groups:
                 if kv_scales is None:
                     pool, pool_layer, tables = kv_cache, index, group.tables
