@@ -37,20 +37,22 @@ def test_store_kvcache_triton_matches_ref(
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
-def test_store_kvcache_writes_only_live_slots(make_pool, gen):
-    pool = make_pool(block_size=16)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_store_kvcache_writes_only_live_slots(make_pool, gen, backend: str, layer: int):
+    pool = make_pool(block_size=16, num_layers=3)
     before = pool.clone()
     key = torch.randn(4, 2, 64, generator=gen)
     value = torch.randn(4, 2, 64, generator=gen)
     # Token 1 is padding; token 3 lands at block 5, offset 15 (the last slot of a block).
     slots = torch.tensor([0, -1, 16 * 2 + 7, 16 * 5 + 15])
-    store_kvcache(key, value, pool, 0, slots, backend="triton")
+    store_kvcache(key, value, pool, layer, slots, backend=backend)
 
     for token, (block_id, offset) in {0: (0, 0), 2: (2, 7), 3: (5, 15)}.items():
-        torch.testing.assert_close(pool[block_id, 0, 0, offset], key[token], rtol=0, atol=0)
-        torch.testing.assert_close(pool[block_id, 0, 1, offset], value[token], rtol=0, atol=0)
-        before[block_id, 0, :, offset] = pool[block_id, 0, :, offset]
-    # Nothing else moved: not layer 1, not the padding token, not the neighbouring slots.
+        torch.testing.assert_close(pool[block_id, layer, 0, offset], key[token], rtol=0, atol=0)
+        torch.testing.assert_close(pool[block_id, layer, 1, offset], value[token], rtol=0, atol=0)
+        before[block_id, layer, :, offset] = pool[block_id, layer, :, offset]
+    # Nothing else moved: not another layer, not the padding token, not the neighbouring slots.
     torch.testing.assert_close(pool, before, rtol=0, atol=0)
 
 
