@@ -17,6 +17,45 @@ import torch
 
 from kernels.pool_shape import DecodeInputs
 
+# torch's CPU flash-attention kernel, which also returns each query's log-sum-exp (None where
+# this torch has no such op): softmax and weighting fused, at about sgemm's speed here.
+CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_unmasked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of grouped queries over one context, every query seeing every key.
+
+    Args:
+        query: ``[num_kv_heads, m, head_dim]`` (``m`` queries read each KV head: with no mask,
+            the query heads that share a KV head are simply more rows).
+        key: ``[T, num_kv_heads, head_dim]``, any strides.
+        value: the same.
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[num_kv_heads, m, head_dim]`` outputs and ``[num_kv_heads, m]`` log-sum-exps.
+        On CPU with matching dtypes this is one flash call (measured: 32 decodes over a shared
+        2,048-token prefix, 30 layers, several times faster than the matmuls, log-sum-exp and
+        exp passes of the fallback over [m, T] scores).
+    """
+    if (
+        CPU_FLASH_WITH_LSE is not None
+        and query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype
+    ):
+        out, lse = CPU_FLASH_WITH_LSE(
+            query.unsqueeze(0),
+            key.transpose(0, 1).unsqueeze(0),
+            value.transpose(0, 1).unsqueeze(0),
+            0.0,
+            False,
+            scale=scale,
+        )[:2]
+        return out[0].float(), lse[0]
+    return _attend(query.float(), key, value, scale)
+
 
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
@@ -120,8 +159,8 @@ def shared_prefix_attention(
     k = kv_cache[:, layer, 0].index_select(0, ids).view(-1, num_kv_heads, head_dim)
     v = kv_cache[:, layer, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim)
     # [hk, batch * group, d]: every query that reads a KV head, as one matrix.
-    all_q = query.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
-    o, lse = _attend(all_q.reshape(num_kv_heads, batch * group, head_dim), k, v, scale)
+    all_q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+    o, lse = attend_unmasked(all_q.reshape(num_kv_heads, batch * group, head_dim), k, v, scale)
     out = o.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
     return out, lse.view(num_kv_heads, batch, group).transpose(0, 1)
 
