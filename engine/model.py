@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.model_spec import ModelSpec
 from kernels import common_prefix_blocks, merge_attention, paged_attention_decode, store_kvcache
-from kernels.cpu_linear import linear
+from kernels.cpu_linear import linear, prepack
 from kernels.torch_paged_attention import CPU_FLASH_WITH_LSE, attend_unmasked
 
 
@@ -156,7 +156,8 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = w("lm_head.weight")
+        # Projection weights are packed once for oneDNN where it runs them (kernels.cpu_linear).
+        self.lm_head = prepack(w("lm_head.weight"))
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -167,14 +168,14 @@ class LlamaModel:
             self.layers.append(
                 {
                     "in_norm": w(p + "input_layernorm.weight"),
-                    "qkv": qkv,
+                    "qkv": prepack(qkv),
                     "qkv_bias": bias,
-                    "o": w(p + "self_attn.o_proj.weight"),
+                    "o": prepack(w(p + "self_attn.o_proj.weight")),
                     "post_norm": w(p + "post_attention_layernorm.weight"),
-                    "gate_up": torch.cat(
-                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    "down": w(p + "mlp.down_proj.weight"),
+                    "gate_up": prepack(
+                        torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                    ),
+                    "down": prepack(w(p + "mlp.down_proj.weight")),
                 }
             )
         self._inv_freq = _rope_inv_freq(spec)

@@ -6,6 +6,10 @@ also ships, as ``mkldnn``) reaches on the same shapes: SmolLM2's 120 projections
 step of 32 sequences took 71 ms through ``F.linear`` and 32 ms through oneDNN, and a 512-token
 prefill chunk 580 ms against 245 ms. vLLM-CPU calls oneDNN for the same reason. Both are fp32
 (or bf16) throughout; they differ only in the order of the sums, by a float32 rounding or two.
+
+``prepack`` reorders a weight once into oneDNN's blocked layout, as vLLM-CPU and torch's
+inductor do: oneDNN otherwise reorders a plain weight on every call, which for a decode step's
+few rows costs as much as the matmul itself (the weight is read twice).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch.nn.functional as F
 # bf16 needs AVX512-BF16 or AMX for speed but is correct everywhere oneDNN runs; fp16 is left to
 # F.linear (oneDNN's CPU fp16 paths need AVX512-FP16).
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# The row count oneDNN chooses a packed layout for; any row count works with it.
+PACK_BATCH_HINT = 256
 
 
 @functools.cache
@@ -28,18 +34,54 @@ def _onednn_linear() -> object | None:
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
+def prepack(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
+    """``weight`` reordered once for oneDNN where ``linear`` would hand it to oneDNN.
+
+    Args:
+        weight: ``[out_features, in_features]``.
+        batch_hint: the row count to choose the layout for.
+
+    Returns:
+        An opaque oneDNN tensor of the same shape and dtype that only ``linear`` reads (CPU,
+        fp32 or bf16, oneDNN present), or ``weight`` itself where it would take ``F.linear``.
+    """
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if (
+        _onednn_linear() is None
+        or reorder is None
+        or weight.device.type != "cpu"
+        or weight.dtype not in _ONEDNN_DTYPES
+        or weight.dim() != 2
+    ):
+        return weight
+    try:
+        return reorder(weight.contiguous(), batch_hint)
+    except RuntimeError:  # a oneDNN build that cannot pack this shape: the plain path works
+        return weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, as ``F.linear``.
 
     Args:
         x: ``[..., in_features]``.
-        weight: ``[out_features, in_features]``.
+        weight: ``[out_features, in_features]``, plain or from ``prepack``.
         bias: ``[out_features]`` or ``None``.
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: a prepacked weight with ``x`` not on the CPU or of another dtype.
     """
     op = _onednn_linear()
+    if weight.is_mkldnn:
+        if op is None or x.device.type != "cpu" or x.dtype != weight.dtype:
+            raise ValueError(
+                f"a prepacked {weight.dtype} weight takes {weight.dtype} CPU inputs, got "
+                f"{x.dtype} on {x.device}"
+            )
+        return op(x, weight, bias, "none", [], "")  # type: ignore[operator]
     if (
         op is None
         or x.device.type != "cpu"

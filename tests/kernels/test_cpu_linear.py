@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import _onednn_linear, linear
+from kernels.cpu_linear import _onednn_linear, linear, prepack
 
 
 def test_onednn_is_there_on_this_torch():
@@ -17,15 +17,33 @@ def test_onednn_is_there_on_this_torch():
 )
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5), (0,)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_matches_f_linear(gen, dtype, tol, lead, with_bias):
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_matches_f_linear(gen, dtype, tol, lead, with_bias, packed):
     x = torch.randn(*lead, 96, generator=gen).to(dtype)
     weight = torch.randn(40, 96, generator=gen).to(dtype)
     bias = torch.randn(40, generator=gen).to(dtype) if with_bias else None
 
-    out = linear(x, weight, bias)
+    out = linear(x, prepack(weight) if packed else weight, bias)
 
     assert out.shape == (*lead, 40) and out.dtype == dtype
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "packs"), [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)]
+)
+def test_prepack_packs_only_what_onednn_runs(gen, dtype, packs):
+    weight = torch.randn(40, 96, generator=gen).to(dtype)
+    packed = prepack(weight, batch_hint=32)
+    assert packed.is_mkldnn is packs and packed.shape == weight.shape and packed.dtype == dtype
+    row = weight[0]
+    assert prepack(row) is row  # not a matrix: left as it is
+
+
+def test_prepacked_weight_refuses_another_dtype(gen):
+    packed = prepack(torch.randn(4, 8, generator=gen))
+    with pytest.raises(ValueError, match="prepacked"):
+        linear(torch.randn(3, 8, generator=gen).to(torch.bfloat16), packed)
 
 
 def test_non_contiguous_input(gen):
