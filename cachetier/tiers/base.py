@@ -21,6 +21,11 @@ MAX_NAMESPACE_CHARS = 128
 # its folder names again when it opens, so a lower limit would strand blocks already on disk.
 _NAMESPACE_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_CHARS - 1}}}")
 
+# Namespaces that passed the check with no prefix: a connector asks for a few blocks per call,
+# and the regex was a sixth of a one-block CPU get. Bounded: cleared when it fills.
+_CHECKED: set[str] = set()
+_MAX_CHECKED = 4096
+
 EvictCallback = Callable[[str, KVBlock], None]
 """Called with (namespace, block) for each block a tier evicts, so a store can spill it down."""
 
@@ -40,6 +45,8 @@ def check_namespace(namespace: str, *, prefix: str = "") -> str:
     Raises:
         ValueError: if it does not qualify; the message says what to change.
     """
+    if not prefix and type(namespace) is str and namespace in _CHECKED:
+        return namespace
     # fullmatch, not match with "$": "$" also matches before a final newline, which would let
     # "ns\n" through into folder names and Redis keys.
     if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
@@ -52,6 +59,10 @@ def check_namespace(namespace: str, *, prefix: str = "") -> str:
             f"namespace {namespace[:100]!r} has {len(namespace)} characters; stored under "
             f"{prefix!r}, at most {MAX_NAMESPACE_CHARS - len(prefix)} fit"
         )
+    if not prefix and type(namespace) is str:  # not a subclass, whose equality could differ
+        if len(_CHECKED) >= _MAX_CHECKED:
+            _CHECKED.clear()
+        _CHECKED.add(namespace)
     return namespace
 
 

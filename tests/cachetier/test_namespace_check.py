@@ -33,3 +33,26 @@ def test_a_prefix_and_its_namespace_share_the_limit() -> None:
     assert check_namespace(fits, prefix=prefix) == fits
     with pytest.raises(ValueError, match=f"at most {len(fits)} fit"):
         check_namespace(fits + "a", prefix=prefix)
+
+
+def test_a_namespace_checked_once_is_still_checked_against_a_prefix_and_others_still_fail() -> None:
+    # Namespaces that passed are remembered (a get checks one per call): that must not let a
+    # prefixed one past the shared limit, nor a bad one past the pattern.
+    longest = "r" * MAX_NAMESPACE_CHARS
+    assert check_namespace(longest) == longest
+    assert check_namespace(longest) == longest  # remembered
+    with pytest.raises(ValueError, match="fit"):
+        check_namespace(longest, prefix="t.a.")
+    for bad in ("ns\n", longest + "r"):
+        with pytest.raises(ValueError, match="must be 1-128 characters"):
+            check_namespace(bad)
+
+
+def test_a_str_subclass_is_checked_every_time() -> None:
+    class Sneaky(str):
+        pass
+
+    ok = Sneaky("model-x")
+    assert check_namespace(ok) == ok
+    with pytest.raises(ValueError):
+        check_namespace(Sneaky("bad/one"))
