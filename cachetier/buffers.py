@@ -4,6 +4,10 @@ A fresh multi-megabyte ``np.empty`` is a new mapping, and the read that fills it
 fault per 4 KiB (a 5.6 MiB SmolLM2 block: 1,440 faults, about as long as the copy itself).
 Buffers handed out here go back to an idle list when the last object using them is collected,
 and the next read of the same size reuses one: the same memory, already faulted in.
+
+Each starts on a page boundary. malloc hands large blocks out 16 bytes past a page start, and
+the kernel's copy of a read into memory that is not cache-line aligned measured ~17% slower
+(5.6 MiB from the page cache: 0.67 against 0.56 ms).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 MIN_RECYCLED_BYTES = 64 * 1024
 # Idle buffers kept at most, all sizes together; beyond this a returned buffer is freed.
 MAX_IDLE_BYTES = 256 * 1024 * 1024
+# Where a recycled buffer starts: a page boundary (so also a cache-line one).
+ALIGN_BYTES = 4096
 
 _lock = threading.Lock()
 _idle: dict[int, list[np.ndarray]] = {}
@@ -39,10 +45,17 @@ def take(nbytes: int) -> np.ndarray:
             base = idle.pop()
             _idle_bytes -= nbytes
     if base is None:
-        base = np.empty(nbytes, dtype=np.uint8)
+        base = _aligned(nbytes)
     handed = base.view()  # a new array over the same memory: its end is the signal
     weakref.finalize(handed, _give_back, base)
     return handed
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` starting on an ``ALIGN_BYTES`` boundary (the array's base keeps the rest)."""
+    whole = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    skip = -int(whole.__array_interface__["data"][0]) % ALIGN_BYTES
+    return whole[skip : skip + nbytes]
 
 
 def _give_back(base: np.ndarray) -> None:

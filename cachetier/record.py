@@ -353,7 +353,9 @@ def decode_record(
     )
 
 
-_READ_CHUNK = 1 << 18  # small enough to still sit in cache when it is checksummed
+# Small enough to still sit in cache when it is checksummed, large enough to keep syscalls few
+# (5.6 MiB records from the page cache: 1 MiB measured ~5% faster than 256 KiB).
+_READ_CHUNK = 1 << 20
 
 
 def _read_exactly(
@@ -377,6 +379,7 @@ def read_record(
     fingerprint: bytes | None = None,
     payload_into: Destination | None = None,
     max_raw_bytes: int | None = None,
+    trusted_size: bool = False,
 ) -> KVBlock:
     """Read a ``size``-byte record through ``readinto`` and decode it.
 
@@ -396,6 +399,12 @@ def read_record(
             garbage and must not be used.
         max_raw_bytes: as ``decode_record``: checked on the fixed header, before the rest of
             the record is read.
+        trusted_size: ``size`` is the source's true length (a file's, from ``fstat``), never
+            a length a peer claims: with no ``payload_into``, the record is then read whole
+            into one page-aligned buffer from its first byte, so every byte lies at the same
+            offset within a page as in the file and the kernel's copy runs aligned on both
+            sides (a payload read alone starts a few dozen bytes into a page: measured ~20%
+            slower per 5.6 MiB record).
 
     Returns:
         The block. Its payload is ``payload_into`` when that was used, else a read-only view of
@@ -407,6 +416,8 @@ def read_record(
     """
     if size < _FIXED.size:
         raise CorruptBlockError(f"record of {size} bytes is shorter than its header")
+    if trusted_size and payload_into is None:
+        return _read_whole(readinto, size, key, fingerprint, max_raw_bytes)
     fixed = memoryview(bytearray(_FIXED.size))
     _read_exactly(readinto, fixed, None, size)
     h = _parse_header(fixed, max_raw_bytes)
@@ -433,6 +444,41 @@ def read_record(
         _read_exactly(readinto, stored, digest, size)
         stored = stored.toreadonly()
     return _build(h, head, aux, stored, digest.digest(), key, fingerprint, not direct)
+
+
+_PAGE = 4096  # the first read of a whole record: its head and aux, and a page-aligned end
+assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first read"
+
+
+def _read_whole(
+    readinto: Callable[[memoryview], int],
+    size: int,
+    key: bytes | None,
+    fingerprint: bytes | None,
+    max_raw_bytes: int | None,
+) -> KVBlock:
+    """``read_record`` of a record of a true ``size``, whole into one recycled buffer."""
+    whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
+    first = min(size, _PAGE)
+    _read_exactly(readinto, whole[:first], None, size)
+    h = _parse_header(whole, max_raw_bytes)
+    if h.total != size:
+        raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
+    body = h.head_len + 8  # <= first: the head always fits the first read (asserted above)
+    digest = xxhash.xxh3_64(whole[: h.head_len])
+    digest.update(whole[body:first])
+    _read_exactly(readinto, whole[first:], digest, size)
+    payload_at = body + h.aux_len
+    return _build(
+        h,
+        whole[:body],
+        whole[body:payload_at],
+        whole[payload_at:].toreadonly(),
+        digest.digest(),
+        key,
+        fingerprint,
+        True,
+    )
 
 
 def byte_view(buffer: Buffer) -> memoryview:

@@ -9,7 +9,7 @@ import pytest
 
 import cachetier.record as record_module
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import Namespace
+from cachetier.keys import KVLayout, Namespace
 from cachetier.record import (
     FORMAT_VERSION,
     Compression,
@@ -29,8 +29,14 @@ def read_streamed(record: bytes, **checks: bytes | None) -> KVBlock:
     return read_record(stream.readinto, len(record), **checks)
 
 
-# Every check runs through both decoders: whole-buffer and streamed.
-DECODERS = [decode_record, read_streamed]
+def read_whole_file(record: bytes, **checks: bytes | None) -> KVBlock:
+    """The disk tier's read of a file with no destination: its true size, read whole."""
+    stream = io.BytesIO(record)
+    return read_record(stream.readinto, len(record), trusted_size=True, **checks)
+
+
+# Every check runs through every decoder: whole-buffer, streamed, and a file read whole.
+DECODERS = [decode_record, read_streamed, read_whole_file]
 
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4])
@@ -267,3 +273,28 @@ def test_a_raw_length_over_the_limit_is_refused_before_decompressing(
             decode(_lz4_claiming(zeros, claim))
         with pytest.raises(CorruptBlockError, match="over the limit"):
             decode(_lz4_claiming(zeros, claim), max_raw_bytes=1 << 20)
+
+
+def test_a_file_read_whole_spans_several_reads_and_keeps_its_payload_aligned_as_on_disk() -> None:
+    # Over one page, so the head and the rest come in separate reads; the payload lies at the
+    # same offset within a page as in the file (the buffer starts on a page boundary).
+    layout = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)
+    block = make_blocks(Namespace("whole-model", layout), 1)[0]
+    record = encode_record(block)
+    assert len(record) > 2 * 4096
+    reads: list[int] = []
+    stream = io.BytesIO(record)
+
+    def readinto(buf: memoryview) -> int:
+        reads.append(buf.nbytes)
+        return stream.readinto(buf)
+
+    back = read_record(readinto, len(record), key=block.key, trusted_size=True)
+    assert bytes(back.data) == bytes(block.data)
+    assert len(reads) >= 2
+    address = np.frombuffer(back.data, dtype=np.uint8).__array_interface__["data"][0]
+    assert address % 4096 == (len(record) - len(bytes(block.data))) % 4096
+    flipped = bytearray(record)
+    flipped[3 * 4096 + 5] ^= 1  # a byte of a later read
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        read_record(io.BytesIO(flipped).readinto, len(record), trusted_size=True)
