@@ -19,6 +19,7 @@ from cachetier.keys import Namespace, torch_dtype
 from cachetier.store import TieredStore
 from engine.block_manager import Block, BlockManager
 from engine.config import EngineConfig
+from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVPool
 from engine.model import ForwardBatch, LlamaModel, SeqSlice
 from engine.model_spec import ModelSpec
@@ -67,6 +68,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, store: TieredStore | None = None) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()  # activations reuse freed memory instead of faulting it in again
         self.config = config
         folder = Path(config.model)
         self.spec = ModelSpec.from_folder(folder)
