@@ -458,12 +458,16 @@ def _read_whole(
     max_raw_bytes: int | None,
 ) -> KVBlock:
     """``read_record`` of a record of a true ``size``, whole into one recycled buffer."""
-    whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
     first = min(size, _PAGE)
-    _read_exactly(readinto, whole[:first], None, size)
-    h = _parse_header(whole, max_raw_bytes)
+    page = memoryview(bytearray(first))
+    _read_exactly(readinto, page, None, size)
+    h = _parse_header(page, max_raw_bytes)
+    # Checked before the whole is allocated: a file of any size may sit in a shared folder,
+    # and only one its own header describes gets that much memory.
     if h.total != size:
         raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
+    whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
+    whole[:first] = page
     body = h.head_len + 8  # <= first: the head always fits the first read (asserted above)
     digest = xxhash.xxh3_64(whole[: h.head_len])
     digest.update(whole[body:first])

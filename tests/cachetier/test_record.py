@@ -298,3 +298,20 @@ def test_a_file_read_whole_spans_several_reads_and_keeps_its_payload_aligned_as_
     flipped[3 * 4096 + 5] ^= 1  # a byte of a later read
     with pytest.raises(CorruptBlockError, match="checksum"):
         read_record(io.BytesIO(flipped).readinto, len(record), trusted_size=True)
+
+
+def test_a_file_read_whole_is_checked_against_its_header_before_it_is_allocated(
+    namespace: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A huge file in a shared folder whose header describes a small record: refused on the
+    # header, nothing of its size allocated.
+    record = encode_record(make_blocks(namespace, 1)[0])
+    taken: list[int] = []
+    real_take = record_module.buffers.take
+    monkeypatch.setattr(record_module.buffers, "take", lambda n: taken.append(n) or real_take(n))
+    padded = record + bytes(8192)
+    with pytest.raises(CorruptBlockError, match="header claims"):
+        read_record(io.BytesIO(padded).readinto, 1 << 40, trusted_size=True)
+    with pytest.raises(CorruptBlockError, match="header claims"):
+        read_record(io.BytesIO(padded).readinto, len(padded), trusted_size=True)
+    assert taken == []
