@@ -18,7 +18,7 @@ from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.model_spec import ModelSpec
 from kernels import common_prefix_blocks, merge_attention, paged_attention_decode, store_kvcache
 from kernels.cpu_linear import linear, prepack
-from kernels.torch_paged_attention import CPU_FLASH_WITH_LSE, attend_unmasked
+from kernels.torch_paged_attention import CPU_FLASH_WITH_LSE, attend_unmasked, gather_layer_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,8 @@ def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
-# Chunks of at most this many new tokens attend to themselves by grouped einsums, not SDPA.
+# Chunks of at most this many new tokens attend by grouped einsums, not SDPA, where the CPU
+# flash kernel does not take them (off the CPU, or an fp8 pool).
 _SMALL_CHUNK = 64
 
 
@@ -116,20 +117,6 @@ def _decode_group(members: list[SeqSlice], block_size: int, *, share: bool) -> _
     shared = common_prefix_blocks(tables, lens, block_size) if share else 0
     rows = torch.tensor([s.start for s in members], dtype=torch.long)
     return _DecodeGroup(rows, tables, lens, shared)
-
-
-def _gather_context(
-    kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` tokens' K and V of one layer, ``[length, hk, d]`` each.
-
-    One copy of K and one of V out of the pool's blocks, straight into the layout attention
-    reads; a gather of whole blocks then a transpose would copy everything twice.
-    """
-    table = block_table[: -(-length // kv_cache.shape[3])]
-    k = kv_cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:length]
-    v = kv_cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:length]
-    return k, v
 
 
 class LlamaModel:
@@ -320,7 +307,7 @@ class LlamaModel:
         if cached == 0 and kv_scales is None:
             k, v = k_new, v_new  # nothing cached: skip the gather from the pool
         elif kv_scales is None:
-            k, v = _gather_context(kv_cache, layer, s.block_table, s.context_len)
+            k, v = gather_layer_kv(kv_cache, layer, s.block_table, s.context_len)
         else:
             # fp8 always reads the pool: attention sees the quantised K/V, the same whether a
             # prefix was computed here or restored from a tier.
@@ -371,7 +358,7 @@ class LlamaModel:
         # 4,096 cached tokens, 15 new, 30 layers: 61 ms against 124 ms for the matmuls, mask
         # and softmax this replaced; one masked flash call over the whole context measured the
         # same as these two).
-        k_old, v_old = _gather_context(kv_cache, layer, s.block_table, cached)
+        k_old, v_old = gather_layer_kv(kv_cache, layer, s.block_table, cached)
         out_old, lse_old = attend_unmasked(folded, k_old, v_old, self.scale)
         out_old = out_old.view(hk, n, group, d).permute(1, 0, 2, 3).reshape(n, hq, d)
         lse_old = lse_old.view(hk, n, group).permute(1, 0, 2).reshape(n, hq)

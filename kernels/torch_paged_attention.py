@@ -22,6 +22,28 @@ from kernels.pool_shape import DecodeInputs
 CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def gather_layer_kv(
+    kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens' K and V of one layer, read through ``block_ids`` in order.
+
+    Args:
+        kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        layer: which layer.
+        block_ids: the blocks holding the tokens, at least ``ceil(length / block_size)``.
+        length: tokens to return.
+
+    Returns:
+        K and V, ``[length, num_kv_heads, head_dim]`` each: one copy each out of the pool's
+        blocks, straight into the layout attention reads (a gather of whole blocks then a
+        transpose would copy everything twice).
+    """
+    ids = block_ids[: -(-length // kv_cache.shape[3])]
+    k = kv_cache[:, layer, 0].index_select(0, ids).flatten(0, 1)[:length]
+    v = kv_cache[:, layer, 1].index_select(0, ids).flatten(0, 1)[:length]
+    return k, v
+
+
 def attend_unmasked(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +131,6 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
     out = torch.empty_like(query)
     if batch == 0:
         return out
-    keys = kv_cache[:, layer, 0]  # [num_blocks, block_size, hk, d], a view
-    values = kv_cache[:, layer, 1]
     # Query head h = kv_head * group + g: a view groups the heads that share a KV head.
     q = query.float().view(batch, num_kv_heads, group, head_dim)
     lens = context_lens.tolist()
@@ -126,10 +146,8 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
         if own_len == 0:
             result = shared_out[row]  # type: ignore[index]
         else:
-            num_blocks = -(-own_len // block_size)
-            ids = tables[row, num_shared_blocks : num_shared_blocks + num_blocks]
-            k = keys.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:own_len]
-            v = values.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:own_len]
+            ids = tables[row, num_shared_blocks:]
+            k, v = gather_layer_kv(kv_cache, layer, ids, own_len)
             result, lse = _attend(q[row], k, v, scale)
             if shared_out is not None:
                 result = merge_attention(shared_out[row], shared_lse[row], result, lse)  # type: ignore[index]
@@ -155,9 +173,8 @@ def shared_prefix_attention(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[4]
     group = num_heads // num_kv_heads
-    ids = block_tables[0, :num_shared_blocks].long()
-    k = kv_cache[:, layer, 0].index_select(0, ids).view(-1, num_kv_heads, head_dim)
-    v = kv_cache[:, layer, 1].index_select(0, ids).view(-1, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[3]
+    k, v = gather_layer_kv(kv_cache, layer, block_tables[0].long(), num_shared_blocks * block_size)
     # [hk, batch * group, d]: every query that reads a KV head, as one matrix.
     all_q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     o, lse = attend_unmasked(all_q.reshape(num_kv_heads, batch * group, head_dim), k, v, scale)
