@@ -353,6 +353,9 @@ def decode_record(
     )
 
 
+# The first read of a record read whole: its head (and whatever follows) up to a page boundary.
+_PAGE = 4096
+assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first page"
 # Small enough to still sit in cache when it is checksummed, large enough to keep syscalls few
 # (5.6 MiB records from the page cache: 1 MiB measured ~5% faster than 256 KiB).
 _READ_CHUNK = 1 << 20
@@ -416,13 +419,17 @@ def read_record(
     """
     if size < _FIXED.size:
         raise CorruptBlockError(f"record of {size} bytes is shorter than its header")
-    if trusted_size and payload_into is None:
-        return _read_whole(readinto, size, key, fingerprint, max_raw_bytes)
-    fixed = memoryview(bytearray(_FIXED.size))
+    whole = trusted_size and payload_into is None
+    # Read whole, the first page comes in one read (the head always fits it); else only the
+    # fixed header, since a peer's claimed size is not to be read ahead into.
+    fixed = memoryview(bytearray(min(size, _PAGE) if whole else _FIXED.size))
     _read_exactly(readinto, fixed, None, size)
     h = _parse_header(fixed, max_raw_bytes)
+    # Checked before anything of that size is allocated or read.
     if h.total != size:
         raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
+    if whole:
+        return _read_rest_whole(readinto, fixed, h, key, fingerprint)
     body = h.head_len + 8
     head = memoryview(bytearray(body))
     head[: _FIXED.size] = fixed
@@ -446,29 +453,19 @@ def read_record(
     return _build(h, head, aux, stored, digest.digest(), key, fingerprint, not direct)
 
 
-_PAGE = 4096  # the first read of a whole record: its head and aux, and a page-aligned end
-assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first read"
-
-
-def _read_whole(
+def _read_rest_whole(
     readinto: Callable[[memoryview], int],
-    size: int,
+    page: memoryview,
+    h: _Header,
     key: bytes | None,
     fingerprint: bytes | None,
-    max_raw_bytes: int | None,
 ) -> KVBlock:
-    """``read_record`` of a record of a true ``size``, whole into one recycled buffer."""
-    first = min(size, _PAGE)
-    page = memoryview(bytearray(first))
-    _read_exactly(readinto, page, None, size)
-    h = _parse_header(page, max_raw_bytes)
-    # Checked before the whole is allocated: a file of any size may sit in a shared folder,
-    # and only one its own header describes gets that much memory.
-    if h.total != size:
-        raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
+    """The rest of a record of a true size whose first ``page`` is read and its header ``h``
+    checked, into one recycled buffer holding the whole record."""
+    size, first = h.total, page.nbytes
     whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
     whole[:first] = page
-    body = h.head_len + 8  # <= first: the head always fits the first read (asserted above)
+    body = h.head_len + 8  # <= first: the head always fits the first page (asserted above)
     digest = xxhash.xxh3_64(whole[: h.head_len])
     digest.update(whole[body:first])
     _read_exactly(readinto, whole[first:], digest, size)
