@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from engine.kv_cache import dequantize_blocks, store_kv_fp8
 from engine.model_spec import ModelSpec
-from kernels import common_prefix_blocks, merge_attention, paged_attention_decode, store_kvcache
+from kernels import common_prefix_blocks, merge_attention, paged_attention_decode
 from kernels.cpu_linear import linear, prepack
+from kernels.fused_ops import rms_norm, rope_angles, rope_store, silu_mul
 from kernels.torch_paged_attention import CPU_FLASH_WITH_LSE, attend_unmasked, gather_layer_kv
 
 
@@ -193,27 +194,6 @@ class LlamaModel:
             timings.append((n, time.perf_counter() - start))
         return timings[1:]
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * h.to(x.dtype)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Rotate-half RoPE, x * cos + [-x2, x1] * sin, written as one product and two in-place
-        # multiply-adds on the halves: no concatenated copy of x, no negated one (several
-        # times faster than the cat form on a 2,048-token chunk's q and k, measured here).
-        half = x.shape[-1] // 2
-        out = x * cos
-        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-        return out
-
     @torch.inference_mode()
     def forward(
         self,
@@ -237,23 +217,29 @@ class LlamaModel:
         """
         spec = self.spec
         hq, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        x = self.embed[batch.input_ids]  # [T, hidden]
-        cos, sin = self._rope(batch.positions)
+        eps, backend = spec.rms_norm_eps, self.kernel_backend
+        x = self.embed[batch.input_ids]  # [T, hidden], the residual stream (updated in place)
+        cos, sin = rope_angles(batch.positions, self._inv_freq)
         decodes = [s for s in batch.seqs if s.num_new == 1 and s.context_len > 1]
         groups = _decode_groups(decodes, kv_cache.shape[3], fp8=kv_scales is not None)
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
+        # Each sublayer's output joins the residual stream inside the next RMSNorm (one pass
+        # for add and norm, kernels.fused_ops), so it is carried as ``delta`` until then.
+        delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["in_norm"])
+            h = rms_norm(x, layer["in_norm"], eps, delta, backend=backend)
             qkv = linear(h, layer["qkv"], layer["qkv_bias"])
-            # q and k lie side by side in qkv: rotated together, as [T, hq + hk, d] heads.
-            qk = self._rotate(qkv[:, : (hq + hk) * d].view(-1, hq + hk, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
-            v = qkv[:, (hq + hk) * d :].view(-1, hk, d)
+            # q and k rotated in place in qkv; k and v written to the pool in the same pass.
             if kv_scales is None:
-                store_kvcache(
-                    k, v, kv_cache, index, batch.slot_mapping, backend=self.kernel_backend
+                rope_store(
+                    qkv, cos, sin, hq, hk, kv_cache, index, batch.slot_mapping, backend=backend
                 )
             else:
+                rope_store(qkv, cos, sin, hq, hk, backend=backend)
+            q = qkv[:, : hq * d].view(-1, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(-1, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(-1, hk, d)
+            if kv_scales is not None:
                 store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
             attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
             for group in groups:
@@ -275,19 +261,20 @@ class LlamaModel:
                     group.context_lens,
                     self.scale,
                     num_shared_blocks=group.num_shared_blocks,
-                    backend=self.kernel_backend,
+                    backend=backend,
                 )
             for s in others:
                 rows = slice(s.start, s.start + s.num_new)
                 attn[rows] = self._prefill_attention(
                     q[rows], k[rows], v[rows], s, kv_cache, index, kv_scales
                 )
-            x = x + linear(attn.view(-1, hq * d), layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer["down"])
+            delta = linear(attn.view(-1, hq * d), layer["o"])
+            h = rms_norm(x, layer["post_norm"], eps, delta, backend=backend)
+            delta = linear(silu_mul(linear(h, layer["gate_up"]), backend=backend), layer["down"])
+        if delta is not None:
+            x.add_(delta)
         rows = x if all_logits else x[batch.logits_rows]
-        return linear(self._rms_norm(rows, self.norm), self.lm_head).float()
+        return linear(rms_norm(rows, self.norm, eps, backend=backend), self.lm_head).float()
 
     def _prefill_attention(
         self,

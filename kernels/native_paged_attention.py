@@ -6,61 +6,25 @@ that is ~2,000 Python-level calls per decode step. ``csrc/paged_attention_cpu.cp
 task per (sequence, KV head) over torch's intra-op threads instead, folding each block into an
 online softmax where it lies.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja; torch
-caches the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, and
-rebuilds when the source changes). Where it cannot be built (no compiler, a read-only cache)
-``native_decode_kernel`` returns ``None`` once and for all, with one warning, and callers take
-the torch path: the results are the same, only slower.
+The extension is built on first use by ``kernels.native_build``; where it cannot be, callers
+take the torch path.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kernels.native_build import load_cpu_extension
 from kernels.pool_shape import DecodeInputs
 from kernels.torch_paged_attention import merge_attention, shared_prefix_attention
 
-log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-# Setting it to 0 keeps every call on the torch path (to compare the two, or where compiling
-# at run time is not wanted).
-DISABLE_ENV = "CACHETIER_NATIVE_KERNELS"
-
-
-@functools.cache
 def native_decode_kernel() -> ModuleType | None:
-    """The compiled extension, built on the first call; ``None`` where it cannot be.
-
-    Returns:
-        The loaded module (its ``paged_attention_decode``), or ``None`` when disabled by
-        ``CACHETIER_NATIVE_KERNELS=0`` or when the build fails (logged once).
-    """
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name="cachetier_paged_attention_cpu",
-            sources=[str(_SOURCE)],
-            # -fopenmp: at::parallel_for is OpenMP in headers, so without it the tasks run on
-            # one thread. The extension then links libgomp.so.1 by soname, and the loader hands
-            # it the copy torch already loaded: one thread pool, torch's. -march=native: the
-            # build is cached per machine, and the inner loops want its widest vectors.
-            extra_cflags=["-O3", "-fopenmp", "-march=native"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler raises anything from OSError to RuntimeError
-        log.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
-        return None
+    """The compiled extension (its ``paged_attention_decode``), or ``None`` where it is off or
+    cannot be built (see ``kernels.native_build``)."""
+    return load_cpu_extension("cachetier_paged_attention_cpu", "paged_attention_cpu.cpp")
 
 
 def paged_attention_decode_native(

@@ -22,28 +22,11 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
-// e^x for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2/2,
-// e^r by its Taylor polynomial to r^6 (relative error below 2e-7, float32's own rounding),
-// 2^n written into the exponent bits. Below -87.3 the result is 2^-126 times e^r, which the
-// softmax's sum swamps; NaN stays NaN.
-inline float exp_nonpositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using cachetier::exp_nonpositive;
 
 struct Pool {
   int64_t block_stride, layer_offset, kv_stride, token_stride, head_stride, block_size;
