@@ -170,7 +170,7 @@ def rope_store(
         kv_cache: the pool (``kernels.pool_shape``) in ``qkv``'s dtype, or ``None`` to rotate
             only.
         layer: the pool layer written.
-        slot_mapping: ``[rows]`` int64 slots (``-1`` skips a row), with ``kv_cache``.
+        slot_mapping: ``[rows]`` int64 or int32 slots (``-1`` skips a row), with ``kv_cache``.
         backend: ``"auto"`` (fused on CPU), ``"torch"`` or ``"triton"`` (the reference, whose
             store takes that backend).
 
@@ -192,10 +192,9 @@ def rope_store(
         raise ValueError("kv_cache and slot_mapping go together")
     tensors = [qkv, cos, sin]
     if kv_cache is not None and slot_mapping is not None:
+        slot_mapping = slot_mapping.long()  # the kernel reads int64; int32 slots are widened
         tensors += [kv_cache, slot_mapping]
-        if slot_mapping.dtype != torch.int64:
-            tensors = []  # int32 slots: the reference takes them
-    native = _native(backend, *tensors) if tensors else None
+    native = _native(backend, *tensors)
     if native is None:
         rope_store_ref(
             qkv,
