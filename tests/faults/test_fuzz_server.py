@@ -51,23 +51,43 @@ from tests.server.live import TOKENS, ThreadServer, call, test_config
 from tests.support import make_blocks
 
 
-@pytest.fixture(scope="module")
-def outer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding the server's data folder and nothing it may touch (``canary``)."""
-    folder = tmp_path_factory.mktemp("fuzz-outer")
+def with_canary(folder: Path) -> Path:
+    """``folder``, to hold a server's data folder beside a file it may not touch (``canary``)."""
     canary = folder / "canary"
     canary.mkdir()
     (canary / "secret.ctkv").write_bytes(encode_record(make_blocks(FUZZ_NS, 1, seed=9)[0]))
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(outer: Path) -> Iterator[ThreadServer]:
+def serve_inside(outer: Path) -> Iterator[ThreadServer]:
     running = ThreadServer(test_config(outer / "data")).start()
     yield running
     running.stop()
     # Whatever the requests were, the server wrote inside its data folder only.
     assert files_outside(outer, outer / "data") == ["canary/secret.ctkv"]
+
+
+@pytest.fixture(scope="module")
+def outer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_canary(tmp_path_factory.mktemp("fuzz-outer"))
+
+
+@pytest.fixture(scope="module")
+def server(outer: Path) -> Iterator[ThreadServer]:
+    yield from serve_inside(outer)
+
+
+# A server no other test talks to: the module's server may hold files the fuzzing wrote there
+# legitimately (a generated pin request that succeeds writes pins.json), and the test below
+# asserts exactly which files a path attack leaves.
+@pytest.fixture
+def own_outer(tmp_path: Path) -> Path:
+    return with_canary(tmp_path)
+
+
+@pytest.fixture
+def own_server(own_outer: Path) -> Iterator[ThreadServer]:
+    yield from serve_inside(own_outer)
 
 
 def files_outside(top: Path, root: Path) -> list[str]:
@@ -468,8 +488,9 @@ def test_disk_tier_names_stay_inside_its_root(tally: Tally, tmp_path: Path) -> N
 
 
 def test_server_paths_stay_inside_the_data_folder(
-    tally: Tally, server: ThreadServer, outer: Path
+    tally: Tally, own_server: ThreadServer, own_outer: Path
 ) -> None:
+    server, outer = own_server, own_outer
     block = make_blocks(FUZZ_NS, 1, seed=9)[0]  # the record the canary file holds
     record = encode_record(block)
     quoted = [
