@@ -51,6 +51,19 @@ def _mark_worker() -> None:
     _local.worker = True
 
 
+def beside(fn: Callable[[], _T]) -> Future[_T] | None:
+    """``fn`` started on a shared data thread, to run beside the caller's own work.
+
+    Returns:
+        Its future, or ``None`` where the caller should run ``fn`` itself: it is one of those
+        threads or background work (``map_in_threads``'s rule: they never wait on each other),
+        or there is only one core.
+    """
+    if WORKERS <= 1 or getattr(_local, "worker", False):
+        return None
+    return _executor().submit(fn)
+
+
 # The CPU priority of background work (writes to lower tiers): the lowest. On a host whose
 # cores the engine keeps busy (vLLM-CPU runs one OpenMP thread per core), a writer at the
 # engine's priority preempts a forward's threads and every other thread of the team waits for
@@ -104,7 +117,13 @@ def map_in_threads(
 
     pool = _executor()
     futures: list[Future[None]] = [pool.submit(share, w) for w in range(1, workers)]
-    share(0)
+    # The caller's share runs as one of the workers: its items must not wait on a pool thread
+    # (``beside``) that is busy with the other shares.
+    _local.worker, was_worker = True, getattr(_local, "worker", False)
+    try:
+        share(0)
+    finally:
+        _local.worker = was_worker
     for future in futures:
         future.result()  # share() itself never raises
     return out

@@ -374,6 +374,7 @@ def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KV
                 key=key,
                 payload_into=dest,
                 trusted_size=True,
+                pread=lambda buf, offset: os.preadv(fd, [buf], offset),
             )
         except CorruptBlockError as e:
             raise _CorruptFile(str(e), st.st_ino) from e

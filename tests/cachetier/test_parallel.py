@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from cachetier.parallel import copy_into, map_in_threads
+from cachetier.parallel import beside, copy_into, map_in_threads
 
 
 def test_results_keep_their_order_and_failures_stay_per_item() -> None:
@@ -43,3 +43,12 @@ def test_copies_land_every_byte(sizes: list[int]) -> None:
     dests = [memoryview(np.zeros(n, dtype=np.uint8)) for n in sizes]
     copy_into(list(zip(dests, srcs)))
     assert [bytes(d) for d in dests] == [bytes(s) for s in srcs]
+
+
+def test_beside_runs_on_a_data_thread_but_never_from_one() -> None:
+    future = beside(lambda: threading.current_thread().name)
+    assert future is not None and future.result(timeout=5).startswith("cachetier-data")
+    inner = map_in_threads(lambda _: beside(lambda: None), [0, 1], workers=2)
+    # Both shares of a parallel map, the caller's included, count as data threads: none may
+    # wait on a pool thread that is busy with the other share.
+    assert inner == [None, None]

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ import pytest
 import cachetier.record as record_module
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import KVLayout, Namespace
+from cachetier.parallel import map_in_threads
 from cachetier.record import (
     FORMAT_VERSION,
     Compression,
@@ -315,3 +319,64 @@ def test_a_file_read_whole_is_checked_against_its_header_before_it_is_allocated(
     with pytest.raises(CorruptBlockError, match="header claims"):
         read_record(io.BytesIO(padded).readinto, len(padded), trusted_size=True)
     assert taken == []
+
+
+def _big_record_file(tmp_path: Path) -> tuple[KVBlock, bytes, Path]:
+    # Over the size whose second half is read on a helper thread.
+    layout = KVLayout("float16", block_size=256, num_layers=10, num_kv_heads=4, head_dim=64)
+    block = make_blocks(Namespace("split-model", layout), 1)[0]
+    record = encode_record(block)
+    assert len(record) - 4096 >= record_module._SPLIT_READ_BYTES
+    path = tmp_path / "record.ctkv"
+    path.write_bytes(record)
+    return block, record, path
+
+
+def _read_file(path: Path, size: int, preads: list[tuple[int, str]]) -> KVBlock:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def pread(buf: memoryview, offset: int) -> int:
+            preads.append((offset, threading.current_thread().name))
+            return os.preadv(fd, [buf], offset)
+
+        return read_record(lambda b: os.readv(fd, [b]), size, trusted_size=True, pread=pread)
+    finally:
+        os.close(fd)
+
+
+def test_a_large_record_reads_its_second_half_on_a_helper_thread(tmp_path: Path) -> None:
+    block, record, path = _big_record_file(tmp_path)
+    preads: list[tuple[int, str]] = []
+    back = _read_file(path, len(record), preads)
+    assert bytes(back.data) == bytes(block.data) and back.key == block.key
+    assert len(preads) == 1
+    offset, thread = preads[0]
+    assert offset % 4096 == 0 and len(record) // 3 < offset < 2 * len(record) // 3
+    assert thread.startswith("cachetier-data")
+
+
+def test_a_split_read_still_checks_every_byte(tmp_path: Path) -> None:
+    _, record, path = _big_record_file(tmp_path)
+    for where in (4096 + 7, len(record) - 9):  # the caller's half, then the helper's
+        flipped = bytearray(record)
+        flipped[where] ^= 1
+        path.write_bytes(flipped)
+        with pytest.raises(CorruptBlockError, match="checksum"):
+            _read_file(path, len(record), [])
+
+
+def test_a_split_read_of_a_short_file_is_a_corrupt_record_not_a_hang(tmp_path: Path) -> None:
+    _, record, path = _big_record_file(tmp_path)
+    path.write_bytes(record[:-100])  # the size claimed is more than the file holds
+    with pytest.raises(CorruptBlockError, match="short"):
+        _read_file(path, len(record), [])
+
+
+def test_a_split_read_on_a_data_thread_stays_on_that_thread(tmp_path: Path) -> None:
+    # The pool's threads never wait on each other: a read on one of them is not split.
+    block, record, path = _big_record_file(tmp_path)
+    preads: list[tuple[int, str]] = []
+    out = map_in_threads(lambda _: _read_file(path, len(record), preads), [0, 1], workers=2)
+    assert all(isinstance(b, KVBlock) and bytes(b.data) == bytes(block.data) for b in out)
+    assert preads == []
