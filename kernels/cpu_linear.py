@@ -19,9 +19,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# bf16 needs AVX512-BF16 or AMX for speed but is correct everywhere oneDNN runs; fp16 is left to
-# F.linear (oneDNN's CPU fp16 paths need AVX512-FP16).
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# fp16 is left to F.linear (oneDNN's CPU fp16 paths need AVX512-FP16); bf16 goes to oneDNN only
+# on CPUs it has bf16 kernels for (``_onednn_dtypes``).
+_FP32_ONLY = (torch.float32,)
+_FP32_AND_BF16 = (torch.float32, torch.bfloat16)
 # The row count oneDNN chooses a packed layout for; any row count works with it.
 PACK_BATCH_HINT = 256
 
@@ -34,6 +35,23 @@ def _onednn_linear() -> object | None:
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
+@functools.cache
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes ``linear`` hands to oneDNN on this CPU.
+
+    oneDNN refuses bf16 where the CPU has neither AVX512-BF16/AVX512 nor AMX: on an AVX2-only
+    AMD EPYC its inner product raises "could not create a primitive descriptor" and its weight
+    reorder "bf16 path needs the cpu support avx512bw, avx512vl and avx512dq". bf16 then takes
+    ``F.linear``, which runs it everywhere.
+    """
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        bf16 = bool(supported()) if supported is not None else False
+    except RuntimeError:
+        bf16 = False
+    return _FP32_AND_BF16 if bf16 else _FP32_ONLY
+
+
 def prepack(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
     """``weight`` reordered once for oneDNN where ``linear`` would hand it to oneDNN.
 
@@ -43,14 +61,15 @@ def prepack(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Te
 
     Returns:
         An opaque oneDNN tensor of the same shape and dtype that only ``linear`` reads (CPU,
-        fp32 or bf16, oneDNN present), or ``weight`` itself where it would take ``F.linear``.
+        fp32, or bf16 where the CPU has oneDNN's bf16 kernels), or ``weight`` itself where it
+        would take ``F.linear``.
     """
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if (
         _onednn_linear() is None
         or reorder is None
         or weight.device.type != "cpu"
-        or weight.dtype not in _ONEDNN_DTYPES
+        or weight.dtype not in _onednn_dtypes()
         or weight.dim() != 2
     ):
         return weight
@@ -85,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (
         op is None
         or x.device.type != "cpu"
-        or x.dtype not in _ONEDNN_DTYPES
+        or x.dtype not in _onednn_dtypes()
         or weight.dtype != x.dtype
         or x.numel() == 0
     ):
