@@ -119,7 +119,8 @@ def map_in_threads(
     futures: list[Future[None]] = [pool.submit(share, w) for w in range(1, workers)]
     # The caller's share runs as one of the workers: its items must not wait on a pool thread
     # (``beside``) that is busy with the other shares.
-    _local.worker, was_worker = True, getattr(_local, "worker", False)
+    was_worker = getattr(_local, "worker", False)
+    _local.worker = True
     try:
         share(0)
     finally:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import _onednn_linear, linear, prepack
+from kernels.cpu_linear import _onednn_dtypes, _onednn_linear, linear, prepack
 
 
 def test_onednn_is_there_on_this_torch():
@@ -30,7 +30,7 @@ def test_linear_matches_f_linear(gen, dtype, tol, lead, with_bias, packed):
 
 
 # bf16 only where this CPU has oneDNN's bf16 kernels (AVX-512 or AMX); elsewhere F.linear runs it.
-BF16_ON_ONEDNN = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+BF16_ON_ONEDNN = torch.bfloat16 in _onednn_dtypes()
 
 
 @pytest.mark.parametrize(
