@@ -11,6 +11,7 @@ from engine.kv_cache import KVPool
 from engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
 from engine.model_spec import ModelSpec
 from engine.weights import load_weights
+from tests.models import make_tiny_llama
 
 BLOCK = 16
 
@@ -55,6 +56,31 @@ def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int])
     tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = _engine_logits(tiny_model_dir, tokens, chunks)
     torch.testing.assert_close(ours, _hf_logits(tiny_model_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [[200], [40, 160], [130, 5, 65], [64, 64, 64, 8]])
+def test_native_prefill_logits_match_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
+) -> None:
+    # head_dim 64 and chunks of >= 64 tokens after a cached context: the shapes that go to
+    # kernels.native_prefill_attention (the tiny model above, head_dim 16, never does).
+    import engine.model
+
+    folder = make_tiny_llama(tmp_path, hidden_size=256, num_heads=4, num_kv_heads=2)
+    ran = []
+    real = engine.model.paged_prefill_attention
+
+    def counting(*args: object, **kwargs: object) -> bool:
+        ran.append(real(*args, **kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(engine.model, "paged_prefill_attention", counting)
+    tokens = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    ours = _engine_logits(folder, tokens, chunks)
+
+    assert ran and all(ran), "the native prefill kernel did not run"
+    torch.testing.assert_close(ours, _hf_logits(folder, tokens), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.model
