@@ -7,12 +7,16 @@
 // on small tiles and reached ~120 GFLOP/s here against ~160 for a large sgemm on the same two
 // cores, and a step whose chunks sit behind one shared prefix gathered that prefix once per
 // chunk. Here:
-//   1. Each 16-token unit of the pool that any chunk reads is packed once per layer (K
+//   1. Each 16-token unit of the pool that a wide chunk reads is packed once per layer (K
 //      transposed to [head_dim][16], V as [16][head_dim]), however many chunks share it.
-//   2. One task per (chunk, KV head, tile of 48 query rows) runs a flash loop over 64 keys at a
-//      time with 6x16 register-blocked FMA tiles for Q.K^T and for P.V, and an online softmax
-//      between them. A KV head's query heads are folded into rows (row = token * G + g), so K
-//      and V are read once for the G heads that share them.
+//   2. One task per (chunk, KV head, tile of up to 48 query rows) runs a flash loop over 64 keys
+//      at a time with 6x16 register-blocked FMA tiles for Q.K^T and for P.V, and an online
+//      softmax between them. A KV head's query heads are folded into rows (row = token * G + g),
+//      so K and V are read once for the G heads that share them.
+//   3. A narrow chunk (all its rows of a KV head fit one task: a short suffix after a restored
+//      prefix) is not packed up front, which would cost as much as its attention: its tasks
+//      split the context's keys between them, transpose each unit's K as they reach it and read
+//      V where it lies, and their partial softmaxes are merged by their maxima.
 // Tasks are taken from a shared counter, longest first, because causal tiles differ in cost.
 //
 // Everything runs in float32; the caller only sends float32 pools and queries. Shapes outside
@@ -98,10 +102,11 @@ inline void qk_tile(const float* q, const float* kt, float* scores) {
 }
 
 // out[r][col..col+16) += sum_t p[r][t] v[t][col..col+16) for 6 rows over the units' keys
-// (v_units[u]: [16][D]; p: rows of kTileKeys probabilities, zero past the valid keys).
+// (v_units[u]: 16 rows of D values, v_strides[u] apart; p: rows of kTileKeys probabilities, zero
+// past the valid keys).
 template <int D>
-inline void pv_tile(const float* p, const float* const* v_units, int num_units, int col,
-                    float* out) {
+inline void pv_tile(const float* p, const float* const* v_units, const int64_t* v_strides,
+                    int num_units, int col, float* out) {
   __m256 c00 = _mm256_loadu_ps(out + col), c01 = _mm256_loadu_ps(out + col + 8);
   __m256 c10 = _mm256_loadu_ps(out + D + col), c11 = _mm256_loadu_ps(out + D + col + 8);
   __m256 c20 = _mm256_loadu_ps(out + 2 * D + col), c21 = _mm256_loadu_ps(out + 2 * D + col + 8);
@@ -111,10 +116,11 @@ inline void pv_tile(const float* p, const float* const* v_units, int num_units, 
   constexpr int S = kTileKeys;
   for (int u = 0; u < num_units; ++u) {
     const float* v = v_units[u] + col;
+    const int64_t stride = v_strides[u];
     const float* pu = p + u * kUnit;
     for (int t = 0; t < kUnit; ++t) {
-      const __m256 b0 = _mm256_loadu_ps(v + t * D);
-      const __m256 b1 = _mm256_loadu_ps(v + t * D + 8);
+      const __m256 b0 = _mm256_loadu_ps(v + t * stride);
+      const __m256 b1 = _mm256_loadu_ps(v + t * stride + 8);
       __m256 a = _mm256_broadcast_ss(pu + t);
       c00 = _mm256_fmadd_ps(a, b0, c00);
       c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -173,53 +179,130 @@ struct Layout {
   int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
 };
 
-// Units u of the pool into packed[u][h] = {K^T [D][16], V [16][D]}; keys at or past a unit's
-// valid count are zeros, so that stale pool slots (which may hold anything, NaN included) never
-// reach a product.
+// dst[d][t] = src[t][d] for an 8x8 tile (rows src_stride and dst_stride floats apart).
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + src_stride);
+  __m256 r2 = _mm256_loadu_ps(src + 2 * src_stride), r3 = _mm256_loadu_ps(src + 3 * src_stride);
+  __m256 r4 = _mm256_loadu_ps(src + 4 * src_stride), r5 = _mm256_loadu_ps(src + 5 * src_stride);
+  __m256 r6 = _mm256_loadu_ps(src + 6 * src_stride), r7 = _mm256_loadu_ps(src + 7 * src_stride);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + dst_stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * dst_stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * dst_stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * dst_stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * dst_stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * dst_stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * dst_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+// One unit's K and V for KV head h, where they lie in the pool (token_stride apart).
+inline const float* unit_keys(const float* kv, int64_t unit_id, int64_t h, int64_t D,
+                              const Layout& l) {
+  const int64_t block = unit_id / l.units_per_block;
+  const int64_t first = (unit_id % l.units_per_block) * kUnit;
+  return kv + block * l.block_stride + l.layer_offset + first * l.token_stride + h * D;
+}
+
+// K^T [D][16] of one unit, and its V as [16][D] where v_out is given. Keys at or past valid are
+// zeros: a pool slot past every context may hold anything, NaN included, and 0 * NaN is NaN.
+template <int D>
+inline void pack_unit(const float* k, int64_t token_stride, int64_t kv_stride, int valid,
+                      float* kt, float* v_out) {
+  alignas(32) float staged[kUnit * D];
+  const float* src = k;
+  int64_t stride = token_stride;
+  if (valid < kUnit) {  // a partial unit: copy the valid keys beside zeros first
+    for (int t = 0; t < kUnit; ++t) {
+      if (t < valid)
+        std::memcpy(staged + t * D, k + t * token_stride, D * sizeof(float));
+      else
+        std::memset(staged + t * D, 0, D * sizeof(float));
+    }
+    src = staged;
+    stride = D;
+  }
+  for (int t = 0; t < kUnit; t += 8)
+    for (int d = 0; d < D; d += 8)
+      transpose8(src + t * stride + d, stride, kt + d * kUnit + t, kUnit);
+  if (v_out == nullptr) return;
+  for (int t = 0; t < kUnit; ++t) {
+    if (t < valid)
+      std::memcpy(v_out + t * D, k + kv_stride + t * token_stride, D * sizeof(float));
+    else
+      std::memset(v_out + t * D, 0, D * sizeof(float));
+  }
+}
+
+// The units wide chunks read into packed[u][h] = {K^T [D][16], V [16][D]}, once per step
+// however many chunks share them.
 template <int D>
 void pack_units(const float* kv, const int64_t* unit_ids, const int64_t* unit_valid,
-                int64_t num_units, const Layout& l, float* packed) {
+                const std::vector<int64_t>& wanted, const Layout& l, float* packed) {
   const int64_t per_head = 2 * kUnit * D;
-  at::parallel_for(0, num_units * l.num_kv_heads, 8, [&](int64_t begin, int64_t end) {
+  const int64_t n = static_cast<int64_t>(wanted.size());
+  at::parallel_for(0, n * l.num_kv_heads, 8, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t u = task / l.num_kv_heads, h = task % l.num_kv_heads;
-      const int64_t block = unit_ids[u] / l.units_per_block;
-      const int64_t first = (unit_ids[u] % l.units_per_block) * kUnit;
-      const float* k = kv + block * l.block_stride + l.layer_offset + first * l.token_stride + h * D;
-      const float* v = k + l.kv_stride;
-      float* kt = packed + task * per_head;
-      float* vp = kt + kUnit * D;
-      const int valid = static_cast<int>(unit_valid[u]);
-      for (int t = 0; t < kUnit; ++t) {
-        if (t < valid) {
-          const float* kr = k + t * l.token_stride;
-          for (int d = 0; d < D; ++d) kt[d * kUnit + t] = kr[d];
-          std::memcpy(vp + t * D, v + t * l.token_stride, D * sizeof(float));
-        } else {
-          for (int d = 0; d < D; ++d) kt[d * kUnit + t] = 0.f;
-          std::memset(vp + t * D, 0, D * sizeof(float));
-        }
-      }
+      const int64_t u = wanted[task / l.num_kv_heads], h = task % l.num_kv_heads;
+      float* kt = packed + (u * l.num_kv_heads + h) * per_head;
+      pack_unit<D>(unit_keys(kv, unit_ids[u], h, D, l), l.token_stride, l.kv_stride,
+                   static_cast<int>(unit_valid[u]), kt, kt + kUnit * D);
     }
   });
 }
 
-struct Task {
-  int64_t seq, head, row0, num_rows, cost;
+// What every task reads.
+struct Step {
+  const float* q;
+  const float* kv;
+  const float* packed;  // wide chunks' units; unused by in-place tasks
+  const int64_t* unit_ids;
+  const int64_t* unit_valid;
+  const int64_t* seq_info;  // [S][3]: start, num_new, context_len
+  const int64_t* seq_units;
+  int64_t max_units;
+  Layout l;
+  float scale;
+  float* out;
 };
 
-// One task: rows [row0, row0 + kTaskRows) of chunk seq's folded rows for KV head h.
+// Rows [row0, row0 + num_rows) of chunk seq's folded rows (row = token * G + g) for KV head
+// `head`, over keys [key_begin, key_end). Wide chunks read pre-packed units (in_place false);
+// a narrow chunk's task packs each unit's K^T as it goes and reads full units' V in the pool.
+// partial == nullptr: the rows' normalised outputs go to out. Otherwise the task is one of
+// several over a chunk's keys and leaves [kTaskRows][D] sums, then maxima and sums of
+// exponentials, for merge_partials.
+struct Task {
+  int64_t seq, head, row0, num_rows, key_begin, key_end, cost;
+  bool in_place;
+  float* partial;
+};
+
+constexpr int64_t kPartialFloats = static_cast<int64_t>(kTaskRows) * (128 + 2);  // D <= 128
+
 template <int D>
-void run_task(const Task& task, const float* q, const int64_t* seq_info,
-              const int64_t* seq_units, int64_t max_units, const float* packed, const Layout& l,
-              float scale, float* out) {
+void run_task(const Task& task, const Step& st) {
   alignas(32) float qbuf[kTaskRows * D];
   alignas(32) float acc[kTaskRows * D];
   alignas(32) float scores[kTaskRows * kTileKeys];
+  alignas(32) float kt_local[kUnitsPerTile * kUnit * D];
+  alignas(32) float v_local[kUnitsPerTile * kUnit * D];
   float row_max[kTaskRows], row_sum[kTaskRows];
   int64_t limit[kTaskRows];
-  const int64_t start = seq_info[task.seq * 3], num_new = seq_info[task.seq * 3 + 1];
-  const int64_t cached = seq_info[task.seq * 3 + 2] - num_new;
+  const Layout& l = st.l;
+  const int64_t* info = st.seq_info + task.seq * 3;
+  const int64_t start = info[0], num_new = info[1], cached = info[2] - num_new;
   const int64_t G = l.group;
   const int num_rows = static_cast<int>(task.num_rows);
   // Rows computed: num_rows rounded up to whole register tiles.
@@ -228,24 +311,57 @@ void run_task(const Task& task, const float* q, const int64_t* seq_info,
     // Padding rows repeat the last real one; their results are never written.
     const int64_t row = task.row0 + std::min(r, num_rows - 1);
     const int64_t token = row / G, head = task.head * G + row % G;
-    const float* src = q + (start + token) * l.q_row_stride + head * l.q_head_stride;
-    for (int d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
+    const float* src = st.q + (start + token) * l.q_row_stride + head * l.q_head_stride;
+    for (int d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * st.scale;
     limit[r] = cached + token + 1;  // keys this row sees
     row_max[r] = -std::numeric_limits<float>::infinity();
     row_sum[r] = 0.f;
   }
   std::memset(acc, 0, sizeof(acc));
-  const int64_t keys = limit[tile_rows - 1];  // the last row sees the most
-  const int64_t* units = seq_units + task.seq * max_units;
+  // The last row sees the most keys.
+  const int64_t key_end = std::min(task.key_end, limit[tile_rows - 1]);
+  const int64_t* units = st.seq_units + task.seq * st.max_units;
   const int64_t per_head = 2 * kUnit * D;
   const float* k_units[kUnitsPerTile];
   const float* v_units[kUnitsPerTile];
-  for (int64_t first = 0; first < keys; first += kTileKeys) {
-    const int tile_keys = static_cast<int>(std::min<int64_t>(kTileKeys, keys - first));
+  int64_t v_strides[kUnitsPerTile];
+  for (int64_t first = task.key_begin; first < key_end; first += kTileKeys) {
+    const int tile_keys = static_cast<int>(std::min<int64_t>(kTileKeys, key_end - first));
     const int num_units = (tile_keys + kUnit - 1) / kUnit;
+    if (task.in_place) {
+      // The next tile's K and V rows are fetched while this one computes: read in place, they
+      // come from memory, and without this the P.V loads stalled on them (measured: 22% of
+      // the kernel's samples on one load, 15 new tokens over 4,096 cached).
+      const int64_t next = first + kTileKeys;
+      const int next_units = static_cast<int>(
+          (std::min<int64_t>(kTileKeys, std::max<int64_t>(key_end - next, 0)) + kUnit - 1) / kUnit);
+      for (int u = 0; u < next_units; ++u) {
+        const float* k = unit_keys(st.kv, st.unit_ids[units[next / kUnit + u]], task.head, D, l);
+        for (int t = 0; t < kUnit; ++t)
+          for (int d = 0; d < D; d += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(k + t * l.token_stride + d), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(k + l.kv_stride + t * l.token_stride + d),
+                         _MM_HINT_T0);
+          }
+      }
+    }
     for (int u = 0; u < num_units; ++u) {
-      k_units[u] = packed + (units[first / kUnit + u] * l.num_kv_heads + task.head) * per_head;
-      v_units[u] = k_units[u] + kUnit * D;
+      const int64_t unit = units[first / kUnit + u];
+      if (!task.in_place) {
+        k_units[u] = st.packed + (unit * l.num_kv_heads + task.head) * per_head;
+        v_units[u] = k_units[u] + kUnit * D;
+        v_strides[u] = D;
+        continue;
+      }
+      const float* k = unit_keys(st.kv, st.unit_ids[unit], task.head, D, l);
+      const int valid = static_cast<int>(st.unit_valid[unit]);
+      float* kt = kt_local + u * kUnit * D;
+      // A full unit's V is read where it lies; a partial one's is copied beside zeros.
+      float* v_copy = valid < kUnit ? v_local + u * kUnit * D : nullptr;
+      pack_unit<D>(k, l.token_stride, l.kv_stride, valid, kt, v_copy);
+      k_units[u] = kt;
+      v_units[u] = v_copy != nullptr ? v_copy : k + l.kv_stride;
+      v_strides[u] = v_copy != nullptr ? D : l.token_stride;
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
       for (int u = 0; u < num_units; ++u)
@@ -278,15 +394,58 @@ void run_task(const Task& task, const float* q, const int64_t* seq_info,
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
       for (int col = 0; col < D; col += 16)
-        pv_tile<D>(scores + r * kTileKeys, v_units, num_units, col, acc + r * D);
+        pv_tile<D>(scores + r * kTileKeys, v_units, v_strides, num_units, col, acc + r * D);
+  }
+  if (task.partial != nullptr) {
+    std::memcpy(task.partial, acc, sizeof(float) * num_rows * D);
+    std::memcpy(task.partial + kTaskRows * D, row_max, sizeof(float) * num_rows);
+    std::memcpy(task.partial + kTaskRows * (D + 1), row_sum, sizeof(float) * num_rows);
+    return;
   }
   for (int r = 0; r < num_rows; ++r) {
     const int64_t row = task.row0 + r;
     const int64_t token = row / G, head = task.head * G + row % G;
-    float* dst = out + (start + token) * l.out_row_stride + head * l.out_head_stride;
+    float* dst = st.out + (start + token) * l.out_row_stride + head * l.out_head_stride;
     const float inv = 1.f / row_sum[r];  // > 0: every row sees at least its own key
     for (int d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
   }
+}
+
+// The splits of one (narrow chunk, KV head) combined by their maxima: out = sum_s e^(m_s - M)
+// acc_s / sum_s e^(m_s - M) l_s. A split whose keys a row does not see has m = -inf, l = 0.
+template <int D>
+void merge_partials(const Task* splits, int64_t num_splits, const Step& st) {
+  const Layout& l = st.l;
+  const Task& first = splits[0];
+  const int64_t* info = st.seq_info + first.seq * 3;
+  for (int64_t r = 0; r < first.num_rows; ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < num_splits; ++s)
+      top = std::max(top, splits[s].partial[kTaskRows * D + r]);
+    alignas(32) float sum[D] = {};
+    float total = 0.f;
+    for (int64_t s = 0; s < num_splits; ++s) {
+      const float* p = splits[s].partial;
+      const float w = exp_nonpositive(p[kTaskRows * D + r] - top);
+      total += w * p[kTaskRows * (D + 1) + r];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) sum[d] += w * p[r * D + d];
+    }
+    const int64_t row = first.row0 + r;
+    const int64_t token = row / l.group, head = first.head * l.group + row % l.group;
+    float* dst = st.out + (info[0] + token) * l.out_row_stride + head * l.out_head_stride;
+    const float inv = 1.f / total;
+    for (int d = 0; d < D; ++d) dst[d] = sum[d] * inv;
+  }
+}
+
+// Takes tasks[0..n) from a shared counter on torch's threads, longest first.
+template <typename Fn>
+void run_dynamic(int64_t n, int64_t threads, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
 }
 
 template <int D>
@@ -307,48 +466,100 @@ void prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, int64_t 
   l.q_head_stride = query.stride(1);
   l.out_row_stride = out.stride(0);
   l.out_head_stride = out.stride(1);
-  const int64_t num_units = unit_ids.size(0);
-  auto packed = torch::empty({num_units * l.num_kv_heads * 2 * kUnit * D},
-                             kv_cache.options().dtype(torch::kFloat));
-  float* packed_ptr = packed.data_ptr<float>();
-  pack_units<D>(kv_cache.data_ptr<float>(), unit_ids.data_ptr<int64_t>(),
-                unit_valid.data_ptr<int64_t>(), num_units, l, packed_ptr);
-
   const int64_t num_seqs = seq_info.size(0), max_units = seq_units.size(1);
   const int64_t* info = seq_info.data_ptr<int64_t>();
-  // Tiles of kTaskRows rows, smaller where that leaves fewer than four tasks a thread (a short
-  // chunk's few rows would otherwise run on one thread while the other waits).
+  const int64_t* units_ptr = seq_units.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
+  auto rows_of = [&](int64_t s) { return info[s * 3 + 1] * l.group; };
+
+  // A chunk whose rows fit one task (a few new tokens) is narrow: its tasks split the keys
+  // instead, so that its few rows still keep every thread busy, and read the pool in place:
+  // packing its whole context first would cost as much as the attention. Wide chunks share one
+  // packing of the units they read.
+  const int64_t num_units = unit_ids.size(0);
+  std::vector<char> wanted_flag(num_units, 0);
+  int64_t narrow_heads = 0, wide_rows = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (rows_of(s) <= kTaskRows) {
+      narrow_heads += l.num_kv_heads;
+      continue;
+    }
+    wide_rows += rows_of(s) * l.num_kv_heads;
+    const int64_t n = (info[s * 3 + 2] + kUnit - 1) / kUnit;
+    for (int64_t j = 0; j < n; ++j) wanted_flag[units_ptr[s * max_units + j]] = 1;
+  }
+  std::vector<int64_t> wanted;
+  for (int64_t u = 0; u < num_units; ++u)
+    if (wanted_flag[u]) wanted.push_back(u);
+  torch::Tensor packed;
+  if (!wanted.empty()) {
+    packed = torch::empty({num_units * l.num_kv_heads * 2 * kUnit * D},
+                          kv_cache.options().dtype(torch::kFloat));
+    pack_units<D>(kv_cache.data_ptr<float>(), unit_ids.data_ptr<int64_t>(),
+                  unit_valid.data_ptr<int64_t>(), wanted, l, packed.data_ptr<float>());
+  }
+
+  // Wide chunks: tiles of kTaskRows rows, smaller where that leaves fewer than four tasks a
+  // thread. Narrow chunks: up to eight tasks a thread between them, none under 256 keys.
   int64_t task_rows = kTaskRows;
-  auto count_tasks = [&](int64_t per_task) {
+  auto wide_tasks = [&](int64_t per_task) {
     int64_t n = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
-      n += (info[s * 3 + 1] * l.group + per_task - 1) / per_task * l.num_kv_heads;
+      if (rows_of(s) > kTaskRows) n += (rows_of(s) + per_task - 1) / per_task * l.num_kv_heads;
     return n;
   };
-  while (task_rows > kMicroRows && count_tasks(task_rows) < 4 * threads) task_rows -= kMicroRows;
+  while (task_rows > kMicroRows && wide_tasks(task_rows) + narrow_heads < 4 * threads)
+    task_rows -= kMicroRows;
+  const int64_t splits_wanted =
+      narrow_heads == 0 || wide_rows > 0 ? 1 : (8 * threads + narrow_heads - 1) / narrow_heads;
   std::vector<Task> tasks;
+  std::vector<std::pair<int64_t, int64_t>> split_groups;  // (first task, count) to merge
+  int64_t partial_slots = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t num_new = info[s * 3 + 1], cached = info[s * 3 + 2] - num_new;
-    const int64_t rows = num_new * l.group;
-    for (int64_t h = 0; h < l.num_kv_heads; ++h)
-      for (int64_t row0 = 0; row0 < rows; row0 += task_rows) {
-        const int64_t last = std::min(rows, row0 + task_rows) - 1;
-        tasks.push_back({s, h, row0, last - row0 + 1, cached + last / l.group + 1});
+    const int64_t num_new = info[s * 3 + 1], context = info[s * 3 + 2];
+    const int64_t cached = context - num_new, rows = rows_of(s);
+    for (int64_t h = 0; h < l.num_kv_heads; ++h) {
+      if (rows > kTaskRows) {
+        for (int64_t row0 = 0; row0 < rows; row0 += task_rows) {
+          const int64_t n = std::min(rows, row0 + task_rows) - row0;
+          const int64_t keys = cached + (row0 + n - 1) / l.group + 1;
+          tasks.push_back({s, h, row0, n, 0, keys, n * keys, false, nullptr});
+        }
+        continue;
       }
+      const int64_t splits = std::max<int64_t>(1, std::min(splits_wanted, context / 256));
+      const int64_t per_split = (context + splits - 1) / splits;
+      const int64_t span = (per_split + kTileKeys - 1) / kTileKeys * kTileKeys;  // whole tiles
+      const int64_t first_task = static_cast<int64_t>(tasks.size());
+      for (int64_t k0 = 0; k0 < context; k0 += span) {
+        const int64_t k1 = std::min(context, k0 + span);
+        tasks.push_back({s, h, 0, rows, k0, k1, rows * (k1 - k0), true, nullptr});
+      }
+      const int64_t count = static_cast<int64_t>(tasks.size()) - first_task;
+      if (count > 1) {
+        split_groups.push_back({first_task, count});
+        partial_slots += count;
+      }
+    }
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
+  // Partial results, one slot per task of a split chunk.
+  std::vector<float> partials(partial_slots * kPartialFloats);
+  int64_t slot = 0;
+  for (const auto& g : split_groups)
+    for (int64_t i = 0; i < g.second; ++i)
+      tasks[g.first + i].partial = partials.data() + kPartialFloats * slot++;
+  std::vector<Task> order(tasks);
+  std::stable_sort(order.begin(), order.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const float* q_ptr = query.data_ptr<float>();
-  const int64_t* units_ptr = seq_units.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  // One range element per thread; each takes tasks from the counter until none is left.
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < num_tasks; i = next++)
-      run_task<D>(tasks[i], q_ptr, info, units_ptr, max_units, packed_ptr, l, fscale, out_ptr);
+  const Step st{query.data_ptr<float>(),   kv_cache.data_ptr<float>(),
+                packed.defined() ? packed.data_ptr<float>() : nullptr,
+                unit_ids.data_ptr<int64_t>(), unit_valid.data_ptr<int64_t>(),
+                info, units_ptr, max_units, l, static_cast<float>(scale), out.data_ptr<float>()};
+  run_dynamic(static_cast<int64_t>(order.size()), threads,
+              [&](int64_t i) { run_task<D>(order[i], st); });
+  at::parallel_for(0, static_cast<int64_t>(split_groups.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      merge_partials<D>(tasks.data() + split_groups[i].first, split_groups[i].second, st);
   });
 }
 

@@ -58,12 +58,15 @@ def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int])
     torch.testing.assert_close(ours, _hf_logits(tiny_model_dir, tokens), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("chunks", [[200], [40, 160], [130, 5, 65], [64, 64, 64, 8]])
+@pytest.mark.parametrize(
+    "chunks", [[200], [40, 160], [130, 5, 65], [64, 64, 64, 8], [1], [600, 3, 1, 7]]
+)
 def test_native_prefill_logits_match_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
 ) -> None:
-    # head_dim 64 and chunks of >= 64 tokens after a cached context: the shapes that go to
-    # kernels.native_prefill_attention (the tiny model above, head_dim 16, never does).
+    # head_dim 64: the shapes kernels.native_prefill_attention takes (the tiny model above,
+    # head_dim 16, never does). Wide chunks, narrow ones beside them, and a few tokens after
+    # 600 cached, whose keys the kernel splits between tasks.
     import engine.model
 
     folder = make_tiny_llama(tmp_path, hidden_size=256, num_heads=4, num_kv_heads=2)
@@ -75,7 +78,8 @@ def test_native_prefill_logits_match_transformers(
         return ran[-1]
 
     monkeypatch.setattr(engine.model, "paged_prefill_attention", counting)
-    tokens = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 256, (sum(chunks),), generator=gen).tolist()
 
     ours = _engine_logits(folder, tokens, chunks)
 

@@ -33,9 +33,7 @@ def _step(
     prefix (when ``cached_own`` >= 0; none when it is -1), ``cached_own`` more cached tokens and
     the new ones. Returns queries ``[T, heads, dim]`` as a strided view, the pool, the chunks."""
     shared_blocks = -(-shared_tokens // block_size)
-    lengths = [
-        (shared_tokens if own >= 0 else 0) + max(own, 0) + new for own, new in chunks
-    ]
+    lengths = [(shared_tokens if own >= 0 else 0) + max(own, 0) + new for own, new in chunks]
     num_blocks = 1 + shared_blocks + sum(-(-n // block_size) for n in lengths)
     pool = torch.full((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), float("nan"))
     order = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 never used
@@ -50,7 +48,8 @@ def _step(
     for (own, new), length in zip(chunks, lengths):
         prefix = shared_tokens if own >= 0 else 0
         own_blocks = -(-length // block_size) - prefix // block_size
-        table = torch.cat([shared[: prefix // block_size], order[next_free : next_free + own_blocks]])
+        own_ids = order[next_free : next_free + own_blocks]
+        table = torch.cat([shared[: prefix // block_size], own_ids])
         next_free += own_blocks
         # Only whole blocks are shared: the prefix's partial last block is the chunk's own copy.
         for pos in range(prefix // block_size * block_size, length):
@@ -99,9 +98,41 @@ def test_matches_the_reference(gen, chunks, group, block_size, head_dim):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("chunks", [[(20, 5)], [(0, 15), (300, 2)], [(700, 1)]])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_few_rows_over_a_long_context_split_its_keys(gen, chunks, group, block_size, head_dim):
+    # Only narrow chunks (every row of a KV head in one task) over 1,000+ keys: the kernel
+    # splits each chunk's keys between tasks that read the pool in place, then merges them.
+    q, pool, plan_chunks = _step(
+        gen,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        shared_tokens=1000,  # not a multiple of any tile: the splits end inside units
+        chunks=chunks,
+    )
+    plan = plan_prefill(plan_chunks, block_size)
+    assert plan is not None
+    out = torch.full(q.shape, 7.0)
+
+    assert paged_prefill_attention(q, pool, 1, plan, head_dim**-0.5, out)
+
+    expected = paged_prefill_attention_ref(q, pool, 1, plan_chunks, head_dim**-0.5)
+    assert not out.isnan().any(), "a stale pool slot reached the output"
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
 def test_rows_outside_the_plan_are_left_alone(gen):
     q, pool, chunks = _step(
-        gen, block_size=16, num_kv_heads=1, group=2, head_dim=64, shared_tokens=20,
+        gen,
+        block_size=16,
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        shared_tokens=20,
         chunks=[(0, 9), (3, 12)],
     )
     plan = plan_prefill(chunks[1:], 16)  # only the second chunk
@@ -116,7 +147,12 @@ def test_rows_outside_the_plan_are_left_alone(gen):
 
 def test_a_prefix_shared_by_chunks_is_packed_once(gen):
     _, _, chunks = _step(
-        gen, block_size=32, num_kv_heads=1, group=1, head_dim=64, shared_tokens=96,
+        gen,
+        block_size=32,
+        num_kv_heads=1,
+        group=1,
+        head_dim=64,
+        shared_tokens=96,
         chunks=[(0, 40), (10, 40), (0, 1)],
     )
     plan = plan_prefill(chunks, 32)
@@ -144,8 +180,13 @@ def test_plan_refuses_what_the_kernel_cannot_read():
 def test_unsupported_inputs_return_false_and_leave_out_alone(gen, change):
     head_dim = 32 if change == "head_dim 32" else 64
     q, pool, chunks = _step(
-        gen, block_size=16, num_kv_heads=1, group=2, head_dim=head_dim,
-        shared_tokens=0, chunks=[(0, 20)],
+        gen,
+        block_size=16,
+        num_kv_heads=1,
+        group=2,
+        head_dim=head_dim,
+        shared_tokens=0,
+        chunks=[(0, 20)],
     )
     plan = plan_prefill(chunks, 16)
     assert plan is not None
