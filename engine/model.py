@@ -305,7 +305,7 @@ class LlamaModel:
         if kv_scales is not None or kv_cache.device.type != "cpu" or self.dtype != torch.float32:
             return None
         chunks = [PrefillChunk(s.start, s.num_new, s.context_len, s.block_table) for s in others]
-        return plan_prefill(chunks, kv_cache.shape[3])
+        return plan_prefill(chunks, kv_cache.shape[3], kv_cache.shape[0])
 
     def _prefill_attention(
         self,

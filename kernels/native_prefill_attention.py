@@ -51,6 +51,8 @@ class PrefillPlan:
     """What the kernel reads, shared by every layer of one step.
 
     Attributes:
+        pool_blocks: the pool's block count the plan was checked against.
+        num_rows: rows of the step's queries the chunks cover (``max(start + num_new)``).
         unit_ids: ``[U]`` int64, ``block * (block_size // 16) + sub``: each unit once.
         unit_valid: ``[U]`` int64 tokens of the unit inside some chunk's context; the rest are
             read as zeros (a pool slot past every context holds stale data).
@@ -59,6 +61,8 @@ class PrefillPlan:
         seq_info: ``[S, 3]`` int64 ``(start, num_new, context_len)``.
     """
 
+    pool_blocks: int
+    num_rows: int
     unit_ids: torch.Tensor
     unit_valid: torch.Tensor
     seq_units: torch.Tensor
@@ -70,19 +74,48 @@ def native_prefill_kernel() -> ModuleType | None:
     return load_cpu_extension("cachetier_prefill_attention_cpu", "prefill_attention_cpu.cpp")
 
 
-def plan_prefill(chunks: Sequence[PrefillChunk], block_size: int) -> PrefillPlan | None:
-    """The units each chunk reads, deduplicated across chunks; ``None`` where ``block_size``
-    is not a multiple of 16 (the kernel's unit) or there is no chunk."""
+def plan_prefill(
+    chunks: Sequence[PrefillChunk], block_size: int, num_blocks: int
+) -> PrefillPlan | None:
+    """The units each chunk reads, deduplicated across chunks.
+
+    Args:
+        chunks: the step's chunks.
+        block_size: the pool's tokens per block.
+        num_blocks: the pool's blocks; every block id read must be below it.
+
+    Returns:
+        The plan, or ``None`` where ``block_size`` is not a multiple of 16 (the kernel's unit)
+        or there is no chunk.
+
+    Raises:
+        ValueError: a chunk with no new tokens, more new tokens than its context, a block table
+            too short for its context, or a block id outside the pool. The kernel reads the
+            pool through these ids without checking them again.
+    """
     if not chunks or block_size % UNIT:
         return None
     per_block = block_size // UNIT
     units, valid = [], []
     for c in chunks:
+        if c.start < 0 or not 1 <= c.num_new <= c.context_len:
+            raise ValueError(
+                f"a chunk needs start >= 0 and 1 <= num_new <= context_len, got start {c.start}, "
+                f"num_new {c.num_new}, context_len {c.context_len}"
+            )
+        needed = -(-c.context_len // block_size)
+        if c.block_table.numel() < needed:
+            raise ValueError(
+                f"block_table holds {c.block_table.numel()} blocks, context_len "
+                f"{c.context_len} needs {needed}"
+            )
         j = torch.arange(-(-c.context_len // UNIT))
-        table = c.block_table[: -(-c.context_len // block_size)].long()
+        table = c.block_table[:needed].long()
         units.append(table[j // per_block] * per_block + j % per_block)
         valid.append((c.context_len - j * UNIT).clamp(max=UNIT))
     unit_ids, inverse = torch.unique(torch.cat(units), return_inverse=True)
+    if int(unit_ids[0]) < 0 or int(unit_ids[-1]) >= num_blocks * per_block:  # sorted
+        raise ValueError(f"a block id is outside the pool's {num_blocks} blocks")
     unit_valid = torch.zeros_like(unit_ids).scatter_reduce(
         0, inverse, torch.cat(valid), reduce="amax"
     )
@@ -92,7 +125,8 @@ def plan_prefill(chunks: Sequence[PrefillChunk], block_size: int) -> PrefillPlan
         seq_units[i, : len(u)] = inverse[offset : offset + len(u)]
         offset += len(u)
     seq_info = torch.tensor([(c.start, c.num_new, c.context_len) for c in chunks])
-    return PrefillPlan(unit_ids, unit_valid, seq_units, seq_info)
+    num_rows = max(c.start + c.num_new for c in chunks)
+    return PrefillPlan(num_blocks, num_rows, unit_ids, unit_valid, seq_units, seq_info)
 
 
 def paged_prefill_attention(
@@ -119,7 +153,12 @@ def paged_prefill_attention(
         ``False`` (``out`` untouched) where the kernel is unavailable or does not cover these
         tensors: not CPU float32, head_dim not 64 or 128, no AVX2 and FMA. The caller then
         takes the torch path.
+
+    Raises:
+        ValueError: tensors whose shapes do not fit the pool or each other, a layer outside the
+            pool, or a plan made for another pool or for more query rows than ``query`` has.
     """
+    _check(query, kv_cache, layer, plan, out)
     if (
         query.device.type != "cpu"
         or query.dtype != torch.float32
@@ -145,6 +184,31 @@ def paged_prefill_attention(
             out,
         )
     )
+
+
+def _check(
+    query: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: PrefillPlan, out: torch.Tensor
+) -> None:
+    if kv_cache.dim() != 6 or query.dim() != 3:
+        raise ValueError(
+            f"kv_cache must be [blocks, layers, 2, block_size, kv_heads, head_dim] and query "
+            f"[tokens, heads, head_dim], got {tuple(kv_cache.shape)} and {tuple(query.shape)}"
+        )
+    num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    if query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit a pool of {num_kv_heads} KV heads of "
+            f"head_dim {head_dim}"
+        )
+    if out.shape != query.shape:
+        raise ValueError(f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer must be in [0, {kv_cache.shape[1]}), got {layer}")
+    if plan.pool_blocks != kv_cache.shape[0] or plan.num_rows > query.shape[0]:
+        raise ValueError(
+            f"the plan was made for a pool of {plan.pool_blocks} blocks and {plan.num_rows} "
+            f"query rows; got {kv_cache.shape[0]} blocks and {query.shape[0]} rows"
+        )
 
 
 def paged_prefill_attention_ref(

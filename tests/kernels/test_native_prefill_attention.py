@@ -87,7 +87,7 @@ def test_matches_the_reference(gen, chunks, group, block_size, head_dim):
         shared_tokens=3 * block_size + 5,  # the shared prefix ends inside a block
         chunks=chunks,
     )
-    plan = plan_prefill(plan_chunks, block_size)
+    plan = plan_prefill(plan_chunks, block_size, len(pool))
     assert plan is not None
     out = torch.full(q.shape, 7.0)
 
@@ -114,7 +114,7 @@ def test_a_few_rows_over_a_long_context_split_its_keys(gen, chunks, group, block
         shared_tokens=1000,  # not a multiple of any tile: the splits end inside units
         chunks=chunks,
     )
-    plan = plan_prefill(plan_chunks, block_size)
+    plan = plan_prefill(plan_chunks, block_size, len(pool))
     assert plan is not None
     out = torch.full(q.shape, 7.0)
 
@@ -135,7 +135,7 @@ def test_rows_outside_the_plan_are_left_alone(gen):
         shared_tokens=20,
         chunks=[(0, 9), (3, 12)],
     )
-    plan = plan_prefill(chunks[1:], 16)  # only the second chunk
+    plan = plan_prefill(chunks[1:], 16, len(pool))  # only the second chunk
     out = torch.full(q.shape, 7.0)
 
     assert paged_prefill_attention(q, pool, 0, plan, 0.125, out)
@@ -146,7 +146,7 @@ def test_rows_outside_the_plan_are_left_alone(gen):
 
 
 def test_a_prefix_shared_by_chunks_is_packed_once(gen):
-    _, _, chunks = _step(
+    _, pool, chunks = _step(
         gen,
         block_size=32,
         num_kv_heads=1,
@@ -155,7 +155,7 @@ def test_a_prefix_shared_by_chunks_is_packed_once(gen):
         shared_tokens=96,
         chunks=[(0, 40), (10, 40), (0, 1)],
     )
-    plan = plan_prefill(chunks, 32)
+    plan = plan_prefill(chunks, 32, len(pool))
 
     # 96 shared tokens are 6 units of 16; each chunk adds its own after them.
     own_units = [-(-(c.context_len - 96) // 16) for c in chunks]
@@ -169,8 +169,8 @@ def test_a_prefix_shared_by_chunks_is_packed_once(gen):
 
 def test_plan_refuses_what_the_kernel_cannot_read():
     chunk = PrefillChunk(0, 4, 4, torch.zeros(1, dtype=torch.long))
-    assert plan_prefill([chunk], 8) is None  # block size not a multiple of 16
-    assert plan_prefill([], 16) is None
+    assert plan_prefill([chunk], 8, 4) is None  # block size not a multiple of 16
+    assert plan_prefill([], 16, 4) is None
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_unsupported_inputs_return_false_and_leave_out_alone(gen, change):
         shared_tokens=0,
         chunks=[(0, 20)],
     )
-    plan = plan_prefill(chunks, 16)
+    plan = plan_prefill(chunks, 16, len(pool))
     assert plan is not None
     if change == "bfloat16 query":
         q = q.bfloat16()
@@ -199,3 +199,51 @@ def test_unsupported_inputs_return_false_and_leave_out_alone(gen, change):
     assert not paged_prefill_attention(q, pool, 0, plan, 0.125, out)
 
     assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+@pytest.mark.parametrize(
+    ("chunk", "why"),
+    [
+        (PrefillChunk(0, 4, 20, torch.tensor([1, 99])), "outside the pool"),
+        (PrefillChunk(0, 4, 20, torch.tensor([1, -1])), "outside the pool"),
+        (PrefillChunk(0, 4, 20, torch.tensor([1])), "needs 2"),
+        (PrefillChunk(0, 0, 20, torch.tensor([1, 2])), "num_new"),
+        (PrefillChunk(0, 21, 20, torch.tensor([1, 2])), "num_new"),
+        (PrefillChunk(-1, 4, 20, torch.tensor([1, 2])), "start"),
+    ],
+)
+def test_a_plan_that_would_read_outside_the_pool_is_refused(chunk, why):
+    # The kernel reads the pool through these ids unchecked: the plan is where they are checked.
+    with pytest.raises(ValueError, match=why):
+        plan_prefill([chunk], 16, 8)
+
+
+@pytest.mark.parametrize("change", ["rows", "pool", "layer", "head_dim", "heads", "out"])
+def test_tensors_that_do_not_fit_the_plan_or_the_pool_are_refused(gen, change):
+    q, pool, chunks = _step(
+        gen,
+        block_size=16,
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        shared_tokens=20,
+        chunks=[(0, 9)],
+    )
+    plan = plan_prefill(chunks, 16, len(pool))
+    assert plan is not None
+    layer, out = 0, torch.zeros(q.shape)
+    if change == "rows":
+        q, out = q[:5], out[:5]  # the plan covers 9 rows
+    if change == "pool":
+        pool = pool[:-1].contiguous()  # another pool than the plan's
+    if change == "layer":
+        layer = 2
+    if change == "head_dim":
+        q, out = q[..., :32], out[..., :32]
+    if change == "heads":
+        q, out = q[:, :3], out[:, :3]  # 3 query heads over 2 KV heads
+    if change == "out":
+        out = out[:, :2]
+
+    with pytest.raises(ValueError):
+        paged_prefill_attention(q, pool, layer, plan, 0.125, out)
