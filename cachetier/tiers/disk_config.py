@@ -36,6 +36,9 @@ class DiskTierConfig:
             (0: nothing can be pinned). Pins live in the process that made them: another
             process sharing the folder evicts by its own pins, so give every process the same
             pins (the sidecar owns its folder alone).
+        admit_wait_s: longest a put waits for other processes' in-flight batches to land when
+            they hold all the room; after it the put is refused (counted in ``rejected``). A
+            slow disk or a loaded node may need more.
     """
 
     root: str
@@ -47,6 +50,7 @@ class DiskTierConfig:
     dir_mode: int = DEFAULT_DIR_MODE
     orphan_temp_age_s: float = 3600.0
     max_pinned_fraction: float = 0.5
+    admit_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -59,6 +63,8 @@ class DiskTierConfig:
         if not self.orphan_temp_age_s > 0:
             raise ValueError(f"orphan_temp_age_s must be positive, got {self.orphan_temp_age_s}")
         fraction("max_pinned_fraction", self.max_pinned_fraction)
+        if not self.admit_wait_s > 0:
+            raise ValueError(f"admit_wait_s must be positive, got {self.admit_wait_s}")
 
 
 def check_mode(name: str, mode: object, *, needs: int) -> int:

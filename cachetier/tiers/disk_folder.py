@@ -38,7 +38,6 @@ from cachetier.tiers.disk_files import (
 )
 from cachetier.tiers.disk_index import LocalIndex, Slot
 
-_ADMIT_WAIT_S = 5.0  # longest a put waits for other processes' in-flight batches to land
 _ADMIT_POLL_S = 0.002
 # A process killed while it evicts leaves the ledger counting the files it removed: whoever
 # takes the lock next after this long rebuilds the count from the folder (~0.3 s for 100k
@@ -244,10 +243,10 @@ class SharedFolder:
 
         Returns:
             ``False`` if no room came (other processes' in-flight batches held it all for
-            longer than ``_ADMIT_WAIT_S``); then nothing is reserved.
+            longer than the config's ``admit_wait_s``); then nothing is reserved.
         """
         rescanned = healed = False
-        deadline = time.monotonic() + _ADMIT_WAIT_S
+        deadline = time.monotonic() + self._config.admit_wait_s
         while True:
             with self.locked() as state:
                 outcome = self._evict_locked(state, rescanned=rescanned, room=nbytes)

@@ -200,6 +200,8 @@ def _mode(path: Path) -> int:
         ("file_mode", 0o440),  # the tier could not write its own files
         ("dir_mode", 0o600),
         ("orphan_temp_age_s", 0),
+        ("admit_wait_s", 0),
+        ("admit_wait_s", -1.0),
     ],
 )
 def test_bad_disk_settings_are_value_errors(tmp_path: Path, name: str, value: object) -> None:
