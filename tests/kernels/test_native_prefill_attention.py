@@ -64,6 +64,35 @@ def _step(
     return qkv[:, :heads], pool, out
 
 
+def _assert_matches_reference(
+    gen: torch.Generator,
+    block_size: int,
+    group: int,
+    head_dim: int,
+    shared_tokens: int,
+    chunks: list[tuple[int, int]],
+) -> None:
+    """Runs the kernel on a ``_step`` of two KV heads and checks it against the reference."""
+    q, pool, plan_chunks = _step(
+        gen,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        shared_tokens=shared_tokens,
+        chunks=chunks,
+    )
+    plan = plan_prefill(plan_chunks, block_size, len(pool))
+    assert plan is not None
+    out = torch.full(q.shape, 7.0)
+
+    assert paged_prefill_attention(q, pool, 1, plan, head_dim**-0.5, out)
+
+    expected = paged_prefill_attention_ref(q, pool, 1, plan_chunks, head_dim**-0.5)
+    assert not out.isnan().any(), "a stale pool slot reached the output"
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
 CASES = [
     # (cached own tokens or -1 for no shared prefix, new tokens)
     [(0, 100)],
@@ -78,24 +107,8 @@ CASES = [
 @pytest.mark.parametrize("block_size", [16, 48])  # one unit a block, three
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_matches_the_reference(gen, chunks, group, block_size, head_dim):
-    q, pool, plan_chunks = _step(
-        gen,
-        block_size=block_size,
-        num_kv_heads=2,
-        group=group,
-        head_dim=head_dim,
-        shared_tokens=3 * block_size + 5,  # the shared prefix ends inside a block
-        chunks=chunks,
-    )
-    plan = plan_prefill(plan_chunks, block_size, len(pool))
-    assert plan is not None
-    out = torch.full(q.shape, 7.0)
-
-    assert paged_prefill_attention(q, pool, 1, plan, head_dim**-0.5, out)
-
-    expected = paged_prefill_attention_ref(q, pool, 1, plan_chunks, head_dim**-0.5)
-    assert not out.isnan().any(), "a stale pool slot reached the output"
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    # The shared prefix ends inside a block.
+    _assert_matches_reference(gen, block_size, group, head_dim, 3 * block_size + 5, chunks)
 
 
 @pytest.mark.parametrize("chunks", [[(20, 5)], [(0, 15), (300, 2)], [(700, 1)]])
@@ -105,24 +118,8 @@ def test_matches_the_reference(gen, chunks, group, block_size, head_dim):
 def test_a_few_rows_over_a_long_context_split_its_keys(gen, chunks, group, block_size, head_dim):
     # Only narrow chunks (every row of a KV head in one task) over 1,000+ keys: the kernel
     # splits each chunk's keys between tasks that read the pool in place, then merges them.
-    q, pool, plan_chunks = _step(
-        gen,
-        block_size=block_size,
-        num_kv_heads=2,
-        group=group,
-        head_dim=head_dim,
-        shared_tokens=1000,  # not a multiple of any tile: the splits end inside units
-        chunks=chunks,
-    )
-    plan = plan_prefill(plan_chunks, block_size, len(pool))
-    assert plan is not None
-    out = torch.full(q.shape, 7.0)
-
-    assert paged_prefill_attention(q, pool, 1, plan, head_dim**-0.5, out)
-
-    expected = paged_prefill_attention_ref(q, pool, 1, plan_chunks, head_dim**-0.5)
-    assert not out.isnan().any(), "a stale pool slot reached the output"
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    # 1,000 shared tokens are not a multiple of any tile: the splits end inside units.
+    _assert_matches_reference(gen, block_size, group, head_dim, 1000, chunks)
 
 
 def test_rows_outside_the_plan_are_left_alone(gen):
