@@ -170,7 +170,10 @@ class HostStaging:
                 self._loads[0][0].synchronize()
             else:
                 self._pending[0].event.synchronize()  # type: ignore[union-attr]
-                self._ready.extend(self.poll())
+                # poll() hands back (and empties) _ready with what it finished: assign, not
+                # `self._ready.extend(self.poll())`, which extends the list poll just swapped
+                # out and so dropped every save finished while waiting for a buffer.
+                self._ready = self.poll()
 
 
 def payload_view(payload: torch.Tensor) -> memoryview:
