@@ -1,0 +1,124 @@
+"""The Triton kernels on a CUDA device against the plain-torch path of the same call, same run.
+
+Shapes are SmolLM2-135M's (30 layers, 3 KV heads, 9 query heads, head_dim 64, blocks of 16
+tokens) in bf16. Every ratio is torch seconds / Triton seconds (> 1: Triton faster), and the
+copies also report GB/s against a plain device-to-device copy of the same bytes.
+
+    python benchmarks/bench_cuda_kernels.py --json
+
+Without a CUDA device it prints why and exits with status 2: there is nothing to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import emit, interleaved_medians  # noqa: E402
+from kernels import gather_blocks, paged_attention_decode, scatter_blocks  # noqa: E402
+
+LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
+
+
+def _timed(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    # One sample is `calls` launches then one sync: a per-launch sync would time the host.
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def copies(num_blocks: int, moved: int, repeats: int) -> dict[str, float]:
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, device="cuda")
+    pool = pool.to(torch.bfloat16)
+    ids = torch.randperm(num_blocks, device="cuda")[:moved]
+    staging = torch.empty(moved, *pool.shape[1:], dtype=pool.dtype, device="cuda")
+    flat_src = pool[:moved].clone()
+    calls = 20
+
+    def gather(backend: str) -> Callable[[], None]:
+        return _timed(lambda: gather_blocks(pool, ids, staging, backend=backend), calls)
+
+    def scatter(backend: str) -> Callable[[], None]:
+        return _timed(lambda: scatter_blocks(staging, pool, ids, backend=backend), calls)
+
+    t = interleaved_medians(
+        {
+            "gather_triton": gather("triton"),
+            "gather_torch": gather("torch"),
+            "scatter_triton": scatter("triton"),
+            "scatter_torch": scatter("torch"),
+            "plain_copy": _timed(lambda: staging.copy_(flat_src), calls),
+        },
+        repeats,
+    )
+    moved_bytes = 2 * staging.numel() * staging.element_size() * calls  # read + write
+    return {
+        "gather_triton_vs_torch": t["gather_torch"] / t["gather_triton"],
+        "scatter_triton_vs_torch": t["scatter_torch"] / t["scatter_triton"],
+        "gather_triton_vs_plain_copy": t["plain_copy"] / t["gather_triton"],
+        "gather_triton_gbps": moved_bytes / t["gather_triton"] / 1e9,
+        "plain_copy_gbps": moved_bytes / t["plain_copy"] / 1e9,
+    }
+
+
+def decode(batch: int, context: int, shared_blocks: int, repeats: int) -> dict[str, float]:
+    # Triton reads each row's blocks in place; rows that share leading blocks (the engine's
+    # shared prefix) are timed too, since they hit the same pages in L2.
+    blocks_per_seq = -(-context // BLOCK)
+    own = blocks_per_seq - shared_blocks
+    num_blocks = shared_blocks + batch * own + 1
+    pool = torch.randn(num_blocks, 2, 2, BLOCK, KV_HEADS, HEAD_DIM, device="cuda")
+    pool = pool.to(torch.bfloat16)
+    order = torch.randperm(num_blocks - 1, device="cuda")
+    shared = order[:shared_blocks]
+    tables = torch.cat(
+        [shared.expand(batch, -1), order[shared_blocks:].view(batch, own)], dim=1
+    ).contiguous()
+    lens = torch.full((batch,), context, device="cuda")
+    query = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+
+    def call(backend: str) -> Callable[[], object]:
+        return lambda: paged_attention_decode(query, pool, 1, tables, lens, scale, backend=backend)
+
+    t = interleaved_medians(
+        {"triton": _timed(call("triton"), 10), "torch": _timed(call("torch"), 10)}, repeats
+    )
+    out = {"triton_vs_torch": t["torch"] / t["triton"]}
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 * 10
+    out["triton_kv_gbps"] = kv_bytes / t["triton"] / 1e9
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure", file=sys.stderr)
+        sys.exit(2)
+    result: dict[str, object] = {"device": torch.cuda.get_device_name()}
+    result.update(copies(num_blocks=2048, moved=256, repeats=args.repeats))
+    for batch, context in ((32, 1024), (64, 4096)):
+        for key, value in decode(batch, context, 0, args.repeats).items():
+            result[f"decode_{batch}x{context}_{key}"] = value
+    for key, value in decode(64, 4096, 128, args.repeats).items():
+        result[f"decode_shared2048_{key}"] = value
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
