@@ -1,8 +1,10 @@
-"""The Triton kernels on a CUDA device against the plain-torch path of the same call, same run.
+"""The Triton kernels and the connector's host copies on a CUDA device, against a baseline on
+the same device in the same run.
 
 Shapes are SmolLM2-135M's (30 layers, 3 KV heads, 9 query heads, head_dim 64, blocks of 16
-tokens) in bf16. Every ratio is torch seconds / Triton seconds (> 1: Triton faster), and the
-copies also report GB/s against a plain device-to-device copy of the same bytes.
+tokens), bf16 in the pool and fp32 in vLLM's pages (the connector's host copies). Kernel ratios
+are torch seconds / Triton seconds (> 1: Triton faster); copies also report GB/s against a
+plain copy of the same bytes; host copies are a raw pinned copy's seconds / ours.
 
     python benchmarks/bench_cuda_kernels.py --json
 
@@ -24,6 +26,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit, interleaved_medians  # noqa: E402
+from cachetier.keys import KVLayout  # noqa: E402
+from connectors.vllm.layouts import CUDA_KV, VllmArrangement  # noqa: E402
+from connectors.vllm.paged import PagedKV  # noqa: E402
 from kernels import gather_blocks, paged_attention_decode, scatter_blocks  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
@@ -73,6 +78,51 @@ def copies(num_blocks: int, moved: int, repeats: int) -> dict[str, float]:
     }
 
 
+def host_copies(num_blocks: int, moved: int, repeats: int) -> dict[str, float]:
+    """The vLLM connector's CUDA saves (device pages -> own host tensors, through bounded pinned
+    staging on a side stream) and loads (tier bytes -> pinned -> pages), against one raw
+    pinned copy of the same bytes in the same direction."""
+    layout = KVLayout("float32", BLOCK, LAYERS, KV_HEADS, HEAD_DIM)
+    names = [f"layer.{i}" for i in range(LAYERS)]
+    pages = {
+        n: torch.randn(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, device="cuda") for n in names
+    }
+    paged = PagedKV(pages, names, VllmArrangement(CUDA_KV, layout))
+    ids = torch.randperm(num_blocks)[:moved].tolist()
+    payloads = [p.numpy().tobytes() for p in paged.gather(ids)]
+    nbytes = moved * layout.block_bytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def save() -> None:
+        paged.save(ids, None)
+        paged.drain()
+
+    def load() -> None:
+        paged.write(ids, payloads)
+        torch.cuda.synchronize()
+
+    def raw(direction: str) -> Callable[[], None]:
+        def run() -> None:
+            if direction == "d2h":
+                pinned.copy_(on_device, non_blocking=True)
+            else:
+                on_device.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        return run
+
+    t = interleaved_medians(
+        {"save": save, "raw_d2h": raw("d2h"), "load": load, "raw_h2d": raw("h2d")}, repeats
+    )
+    return {
+        "d2h_save_vs_raw_copy": t["raw_d2h"] / t["save"],
+        "h2d_load_vs_raw_copy": t["raw_h2d"] / t["load"],
+        "raw_d2h_gbps": nbytes / t["raw_d2h"] / 1e9,
+        "raw_h2d_gbps": nbytes / t["raw_h2d"] / 1e9,
+    }
+
+
 def decode(batch: int, context: int, shared_blocks: int, repeats: int) -> dict[str, float]:
     # Triton reads each row's blocks in place; rows that share leading blocks (the engine's
     # shared prefix) are timed too, since they hit the same pages in L2.
@@ -112,6 +162,7 @@ def main() -> None:
         sys.exit(2)
     result: dict[str, object] = {"device": torch.cuda.get_device_name()}
     result.update(copies(num_blocks=2048, moved=256, repeats=args.repeats))
+    result.update(host_copies(num_blocks=512, moved=64, repeats=args.repeats))
     for batch, context in ((32, 1024), (64, 4096)):
         for key, value in decode(batch, context, 0, args.repeats).items():
             result[f"decode_{batch}x{context}_{key}"] = value
