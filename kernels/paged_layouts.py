@@ -12,8 +12,8 @@ transposed), by one part per plane. Gathering blocks into canonical payloads, or
 payloads back, is one strided copy per block and part, straight between the engine's memory and
 the payload: no intermediate buffer. On CPU the copies run through numpy (a strided copy costs
 a microsecond to start there, against ten for a torch op, and blocks are small); on CUDA as one
-Triton kernel per part (``kernels.triton_layout_copy``); elsewhere as torch ``index_select`` /
-``index_copy_``.
+Triton launch for all layers where their parts are alike, else one per part
+(``kernels.triton_layout_copy``); elsewhere as torch ``index_select`` / ``index_copy_``.
 
 Axis names: ``block``, ``token``, ``slot`` (``block * block_size + token``, for pools indexed
 by token), ``layer``, ``kv`` (K then V), ``head``, ``dim``, and ``kv_dim`` (K's ``dim``
@@ -145,6 +145,8 @@ class PagedBlocks:
         # Where each part's planes start inside a layer of the payload.
         self._starts = [sum(plane_counts[:i]) for i in range(len(plane_counts))]
         self._groups: list[_HostGroup] | None = None
+        # The one-launch Triton copy's part and payload offsets, made on its first call.
+        self._launch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gather(
         self, block_ids: torch.Tensor, out: torch.Tensor, *, backend: str = "auto"
@@ -188,11 +190,7 @@ class PagedBlocks:
         ids = self._check(block_ids, payloads, name)
         how = resolve_backend(backend, payloads, ids)
         if how == "triton":
-            from kernels.triton_layout_copy import copy_part_blocks
-
-            for layer, parts in enumerate(self.layers):
-                for start, part in zip(self._starts, parts):
-                    copy_part_blocks(part, payloads, ids, layer, start, gather=gather)
+            self._copy_triton(ids, payloads, gather=gather)
         elif self.device.type == "cpu":
             self._copy_host(ids.tolist(), list(payloads.unbind(0)), gather=gather)
         else:
@@ -203,6 +201,33 @@ class PagedBlocks:
                         torch.index_select(part, 0, ids, out=dst)
                     else:
                         part.index_copy_(0, ids, dst)
+
+    def _copy_triton(self, ids: torch.Tensor, payloads: torch.Tensor, *, gather: bool) -> None:
+        from kernels.triton_layout_copy import copy_all_parts, copy_part_blocks, part_offsets
+
+        parts = [part for layer in self.layers for part in layer]
+        first = parts[0]
+        if all(p.shape == first.shape and p.stride() == first.stride() for p in parts):
+            if self._launch is None:
+                # Pages never move, so where each part lies is worked out once.
+                layer_numel = payloads[0, 0].numel()
+                plane_numel = payloads[0, 0, 0].numel()
+                starts = [
+                    layer * layer_numel + start * plane_numel
+                    for layer in range(len(self.layers))
+                    for start in self._starts
+                ]
+                device = first.device
+                self._launch = (
+                    part_offsets(parts),
+                    torch.tensor(starts, dtype=torch.int64, device=device),
+                )
+            offsets, starts_t = self._launch
+            copy_all_parts(parts, offsets, starts_t, payloads, ids, gather=gather)
+            return
+        for layer, layer_parts in enumerate(self.layers):
+            for start, part in zip(self._starts, layer_parts):
+                copy_part_blocks(part, payloads, ids, layer, start, gather=gather)
 
     def gather_each(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
         """``gather`` into separate payload tensors, one per block (CPU pages only).

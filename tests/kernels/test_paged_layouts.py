@@ -297,3 +297,28 @@ def test_first_copies_from_many_threads_see_every_layer() -> None:
             thread.join()
         for block in range(blocks):
             assert torch.equal(outs[block], want[block]), f"block {block} lost layers"
+
+
+@pytest.mark.parametrize(
+    ("case", "one_launch"),
+    [(CASES[0], True), (CASES[2], True), (CASES[5], True), (CASES[1], False)],
+    ids=lambda v: v.name if isinstance(v, Case) else str(v),
+)
+def test_triton_takes_one_launch_where_parts_are_alike(
+    case: Case, one_launch: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kernels.triton_layout_copy as copies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("this copy should have taken the other launch")
+
+    # Parts of one shape and strides go in one launch; K and V laid out apart, one per part.
+    monkeypatch.setattr(copies, "copy_part_blocks" if one_launch else "copy_all_parts", refused)
+    paged, put, _ = _paged(case)
+    blocks = _blocks(case, NB, gen)
+    for b in range(NB):
+        put(b, blocks[b])
+    ids = torch.tensor([4, 1, 4])
+    out = torch.empty(len(ids), *paged.geometry.payload_shape)
+    paged.gather(ids, out, backend="triton")
+    torch.testing.assert_close(out, blocks[ids], rtol=0, atol=0)
