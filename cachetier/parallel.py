@@ -68,7 +68,9 @@ def beside(fn: Callable[[], _T]) -> Future[_T] | None:
 # cores the engine keeps busy (vLLM-CPU runs one OpenMP thread per core), a writer at the
 # engine's priority preempts a forward's threads and every other thread of the team waits for
 # the one preempted: saving every block of a no-hit workload cost vLLM-CPU 13-30% that way,
-# 4% at the lowest priority (bench_vllm_overhead), with every block still saved.
+# 4% at nice 19 (bench_vllm_overhead), with every block still saved. At 19, Linux threads also
+# take SCHED_IDLE: a nice-19 thread still preempts the engine's when it wakes (an fsync that
+# returns), while an idle-class thread runs only on a core nothing else wants.
 BACKGROUND_NICE = 19
 
 
@@ -77,7 +79,8 @@ def become_background(nice: int = BACKGROUND_NICE) -> None:
 
     Its data work stays on it (``map_in_threads`` runs inline: the shared pool's threads serve
     reads a request waits for), and on Linux it runs at ``nice`` (there a thread has its own
-    priority; elsewhere nice is the whole process's, so it is left alone).
+    priority; elsewhere nice is the whole process's, so it is left alone); at 19, in the
+    ``SCHED_IDLE`` class too.
 
     Args:
         nice: 0 (the process's priority) to 19 (the lowest).
@@ -88,6 +91,9 @@ def become_background(nice: int = BACKGROUND_NICE) -> None:
     if nice and sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            if nice == 19:
+                # pid 0: the calling thread alone (Linux schedules threads, not processes).
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # a sandbox that forbids it: the work still runs, at normal priority
             pass
 

@@ -144,9 +144,11 @@ class _WatchedTier(CPUTier):
     def __init__(self) -> None:
         super().__init__(CPUTierConfig(BIG))
         self.seen: list[tuple[int, set[str]]] = []
+        self.policies: list[int] = []
 
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        self.policies.append(os.sched_getscheduler(0))
         # What a disk tier's batched write does: fan out over the data threads, if allowed.
         names = map_in_threads(lambda _: threading.current_thread().name, list(range(4)))
         self.seen.append((nice, set(names)))  # type: ignore[arg-type]
@@ -163,14 +165,19 @@ def test_background_writes_run_at_the_lowest_priority_on_their_own_thread(
     watched = _WatchedTier()
     store = TieredStore([CPUTier(CPUTierConfig(BIG)), watched], writer_nice=writer_nice)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    policy_before = os.sched_getscheduler(0)
     try:
         assert store.put_many(namespace.id, make_blocks(namespace, 3)) == 3
         assert store.flush(timeout=10)
     finally:
         store.close()
     assert watched.seen == [(max(before, writer_nice), {"cachetier-writer-watched"})]
-    # The caller's own thread keeps its priority.
+    # At the lowest setting the writer runs only on cores nothing else wants.
+    want = os.SCHED_IDLE if writer_nice == 19 else policy_before
+    assert watched.policies == [want]
+    # The caller's own thread keeps its priority and its class.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    assert os.sched_getscheduler(0) == policy_before
     with pytest.raises(ValueError, match="writer_nice"):
         StoreConfig(writer_nice=20)
 
