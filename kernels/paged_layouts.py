@@ -12,7 +12,7 @@ transposed), by one part per plane. Gathering blocks into canonical payloads, or
 payloads back, is one strided copy per block and part, straight between the engine's memory and
 the payload: no intermediate buffer. On CPU the copies run through numpy (a strided copy costs
 a microsecond to start there, against ten for a torch op, and blocks are small); on CUDA as one
-Triton launch for all layers where their parts are alike, else one per part
+Triton launch per group of alike parts, usually one for all layers
 (``kernels.triton_layout_copy``); elsewhere as torch ``index_select`` / ``index_copy_``.
 
 Axis names: ``block``, ``token``, ``slot`` (``block * block_size + token``, for pools indexed
@@ -111,6 +111,16 @@ def axes_view(
     return view
 
 
+@dataclass(frozen=True, slots=True)
+class _PartGroup:
+    """Parts copied by one Triton launch: where each lies from the first, in elements, and
+    where its planes start in a payload (both on the parts' device)."""
+
+    parts: list[torch.Tensor]
+    offsets: torch.Tensor
+    starts: torch.Tensor
+
+
 class PagedBlocks:
     """An engine's paged KV, per layer its parts, copied block by block to canonical payloads.
 
@@ -145,8 +155,8 @@ class PagedBlocks:
         # Where each part's planes start inside a layer of the payload.
         self._starts = [sum(plane_counts[:i]) for i in range(len(plane_counts))]
         self._groups: list[_HostGroup] | None = None
-        # The one-launch Triton copy's part and payload offsets, made on its first call.
-        self._launch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The Triton copy's groups of alike parts, made on its first call.
+        self._launch: list[_PartGroup] | None = None
 
     def gather(
         self, block_ids: torch.Tensor, out: torch.Tensor, *, backend: str = "auto"
@@ -203,31 +213,34 @@ class PagedBlocks:
                         part.index_copy_(0, ids, dst)
 
     def _copy_triton(self, ids: torch.Tensor, payloads: torch.Tensor, *, gather: bool) -> None:
-        from kernels.triton_layout_copy import copy_all_parts, copy_part_blocks, part_offsets
+        from kernels.triton_layout_copy import copy_parts
 
-        parts = [part for layer in self.layers for part in layer]
-        first = parts[0]
-        if all(p.shape == first.shape and p.stride() == first.stride() for p in parts):
-            if self._launch is None:
-                # Pages never move, so where each part lies is worked out once.
-                layer_numel = payloads[0, 0].numel()
-                plane_numel = payloads[0, 0, 0].numel()
-                starts = [
-                    layer * layer_numel + start * plane_numel
-                    for layer in range(len(self.layers))
-                    for start in self._starts
-                ]
-                device = first.device
-                self._launch = (
-                    part_offsets(parts),
-                    torch.tensor(starts, dtype=torch.int64, device=device),
+        for group in self._triton_groups():
+            copy_parts(group.parts, group.offsets, group.starts, payloads, ids, gather=gather)
+
+    def _triton_groups(self) -> list[_PartGroup]:
+        """The parts by per-block shape and strides, one Triton launch each, with where each
+        part lies and where its planes go in a payload (pages never move: made once)."""
+        if self._launch is None:
+            from kernels.triton_layout_copy import part_offsets
+
+            g = self.geometry
+            plane_numel = g.block_size * g.num_kv_heads * g.head_dim
+            alike: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+            for layer, parts in enumerate(self.layers):
+                for start, part in zip(self._starts, parts):
+                    key = (tuple(part.shape[1:]), part.stride())
+                    at = (layer * g.planes + start) * plane_numel
+                    alike.setdefault(key, []).append((part, at))
+            self._launch = [
+                _PartGroup(
+                    [part for part, _ in members],
+                    part_offsets([part for part, _ in members]),
+                    torch.tensor([at for _, at in members], dtype=torch.int64, device=self.device),
                 )
-            offsets, starts_t = self._launch
-            copy_all_parts(parts, offsets, starts_t, payloads, ids, gather=gather)
-            return
-        for layer, layer_parts in enumerate(self.layers):
-            for start, part in zip(self._starts, layer_parts):
-                copy_part_blocks(part, payloads, ids, layer, start, gather=gather)
+                for members in alike.values()
+            ]
+        return self._launch
 
     def gather_each(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
         """``gather`` into separate payload tensors, one per block (CPU pages only).

@@ -1,11 +1,11 @@
-"""Triton kernels that copy blocks between an engine's strided paged views and canonical
+"""Triton kernel that copies blocks between an engine's strided paged views and canonical
 payloads: the CUDA path of ``kernels.paged_layouts.PagedBlocks``.
 
-``copy_all_parts`` moves every layer's parts in one launch when they share one shape and one set
-of strides (each engine's usual case: one tensor per layer, all alike). A launch costs the host
-tens of microseconds, and one per layer made a gather of 64 SmolLM2 blocks (30 launches of small
-programs) take 1.6 ms on an H200, about twice the copy of the same bytes to the host. Parts
-that differ go one launch each (``copy_part_blocks``).
+One launch moves a group of parts that share their per-block shape and strides, wherever each
+lies: usually every layer's parts at once (one tensor per layer, all alike), or two groups where
+K and V are laid out apart (vLLM-CPU's transposed K). A launch costs the host tens of
+microseconds, and one per layer made a gather of 64 SmolLM2 blocks (30 launches of small
+programs) take 1.6 ms on an H200, about twice the copy of the same bytes to the host.
 
 Imported lazily (``@triton.jit`` decides at import time whether to compile or interpret). The
 launcher trusts its inputs: ``PagedBlocks`` checks them.
@@ -19,84 +19,8 @@ import triton.language as tl
 
 
 @triton.jit
-def layer_blocks_kernel(
-    view_ptr,  # one part, [num_blocks, planes_in_part, block_size, heads, dim], any strides
-    payload_ptr,  # [n, num_layers, planes, block_size, heads, dim], contiguous
-    block_ids_ptr,  # [n]
-    s_block,
-    s_plane,
-    s_token,
-    s_head,
-    s_dim,
-    payload_stride,  # elements per payload (all layers)
-    part_offset,  # where this part's first plane starts inside a payload
-    block_size,
-    heads,
-    DIM: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-    GATHER: tl.constexpr,
-):
-    # One program copies one (payload, plane, token, head) row of DIM elements.
-    i = tl.program_id(0).to(tl.int64)
-    row = tl.program_id(1).to(tl.int64)
-    plane = row // (block_size * heads)
-    token = (row // heads) % block_size
-    head = row % heads
-    dims = tl.arange(0, BLOCK_DIM)
-    mask = dims < DIM
-    block = tl.load(block_ids_ptr + i).to(tl.int64)
-    src = view_ptr + block * s_block + plane * s_plane + token * s_token + head * s_head
-    src += dims * s_dim
-    dst = payload_ptr + i * payload_stride + part_offset + row * DIM + dims
-    if GATHER:
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    else:
-        tl.store(src, tl.load(dst, mask=mask), mask=mask)
-
-
-def copy_part_blocks(
-    part: torch.Tensor,
-    payloads: torch.Tensor,
-    block_ids: torch.Tensor,
-    layer: int,
-    plane: int,
-    *,
-    gather: bool,
-) -> None:
-    """Copy one part of each block between ``part`` and ``payloads`` (one launch).
-
-    Args:
-        part: ``[num_blocks, planes_in_part, block_size, heads, dim]``, any strides.
-        payloads: ``[n, num_layers, planes, block_size, heads, dim]``, contiguous.
-        block_ids: ``[n]`` int64 on the same device.
-        layer: which layer of the payloads ``part`` belongs to.
-        plane: the payload plane its first plane is.
-        gather: ``True`` copies part -> payloads, ``False`` the reverse.
-    """
-    num = block_ids.shape[0]
-    if num == 0:
-        return
-    _, planes, block_size, heads, dim = part.shape
-    layer_numel = payloads[0, 0].numel()
-    plane_numel = payloads[0, 0, 0].numel()
-    layer_blocks_kernel[(num, planes * block_size * heads)](
-        part,
-        payloads,
-        block_ids.contiguous(),
-        *part.stride(),
-        payloads.stride(0),
-        layer * layer_numel + plane * plane_numel,
-        block_size,
-        heads,
-        DIM=dim,
-        BLOCK_DIM=triton.next_power_of_2(dim),
-        GATHER=gather,
-    )
-
-
-@triton.jit
-def all_parts_kernel(
-    base_ptr,  # the first part; the others lie part_offsets elements from it
+def parts_kernel(
+    base_ptr,  # the group's first part; the others lie part_offsets elements from it
     part_offsets_ptr,  # [num_parts] int64, elements from base_ptr to each part's start
     payload_offsets_ptr,  # [num_parts] int64, where each part's planes start in a payload
     payload_ptr,  # [n, num_layers, planes, block_size, heads, dim], contiguous
@@ -146,7 +70,7 @@ def part_offsets(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int64, device=parts[0].device)
 
 
-def copy_all_parts(
+def copy_parts(
     parts: list[torch.Tensor],
     offsets: torch.Tensor,
     payload_offsets: torch.Tensor,
@@ -155,15 +79,15 @@ def copy_all_parts(
     *,
     gather: bool,
 ) -> None:
-    """Copy every part of each block between ``parts`` and ``payloads`` in one launch.
+    """Copy a group of parts of each block between them and ``payloads``, in one launch.
 
     Args:
-        parts: all layers' parts, ``[num_blocks, planes_in_part, block_size, heads, dim]``,
-            one shape and one set of strides.
+        parts: ``[num_blocks, planes_in_part, block_size, heads, dim]`` each, alike but for
+            ``num_blocks`` (one per-block shape, one set of strides).
         offsets: ``part_offsets(parts)``, on the parts' device.
         payload_offsets: per part, where its first plane starts inside a payload, in elements.
         payloads: ``[n, num_layers, planes, block_size, heads, dim]``, contiguous.
-        block_ids: ``[n]`` int64 on the same device.
+        block_ids: ``[n]`` int64 on the same device, each below every part's ``num_blocks``.
         gather: ``True`` copies parts -> payloads, ``False`` the reverse.
     """
     num = block_ids.shape[0]
@@ -176,7 +100,7 @@ def copy_all_parts(
     # About 8 K elements a program: enough to hide a load's latency, few enough to fill the GPU.
     tile_rows = max(1, min(triton.next_power_of_2(rows), 8192 // block_dim))
     grid = (num, len(parts), triton.cdiv(rows, tile_rows))
-    all_parts_kernel[grid](
+    parts_kernel[grid](
         first,
         offsets,
         payload_offsets,

@@ -142,12 +142,20 @@ def _blocks(case: Case, n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, L, case.planes, BS, case.heads, D, generator=gen)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gather_returns_the_canonical_blocks(case: Case, gen: torch.Generator) -> None:
-    paged, put, _ = _paged(case)
+def _filled(
+    case: Case, gen: torch.Generator
+) -> tuple[PagedBlocks, Callable, list[torch.Tensor], torch.Tensor]:
+    """The case's engine memory holding ``NB`` random canonical blocks, written the engine's way."""
+    paged, put, tensors = _paged(case)
     blocks = _blocks(case, NB, gen)
     for b in range(NB):
         put(b, blocks[b])
+    return paged, put, tensors, blocks
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gather_returns_the_canonical_blocks(case: Case, gen: torch.Generator) -> None:
+    paged, _, _, blocks = _filled(case, gen)
     ids = torch.tensor([4, 1, 1, 5])
     out = torch.empty(len(ids), *paged.geometry.payload_shape)
     paged.gather(ids, out, backend="torch")
@@ -156,10 +164,7 @@ def test_gather_returns_the_canonical_blocks(case: Case, gen: torch.Generator) -
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_scatter_writes_what_the_engine_reads_back(case: Case, gen: torch.Generator) -> None:
-    paged, put, tensors = _paged(case)
-    blocks = _blocks(case, NB, gen)
-    for b in range(NB):
-        put(b, blocks[b])
+    paged, put, tensors, blocks = _filled(case, gen)
     expected = [t.clone() for t in tensors]
     new = _blocks(case, 2, gen)
     # The oracle writes the same two blocks through the engine's own indexing.
@@ -176,10 +181,7 @@ def test_scatter_writes_what_the_engine_reads_back(case: Case, gen: torch.Genera
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_triton_copies_what_torch_copies(case: Case, gen: torch.Generator) -> None:
-    paged, put, tensors = _paged(case)
-    blocks = _blocks(case, NB, gen)
-    for b in range(NB):
-        put(b, blocks[b])
+    paged, put, tensors, blocks = _filled(case, gen)
     ids = torch.tensor([2, 5, 0])
     out = torch.empty(len(ids), *paged.geometry.payload_shape)
     paged.gather(ids, out, backend="triton")
@@ -199,10 +201,7 @@ def test_triton_copies_what_torch_copies(case: Case, gen: torch.Generator) -> No
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_per_block_payloads_copy_what_batches_copy(case: Case, gen: torch.Generator) -> None:
-    paged, put, tensors = _paged(case)
-    blocks = _blocks(case, NB, gen)
-    for b in range(NB):
-        put(b, blocks[b])
+    paged, put, tensors, blocks = _filled(case, gen)
     outs = [torch.empty(paged.geometry.payload_shape) for _ in range(3)]
     paged.gather_each([5, 0, 5], outs)
     for out, b in zip(outs, (5, 0, 5)):
@@ -300,25 +299,28 @@ def test_first_copies_from_many_threads_see_every_layer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("case", "one_launch"),
-    [(CASES[0], True), (CASES[2], True), (CASES[5], True), (CASES[1], False)],
+    ("case", "launches"),
+    [(CASES[0], 1), (CASES[2], 1), (CASES[5], 1), (CASES[1], 2)],
     ids=lambda v: v.name if isinstance(v, Case) else str(v),
 )
-def test_triton_takes_one_launch_where_parts_are_alike(
-    case: Case, one_launch: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+def test_triton_copies_alike_parts_in_one_launch(
+    case: Case, launches: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import kernels.triton_layout_copy as copies
 
-    def refused(*args, **kwargs):
-        raise AssertionError("this copy should have taken the other launch")
+    # Every layer's parts alike: one launch for all. K and V laid out apart: one for each.
+    calls: list[int] = []
+    copy_parts = copies.copy_parts
 
-    # Parts of one shape and strides go in one launch; K and V laid out apart, one per part.
-    monkeypatch.setattr(copies, "copy_part_blocks" if one_launch else "copy_all_parts", refused)
-    paged, put, _ = _paged(case)
-    blocks = _blocks(case, NB, gen)
-    for b in range(NB):
-        put(b, blocks[b])
+    def counted(parts, *args, **kwargs):
+        calls.append(len(parts))
+        return copy_parts(parts, *args, **kwargs)
+
+    monkeypatch.setattr(copies, "copy_parts", counted)
+    paged, _, _, blocks = _filled(case, gen)
     ids = torch.tensor([4, 1, 4])
     out = torch.empty(len(ids), *paged.geometry.payload_shape)
     paged.gather(ids, out, backend="triton")
     torch.testing.assert_close(out, blocks[ids], rtol=0, atol=0)
+    assert len(calls) == launches
+    assert sum(calls) == sum(len(parts) for parts in paged.layers)
