@@ -140,6 +140,12 @@ def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) ->
     return [head + digest.digest(), block.aux, payload]
 
 
+def plain_record_nbytes(block: KVBlock) -> int:
+    """The length of ``block``'s uncompressed record (``encode_parts`` with no compression),
+    known without hashing its payload: a sender can announce it before encoding the record."""
+    return _FIXED.size + 8 * len(block.shape) + 8 + block.nbytes
+
+
 def encode_record(block: KVBlock, compression: Compression = Compression.NONE) -> bytes:
     """Encode ``block`` as one record (see the module docstring for the layout).
 

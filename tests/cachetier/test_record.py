@@ -22,7 +22,9 @@ from cachetier.record import (
     encode_parts,
     encode_record,
     peek_key,
+    plain_record_nbytes,
     read_record,
+    record_nbytes,
 )
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -77,6 +79,18 @@ def test_aux_travels_with_the_block(namespace: Namespace) -> None:
     b = make_blocks(namespace, 1)[0]
     block = KVBlock(b.key, b.fingerprint, b.dtype, b.shape, 16, b.data, aux=b"scales!!")
     assert decode_record(encode_record(block, Compression.LZ4)).aux == b"scales!!"
+
+
+@pytest.mark.parametrize("aux", [b"", b"scales!!"])
+def test_an_uncompressed_record_length_is_known_before_encoding(
+    namespace: Namespace, aux: bytes
+) -> None:
+    # A sender announces this length before it hashes the payload: it must be exact.
+    b = make_blocks(namespace, 1)[0]
+    for shape in (b.shape, (int(np.prod(b.shape)),)):
+        block = KVBlock(b.key, b.fingerprint, b.dtype, shape, 16, b.data, aux=aux)
+        assert plain_record_nbytes(block) == record_nbytes(encode_parts(block))
+        assert plain_record_nbytes(block) == len(encode_record(block))
 
 
 def _record(namespace: Namespace) -> tuple[KVBlock, bytearray]:

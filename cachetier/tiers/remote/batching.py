@@ -6,9 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from cachetier.checks import positive_int
-from cachetier.record import Buffer, KVBlock
-
-Record = list[Buffer]  # one record as the parts ``encode_parts`` returns
+from cachetier.record import KVBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,31 +45,30 @@ class RequestLimits:
             }
         )
 
-    def put_chunks(self, records: Sequence[Record]) -> tuple[list[list[Record]], int]:
-        """Group records into put requests.
+    def put_groups(self, sizes: Sequence[int]) -> tuple[list[list[int]], int]:
+        """Group records of the given byte sizes into put requests, by index.
 
         Args:
-            records: the records, as parts.
+            sizes: each record's length in bytes.
 
         Returns:
-            The requests' records in order, and how many records were left out as larger
-            than ``max_block_bytes``.
+            Per request the indices of its records, in order, and how many records were left
+            out as larger than ``max_block_bytes``.
         """
-        chunks: list[list[Record]] = []
+        groups: list[list[int]] = []
         size = too_large = 0
         # A batch's framing costs 8 bytes per record on top of the records (http_batch).
         budget = self.max_batch_bytes - 8
-        for parts in records:
-            nbytes = sum(memoryview(p).nbytes for p in parts)
+        for index, nbytes in enumerate(sizes):
             if nbytes > self.max_block_bytes or nbytes + 8 > budget:
                 too_large += 1
                 continue
-            if not chunks or len(chunks[-1]) >= self.max_batch_blocks or size + nbytes + 8 > budget:
-                chunks.append([])
+            if not groups or len(groups[-1]) >= self.max_batch_blocks or size + nbytes + 8 > budget:
+                groups.append([])
                 size = 0
-            chunks[-1].append(parts)
+            groups[-1].append(index)
             size += nbytes + 8
-        return chunks, too_large
+        return groups, too_large
 
     def num_put_requests(self, blocks: Sequence[KVBlock]) -> int:
         """Count put requests without encoding the blocks.
@@ -80,7 +77,7 @@ class RequestLimits:
             blocks: the blocks to put.
 
         Returns:
-            An upper bound on ``len(put_chunks(...)[0])``.
+            An upper bound on ``len(put_groups(...)[0])``.
         """
         total = sum(b.nbytes + 1024 for b in blocks)  # 1 KiB: more than any record header
         by_count = -(-len(blocks) // self.max_batch_blocks)

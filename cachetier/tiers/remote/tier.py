@@ -37,7 +37,13 @@ from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.landing import Destination, normalize
-from cachetier.record import Buffer, KVBlock, decode_record, encode_parts
+from cachetier.record import (
+    KVBlock,
+    decode_record,
+    encode_parts,
+    plain_record_nbytes,
+    record_nbytes,
+)
 from cachetier.store import PrefixHit
 from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.remote.batching import RequestLimits
@@ -187,41 +193,48 @@ class RemoteTier(Tier):
             return 0
         start = time.perf_counter()
         limits = await self._fetch_limits()
-        chunks, too_large = limits.put_chunks([encode_parts(b) for b in blocks])
+        records = [encode_parts(b) for b in blocks]
+        sizes = [record_nbytes(r) for r in records]
+        groups, too_large = limits.put_groups(sizes)
         stored: list[int] = []
-        for chunk in chunks:
+        for group in groups:
+            chunk = [records[i] for i in group]
             got = await self._call(lambda c=chunk: self._client.put(namespace, c), None)
             if got is None:
                 break
             stored.append(got)
-        return self._count_put(chunks, stored, too_large, start)
+        return self._count_put(groups, sizes, stored, too_large, start)
 
     def _put_transfer(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
-        """``_put_many`` over the transfer port, on the calling thread."""
+        """``_put_many`` over the transfer port, on the calling thread. Each record is encoded
+        just before it is sent (its length is known without hashing), so the checksum of the
+        next record is computed while the server still reads this one."""
         if self._breaker.is_open:
             self._failures.skipped()
             return 0
         start = time.perf_counter()
-        chunks, too_large = self._limits.put_chunks([encode_parts(b) for b in blocks])
+        sizes = [plain_record_nbytes(b) for b in blocks]
+        groups, too_large = self._limits.put_groups(sizes)
         stored: list[int] = []
-        for chunk in chunks:
-            got = self._call_blocking(lambda t, c=chunk: t.put(namespace, c), None)
+        for group in groups:
+            chunk = [blocks[i] for i in group]
+            got = self._call_blocking(lambda t, c=chunk: t.put_blocks(namespace, c), None)
             if got is None:
                 break
             stored.append(got)
-        return self._count_put(chunks, stored, too_large, start)
+        return self._count_put(groups, sizes, stored, too_large, start)
 
     def _count_put(
-        self, chunks: list[list[list[Buffer]]], stored: list[int], too_large: int, start: float
+        self,
+        groups: list[list[int]],
+        sizes: Sequence[int],
+        stored: list[int],
+        too_large: int,
+        start: float,
     ) -> int:
         """Count a put whose first ``len(stored)`` requests were answered; returns the blocks
         stored."""
-        nbytes = sum(
-            memoryview(p).nbytes
-            for chunk in chunks[: len(stored)]
-            for parts in chunk
-            for p in parts
-        )
+        nbytes = sum(sizes[i] for group in groups[: len(stored)] for i in group)
         self._stats.add(puts=sum(stored), bytes_in=nbytes, rejected=too_large)
         self._stats.observe(time.perf_counter() - start)
         return sum(stored)

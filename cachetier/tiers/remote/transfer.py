@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ssl
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
@@ -28,7 +28,14 @@ from cachetier.protocol.transfer_frames import (
     hello,
     request,
 )
-from cachetier.record import Buffer, KVBlock, read_record
+from cachetier.record import (
+    Buffer,
+    KVBlock,
+    encode_parts,
+    plain_record_nbytes,
+    read_record,
+    record_nbytes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,15 +198,26 @@ class TransferClient:
         Returns:
             How many the server stored.
         """
-        lengths = [sum(memoryview(p).nbytes for p in parts) for parts in records]
-        out: list[Buffer] = [
-            request(Op.PUT, namespace, len(records)),
-            struct.pack(f"<{len(lengths)}Q", *lengths),
-        ]
-        for parts in records:
-            out.extend(parts)
+        lengths = [record_nbytes(parts) for parts in records]
+        return self._put(namespace, lengths, iter(records))
+
+    def put_blocks(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        """Store blocks, uncompressed, in one request; each is encoded (hashed) just before it
+        is sent, so the server reads one record while the next is hashed here.
+
+        Returns:
+            How many the server stored.
+        """
+        lengths = [plain_record_nbytes(b) for b in blocks]
+        return self._put(namespace, lengths, (encode_parts(b) for b in blocks))
+
+    def _put(self, namespace: str, lengths: list[int], records: Iterator[Sequence[Buffer]]) -> int:
+        count = len(lengths)
+        head = [request(Op.PUT, namespace, count), struct.pack(f"<{count}Q", *lengths)]
         with self._pool.connection() as conn:
-            conn.io.send(out)
+            conn.io.send(head)
+            for parts in records:  # announced as ``lengths`` (a test holds the two equal)
+                conn.io.send(parts)
             return read_reply(conn.io)
 
     def close(self) -> None:
