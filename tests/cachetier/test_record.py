@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from cachetier.keys import KVLayout, Namespace
 from cachetier.parallel import map_in_threads
 from cachetier.record import (
     FORMAT_VERSION,
+    SEGMENT_BYTES,
     Compression,
     KVBlock,
     decode_record,
@@ -25,6 +27,7 @@ from cachetier.record import (
     plain_record_nbytes,
     read_record,
     record_nbytes,
+    reseal,
 )
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -143,19 +146,59 @@ def test_wrong_key_or_fingerprint_is_refused(
 
 
 def test_unknown_version_is_refused(namespace: Namespace) -> None:
-    import struct
-
-    import xxhash
-
-    block, record = _record(namespace)
+    _, record = _record(namespace)
     struct.pack_into("<H", record, 4, FORMAT_VERSION + 1)
-    # Re-seal the checksum so only the version is wrong.
-    head_len = len(record) - 8 - len(block.data)
-    digest = xxhash.xxh3_64(bytes(record[:head_len]))
-    digest.update(bytes(record[head_len + 8 :]))
-    record[head_len : head_len + 8] = digest.digest()
+    reseal(record)  # so only the version is wrong
     with pytest.raises(CorruptBlockError, match="version"):
         decode_record(bytes(record))
+
+
+def _as_version_1(record: bytes) -> bytearray:
+    """``record`` as the previous format wrote it: version 1, one xxh3-64 over it all."""
+    old = bytearray(record)
+    struct.pack_into("<H", old, 4, 1)
+    reseal(old)
+    return old
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_records_of_the_previous_version_are_still_read(
+    namespace: Namespace, decode: Callable[..., KVBlock]
+) -> None:
+    block = make_blocks(namespace, 1)[0]
+    old = _as_version_1(encode_record(block))
+    back = decode(bytes(old), key=block.key)
+    assert bytes(back.data) == bytes(block.data)
+    assert back.verified is None  # encoding it again writes the current version, hashed afresh
+    assert encode_record(back) == encode_record(block)
+    old[-1] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode(bytes(old))
+    # The version is covered too: a current record relabelled as version 1 fails its check.
+    relabelled = bytearray(encode_record(block))
+    struct.pack_into("<H", relabelled, 4, 1)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode(bytes(relabelled))
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+@pytest.mark.parametrize("decode", DECODERS)
+def test_every_checksum_segment_is_covered(decode: Callable[..., KVBlock], extra: int) -> None:
+    # Records of three segments and a byte under, exactly, and a byte over: a flip in any
+    # segment, the last (possibly one byte long) included, is caught.
+    block = make_blocks(Namespace("seg-model", SMALL_LAYOUT), 1)[0]
+    empty = KVBlock(block.key, block.fingerprint, "uint8", (0,), 16, b"")
+    head = plain_record_nbytes(empty)
+    nbytes = 3 * SEGMENT_BYTES + extra - head
+    sized = KVBlock(block.key, block.fingerprint, "uint8", (nbytes,), 16, os.urandom(nbytes))
+    record = encode_record(sized)
+    assert len(record) == 3 * SEGMENT_BYTES + extra
+    assert bytes(decode(record).data) == sized.data
+    for where in (head + 1, SEGMENT_BYTES + 3, 2 * SEGMENT_BYTES, len(record) - 1):
+        flipped = bytearray(record)
+        flipped[where] ^= 1
+        with pytest.raises(CorruptBlockError, match="checksum"):
+            decode(bytes(flipped))
 
 
 def test_block_validates_its_claims(namespace: Namespace) -> None:
@@ -210,8 +253,8 @@ def test_a_checked_block_encodes_again_without_hashing_its_payload(
     record = encode_record(block)
     decoded = decode_record(record, key=block.key)  # bytes: immutable, the checksum is kept
     calls: list[int] = []
-    real = record_module.xxhash.xxh3_64
-    monkeypatch.setattr(record_module.xxhash, "xxh3_64", lambda *a: calls.append(1) or real(*a))
+    real = record_module._Checksum
+    monkeypatch.setattr(record_module, "_Checksum", lambda *a: calls.append(1) or real(*a))
     assert encode_record(decoded) == record and calls == []
     # Another payload (or aux) under the same block: hashed afresh, so the record stays valid.
     other = dataclasses.replace(decoded, data=bytes(len(block.data)))
@@ -245,17 +288,10 @@ def test_a_record_that_differs_in_ignored_bytes_keeps_no_checksum(namespace: Nam
     [block] = make_blocks(namespace, 1)
     record = bytearray(encode_record(block))
     record[9] = 5  # the pad byte
-    head_len = len(encode_parts(block)[0]) - 8
-    record[head_len : head_len + 8] = _reseal(bytes(record), head_len)
+    reseal(record)
     decoded = decode_record(bytes(record))
     assert decoded.verified is None
     assert decode_record(encode_record(decoded), key=block.key).data == decoded.data
-
-
-def _reseal(record: bytes, head_len: int) -> bytes:
-    digest = record_module.xxhash.xxh3_64(record[:head_len])
-    digest.update(record[head_len + 8 :])
-    return digest.digest()
 
 
 def _lz4_claiming(block: KVBlock, raw_len: int) -> bytes:
@@ -267,8 +303,7 @@ def _lz4_claiming(block: KVBlock, raw_len: int) -> bytes:
     record[98:106] = (raw_len // 2).to_bytes(8, "little")  # shape[0], float16
     for dim in range(1, len(block.shape)):
         record[98 + 8 * dim : 106 + 8 * dim] = (1).to_bytes(8, "little")
-    head_len = 98 + 8 * len(block.shape)
-    record[head_len : head_len + 8] = _reseal(bytes(record), head_len)
+    reseal(record)
     return bytes(record)
 
 
@@ -359,20 +394,32 @@ def _read_file(path: Path, size: int, preads: list[tuple[int, str]]) -> KVBlock:
         os.close(fd)
 
 
-def test_a_large_record_reads_its_second_half_on_a_helper_thread(tmp_path: Path) -> None:
+def test_a_large_record_reads_its_later_segments_on_a_helper_thread(tmp_path: Path) -> None:
     block, record, path = _big_record_file(tmp_path)
     preads: list[tuple[int, str]] = []
     back = _read_file(path, len(record), preads)
     assert bytes(back.data) == bytes(block.data) and back.key == block.key
-    assert len(preads) == 1
-    offset, thread = preads[0]
-    assert offset % 4096 == 0 and len(record) // 3 < offset < 2 * len(record) // 3
-    assert thread.startswith("cachetier-data")
+    offsets = [offset for offset, _ in preads]
+    # One read per segment, from a segment boundary near the middle on to the end.
+    assert offsets == list(range(offsets[0], len(record), SEGMENT_BYTES))
+    assert offsets[0] % SEGMENT_BYTES == 0 and len(record) // 3 < offsets[0] < 2 * len(record) // 3
+    assert all(thread.startswith("cachetier-data") for _, thread in preads)
+
+
+def test_a_large_record_of_the_previous_version_is_read_on_one_thread(tmp_path: Path) -> None:
+    # Its checksum is one stream: nothing to split.
+    block, record, path = _big_record_file(tmp_path)
+    path.write_bytes(_as_version_1(record))
+    preads: list[tuple[int, str]] = []
+    assert bytes(_read_file(path, len(record), preads).data) == bytes(block.data)
+    assert preads == []
 
 
 def test_a_split_read_still_checks_every_byte(tmp_path: Path) -> None:
     _, record, path = _big_record_file(tmp_path)
-    for where in (4096 + 7, len(record) - 9):  # the caller's half, then the helper's
+    cut = len(record) // 2 // SEGMENT_BYTES * SEGMENT_BYTES
+    # The caller's first and last byte, then the helper's first and last.
+    for where in (4096 + 7, cut - 1, cut + SEGMENT_BYTES, len(record) - 9):
         flipped = bytearray(record)
         flipped[where] ^= 1
         path.write_bytes(flipped)

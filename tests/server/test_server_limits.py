@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachetier.keys import KVLayout, Namespace
 from cachetier.protocol.http_batch import BATCH_MAGIC, BATCH_MEDIA_TYPE
 from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
-from cachetier.record import KVBlock, encode_record
+from cachetier.record import FORMAT_VERSION, KVBlock, encode_record, reseal
 from tests.server.batches import batch_body, get_batch
 from tests.server.live import TOKENS, ThreadServer, call, call_json, test_config
 from tests.support import SMALL_LAYOUT, free_port, make_blocks
@@ -47,12 +46,9 @@ def nothing_stored(server: ThreadServer, ns: Namespace, blocks: list[KVBlock]) -
     return get_batch(server.url, ns.id, [b.key for b in blocks]) == [None] * len(blocks)
 
 
-def rechecksummed(record: bytearray, ndim: int) -> bytes:
+def rechecksummed(record: bytearray) -> bytes:
     """``record`` with its checksum recomputed: a forgery that passes the checksum."""
-    head_len = 4 + 2 + 4 + 4 + 32 + 32 + 4 + 16 + 8 * ndim
-    digest = xxhash.xxh3_64(bytes(record[:head_len]))
-    digest.update(bytes(record[head_len + 8 :]))
-    record[head_len : head_len + 8] = digest.digest()
+    reseal(record)
     return bytes(record)
 
 
@@ -157,11 +153,11 @@ def test_forged_records_are_refused(shared_server: ThreadServer, own_namespace: 
     block = make_blocks(own_namespace, 1)[0]
     record = bytearray(encode_record(block))
     newer = bytearray(record)
-    newer[4:6] = struct.pack("<H", 2)  # a format version this server does not know
+    newer[4:6] = struct.pack("<H", FORMAT_VERSION + 1)  # a version this server does not know
     other_model = Namespace(own_namespace.model_fingerprint + "-x", own_namespace.layout)
     foreign = encode_record(make_blocks(other_model, 1)[0])  # another namespace's fingerprint
     for name, body, says in [
-        ("version", rechecksummed(newer, len(block.shape)), "format version 2"),
+        ("version", rechecksummed(newer), f"format version {FORMAT_VERSION + 1}"),
         ("fingerprint", foreign, "another namespace"),
     ]:
         status, answer = post_batch(shared_server, own_namespace.id, frame([body]))
