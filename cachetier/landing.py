@@ -79,8 +79,10 @@ def parts(dest: Destination) -> list[memoryview]:
 def copy_pairs(dest: Destination, payload: memoryview) -> list[tuple[memoryview, memoryview]]:
     """``(destination, source)`` pairs that land a flat ``payload`` (the dest's size) in
     ``dest``."""
+    if not isinstance(dest, Runs):
+        return [(flat(dest), payload)]
     out, start = [], 0
-    for part in parts(dest):
+    for part in dest.parts():
         out.append((part, payload[start : start + part.nbytes]))
         start += part.nbytes
     return out

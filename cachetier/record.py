@@ -89,26 +89,48 @@ class KVBlock:
     aux: Buffer = b""
     verified: tuple[Buffer, Buffer, bytes] | None = field(default=None, compare=False, repr=False)
 
+    # Payload plus side data, counted once here: a connector's small gets read it per block.
+    _nbytes: int = field(default=0, init=False, compare=False, repr=False)
+
     def __post_init__(self) -> None:
         if len(self.key) != HASH_BYTES or len(self.fingerprint) != HASH_BYTES:
             raise ValueError(f"key and fingerprint must be {HASH_BYTES} bytes each")
-        if self.dtype not in DTYPE_BYTES:
+        itemsize = DTYPE_BYTES.get(self.dtype)
+        if itemsize is None:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        if not 0 < len(self.shape) <= MAX_NDIM or any(d < 0 for d in self.shape):
-            raise ValueError(f"shape {self.shape} must have 1..{MAX_NDIM} non-negative dims")
-        expected = math.prod(self.shape) * DTYPE_BYTES[self.dtype]
-        if memoryview(self.data).nbytes != expected:
+        shape = self.shape
+        if not 0 < len(shape) <= MAX_NDIM or min(shape) < 0:
+            raise ValueError(f"shape {shape} must have 1..{MAX_NDIM} non-negative dims")
+        size = memoryview(self.data).nbytes
+        if size != math.prod(shape) * itemsize:
             raise ValueError(
-                f"data has {memoryview(self.data).nbytes} bytes, shape {self.shape} of "
-                f"{self.dtype} needs {expected}"
+                f"data has {size} bytes, shape {shape} of {self.dtype} needs "
+                f"{math.prod(shape) * itemsize}"
             )
         if self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {self.num_tokens}")
+        object.__setattr__(self, "_nbytes", size + len(self.aux))
 
     @property
     def nbytes(self) -> int:
         """Bytes of payload and side data (what capacities count for in-memory tiers)."""
-        return memoryview(self.data).nbytes + len(self.aux)
+        return self._nbytes
+
+    def landed_in(self, data: memoryview) -> KVBlock:
+        """This block with its payload in ``data``, which holds the same bytes (a copy landed
+        there): its checks are not run again, only the length is compared.
+
+        Raises:
+            ValueError: ``data`` is not the payload's length.
+        """
+        if data.nbytes != self._nbytes - len(self.aux):
+            raise ValueError(f"{data.nbytes} bytes for a payload of {self._nbytes - len(self.aux)}")
+        block = object.__new__(KVBlock)
+        for name in ("key", "fingerprint", "dtype", "shape", "num_tokens", "aux", "_nbytes"):
+            object.__setattr__(block, name, getattr(self, name))
+        object.__setattr__(block, "data", data)
+        object.__setattr__(block, "verified", None)  # a checksum is kept only for its own data
+        return block
 
 
 def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) -> list[Buffer]:

@@ -259,12 +259,5 @@ def land_in(found: list[KVBlock | None], dests: Sequence[Destination]) -> list[K
             pairs.extend(copy_pairs(dest, data))
     copy_into(pairs)  # a few threads for a large batch
     for i, into in todo:
-        found[i] = with_data(found[i], into)  # type: ignore[arg-type]
+        found[i] = found[i].landed_in(into)  # type: ignore[union-attr]
     return found
-
-
-def with_data(block: KVBlock, data: memoryview) -> KVBlock:
-    """``block`` with its payload in ``data`` (which must hold the same bytes)."""
-    return KVBlock(
-        block.key, block.fingerprint, block.dtype, block.shape, block.num_tokens, data, block.aux
-    )
