@@ -126,7 +126,7 @@ class KVBlock:
         if data.nbytes != self._nbytes - len(self.aux):
             raise ValueError(f"{data.nbytes} bytes for a payload of {self._nbytes - len(self.aux)}")
         block = object.__new__(KVBlock)
-        for name in ("key", "fingerprint", "dtype", "shape", "num_tokens", "aux", "_nbytes"):
+        for name in KVBlock.__slots__:  # every field, so one added later is not left unset
             object.__setattr__(block, name, getattr(self, name))
         object.__setattr__(block, "data", data)
         object.__setattr__(block, "verified", None)  # a checksum is kept only for its own data
@@ -171,9 +171,7 @@ def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) ->
     seen = block.verified
     if used == Compression.NONE and seen and seen[0] is block.data and seen[1] is block.aux:
         return [head + seen[2], block.aux, payload]  # the same record: the same checksum
-    digest = _Checksum(FORMAT_VERSION)
-    digest.update(head)
-    digest.skip(8)
+    digest = _Checksum.past_head(FORMAT_VERSION, head, len(head))
     digest.update(block.aux)
     digest.update(payload)
     return [head + digest.digest(), block.aux, payload]
@@ -229,7 +227,8 @@ def peek_inflated_nbytes(head: Buffer) -> int:
 
 
 class _Checksum:
-    """A record's checksum, fed the record's bytes in order (``skip`` for its checksum field).
+    """A record's checksum, fed the record's bytes in order (``past_head`` steps over its
+    checksum field).
 
     Args:
         version: the record's format version (see the module docstring for each rule).
@@ -243,6 +242,15 @@ class _Checksum:
         self._pos = 0  # offset in the record of the next byte
         self._digests: list[bytes] = []
         self._rest_added = False
+
+    @classmethod
+    def past_head(cls, version: int, head: Buffer, head_len: int) -> _Checksum:
+        """A record's checksum fed its first ``head_len`` bytes (from ``head``) and stepped
+        over its checksum field: where every reader and writer starts."""
+        digest = cls(version)
+        digest.update(memoryview(head)[:head_len])
+        digest._pos += 8
+        return digest
 
     def update(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
@@ -258,13 +266,9 @@ class _Checksum:
                 self._digests.append(self._hash.digest())
                 self._hash.reset()
 
-    def skip(self, nbytes: int) -> None:
-        """Step over the checksum field (inside the first segment: the head is short)."""
-        self._pos += nbytes
-
     def add_rest(self, digests: Sequence[bytes]) -> None:
         """Take the digests of the record's remaining segments, hashed elsewhere
-        (``segment_digests``); the bytes so far must end on a segment boundary."""
+        (``_pread_segments``); the bytes so far must end on a segment boundary."""
         if not self._segmented or self._pos % SEGMENT_BYTES:
             raise ValueError("segments are added at a segment boundary of a version-2 record")
         self._digests.extend(digests)
@@ -278,24 +282,13 @@ class _Checksum:
         return xxhash.xxh3_64(b"".join([*self._digests, *pending])).digest()
 
 
-def segment_digests(segments: memoryview) -> list[bytes]:
-    """The digests of a version-2 record's segments from a segment boundary past its first
-    segment: ``segments`` holds whole segments but maybe the record's last."""
-    return [
-        xxhash.xxh3_64(segments[i : i + SEGMENT_BYTES]).digest()
-        for i in range(0, segments.nbytes, SEGMENT_BYTES)
-    ]
-
-
 def reseal(record: bytearray | memoryview) -> None:
     """Recompute a record's checksum in place, by the rule of the version it carries: for
     tools and tests that edit records on purpose (nothing on a read or write path uses it)."""
     view = memoryview(record).cast("B")
     version, ndim = struct.unpack_from("<H", view, 4)[0], view[8]
     head_len = _FIXED.size + 8 * ndim
-    digest = _Checksum(version)
-    digest.update(view[:head_len])
-    digest.skip(8)
+    digest = _Checksum.past_head(version, view, head_len)
     digest.update(view[head_len + 8 :])
     view[head_len : head_len + 8] = digest.digest()
 
@@ -469,9 +462,7 @@ def decode_record(
     if view.nbytes != h.total:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, its header claims {h.total}")
     body = h.head_len + 8
-    digest = _Checksum(h.version)
-    digest.update(view[: h.head_len])
-    digest.skip(8)
+    digest = _Checksum.past_head(h.version, view, h.head_len)
     digest.update(view[body:])
     return _build(
         h,
@@ -591,9 +582,7 @@ def read_record(
     head = memoryview(bytearray(body))
     head[: _FIXED.size] = fixed
     _read_exactly(readinto, head[_FIXED.size :], None, size)
-    digest = _Checksum(h.version)
-    digest.update(head[: h.head_len])
-    digest.skip(8)
+    digest = _Checksum.past_head(h.version, head, h.head_len)
     aux = memoryview(bytearray(h.aux_len))
     _read_exactly(readinto, aux, digest, size)
     direct = (
@@ -626,9 +615,7 @@ def _read_rest_whole(
     whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
     whole[:first] = page
     body = h.head_len + 8  # <= first: the head always fits the first page (asserted above)
-    digest = _Checksum(h.version)
-    digest.update(whole[: h.head_len])
-    digest.skip(8)
+    digest = _Checksum.past_head(h.version, whole, h.head_len)
     digest.update(whole[body:first])
     helper = None
     if pread is not None and h.version >= 2 and size - first >= _SPLIT_READ_BYTES:
@@ -672,7 +659,7 @@ def _pread_segments(
     for start in range(0, dest.nbytes, SEGMENT_BYTES):
         segment = dest[start : start + SEGMENT_BYTES]
         _pread_exactly(pread, segment, offset + start, expected)
-        digests.extend(segment_digests(segment))
+        digests.append(xxhash.xxh3_64(segment).digest())
     return digests
 
 
