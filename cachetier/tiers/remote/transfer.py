@@ -37,6 +37,9 @@ from cachetier.record import (
     record_nbytes,
 )
 
+# Bytes of records a put sends per write at least (see ``TransferClient._put``).
+_SEND_RUN_BYTES = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class TransferPeer:
@@ -215,9 +218,17 @@ class TransferClient:
         count = len(lengths)
         head = [request(Op.PUT, namespace, count), struct.pack(f"<{count}Q", *lengths)]
         with self._pool.connection() as conn:
-            conn.io.send(head)
+            # Records go out in runs of at least _SEND_RUN_BYTES: a large record by itself (the
+            # next is hashed while the server reads it), small ones several per vectored write.
+            run: list[Buffer] = head
+            run_bytes = 0
             for parts in records:  # announced as ``lengths`` (a test holds the two equal)
-                conn.io.send(parts)
+                run.extend(parts)
+                run_bytes += record_nbytes(parts)
+                if run_bytes >= _SEND_RUN_BYTES:
+                    conn.io.send(run)
+                    run, run_bytes = [], 0
+            conn.io.send(run)
             return read_reply(conn.io)
 
     def close(self) -> None:
