@@ -24,6 +24,7 @@ a clean miss.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,11 +127,22 @@ class KVBlock:
         if data.nbytes != self._nbytes - len(self.aux):
             raise ValueError(f"{data.nbytes} bytes for a payload of {self._nbytes - len(self.aux)}")
         block = object.__new__(KVBlock)
-        for name in KVBlock.__slots__:  # every field, so one added later is not left unset
-            object.__setattr__(block, name, getattr(self, name))
-        object.__setattr__(block, "data", data)
-        object.__setattr__(block, "verified", None)  # a checksum is kept only for its own data
+        # Every slot but these two is copied, so a field added later is not left unset.
+        for slot, value in zip(_KEPT_SLOTS, _get_kept(self)):
+            slot.__set__(block, value)
+        _DATA_SLOT.__set__(block, data)
+        _VERIFIED_SLOT.__set__(block, None)  # a checksum is kept only for its own data
         return block
+
+
+# ``landed_in``'s copy of a block: the slot descriptors of every field but the two it replaces,
+# read in one call (half the cost of a getattr/setattr pair per field, measured per block).
+_REPLACED_SLOTS = ("data", "verified")
+_KEPT_SLOTS = tuple(
+    getattr(KVBlock, name) for name in KVBlock.__slots__ if name not in _REPLACED_SLOTS
+)
+_get_kept = operator.attrgetter(*(n for n in KVBlock.__slots__ if n not in _REPLACED_SLOTS))
+_DATA_SLOT, _VERIFIED_SLOT = (getattr(KVBlock, name) for name in _REPLACED_SLOTS)
 
 
 def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) -> list[Buffer]:

@@ -250,12 +250,21 @@ def land_in(found: list[KVBlock | None], dests: Sequence[Destination]) -> list[K
     """
     todo, pairs = [], []
     for i, (block, dest) in enumerate(zip(found, dests, strict=True)):
-        into = flat(dest)
-        if block is None or block.data is into:
+        if block is None:
             continue
-        data = byte_view(block.data)
-        if data.nbytes == into.nbytes:
-            todo.append((i, into))
+        into = flat(dest)
+        data = block.data
+        if data is into:
+            continue
+        # A connector lands a few blocks per call, so this loop's per-block cost is a real part
+        # of a small get: the common case (bytes into a flat view) skips the generic helpers.
+        data = memoryview(data) if type(data) is bytes else byte_view(data)
+        if data.nbytes != into.nbytes:
+            continue
+        todo.append((i, into))
+        if dest is into:
+            pairs.append((into, data))
+        else:
             pairs.extend(copy_pairs(dest, data))
     copy_into(pairs)  # a few threads for a large batch
     for i, into in todo:
