@@ -29,6 +29,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 import lz4.block
 import xxhash
@@ -246,14 +247,13 @@ class _Checksum:
         version: the record's format version (see the module docstring for each rule).
     """
 
-    __slots__ = ("_segmented", "_hash", "_pos", "_digests", "_rest_added")
+    __slots__ = ("_segmented", "_hash", "_pos", "_digests")
 
     def __init__(self, version: int) -> None:
         self._segmented = version >= 2
         self._hash = xxhash.xxh3_64()
         self._pos = 0  # offset in the record of the next byte
         self._digests: list[bytes] = []
-        self._rest_added = False
 
     @classmethod
     def past_head(cls, version: int, head: Buffer, head_len: int) -> _Checksum:
@@ -278,19 +278,10 @@ class _Checksum:
                 self._digests.append(self._hash.digest())
                 self._hash.reset()
 
-    def add_rest(self, digests: Sequence[bytes]) -> None:
-        """Take the digests of the record's remaining segments, hashed elsewhere
-        (``_pread_segments``); the bytes so far must end on a segment boundary."""
-        if not self._segmented or self._pos % SEGMENT_BYTES:
-            raise ValueError("segments are added at a segment boundary of a version-2 record")
-        self._digests.extend(digests)
-        self._rest_added = True
-
     def digest(self) -> bytes:
         if not self._segmented:
             return self._hash.digest()
-        partial = self._pos % SEGMENT_BYTES and not self._rest_added
-        pending = [self._hash.digest()] if partial else []
+        pending = [self._hash.digest()] if self._pos % SEGMENT_BYTES else []
         return xxhash.xxh3_64(b"".join([*self._digests, *pending])).digest()
 
 
@@ -305,8 +296,9 @@ def reseal(record: bytearray | memoryview) -> None:
     view[head_len : head_len + 8] = digest.digest()
 
 
-@dataclass(frozen=True, slots=True)
-class _Header:
+class _Header(NamedTuple):
+    # A tuple, not a frozen dataclass: one is made per record read, and a frozen dataclass's
+    # eleven object.__setattr__ calls were a visible part of a small get.
     version: int
     comp: int
     dtype_code: int
@@ -494,6 +486,7 @@ assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its fi
 # Small enough to still sit in cache when it is checksummed, large enough to keep syscalls few
 # (5.6 MiB records from the page cache: 1 MiB measured ~5% faster than 256 KiB).
 _READ_CHUNK = 1 << 20
+assert _READ_CHUNK % SEGMENT_BYTES == 0, "a whole record's reads end on segment boundaries"
 # A record read whole with a positional reader at hand reads part of itself on another thread
 # from this size on (hand-off ~50 us). Measured on this machine, 16 records of 5.6 MiB from the
 # page cache, one per call: 13.9-15.1 ms on the caller's thread alone (the copy runs at one
@@ -627,40 +620,78 @@ def _read_rest_whole(
     whole = memoryview(buffers.take(size)).cast("B")  # page-aligned, like the file's first byte
     whole[:first] = page
     body = h.head_len + 8  # <= first: the head always fits the first page (asserted above)
-    digest = _Checksum.past_head(h.version, whole, h.head_len)
-    digest.update(whole[body:first])
-    helper = None
-    if pread is not None and h.version >= 2 and size - first >= _SPLIT_READ_BYTES:
-        # The later half of the segments (whole ones, from a segment boundary, which is a page
-        # boundary in the file and the buffer alike) is read and hashed on a data thread while
-        # this one reads and hashes the earlier half: each hashes bytes still in its own cache.
-        num_segments = -(-size // SEGMENT_BYTES)
-        cut = (num_segments + 1) // 2 * SEGMENT_BYTES  # > first: the record is >= 2 MiB
-        tail = whole[cut:]
-        helper = parallel.beside(lambda: _pread_segments(pread, tail, cut, size))
-    if helper is None:
+    if h.version < 2:  # one checksum stream: read and hashed in order on this thread
+        digest = _Checksum.past_head(h.version, whole, h.head_len)
+        digest.update(whole[body:first])
         _read_exactly(readinto, whole[first:], digest, size)
+        checksum = digest.digest()
     else:
-        try:
-            _read_exactly(readinto, whole[first:cut], digest, size)
-        finally:
-            # Always waited for: the buffer goes back to the recycler with this frame, and the
-            # helper must not be writing into it then.
-            tail_error = helper.exception()
-        if tail_error is not None:
-            raise tail_error
-        digest.add_rest(helper.result())
+        checksum = _read_segments_whole(readinto, whole, first, h.head_len, pread)
     payload_at = body + h.aux_len
     return _build(
         h,
         whole[:body],
         whole[body:payload_at],
         whole[payload_at:].toreadonly(),
-        digest.digest(),
+        checksum,
         key,
         fingerprint,
         True,
     )
+
+
+def _read_segments_whole(
+    readinto: Callable[[memoryview], int],
+    whole: memoryview,
+    first: int,
+    head_len: int,
+    pread: Callable[[memoryview, int], int] | None,
+) -> bytes:
+    """Read a version-2 record's bytes from ``first`` on into ``whole`` and return its checksum.
+
+    Each segment is hashed right after the read that completes it, while still in cache, with
+    one call per segment (a connector's small get pays for every Python step here). From
+    ``_SPLIT_READ_BYTES`` on, with ``pread``, the later half of the segments (whole ones, from
+    a segment boundary, which is a page boundary in the file and the buffer alike) is read and
+    hashed on a data thread while this one reads and hashes the earlier half."""
+    size = whole.nbytes
+    helper = None
+    stop = size
+    if pread is not None and size - first >= _SPLIT_READ_BYTES:
+        num_segments = -(-size // SEGMENT_BYTES)
+        cut = (num_segments + 1) // 2 * SEGMENT_BYTES  # > first: the record is >= 2 MiB
+        tail = whole[cut:]
+        helper = parallel.beside(lambda: _pread_segments(pread, tail, cut, size))
+        if helper is not None:
+            stop = cut
+    digests: list[bytes] = []
+    try:
+        pos, hashed = first, 0
+        while True:
+            while hashed + SEGMENT_BYTES <= pos or hashed < pos == stop:
+                segment_end = min(hashed + SEGMENT_BYTES, stop)
+                if hashed:
+                    digests.append(xxhash.xxh3_64(whole[hashed:segment_end]).digest())
+                else:  # segment 0 steps over the checksum field
+                    first_segment = xxhash.xxh3_64(whole[:head_len])
+                    first_segment.update(whole[head_len + 8 : segment_end])
+                    digests.append(first_segment.digest())
+                hashed = segment_end
+            if pos == stop:
+                break
+            # Reads end on segment boundaries, at most _READ_CHUNK apart.
+            end = min(stop, pos // SEGMENT_BYTES * SEGMENT_BYTES + _READ_CHUNK)
+            _read_exactly(readinto, whole[pos:end], None, size)
+            pos = end
+    finally:
+        # Always waited for: the buffer goes back to the recycler with the caller's frame, and
+        # the helper must not be writing into it then.
+        tail_error = None if helper is None else helper.exception()
+    if tail_error is not None:
+        raise tail_error
+    if helper is not None:
+        digests.extend(helper.result())
+    return xxhash.xxh3_64(b"".join(digests)).digest()
 
 
 def _pread_segments(

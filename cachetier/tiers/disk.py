@@ -258,7 +258,7 @@ class DiskTier(Tier):
         hits = nbytes = errors = corrupt = 0
         paths = [self._file_of(namespace, key) for key in keys]
 
-        def read(index: int) -> tuple[KVBlock, int]:
+        def read(index: int) -> tuple[KVBlock, int, int]:
             into = None if dests is None else dests[index]
             return _read_block(paths[index], keys[index], into)
 
@@ -266,7 +266,7 @@ class DiskTier(Tier):
         # flight, cached ones copy on every core. The index is updated after, in order.
         results = map_in_threads(read, range(len(keys)))
         folder = self._folder
-        for key, path, result in zip(keys, paths, results, strict=True):
+        for key, result in zip(keys, results, strict=True):
             slot = (namespace, bytes(key))
             if isinstance(result, FileNotFoundError):
                 with folder.lock:
@@ -287,11 +287,9 @@ class DiskTier(Tier):
                 continue
             if isinstance(result, BaseException):
                 raise result
-            block, size = result
-            stamp = time.time_ns()
+            block, size, stamp = result
             with folder.lock:  # a block another process wrote is adopted here
                 folder.index.add(slot, size, stamp)
-            stamp_file(path, stamp)  # the mtime carries the LRU order across processes
             hits += 1
             nbytes += size
             out.append(block)
@@ -361,9 +359,12 @@ class _CorruptFile(CorruptBlockError):
         self.inode = inode
 
 
-def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KVBlock, int]:
-    # The inode read here never changes under us: records are replaced by rename and removed
-    # by unlink, never written in place, so an open file stays whole to its end.
+def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KVBlock, int, int]:
+    """The checked block in ``path``, the file's size, and the LRU stamp it was given.
+
+    The inode read here never changes under us: records are replaced by rename and removed by
+    unlink, never written in place, so an open file stays whole to its end.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -378,7 +379,11 @@ def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KV
             )
         except CorruptBlockError as e:
             raise _CorruptFile(str(e), st.st_ino) from e
-        return block, st.st_size
+        # The mtime carries the LRU order across processes. Set through the descriptor: no
+        # second path lookup, and it is the inode just read that is stamped.
+        stamp = time.time_ns()
+        stamp_file(fd, stamp)
+        return block, st.st_size, stamp
     finally:
         os.close(fd)
 

@@ -97,9 +97,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def stamp_file(path: Path | str, stamp_ns: int) -> None:
+def stamp_file(path: Path | str | int, stamp_ns: int) -> None:
     """Set a file's mtime (the LRU stamp every process sharing the folder reads) to
-    ``stamp_ns``; a file of another user only lets us set it to now, and that is enough."""
+    ``stamp_ns``; a file of another user only lets us set it to now, and that is enough.
+    ``path`` may be an open descriptor of the file (no path lookup)."""
     try:
         os.utime(path, ns=(stamp_ns, stamp_ns))
     except PermissionError:
