@@ -241,7 +241,8 @@ def peek_inflated_nbytes(head: Buffer) -> int:
 
 class _Checksum:
     """A record's checksum, fed the record's bytes in order (``past_head`` steps over its
-    checksum field).
+    checksum field). A version-2 record read whole into one buffer is hashed by the same rule
+    one segment per call instead (``_read_segments_whole``); the tests hold the two equal.
 
     Args:
         version: the record's format version (see the module docstring for each rule).
