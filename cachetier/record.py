@@ -241,8 +241,8 @@ def peek_inflated_nbytes(head: Buffer) -> int:
 
 class _Checksum:
     """A record's checksum, fed the record's bytes in order (``past_head`` steps over its
-    checksum field). A version-2 record read whole into one buffer is hashed by the same rule
-    one segment per call instead (``_read_segments_whole``); the tests hold the two equal.
+    checksum field). A version-2 record held whole in one buffer is hashed by the same rule one
+    segment per call instead (``_segment_digests``); the tests hold the two equal.
 
     Args:
         version: the record's format version (see the module docstring for each rule).
@@ -283,7 +283,7 @@ class _Checksum:
         if not self._segmented:
             return self._hash.digest()
         pending = [self._hash.digest()] if self._pos % SEGMENT_BYTES else []
-        return xxhash.xxh3_64(b"".join([*self._digests, *pending])).digest()
+        return _combine([*self._digests, *pending])
 
 
 def reseal(record: bytearray | memoryview) -> None:
@@ -292,9 +292,16 @@ def reseal(record: bytearray | memoryview) -> None:
     view = memoryview(record).cast("B")
     version, ndim = struct.unpack_from("<H", view, 4)[0], view[8]
     head_len = _FIXED.size + 8 * ndim
-    digest = _Checksum.past_head(version, view, head_len)
-    digest.update(view[head_len + 8 :])
-    view[head_len : head_len + 8] = digest.digest()
+    view[head_len : head_len + 8] = _whole_checksum(version, view, head_len)
+
+
+def _whole_checksum(version: int, record: memoryview, head_len: int) -> bytes:
+    """The checksum of a record held whole in ``record``, by the rule of ``version``."""
+    if version >= 2:
+        return _combine(_segment_digests(record, 0, record.nbytes, head_len))
+    digest = _Checksum.past_head(version, record, head_len)
+    digest.update(record[head_len + 8 :])
+    return digest.digest()
 
 
 class _Header(NamedTuple):
@@ -467,14 +474,12 @@ def decode_record(
     if view.nbytes != h.total:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, its header claims {h.total}")
     body = h.head_len + 8
-    digest = _Checksum.past_head(h.version, view, h.head_len)
-    digest.update(view[body:])
     return _build(
         h,
         view[:body],
         view[body : body + h.aux_len],
         view[body + h.aux_len :],
-        digest.digest(),
+        _whole_checksum(h.version, view, h.head_len),
         key,
         fingerprint,
         view.readonly,  # a buffer its owner may still write to: no checksum kept
@@ -650,40 +655,29 @@ def _read_segments_whole(
 ) -> bytes:
     """Read a version-2 record's bytes from ``first`` on into ``whole`` and return its checksum.
 
-    Each segment is hashed right after the read that completes it, while still in cache, with
-    one call per segment (a connector's small get pays for every Python step here). From
-    ``_SPLIT_READ_BYTES`` on, with ``pread``, the later half of the segments (whole ones, from
-    a segment boundary, which is a page boundary in the file and the buffer alike) is read and
-    hashed on a data thread while this one reads and hashes the earlier half."""
+    Reads end on segment boundaries, and the segments each read completes are hashed right
+    after it, while still in cache, one call per segment (a connector's small get pays for
+    every Python step here). From ``_SPLIT_READ_BYTES`` on, with ``pread``, the later half of
+    the segments (whole ones, from a segment boundary, which is a page boundary in the file and
+    the buffer alike) is read and hashed on a data thread while this one does the earlier half.
+    """
     size = whole.nbytes
     helper = None
     stop = size
     if pread is not None and size - first >= _SPLIT_READ_BYTES:
         num_segments = -(-size // SEGMENT_BYTES)
         cut = (num_segments + 1) // 2 * SEGMENT_BYTES  # > first: the record is >= 2 MiB
-        tail = whole[cut:]
-        helper = parallel.beside(lambda: _pread_segments(pread, tail, cut, size))
+        helper = parallel.beside(lambda: _pread_segments(pread, whole, cut, head_len))
         if helper is not None:
             stop = cut
     digests: list[bytes] = []
     try:
-        pos, hashed = first, 0
-        while True:
-            while hashed + SEGMENT_BYTES <= pos or hashed < pos == stop:
-                segment_end = min(hashed + SEGMENT_BYTES, stop)
-                if hashed:
-                    digests.append(xxhash.xxh3_64(whole[hashed:segment_end]).digest())
-                else:  # segment 0 steps over the checksum field
-                    first_segment = xxhash.xxh3_64(whole[:head_len])
-                    first_segment.update(whole[head_len + 8 : segment_end])
-                    digests.append(first_segment.digest())
-                hashed = segment_end
-            if pos == stop:
-                break
-            # Reads end on segment boundaries, at most _READ_CHUNK apart.
-            end = min(stop, pos // SEGMENT_BYTES * SEGMENT_BYTES + _READ_CHUNK)
+        start, pos = 0, first  # the first read completes segment 0, whose head is already in
+        while start < stop:
+            end = min(stop, start + _READ_CHUNK)
             _read_exactly(readinto, whole[pos:end], None, size)
-            pos = end
+            digests.extend(_segment_digests(whole, start, end, head_len))
+            start = pos = end
     finally:
         # Always waited for: the buffer goes back to the recycler with the caller's frame, and
         # the helper must not be writing into it then.
@@ -692,24 +686,50 @@ def _read_segments_whole(
         raise tail_error
     if helper is not None:
         digests.extend(helper.result())
-    return xxhash.xxh3_64(b"".join(digests)).digest()
+    return _combine(digests)
 
 
 def _pread_segments(
-    pread: Callable[[memoryview, int], int], dest: memoryview, offset: int, expected: int
+    pread: Callable[[memoryview, int], int], whole: memoryview, cut: int, head_len: int
 ) -> list[bytes]:
-    """Read ``dest`` from ``offset`` (a segment boundary) and hash each segment once it is in."""
+    """Read ``whole`` (a record held from its first byte) from ``cut`` (a segment boundary) on,
+    one segment per read, and hash each once it is in."""
+    size = whole.nbytes
     digests: list[bytes] = []
-    for start in range(0, dest.nbytes, SEGMENT_BYTES):
-        segment = dest[start : start + SEGMENT_BYTES]
-        _pread_exactly(pread, segment, offset + start, expected)
-        digests.append(xxhash.xxh3_64(segment).digest())
+    for start in range(cut, size, SEGMENT_BYTES):
+        end = min(start + SEGMENT_BYTES, size)
+        _pread_exactly(pread, whole[start:end], start, size)
+        digests.extend(_segment_digests(whole, start, end, head_len))
     return digests
+
+
+def _segment_digests(record: memoryview, start: int, end: int, head_len: int) -> list[bytes]:
+    """The digests of a version-2 record's segments from ``start`` (a segment boundary) to
+    ``end`` (one, or the record's end), all held in ``record`` from its first byte: one xxh3
+    call per segment, segment 0 stepping over the checksum field (``_Checksum``'s rule for a
+    record fed as a stream)."""
+    out: list[bytes] = []
+    for at in range(start, end, SEGMENT_BYTES):
+        until = min(at + SEGMENT_BYTES, end)
+        if at:
+            out.append(xxhash.xxh3_64(record[at:until]).digest())
+        else:
+            first = xxhash.xxh3_64(record[:head_len])
+            first.update(record[head_len + 8 : until])
+            out.append(first.digest())
+    return out
+
+
+def _combine(digests: Sequence[bytes]) -> bytes:
+    """A version-2 record's checksum from its segments' digests."""
+    return xxhash.xxh3_64(b"".join(digests)).digest()
 
 
 def byte_view(buffer: Buffer) -> memoryview:
     """``buffer`` as flat bytes; a view that already is one is returned itself, so a caller can
     tell by identity that its buffer was filled."""
+    if type(buffer) is bytes:  # the common case, first: a connector's small get lands many
+        return memoryview(buffer)
     view = memoryview(buffer) if not isinstance(buffer, memoryview) else buffer
     if view.format == "B" and view.ndim == 1:
         return view

@@ -256,16 +256,11 @@ def land_in(found: list[KVBlock | None], dests: Sequence[Destination]) -> list[K
         data = block.data
         if data is into:
             continue
-        # A connector lands a few blocks per call, so this loop's per-block cost is a real part
-        # of a small get: the common case (bytes into a flat view) skips the generic helpers.
-        data = memoryview(data) if type(data) is bytes else byte_view(data)
+        data = byte_view(data)
         if data.nbytes != into.nbytes:
             continue
         todo.append((i, into))
-        if dest is into:
-            pairs.append((into, data))
-        else:
-            pairs.extend(copy_pairs(dest, data))
+        pairs.extend(copy_pairs(dest, data))
     copy_into(pairs)  # a few threads for a large batch
     for i, into in todo:
         found[i] = found[i].landed_in(into)  # type: ignore[union-attr]
