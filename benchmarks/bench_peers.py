@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit  # noqa: E402
 from benchmarks.peers_common import SHAPES, can_drop_all_caches, make_chunks  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
 
 TIERS = ("cpu", "disk", "redis", "server")
 SECTIONS = [f"{tier}:{shape}" for tier in TIERS for shape in SHAPES] + [
@@ -209,7 +210,8 @@ def main() -> None:
         print(json.dumps(run_section(args.section, args, Path(args.work))))
         os._exit(0)  # LMCache leaves non-daemon threads behind; the figures are out
     raw: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(dir=args.data_dir, prefix="bench-peers-") as work:
+    work_parent = disk_work_dir(args.data_dir, "--data-dir")
+    with tempfile.TemporaryDirectory(dir=work_parent, prefix="bench-peers-") as work:
         for section in SECTIONS:
             print(f"bench_peers: {section} ...", file=sys.stderr, flush=True)
             cmd = [sys.executable, __file__, "--section", section, "--work", work]

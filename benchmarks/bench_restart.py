@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
 
 REDIS_URL = os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -140,7 +141,8 @@ def measure(args: argparse.Namespace) -> dict:
     prefix = f"bench-restart-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-restart-") as data:
+        parent = disk_work_dir(args.work_dir, "--work-dir")
+        with tempfile.TemporaryDirectory(prefix="bench-restart-", dir=parent) as data:
             cold = run("cold", "cpu,disk,redis", args, data, prefix)
             cpu = run("cpu", "cpu", args, data, prefix)  # runs twice in one process
             disk = run("disk", "cpu,disk", args, data, prefix)  # a restart: the CPU tier is empty
@@ -192,6 +194,9 @@ def main() -> None:
         "longer, and prompt plus output must stay within SmolLM2's 8192)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--work-dir", default=None, help="parent of the disk tier's temp folder (on a disk)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="cold", help=argparse.SUPPRESS)
     parser.add_argument("--tiers", default="cpu,disk", help=argparse.SUPPRESS)

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_tiers import make_blocks  # noqa: E402
 from benchmarks.common import emit, interleaved_medians  # noqa: E402
 from benchmarks.server_load import run_load, verify_all  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.keys import Namespace  # noqa: E402
 from cachetier.record import KVBlock, encode_record  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
@@ -221,7 +222,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None, help="parent of the server's temp folder")
     args = parser.parse_args()
     ns, blocks = make_blocks(256, args.mib << 20)
-    with tempfile.TemporaryDirectory(dir=args.data_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=disk_work_dir(args.data_dir, "--data-dir")) as tmp:
         server = Server(tmp, fsync=not args.no_fsync)
         server.start()
         try:

@@ -22,6 +22,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit, interleaved_medians, settle  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig  # noqa: E402
@@ -222,7 +223,7 @@ def main() -> None:
     )
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.data_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=disk_work_dir(args.data_dir, "--data-dir")) as tmp:
         if args.section:  # a child run: one section, its figures as JSON
             print(json.dumps(run_section(args.section, args, tmp)))
             return

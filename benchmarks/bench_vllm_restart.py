@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit, run_vllm_child  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
 
 BLOCK_SIZE = 32
 CHECK_TOKENS = 8
@@ -115,6 +116,7 @@ def main() -> None:
 
     from engine.smollm2 import smollm2_path
 
+    disk_work_dir(args.data_dir, "--data-dir")  # the disk tier: that folder, or one in the temp
     with tempfile.TemporaryDirectory(prefix="bench-vllm-restart-") as tmp:
         workdir = Path(tmp)
         disk = Path(args.data_dir) if args.data_dir else workdir / "disk"
