@@ -25,6 +25,7 @@ every block written by an earlier process is found again.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from typing import Any
 from cachetier.errors import CorruptBlockError, TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.landing import Destination
+from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from cachetier.parallel import map_in_threads
 from cachetier.record import Buffer, Compression, KVBlock, encode_parts, read_record
 from cachetier.tiers.base import Tier, check_namespace
@@ -44,12 +46,16 @@ from cachetier.tiers.disk_index import Slot
 
 __all__ = ["SUFFIX", "DiskTier", "DiskTierConfig"]
 
+logger = logging.getLogger(__name__)
+
 
 class DiskTier(Tier):
     """Blocks as checksummed record files; reads are verified before they are returned.
 
     ``used_bytes`` and ``len`` are this process's view of the folder (what it wrote, read or
-    found); ``folder_bytes`` is what the shared budget counts for every process.
+    found); ``folder_bytes`` is what the shared budget counts for every process;
+    ``filesystem`` is the type of the file system holding the folder (``None`` where the
+    kernel's list of mounts cannot be read).
     """
 
     name = "disk"
@@ -69,6 +75,14 @@ class DiskTier(Tier):
             self._folder.close()  # e.g. a ledger of a newer format: leave no mark behind
             raise
         self.recovery_s = time.perf_counter() - start
+        self.filesystem = mount_fstype(self._root)
+        if self.filesystem in MEMORY_FILESYSTEMS:
+            # Allowed (a test, a node with no disk to spare), but not what "persistent" means.
+            logger.warning(
+                "disk tier folder %s is on %s: its blocks take RAM and are lost at a reboot",
+                self._root,
+                self.filesystem,
+            )
 
     @property
     def root(self) -> Path:

@@ -6,9 +6,12 @@ only removed); private file modes; a damaged or lying ledger rebuilt from the fo
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import stat
 import struct
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -18,12 +21,13 @@ import pytest
 from cachetier.config import StoreConfig, build_tiers
 from cachetier.errors import TierUnavailableError
 from cachetier.keys import Namespace
+from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from cachetier.record import encode_record
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.disk_budget import LEDGER_NAME, decode_state, encode_state
 from cachetier.tiers.disk_files import read_boot_id, temp_name
 from tests.children import run_python
-from tests.support import make_blocks
+from tests.support import SMALL_LAYOUT, make_blocks
 
 
 def _tier(root: Path, capacity: int) -> DiskTier:
@@ -317,3 +321,28 @@ def test_modes_come_from_the_environment_in_octal(tmp_path: Path, namespace: Nam
         StoreConfig.from_env({**env, "CACHETIER_DISK_FILE_MODE": "0699"})
     with pytest.raises(ValueError, match="disk_dir_mode"):
         StoreConfig.from_env({**env, "CACHETIER_DISK_DIR_MODE": "0600"})
+
+
+def test_a_folder_in_memory_is_allowed_but_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shm = Path(tempfile.mkdtemp(prefix="cachetier-test-", dir="/dev/shm"))  # a real tmpfs
+    try:
+        with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk"):
+            in_memory = _tier(shm / "cache", 1 << 20)
+        try:
+            assert in_memory.filesystem == "tmpfs"
+            assert f"{shm / 'cache'} is on tmpfs" in caplog.text
+            ns = Namespace("m", SMALL_LAYOUT)
+            (block,) = make_blocks(ns, 1)
+            assert in_memory.put_many(ns.id, [block]) == 1  # it still works as a disk tier
+        finally:
+            in_memory.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk"):
+        on_disk = _tier(tmp_path / "cache", 1 << 20)
+    on_disk.close()
+    assert on_disk.filesystem == mount_fstype(tmp_path)
+    assert ("is on" in caplog.text) == (on_disk.filesystem in MEMORY_FILESYSTEMS)
