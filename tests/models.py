@@ -92,3 +92,21 @@ def make_tiny_llama(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+class ForwardTokens:
+    """Counts the tokens each forward of the decoder stack is given (a forward pre-hook)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.lengths: list[int] = []
+        self._handle = model.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self.lengths.append(int(input_ids.shape[-1]))
+
+    def __enter__(self) -> ForwardTokens:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()

@@ -18,7 +18,7 @@ from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from connectors.hf import HFCacheConnector
-from tests.models import make_tiny_llama
+from tests.models import ForwardTokens, make_tiny_llama
 
 MiB = 1 << 20
 BLOCK_SIZE = 16
@@ -66,34 +66,16 @@ def _greedy(model: torch.nn.Module, prompt: torch.Tensor, new: int = NEW_TOKENS)
     )
 
 
-class _ForwardTokens:
-    """Counts the tokens each forward of the decoder stack is given (a forward pre-hook)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.lengths: list[int] = []
-        self._handle = model.model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self.lengths.append(int(input_ids.shape[-1]))
-
-    def __enter__(self) -> _ForwardTokens:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.remove()
-
-
 def test_warm_generate_matches_plain_generate_and_prefills_only_the_tail(
     tiny_model: torch.nn.Module, tiny_model_dir: Path, store: TieredStore
 ) -> None:
     prompt = _prompt(70)
-    with _ForwardTokens(tiny_model) as plain_forward:
+    with ForwardTokens(tiny_model) as plain_forward:
         expected = _greedy(tiny_model, prompt)
     conn = HFCacheConnector(tiny_model, store, model_folder=tiny_model_dir, block_size=BLOCK_SIZE)
 
     cold, cold_info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
-    with _ForwardTokens(tiny_model) as warm_forward:
+    with ForwardTokens(tiny_model) as warm_forward:
         warm, warm_info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
 
     assert torch.equal(cold, expected)
@@ -154,7 +136,7 @@ def test_a_new_connector_over_the_same_disk_folder_restores_after_a_restart(
     second_model = _load(tiny_model_dir)
     with build_store(_disk_config(tmp_path / "kv", cpu_bytes=0)) as second_store:
         second = HFCacheConnector(second_model, second_store, model_folder=tiny_model_dir)
-        with _ForwardTokens(second_model) as forward:
+        with ForwardTokens(second_model) as forward:
             out, info = second.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert torch.equal(out, expected)
     assert info.num_cached_tokens == 80
@@ -364,7 +346,7 @@ def test_smollm2_long_prompt_same_tokens_fewer_prefilled(smollm2_dir: Path, tmp_
         cold, cold_info = conn.generate(prompt, max_new_tokens=16, do_sample=False)
     with build_store(_disk_config(tmp_path / "kv", cpu_bytes=64 * MiB)) as store:
         conn = HFCacheConnector(model, store, model_folder=smollm2_dir)
-        with _ForwardTokens(model) as forward:
+        with ForwardTokens(model) as forward:
             warm, warm_info = conn.generate(prompt, max_new_tokens=16, do_sample=False)
 
     assert torch.equal(cold, expected)

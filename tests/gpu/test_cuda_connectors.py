@@ -15,11 +15,12 @@ import torch
 import transformers
 
 from cachetier.config import StoreConfig, build_store
-from cachetier.keys import KVLayout
+from cachetier.keys import KVLayout, dtype_name
 from cachetier.kv_format import MLA_ARRANGEMENT
 from connectors.hf import HFCacheConnector
 from connectors.vllm.layouts import CUDA_KV, MLA, VllmArrangement
 from connectors.vllm.paged import PagedKV
+from tests.models import ForwardTokens
 
 pytestmark = pytest.mark.cuda
 
@@ -46,17 +47,6 @@ def _prompt(num_tokens: int, *, seed: int) -> list[int]:
     return torch.randint(3, 256, (num_tokens,), generator=generator).tolist()
 
 
-def _prefill_lengths(model: torch.nn.Module) -> tuple[list[int], object]:
-    """The token count of each forward of the decoder stack, and the hook's handle."""
-    lengths: list[int] = []
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        lengths.append(int(ids.shape[-1]))
-
-    return lengths, model.model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def test_hf_connector_with_its_model_on_cuda_restores_instead_of_prefilling(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -69,16 +59,13 @@ def test_hf_connector_with_its_model_on_cuda_restores_instead_of_prefilling(
     with build_store(_store_config(tmp_path / "kv", cpu_bytes=16 * MiB)) as store:
         conn = HFCacheConnector(model, store, model_folder=tiny_model_dir, block_size=BLOCK_SIZE)
         cold, cold_info = conn.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
-        lengths, handle = _prefill_lengths(model)
-        try:
+        with ForwardTokens(model) as warm_forward:
             warm, warm_info = conn.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
-        finally:
-            handle.remove()
     assert cold.device.type == warm.device.type == "cuda"
     assert torch.equal(cold, expected) and torch.equal(warm, expected)
     assert cold_info.num_saved_blocks == 4 and cold_info.num_cached_tokens == 0
     assert warm_info.num_cached_tokens == 64 and warm_info.cached_tokens_by_source == {"cpu": 64}
-    assert lengths[0] == 70 - 64  # the GPU model prefilled only the tail
+    assert warm_forward.lengths[0] == 70 - 64  # the GPU model prefilled only the tail
     assert conn.stats.restored_blocks == 4 and conn.stats.rejected_blocks == 0
 
 
@@ -147,11 +134,11 @@ def test_vllm_cuda_pages_copy_like_the_cpu_path(
     GPU give the bytes the CPU path gives for the same pages, in every dtype and arrangement."""
     if kind == MLA:
         arrangement = VllmArrangement(
-            MLA, KVLayout(_name(dtype), BS, L, 1, dim, arrangement=MLA_ARRANGEMENT)
+            MLA, KVLayout(dtype_name(dtype), BS, L, 1, dim, arrangement=MLA_ARRANGEMENT)
         )
         shape: tuple[int, ...] = (NB, BS, dim)
     else:
-        arrangement = VllmArrangement(CUDA_KV, KVLayout(_name(dtype), BS, L, heads, dim))
+        arrangement = VllmArrangement(CUDA_KV, KVLayout(dtype_name(dtype), BS, L, heads, dim))
         shape = (NB, heads, BS, 2 * dim)
     names = [f"layer.{i}" for i in range(L)]
     cpu_pages = dict(zip(names, _random_pages(shape, dtype, seed=3), strict=True))
@@ -173,7 +160,3 @@ def test_vllm_cuda_pages_copy_like_the_cpu_path(
     for name in names:
         assert torch.equal(_bytes(gpu_pages[name].cpu()), _bytes(cpu_pages[name]))
     assert torch.equal(_bytes(cpu_pages[names[0]][30]), _bytes(cpu_pages[names[0]][0]))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
