@@ -88,7 +88,7 @@ def ensure_dir(path: Path, mode: int, fsync: bool) -> None:
         fsync_dir(path.parent)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
     """fsync a folder: its entries (a rename, a new file or folder) then survive a power loss."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

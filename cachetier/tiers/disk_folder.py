@@ -44,7 +44,7 @@ _ADMIT_POLL_S = 0.002
 # records, under the lock).
 HEAL_INTERVAL_S = 600.0
 
-Landing = tuple[Slot, Path, Path, int]
+Landing = tuple[Slot, str, str, int]
 """(slot, final path, temp path, size) of a record written and waiting to be renamed in."""
 
 
@@ -60,6 +60,7 @@ class SharedFolder:
         self._config = config
         self._stats = stats
         self.root = Path(config.root).resolve()
+        self._root_str = str(self.root)
         self._make_root()
         self._boot_id = read_boot_id()
         owner_id = new_owner_id(self._boot_id)
@@ -80,9 +81,10 @@ class SharedFolder:
     def owner_id(self) -> str:
         return self._mark.owner_id
 
-    def path(self, slot: Slot) -> Path:
+    def path(self, slot: Slot) -> str:
+        # A string, not a Path: deletes and evictions build one per record.
         name = slot[1].hex()
-        return self.root / slot[0] / name[:2] / (name + SUFFIX)
+        return f"{self._root_str}/{slot[0]}/{name[:2]}/{name}{SUFFIX}"
 
     def _make_root(self) -> None:
         try:
@@ -365,7 +367,7 @@ class SharedFolder:
                 for slot in self.index.slots_of(namespace):
                     self.index.forget(slot)
             for path in namespace_records(self.root, namespace):
-                removed += self._unlink_counted(Path(path), state)
+                removed += self._unlink_counted(path, state)
         return removed
 
     def drop_corrupt(self, slot: Slot, inode: int) -> None:
@@ -380,7 +382,7 @@ class SharedFolder:
             except FileNotFoundError:
                 pass
 
-    def _unlink_counted(self, path: Path, state: LedgerState) -> bool:
+    def _unlink_counted(self, path: str, state: LedgerState) -> bool:
         try:
             size = os.lstat(path).st_size
             os.unlink(path)
