@@ -33,7 +33,10 @@ _ALPHA = 0.5
 # Within this fraction of the best estimate, or this many seconds of it, the plan loads more
 # rather than less: a recompute costs compute other requests could use, and a gain smaller
 # than the estimates' own noise (a millisecond: one scheduler tick on a busy host) is no
-# reason to spend it.
+# reason to spend it. Only while the time a load adds is less than the compute it frees: on a
+# thin link one block can take longer to fetch than to recompute, and 2% of a long prompt's
+# TTFT is worth many such blocks (measured: one 16-token block over 10 MB/s, ~80 ms against
+# ~20 ms of recompute, put on every thin-link request).
 _PREFER_LOAD = 0.02
 _PREFER_LOAD_S = 0.001
 
@@ -425,19 +428,26 @@ class CostModel:
         tail_latency = [
             tail[j] + (0.0 if j == total or span_start[j] else latency[j]) for j in range(total + 1)
         ]
-        options: list[tuple[float, int, int]] = []  # (estimate, load_start, load_end)
+        # (estimate, load_start, load_end, compute seconds of the plan)
+        options: list[tuple[float, int, int, float]] = []
         for k in range(total + 1):
-            options.append((head[k] + compute(hit_start + k * block_size, num_tokens), 0, k))
+            rest = compute(hit_start + k * block_size, num_tokens)
+            options.append((head[k] + rest, 0, k, rest))
         if not prefix_only:
             suffix_s = compute(hit_start + total * block_size, num_tokens)
             for j in range(1, total):
                 early = compute(hit_start, hit_start + j * block_size)
-                options.append((early + tail_latency[j] + suffix_s, j, total))
-        best = min(t for t, _, _ in options)
-        # Among plans close enough to the best, the one that loads the most.
+                options.append((early + tail_latency[j] + suffix_s, j, total, early + suffix_s))
+        best, _, _, best_compute = min(options)
+        # Among plans close enough to the best whose extra time the compute they free pays
+        # for, the one that loads the most.
         close = max(best * (1 + _PREFER_LOAD), best + _PREFER_LOAD_S)
-        est, start, end = max(
-            (o for o in options if o[0] <= close),
+        est, start, end, _ = max(
+            (
+                o
+                for o in options
+                if o[0] <= close and o[0] - best <= max(best_compute - o[3], 0.0) + _PREFER_LOAD_S
+            ),
             key=lambda o: (o[2] - o[1], -o[0]),
         )
         reason = "model"
