@@ -82,7 +82,9 @@ class SharedFolder:
         return self._mark.owner_id
 
     def path(self, slot: Slot) -> str:
-        # A string, not a Path: deletes and evictions build one per record.
+        """Where ``slot``'s record lives, for every caller (the tier's reads and puts too)."""
+        # A string, not a Path: pathlib's joins cost ~25 us a record, a sixth of a one-chunk
+        # get of a 512 KiB block, and every get, put, delete and eviction builds one.
         name = slot[1].hex()
         return f"{self._root_str}/{slot[0]}/{name[:2]}/{name}{SUFFIX}"
 
