@@ -6,7 +6,8 @@ pool. ``csrc/prefill_attention_cpu.cpp`` packs every 16-token unit of the pool t
 wide chunks read once (a prefix shared by several chunks once for all of them), then runs
 register-tiled flash attention per (chunk, KV head, tile of query rows) over torch's intra-op
 threads. A narrow chunk (a few new tokens, such as the suffix after a restored prefix) splits
-its context's keys between tasks that read the pool in place, merged by log-sum-exp.
+its context's keys between tasks that pack each unit from the pool as they reach it (nothing
+packed up front), merged by log-sum-exp.
 
 A step's plan (which units, which chunk reads which) is the same for every layer, so it is
 built once per forward by ``plan_prefill`` and passed to each layer's call.
