@@ -102,11 +102,11 @@ inline void qk_tile(const float* q, const float* kt, float* scores) {
 }
 
 // out[r][col..col+16) += sum_t p[r][t] v[t][col..col+16) for 6 rows over the units' keys
-// (v_units[u]: 16 rows of D values, v_strides[u] apart; p: rows of kTileKeys probabilities, zero
-// past the valid keys).
+// (v_units[u]: a unit's V packed as [16][D]; p: rows of kTileKeys probabilities, zero past the
+// valid keys).
 template <int D>
-inline void pv_tile(const float* p, const float* const* v_units, const int64_t* v_strides,
-                    int num_units, int col, float* out) {
+inline void pv_tile(const float* p, const float* const* v_units, int num_units, int col,
+                    float* out) {
   __m256 c00 = _mm256_loadu_ps(out + col), c01 = _mm256_loadu_ps(out + col + 8);
   __m256 c10 = _mm256_loadu_ps(out + D + col), c11 = _mm256_loadu_ps(out + D + col + 8);
   __m256 c20 = _mm256_loadu_ps(out + 2 * D + col), c21 = _mm256_loadu_ps(out + 2 * D + col + 8);
@@ -116,7 +116,7 @@ inline void pv_tile(const float* p, const float* const* v_units, const int64_t* 
   constexpr int S = kTileKeys;
   for (int u = 0; u < num_units; ++u) {
     const float* v = v_units[u] + col;
-    const int64_t stride = v_strides[u];
+    constexpr int64_t stride = D;
     const float* pu = p + u * kUnit;
     for (int t = 0; t < kUnit; ++t) {
       const __m256 b0 = _mm256_loadu_ps(v + t * stride);
@@ -215,7 +215,7 @@ inline const float* unit_keys(const float* kv, int64_t unit_id, int64_t h, int64
   return kv + block * l.block_stride + l.layer_offset + first * l.token_stride + h * D;
 }
 
-// K^T [D][16] of one unit, and its V as [16][D] where v_out is given. Keys at or past valid are
+// K^T [D][16] of one unit, and its V as [16][D]. Keys at or past valid are
 // zeros: a pool slot past every context may hold anything, NaN included, and 0 * NaN is NaN.
 template <int D>
 inline void pack_unit(const float* k, int64_t token_stride, int64_t kv_stride, int valid,
@@ -236,7 +236,6 @@ inline void pack_unit(const float* k, int64_t token_stride, int64_t kv_stride, i
   for (int t = 0; t < kUnit; t += 8)
     for (int d = 0; d < D; d += 8)
       transpose8(src + t * stride + d, stride, kt + d * kUnit + t, kUnit);
-  if (v_out == nullptr) return;
   for (int t = 0; t < kUnit; ++t) {
     if (t < valid)
       std::memcpy(v_out + t * D, k + kv_stride + t * token_stride, D * sizeof(float));
@@ -324,7 +323,6 @@ void run_task(const Task& task, const Step& st) {
   const int64_t per_head = 2 * kUnit * D;
   const float* k_units[kUnitsPerTile];
   const float* v_units[kUnitsPerTile];
-  int64_t v_strides[kUnitsPerTile];
   for (int64_t first = task.key_begin; first < key_end; first += kTileKeys) {
     const int tile_keys = static_cast<int>(std::min<int64_t>(kTileKeys, key_end - first));
     const int num_units = (tile_keys + kUnit - 1) / kUnit;
@@ -351,7 +349,6 @@ void run_task(const Task& task, const Step& st) {
       if (!task.in_place) {
         k_units[u] = st.packed + (unit * l.num_kv_heads + task.head) * per_head;
         v_units[u] = k_units[u] + kUnit * D;
-        v_strides[u] = D;
         continue;
       }
       const float* k = unit_keys(st.kv, st.unit_ids[unit], task.head, D, l);
@@ -364,7 +361,6 @@ void run_task(const Task& task, const Step& st) {
       pack_unit<D>(k, l.token_stride, l.kv_stride, valid, kt, v_copy);
       k_units[u] = kt;
       v_units[u] = v_copy;
-      v_strides[u] = D;
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
       for (int u = 0; u < num_units; ++u)
@@ -397,7 +393,7 @@ void run_task(const Task& task, const Step& st) {
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
       for (int col = 0; col < D; col += 16)
-        pv_tile<D>(scores + r * kTileKeys, v_units, v_strides, num_units, col, acc + r * D);
+        pv_tile<D>(scores + r * kTileKeys, v_units, num_units, col, acc + r * D);
   }
   if (task.partial != nullptr) {
     std::memcpy(task.partial, acc, sizeof(float) * num_rows * D);
