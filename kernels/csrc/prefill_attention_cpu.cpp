@@ -116,11 +116,10 @@ inline void pv_tile(const float* p, const float* const* v_units, int num_units, 
   constexpr int S = kTileKeys;
   for (int u = 0; u < num_units; ++u) {
     const float* v = v_units[u] + col;
-    constexpr int64_t stride = D;
     const float* pu = p + u * kUnit;
     for (int t = 0; t < kUnit; ++t) {
-      const __m256 b0 = _mm256_loadu_ps(v + t * stride);
-      const __m256 b1 = _mm256_loadu_ps(v + t * stride + 8);
+      const __m256 b0 = _mm256_loadu_ps(v + t * D);
+      const __m256 b1 = _mm256_loadu_ps(v + t * D + 8);
       __m256 a = _mm256_broadcast_ss(pu + t);
       c00 = _mm256_fmadd_ps(a, b0, c00);
       c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -277,14 +276,14 @@ struct Step {
 };
 
 // Rows [row0, row0 + num_rows) of chunk seq's folded rows (row = token * G + g) for KV head
-// `head`, over keys [key_begin, key_end). Wide chunks read pre-packed units (in_place false);
-// a narrow chunk's task packs each unit's K^T and V as it goes, from the pool.
+// `head`, over keys [key_begin, key_end). Wide chunks read pre-packed units; a narrow chunk's
+// task (packs_own) packs each unit's K^T and V from the pool as it goes.
 // partial == nullptr: the rows' normalised outputs go to out. Otherwise the task is one of
 // several over a chunk's keys and leaves [kTaskRows][D] sums, then maxima and sums of
 // exponentials, for merge_partials.
 struct Task {
   int64_t seq, head, row0, num_rows, key_begin, key_end, cost;
-  bool in_place;
+  bool packs_own;
   float* partial;
 };
 
@@ -326,11 +325,12 @@ void run_task(const Task& task, const Step& st) {
   for (int64_t first = task.key_begin; first < key_end; first += kTileKeys) {
     const int tile_keys = static_cast<int>(std::min<int64_t>(kTileKeys, key_end - first));
     const int num_units = (tile_keys + kUnit - 1) / kUnit;
-    if (task.in_place) {
-      // The next tile's K and V rows are fetched while this one computes: read in place, they
-      // come from memory, and without this the P.V loads stalled on them (measured: 22% of
-      // the kernel's samples on one load, 15 new tokens over 4,096 cached). Into L2, not L1:
-      // a tile's 32 KiB of rows would push this tile's working set out of L1.
+    if (task.packs_own) {
+      // The next tile's K and V rows are fetched while this one computes: packed straight from
+      // the pool, they come from memory, and the first reads of them stalled (measured when V
+      // was still read in place: 22% of the kernel's samples on one load, 15 new tokens over
+      // 4,096 cached). Into L2, not L1: a tile's 32 KiB of rows would push this tile's working
+      // set out of L1.
       const int64_t next = first + kTileKeys;
       const int next_units = static_cast<int>(
           (std::min<int64_t>(kTileKeys, std::max<int64_t>(key_end - next, 0)) + kUnit - 1) / kUnit);
@@ -346,7 +346,7 @@ void run_task(const Task& task, const Step& st) {
     }
     for (int u = 0; u < num_units; ++u) {
       const int64_t unit = units[first / kUnit + u];
-      if (!task.in_place) {
+      if (!task.packs_own) {
         k_units[u] = st.packed + (unit * l.num_kv_heads + task.head) * per_head;
         v_units[u] = k_units[u] + kUnit * D;
         continue;
