@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=KV_LOAD_POLICIES,
         help="cost: load a tier hit only where that beats recomputing it; always: load every hit",
     )
+    gen.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N: where the weights, the KV pool and the forward live",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per answer")
     return parser
 
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_bytes=args.kv_cache_bytes,
         tenant=args.tenant,
         kv_load_policy=args.kv_load_policy,
+        device=args.device,
     ) as llm:
         ids = [llm.encode(p, chat=args.chat) for p in prompts]
         outputs = llm.generate(ids, params, use_tqdm=sys.stderr.isatty() or len(ids) > 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -14,6 +15,8 @@ FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 POOL_DTYPES = (*MODEL_DTYPES, *FP8_KV_DTYPES.values())
 # ``cost``: load a tier hit only where that beats recomputing it; ``always``: load every hit.
 KV_LOAD_POLICIES = ("cost", "always")
+# Devices the engine runs on: the CPU, or one CUDA device.
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,9 @@ class EngineConfig:
             request (for ``cachetier report``); ``None`` for none.
         kv_load_policy: ``cost`` loads a tier hit only where the measured tier speed beats the
             measured prefill speed (``cachetier.costmodel``); ``always`` loads every hit.
+        device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
+            ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
+            torch paths, and blocks reach the tiers through one host copy per batch).
     """
 
     model: str
@@ -54,6 +60,7 @@ class EngineConfig:
     num_threads: int | None = None
     event_log: str | None = None
     kv_load_policy: str = "cost"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -84,6 +91,8 @@ class EngineConfig:
             )
         if self.event_log is not None and not self.event_log.strip():
             raise ValueError("event_log must be a file path, or None for no log")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def pool_dtype(self) -> str:

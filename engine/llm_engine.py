@@ -57,6 +57,26 @@ class RequestOutput:
     num_recomputed_hit_tokens: int = 0
 
 
+def engine_device(name: str) -> torch.device:
+    """The torch device ``EngineConfig.device`` names.
+
+    Raises:
+        ValueError: a CUDA device that this torch cannot use (a CPU build, no GPU, an index
+            past the last GPU).
+    """
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this torch sees no CUDA device")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        device = torch.device("cuda", index)
+        # Triton launches on the current device, whatever its tensors' device says.
+        torch.cuda.set_device(device)
+    return device
+
+
 class LLMEngine:
     """A paged engine over one model, optionally backed by a cachetier store.
 
@@ -69,11 +89,16 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()  # activations reuse freed memory instead of faulting it in again
+        self.device = engine_device(config.device)
         self.config = config
         folder = Path(config.model)
         self.spec = ModelSpec.from_folder(folder)
         self.model = LlamaModel(
-            self.spec, load_weights(folder), torch_dtype(config.dtype), config.kernel_backend
+            self.spec,
+            load_weights(folder),
+            torch_dtype(config.dtype),
+            config.kernel_backend,
+            self.device,
         )
         self.pool = KVPool(
             self.spec,
@@ -81,6 +106,7 @@ class LLMEngine:
             config.kv_cache_bytes,
             config.pool_dtype,
             config.kernel_backend,
+            self.device,
         )
         # A sequence longer than the whole pool could never be scheduled: cap it there too.
         self.max_model_len = min(
@@ -218,9 +244,12 @@ class LLMEngine:
             torch.tensor(slots, dtype=torch.long),
             tuple(slices),
             torch.tensor(logits_rows, dtype=torch.long),
-        )
+        ).to(self.device)
         forward_start = time.perf_counter()
         logits = self.model.forward(batch, self.pool.cache, kv_scales=self.pool.scales)
+        # Sampling runs on the host (each request's generator lives there); off the CPU this
+        # copy also waits for the forward, so forward_s is its real time.
+        logits = logits.cpu()
         forward_s = time.perf_counter() - forward_start
         if prompt_seqs:
             # Steps that compute prompts teach the cost model what a recompute costs; decode-only

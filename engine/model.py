@@ -55,6 +55,20 @@ class ForwardBatch:
     seqs: tuple[SeqSlice, ...]
     logits_rows: torch.Tensor  # [S] int64
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its token-level tensors on ``device``. The sequences' block
+        tables stay on the host: the model reads them there to plan its kernel calls and moves
+        what the kernels index with, so planning costs no device round trip."""
+        if self.input_ids.device == device:
+            return self
+        return ForwardBatch(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            self.slot_mapping.to(device, non_blocking=True),
+            self.seqs,
+            self.logits_rows.to(device, non_blocking=True),
+        )
+
 
 def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     dim = spec.head_dim
@@ -99,7 +113,9 @@ class _DecodeGroup:
     num_shared_blocks: int  # leading blocks of ``tables`` every row shares
 
 
-def _decode_groups(decodes: list[SeqSlice], block_size: int, *, fp8: bool) -> list[_DecodeGroup]:
+def _decode_groups(
+    decodes: list[SeqSlice], block_size: int, device: torch.device, *, fp8: bool
+) -> list[_DecodeGroup]:
     # Sequences behind one shared system prompt hold the same leading pool blocks (prefix
     # cache): grouping by first block lets the kernel read those blocks once per group instead
     # of once per sequence (cascade attention). Sequences that share no full block with
@@ -112,24 +128,32 @@ def _decode_groups(decodes: list[SeqSlice], block_size: int, *, fp8: bool) -> li
         by_first.setdefault(-1 if fp8 else int(s.block_table[0]), []).append(s)
     groups, alone = [], []
     for members in by_first.values():
-        group = _decode_group(members, block_size, share=not fp8)
+        group = _decode_group(members, block_size, device, share=not fp8)
         if group.num_shared_blocks:
             groups.append(group)
         else:
             alone.extend(members)
     if alone:
-        groups.append(_decode_group(alone, block_size, share=False))
+        groups.append(_decode_group(alone, block_size, device, share=False))
     return groups
 
 
-def _decode_group(members: list[SeqSlice], block_size: int, *, share: bool) -> _DecodeGroup:
+def _decode_group(
+    members: list[SeqSlice], block_size: int, device: torch.device, *, share: bool
+) -> _DecodeGroup:
     tables = torch.zeros(len(members), max(len(s.block_table) for s in members), dtype=torch.long)
     for i, s in enumerate(members):
         tables[i, : len(s.block_table)] = s.block_table
     lens = torch.tensor([s.context_len for s in members], dtype=torch.long)
     shared = common_prefix_blocks(tables, lens, block_size) if share else 0
     rows = torch.tensor([s.start for s in members], dtype=torch.long)
-    return _DecodeGroup(rows, tables, lens, shared)
+    # Planned on the host (above), moved once for the kernels.
+    return _DecodeGroup(
+        rows.to(device, non_blocking=True),
+        tables.to(device, non_blocking=True),
+        lens.to(device, non_blocking=True),
+        shared,
+    )
 
 
 class LlamaModel:
@@ -141,18 +165,20 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         kernel_backend: str = "auto",
+        device: str | torch.device = "cpu",
     ) -> None:
         if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
             raise ValueError("sliding-window attention is not supported by the engine")
         self.spec = spec
         self.dtype = dtype
         self.kernel_backend = kernel_backend
+        self.device = torch.device(device)
         self.scale = spec.head_dim**-0.5
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"the model folder has no weight {name!r}")
-            return weights[name].to(dtype).contiguous()
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -178,7 +204,7 @@ class LlamaModel:
                     "down": prepack(w(p + "mlp.down_proj.weight")),
                 }
             )
-        self._inv_freq = _rope_inv_freq(spec)
+        self._inv_freq = _rope_inv_freq(spec).to(self.device)
 
     def warm_up(
         self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None
@@ -200,9 +226,10 @@ class LlamaModel:
                 torch.full((n,), -1, dtype=torch.long),
                 (SeqSlice(0, n, n, torch.zeros(num_blocks, dtype=torch.long)),),
                 torch.tensor([n - 1]),
-            )
+            ).to(self.device)
             start = time.perf_counter()
-            self.forward(batch, kv_cache, kv_scales=kv_scales)
+            # The copy to the host waits for the device: the time is the forward's.
+            self.forward(batch, kv_cache, kv_scales=kv_scales).cpu()
             timings.append((n, time.perf_counter() - start))
         return timings[1:]
 
@@ -218,14 +245,16 @@ class LlamaModel:
         """Run one step: write the new tokens' K/V into the pool and return logits.
 
         Args:
-            batch: the step's tokens and where their K/V go.
+            batch: the step's tokens and where their K/V go (token tensors on the model's
+                device, ``ForwardBatch.to``).
             kv_cache: the pool ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
             all_logits: logits for every row instead of ``batch.logits_rows`` (tests).
             kv_scales: ``[num_blocks, num_layers, 2]`` float32 scales of an fp8 pool; ``None``
                 for a pool in the compute dtype.
 
         Returns:
-            ``[S, vocab]`` float32 logits (``[T, vocab]`` with ``all_logits``).
+            ``[S, vocab]`` float32 logits (``[T, vocab]`` with ``all_logits``), on the model's
+            device.
         """
         spec = self.spec
         hq, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -233,7 +262,9 @@ class LlamaModel:
         x = self.embed[batch.input_ids]  # [T, hidden], the residual stream (updated in place)
         cos, sin = rope_angles(batch.positions, self._inv_freq)
         decodes = [s for s in batch.seqs if s.num_new == 1 and s.context_len > 1]
-        groups = _decode_groups(decodes, kv_cache.shape[3], fp8=kv_scales is not None)
+        groups = _decode_groups(
+            decodes, kv_cache.shape[3], kv_cache.device, fp8=kv_scales is not None
+        )
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
         plan = self._native_prefill_plan(others, kv_cache, kv_scales)
         # Each sublayer's output joins the residual stream inside the next RMSNorm (one pass
@@ -265,7 +296,9 @@ class LlamaModel:
                         kv_cache, kv_scales, group.tables.flatten(), index, self.dtype
                     )
                     pool, pool_layer = deq.unsqueeze(1), 0  # [B * max_blocks, 1, 2, bs, hk, d]
-                    tables = torch.arange(group.tables.numel()).view_as(group.tables)
+                    tables = torch.arange(group.tables.numel(), device=deq.device).view_as(
+                        group.tables
+                    )
                 attn[group.rows] = paged_attention_decode(
                     q[group.rows],
                     pool,
@@ -319,24 +352,25 @@ class LlamaModel:
     ) -> torch.Tensor:
         # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new.
         n, cached = s.num_new, s.context_len - s.num_new
+        table = s.block_table.to(kv_cache.device, non_blocking=True)
         on_cpu_flash = CPU_FLASH_WITH_LSE is not None and q.device.type == "cpu"
         if cached and kv_scales is None and on_cpu_flash:
             return self._split_attention(q, k_new, v_new, s, kv_cache, layer)
         if cached == 0 and kv_scales is None:
             k, v = k_new, v_new  # nothing cached: skip the gather from the pool
         elif kv_scales is None:
-            k, v = gather_layer_kv(kv_cache, layer, s.block_table, s.context_len)
+            k, v = gather_layer_kv(kv_cache, layer, table, s.context_len)
         else:
             # fp8 always reads the pool: attention sees the quantised K/V, the same whether a
             # prefix was computed here or restored from a tier.
-            kv = dequantize_blocks(kv_cache, kv_scales, s.block_table, layer, self.dtype)
+            kv = dequantize_blocks(kv_cache, kv_scales, table, layer, self.dtype)
             kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, : s.context_len]
             k, v = kv[0], kv[1]
         mask = None
         if cached:
             # Query i sits at position cached + i and sees keys 0 .. cached + i.
-            rows = torch.arange(n)[:, None] + cached
-            mask = torch.arange(s.context_len)[None, :] <= rows
+            rows = torch.arange(n, device=q.device)[:, None] + cached
+            mask = torch.arange(s.context_len, device=q.device)[None, :] <= rows
         if n <= _SMALL_CHUNK:
             return self._grouped_attention(q, k, v, mask)
         # A leading batch dim of 1 matters: torch's CPU flash-attention kernel takes 4-D inputs
@@ -405,7 +439,7 @@ class LlamaModel:
         qg = q.view(n, hk, hq // hk, d)
         scores = torch.einsum("nhgd,thd->hgnt", qg, k) * self.scale  # [hk, group, n, ctx]
         if mask is None:
-            mask = torch.ones(n, k.shape[0], dtype=torch.bool).tril()
+            mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.einsum("hgnt,thd->nhgd", scores.softmax(-1), v)  # [n, hk, group, d]
         return out.reshape(n, hq, d)

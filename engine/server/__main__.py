@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=KV_LOAD_POLICIES,
         help="cost: load a tier hit only where that beats recomputing it; always: load every hit",
     )
+    engine.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N: where the weights, the KV pool and the forward live",
+    )
     tiers = p.add_argument_group("tiers (override CACHETIER_* variables)")
     tiers.add_argument("--cpu-bytes", type=int, default=None, help="CPU tier capacity (0: none)")
     tiers.add_argument("--disk-path", default=None, help="disk tier folder")
@@ -122,6 +127,7 @@ def server_config(
         "num_threads": args.num_threads,
         "event_log": args.event_log,
         "kv_load_policy": args.kv_load_policy,
+        "device": args.device,
     }
     try:
         config = EngineServerConfig(

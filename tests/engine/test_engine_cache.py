@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cachetier.config import StoreConfig, build_store
 from cachetier.store import TieredStore
@@ -173,3 +174,26 @@ def test_decodes_behind_a_shared_prefix_match_decodes_alone(tiny_model_dir: Path
     outs = llm.generate(prompts, GREEDY)
     assert [o.num_cached_tokens for o in outs] == [128, 128, 128, 64, 64]
     assert [o.token_ids for o in outs] == reference(tiny_model_dir, prompts)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU", "mps", ""])
+def test_a_device_that_is_not_cpu_or_cuda_is_refused(tiny_model_dir: Path, device: str) -> None:
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+        LLM(tiny_model_dir, device=device)
+
+
+def test_a_cuda_device_torch_does_not_have_is_a_clear_error(tiny_model_dir: Path) -> None:
+    # On a CPU-only torch: "sees no CUDA device"; on a GPU machine: one past its last GPU.
+    with pytest.raises(ValueError, match=r"device 'cuda:\d+': this torch sees|GPU\(s\)"):
+        LLM(tiny_model_dir, device=f"cuda:{torch.cuda.device_count()}")
+
+
+def test_an_explicit_cpu_device_is_the_default_engine(tiny_model_dir: Path) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    prompt = [[(5 * i) % 250 + 3 for i in range(70)]]
+    with LLM(tiny_model_dir, device="cpu", block_size=16) as llm:
+        assert llm.engine.device == torch.device("cpu")
+        assert llm.engine.pool.cache.device.type == "cpu"
+        explicit = llm.generate(prompt, greedy)[0].token_ids
+    with LLM(tiny_model_dir, block_size=16) as llm:
+        assert explicit == llm.generate(prompt, greedy)[0].token_ids

@@ -114,7 +114,7 @@ def test_decodes_are_grouped_by_their_shared_leading_blocks() -> None:
         decode(5, [11], 10),  # shares block 11 with row 6, but neither holds it full
         decode(6, [11], 12),
     ]
-    groups = _decode_groups(decodes, 16, fp8=False)
+    groups = _decode_groups(decodes, 16, torch.device("cpu"), fp8=False)
     # Rows that share no full block with another go into one call together.
     assert [g.rows.tolist() for g in groups] == [[0, 2, 3], [1, 4, 5, 6]]
     assert [g.num_shared_blocks for g in groups] == [2, 0]
@@ -122,5 +122,5 @@ def test_decodes_are_grouped_by_their_shared_leading_blocks() -> None:
     assert groups[1].tables.tolist() == [[7, 8], [9, 10], [11, 0], [11, 0]]
     assert groups[1].context_lens.tolist() == [20, 30, 10, 12]
     # fp8 dequantises per row: one group, nothing shared.
-    (fp8,) = _decode_groups(decodes, 16, fp8=True)
+    (fp8,) = _decode_groups(decodes, 16, torch.device("cpu"), fp8=True)
     assert fp8.rows.tolist() == [0, 1, 2, 3, 4, 5, 6] and fp8.num_shared_blocks == 0
