@@ -2,6 +2,11 @@
 real restart of the engine process.
 
     python benchmarks/bench_restart.py --json [--tokens 4096] [--dtype float32]
+    python benchmarks/bench_restart.py --json --device cuda --model DIR --no-redis
+
+``--model`` takes another model folder (``benchmarks/random_model.py`` makes one of SmolLM2's
+shapes with random weights where its weights cannot be had, as on our GPU machine); ``--device``
+runs the engine there; ``--no-redis`` leaves the Redis restart out where no Redis answers.
 
 Ratios:
 - ``speedup_disk`` = cold TTFT / warm-from-disk TTFT (target >= 60 at 4096 and 8000 tokens).
@@ -53,6 +58,7 @@ def child(args: argparse.Namespace) -> None:
     from engine.smollm2 import smollm2_path
 
     tiers = args.tiers.split(",")
+    model = args.model or smollm2_path()
     store = StoreConfig(
         cpu_bytes=(2 << 30) if "cpu" in tiers else 0,
         disk_path=args.data_dir if "disk" in tiers else None,
@@ -62,11 +68,13 @@ def child(args: argparse.Namespace) -> None:
     )
     greedy = SamplingParams(temperature=0, max_tokens=8)
     with LLM(
-        smollm2_path(),
+        model,
         store=store,
         dtype=args.dtype,
         kv_cache_bytes=3 << 30,
         max_num_batched_tokens=args.tokens + 64,
+        device=args.device,
+        kv_load_policy=args.kv_load_policy,
     ) as llm:
         prompt = build_prompt(llm, args.tokens)
         runs = []
@@ -92,6 +100,7 @@ def child(args: argparse.Namespace) -> None:
                 "prompt_tokens": len(prompt),
                 "ttft_s": out.ttft_s,
                 "token_ids": out.token_ids,
+                "recomputed_hit_tokens": out.num_recomputed_hit_tokens,
                 "by_source": out.cached_tokens_by_source,
                 "restore_s": stats.get("restore_s", 0.0),
                 "restored_bytes": stats.get("restored_bytes", 0),
@@ -105,6 +114,15 @@ def child(args: argparse.Namespace) -> None:
             }
         )
     )
+
+
+def device_name(device: str) -> str:
+    """``device`` and, for a GPU, what it is (read in a child: the parent never touches CUDA)."""
+    if device == "cpu":
+        return device
+    code = f"import torch; print(torch.cuda.get_device_name({device!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return f"{device} ({proc.stdout.strip() or 'unknown'})"
 
 
 def refaulted_file_pages() -> int:
@@ -140,6 +158,11 @@ def run(mode: str, tiers: str, args: argparse.Namespace, data_dir: str, prefix: 
         str(args.tokens),
         "--dtype",
         args.dtype,
+        "--device",
+        args.device,
+        "--kv-load-policy",
+        args.kv_load_policy,
+        *(["--model", args.model] if args.model else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -174,8 +197,11 @@ def measure(args: argparse.Namespace) -> dict:
     import redis
 
     prefix = f"bench-restart-{uuid.uuid4().hex[:8]}"
-    client = redis.Redis.from_url(REDIS_URL)
-    samples: dict[str, list[dict]] = {"cold": [], "cpu": [], "disk": [], "redis": []}
+    client = redis.Redis.from_url(REDIS_URL) if args.redis else None
+    samples: dict[str, list[dict]] = {"cold": [], "cpu": [], "disk": []}
+    if args.redis:
+        samples["redis"] = []
+    cold_tiers = "cpu,disk,redis" if args.redis else "cpu,disk"
     try:
         parent = disk_work_dir(args.work_dir, "--work-dir")
         with tempfile.TemporaryDirectory(prefix="bench-restart-", dir=parent) as work:
@@ -185,21 +211,24 @@ def measure(args: argparse.Namespace) -> dict:
                 # of their own, so they are as cold as the first.
                 cold_dir = data if round_ == 0 else os.path.join(work, f"cold-{round_}")
                 samples["cold"].append(
-                    run("cold", "cpu,disk,redis", args, cold_dir, f"{prefix}-{round_}")
+                    run("cold", cold_tiers, args, cold_dir, f"{prefix}-{round_}")
                 )
                 samples["cpu"].append(run("cpu", "cpu", args, data, f"{prefix}-0"))
                 # A restart: the CPU tier is empty, only the disk (or Redis) holds the blocks.
                 for _ in range(args.disk_runs):
                     samples["disk"].append(run("disk", "cpu,disk", args, data, f"{prefix}-0"))
-                samples["redis"].append(run("redis", "cpu,redis", args, data, f"{prefix}-0"))
+                if args.redis:
+                    samples["redis"].append(run("redis", "cpu,redis", args, data, f"{prefix}-0"))
             gbps = raw_read_gbps(data)
     finally:
-        names = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if names:
-            client.delete(*names)
-        client.close()
+        if client is not None:
+            names = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if names:
+                client.delete(*names)
+            client.close()
     runs = {mode: median_run(got) for mode, got in samples.items()}
-    cold, cpu, disk, red = runs["cold"], runs["cpu"], runs["disk"], runs["redis"]
+    cold, disk = runs["cold"], runs["disk"]
+    warm = {mode: runs[mode] for mode in samples if mode != "cold"}
     first = samples["cold"][0]["token_ids"]
     same = all(r["token_ids"] == first for got in samples.values() for r in got)
     bound_s = disk["restored_bytes"] / (gbps * 1e9) if gbps else float("nan")
@@ -208,7 +237,7 @@ def measure(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "disk_runs_per_repeat": args.disk_runs,
         "cold_ttft_s": cold["ttft_s"],
-        "warm_ttft_s": {"cpu": cpu["ttft_s"], "disk": disk["ttft_s"], "redis": red["ttft_s"]},
+        "warm_ttft_s": {mode: r["ttft_s"] for mode, r in warm.items()},
         "ttft_runs_s": {m: [round(r["ttft_s"], 4) for r in got] for m, got in samples.items()},
         # Tokens each run restored: a run that fell back to computing (a tier timed out, say)
         # shows 0 here and a cold-like TTFT above.
@@ -217,14 +246,12 @@ def measure(args: argparse.Namespace) -> dict:
         },
         # Per disk run: file pages re-read from the disk during its request (0: all in memory).
         "disk_refaulted_pages_runs": [r["refaulted_file_pages"] for r in samples["disk"]],
-        "restored_tokens": {
-            "cpu": cpu["by_source"],
-            "disk": disk["by_source"],
-            "redis": red["by_source"],
+        "restored_tokens": {mode: r["by_source"] for mode, r in warm.items()},
+        # Tokens a tier held that the cost model chose to recompute, per run.
+        "recomputed_hit_tokens_runs": {
+            m: [r.get("recomputed_hit_tokens", 0) for r in got] for m, got in samples.items()
         },
-        "speedup_cpu": cold["ttft_s"] / cpu["ttft_s"],
-        "speedup_disk": cold["ttft_s"] / disk["ttft_s"],
-        "speedup_redis": cold["ttft_s"] / red["ttft_s"],
+        **{f"speedup_{mode}": cold["ttft_s"] / r["ttft_s"] for mode, r in warm.items()},
         "disk_restore_s": disk["restore_s"],
         "disk_restored_bytes": disk["restored_bytes"],
         "raw_read_gbps": gbps,
@@ -263,6 +290,22 @@ def main() -> None:
     parser.add_argument(
         "--work-dir", default=None, help="parent of the disk tier's temp folder (on a disk)"
     )
+    parser.add_argument(
+        "--model", default=None, help="model folder (default: the converted SmolLM2-135M)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--kv-load-policy",
+        default="cost",
+        choices=["cost", "always"],
+        help="cost: the engine loads a hit only where that beats recomputing it",
+    )
+    parser.add_argument(
+        "--redis",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also restart from Redis (at CACHETIER_REDIS_URL)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="cold", help=argparse.SUPPRESS)
     parser.add_argument("--tiers", default="cpu,disk", help=argparse.SUPPRESS)
@@ -275,8 +318,10 @@ def main() -> None:
         child(args)
         return
     result = {
-        "model": "SmolLM2-135M-Instruct",
+        "model": Path(args.model).name if args.model else "SmolLM2-135M-Instruct",
         "dtype": args.dtype,
+        "device": device_name(args.device),
+        "kv_load_policy": args.kv_load_policy,
         "threads": os.cpu_count(),
         "page_cache": "warm (the cold run just wrote the files; see disk_refaulted_pages_runs)",
     }
