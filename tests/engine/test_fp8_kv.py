@@ -284,3 +284,22 @@ def test_smollm2_fp8_kv_bytes_logits_and_greedy_agreement(smollm2_dir: Path) -> 
         assert m["top1"] >= bound["top1"], (name, m)
         assert m["flip_margin"] < bound["flip_margin"], (name, m)
         assert m["greedy"] >= bound["greedy"], (name, m)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_pool_writes_of_the_wrong_count_or_size_are_refused(
+    tiny_model_dir: Path, dtype: str
+) -> None:
+    spec = ModelSpec.from_folder(tiny_model_dir)
+    pool = KVPool(spec, BLOCK, 1 << 20, dtype)
+    block = bytes(pool.block_bytes)
+    with pytest.raises(ValueError, match="2 buffers for 1 blocks"):
+        pool.write_blocks([0], [block, block])
+    with pytest.raises(ValueError, match=f"a block of {pool.block_bytes + 1} bytes"):
+        pool.write_blocks([0], [block + b"x"])
+
+
+def test_a_pool_on_a_device_other_than_cpu_or_cuda_is_refused(tiny_model_dir: Path) -> None:
+    spec = ModelSpec.from_folder(tiny_model_dir)
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        KVPool(spec, BLOCK, 1 << 20, "float32", device="meta")

@@ -106,6 +106,34 @@ def test_engine_pool_on_cuda_round_trips_blocks(tiny_model_dir: Path) -> None:
     assert torch.equal(pool.cache[6], pool.cache[1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_cuda_pool_restores_through_pinned_buffers_in_turn(
+    tiny_model_dir: Path, dtype: str
+) -> None:
+    from engine.kv_cache import KVPool
+    from engine.model_spec import ModelSpec
+
+    spec = ModelSpec.from_folder(tiny_model_dir)
+    probe = KVPool(spec, 16, 1 << 20, dtype)
+    # One block per pinned buffer: seven blocks take the two buffers in turn, each reused
+    # after its last copy has finished.
+    pool = KVPool(spec, 16, 4 << 20, dtype, device="cuda", staging_bytes=2 * probe.block_bytes)
+    gen = torch.Generator().manual_seed(1)
+    # Bytes masked with 0x77: no NaN in any of the dtypes (the kernels copy floats, and the
+    # blocks are compared as bytes).
+    blocks = [
+        (torch.randint(0, 256, (probe.block_bytes,), dtype=torch.uint8, generator=gen) & 0x77)
+        .numpy()
+        .tobytes()
+        for _ in range(7)
+    ]
+    pool.write_blocks([9, 2, 4, 0, 11, 3, 7], blocks)
+    assert len(pool._staging) == 2
+    assert [bytes(row) for row in pool.read_blocks([9, 2, 4, 0, 11, 3, 7])] == blocks
+    with pytest.raises(ValueError, match="not"):
+        pool.write_blocks([1], [blocks[0][:-1]])
+
+
 _VLLM_RUN = """
     import json, sys
     from vllm import LLM, SamplingParams
