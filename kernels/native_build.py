@@ -1,8 +1,16 @@
 """Building the CPU kernels in ``kernels/csrc`` on first use, or falling back where we cannot.
 
 Each extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) the first time it
-is asked for in a process; torch caches the build under ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``) and rebuilds it when its source or a header it includes changes.
+is asked for in a process; the build is cached under ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``), in a folder per Python and torch version, and rebuilt when its
+source or a header it includes changes.
+
+Several engine processes on one node load the same build. torch serialises them with a lock
+file that only its holder removes, and every other loader polls for it forever, even for a
+build that is already there: an engine killed while loading (an OOM kill, a pod deleted during
+a first, minute-long compile) would leave every later engine on the node hanging at start. So
+loads also take a ``flock`` of our own, which the kernel releases when its holder dies, and a
+torch lock file found while holding it can only be such a leftover and is removed.
 Where it cannot be built (no compiler, a read-only cache) the loader returns ``None`` once and
 for all, with one warning, and callers take the torch path: the results are the same to float
 rounding, only slower. ``CACHETIER_NATIVE_KERNELS=0`` keeps every call on the torch path (to
@@ -11,9 +19,13 @@ compare the two, or where compiling at run time is not wanted).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -40,20 +52,50 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=name,
-            sources=[str(CSRC / source)],
-            # -fopenmp: at::parallel_for is OpenMP in headers, so without it the tasks run on
-            # one thread. The extension then links libgomp.so.1 by soname, and the loader hands
-            # it the copy torch already loaded: one thread pool, torch's. -march=native: the
-            # build is cached per machine, and the inner loops want its widest vectors.
-            # -fno-trapping-math: GCC keeps a loop with floor() scalar (the exponentials of the
-            # softmax and of SiLU) while FP exceptions may trap; nothing here reads them, and
-            # results are bit-for-bit the same.
-            extra_cflags=["-O3", "-fopenmp", "-march=native", "-fno-trapping-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        build = build_directory(name)
+        with _only_loader(build):
+            return load(
+                name=name,
+                sources=[str(CSRC / source)],
+                build_directory=str(build),
+                # -fopenmp: at::parallel_for is OpenMP in headers, so without it the tasks run
+                # on one thread. The extension then links libgomp.so.1 by soname, and the
+                # loader hands it the copy torch already loaded: one thread pool, torch's.
+                # -march=native: the build is cached per machine, and the inner loops want its
+                # widest vectors. -fno-trapping-math: GCC keeps a loop with floor() scalar (the
+                # exponentials of the softmax and of SiLU) while FP exceptions may trap; nothing
+                # here reads them, and results are bit-for-bit the same.
+                extra_cflags=["-O3", "-fopenmp", "-march=native", "-fno-trapping-math"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler raises anything from OSError to RuntimeError
         log.warning("native CPU kernels %s unavailable, using the torch path: %s", name, exc)
         return None
+
+
+def build_directory(name: str) -> Path:
+    """Where extension ``name`` is built and cached: one folder per Python and torch version
+    (a build for one is no use to the other), under ``TORCH_EXTENSIONS_DIR`` if set."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return root / f"cachetier-{version}" / name
+
+
+@contextlib.contextmanager
+def _only_loader(build: Path) -> Iterator[None]:
+    """Hold this node's one loader slot for ``build`` (see the module docstring)."""
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build.parent / f"{build.name}.flock", "a+b") as slot:
+        fcntl.flock(slot, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        try:
+            stale = build / "lock"  # torch's: every loader takes ours first, so a leftover
+            if stale.exists():
+                log.warning("removing %s, left by a loader that died", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(slot, fcntl.LOCK_UN)
