@@ -112,4 +112,3 @@ def test_blocks_saved_on_one_device_restore_on_the_other(
     assert own_out[0].cached_tokens_by_source == {"disk": 192}
     _assert_same_run(own_steps, warm_steps)
     assert warm_out[0].token_ids == own_out[0].token_ids
-
