@@ -58,6 +58,28 @@ def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int])
     torch.testing.assert_close(ours, _hf_logits(tiny_model_dir, tokens), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunks", [[100], [80, 20]])
+def test_sdpa_with_kv_repeated_per_query_head_matches_transformers(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
+) -> None:
+    # The form CUDA takes (engine.model._EXPAND_GQA_DEVICES), run here on the CPU.
+    import engine.model
+
+    monkeypatch.setattr(engine.model, "_EXPAND_GQA_DEVICES", ("cpu",))
+    calls = []
+    real = engine.model.F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> object:
+        calls.append((q.shape[1], k.shape[1], kwargs["enable_gqa"]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(engine.model.F, "scaled_dot_product_attention", recording)
+    tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _engine_logits(tiny_model_dir, tokens, chunks)
+    assert calls and all(c == (4, 4, False) for c in calls), calls  # 4 query heads, 2 KV heads
+    torch.testing.assert_close(ours, _hf_logits(tiny_model_dir, tokens), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "chunks", [[200], [40, 160], [130, 5, 65], [64, 64, 64, 8], [1], [600, 3, 1, 7]]
 )
