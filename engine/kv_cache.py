@@ -11,6 +11,7 @@ stands for ``fp8 * scale``. A block's scales travel with it to the tiers as its 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -159,6 +160,31 @@ class KVPool:
             copied = torch.cuda.Event()
             copied.record()
             self._staging[start // per % 2] = (buffer, copied)
+
+    def synchronize(self) -> None:
+        """Wait for copies into the pool still running on the device (none on the CPU)."""
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+
+    def time_restore_copy(self) -> tuple[int, float] | None:
+        """Time a restore's copy into this pool where restores copy (``block_views`` is
+        ``None``): staging-buffers' worth of zero blocks written to the first free blocks, once
+        to set the buffers up (the first restore no longer pays for that) and once timed.
+
+        Returns:
+            ``(bytes, seconds)`` of the timed write, or ``None`` where restores land in place.
+            Call it before the pool holds anything: it overwrites blocks from 0 on.
+        """
+        if self.block_views([0]) is not None:
+            return None
+        n = min(self.num_blocks, 2 * self._staging_blocks)
+        zeros = [bytes(self.block_bytes)] * n
+        self.write_blocks(range(n), zeros)
+        self.synchronize()
+        start = time.perf_counter()
+        self.write_blocks(range(n), zeros)
+        self.synchronize()
+        return n * self.block_bytes, time.perf_counter() - start
 
     def _free_staging(self, index: int) -> torch.Tensor:
         """Pinned buffer ``index`` (0 or 1), once the last copy out of it has finished."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cachetier.costmodel import CostModel, PrefillModel
+from cachetier.costmodel import CopyRate, CostModel, PrefillModel
 from cachetier.events import EventLog
 from cachetier.fingerprint import model_fingerprint
 from cachetier.keys import Namespace, torch_dtype
@@ -116,7 +116,18 @@ class LLMEngine:
         )
         warm_up = self.model.warm_up(self.pool.cache, self.pool.scales)
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
-        self.bridge = TierBridge(store, self.namespace, self.pool) if store is not None else None
+        # Restores into a GPU pool copy what the tiers read; that copy is timed once here (and
+        # the pinned buffers it uses are set up, out of the first restore's way), then at
+        # every restore, and weighed by the cost model with the tiers' reads.
+        self.copy_rate = CopyRate()
+        copy_timing = self.pool.time_restore_copy() if store is not None else None
+        if copy_timing is not None:
+            self.copy_rate.observe(*copy_timing)
+        self.bridge = (
+            TierBridge(store, self.namespace, self.pool, self.copy_rate)
+            if store is not None
+            else None
+        )
         self.blocks = BlockManager(
             self.pool.num_blocks,
             on_evict=self._on_evict,
@@ -132,7 +143,12 @@ class LLMEngine:
                 num_tokens, PrefillModel.attention_work(num_tokens, 0), seconds
             )
         self.cost_model = (
-            CostModel(store.rates, self.prefill_model, enabled=config.kv_load_policy == "cost")
+            CostModel(
+                store.rates,
+                self.prefill_model,
+                copy=self.copy_rate,
+                enabled=config.kv_load_policy == "cost",
+            )
             if store is not None
             else None
         )
@@ -336,5 +352,6 @@ class LLMEngine:
                 "plans": dict(self.scheduler.num_plans_by_choice),
                 "prefill": self.prefill_model.snapshot(),
                 "tiers": self.cost_model.rates.snapshot(),
+                "copy": self.copy_rate.snapshot(),
             }
         return out

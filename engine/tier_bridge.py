@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cachetier.costmodel import CopyRate
 from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock
 from cachetier.store import PrefixHit, TieredStore
@@ -46,14 +47,23 @@ class TierBridge:
         store: the tiers (owned by the caller).
         namespace: model fingerprint, pool layout and tenant; keys and checks use it.
         pool: the KV pool blocks are copied from and into.
+        copy_rate: where restores' copies into the pool are timed, for the cost model (copies
+            happen where a tier cannot read into the pool in place: a GPU pool).
     """
 
-    def __init__(self, store: TieredStore, namespace: Namespace, pool: KVPool) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        namespace: Namespace,
+        pool: KVPool,
+        copy_rate: CopyRate | None = None,
+    ) -> None:
         if namespace.layout != pool.layout:
             raise ValueError(f"namespace layout {namespace.layout} is not the pool's {pool.layout}")
         self.store = store
         self.namespace = namespace
         self.pool = pool
+        self.copy_rate = copy_rate
         self.stats = BridgeStats()
 
     def save(self, blocks: Sequence[Block]) -> None:
@@ -136,6 +146,13 @@ class TierBridge:
         ]
         if copies:
             self.pool.write_blocks([bid for bid, _ in copies], [data for _, data in copies])
+            # Timed to the end of the copy (a device copy runs on after write_blocks returns;
+            # the forward would wait for it anyway), so the cost model weighs what it costs.
+            self.pool.synchronize()
+            if self.copy_rate is not None:
+                self.copy_rate.observe(
+                    len(copies) * self.pool.block_bytes, time.perf_counter() - read_end
+                )
         self.pool.write_aux(block_ids[: len(good)], [b.aux for b in good])
         sources = list(restored.sources[: len(good)])
         self.stats.restored_blocks += len(good)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.costmodel import CostModel, LoadPlan, PrefillModel, TierRates
+from cachetier.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
@@ -121,6 +121,27 @@ def test_a_fast_tier_is_loaded_a_slow_one_recomputed() -> None:
     assert chosen.reason == "model"
     assert chosen.est_ttft_s == pytest.approx(chosen.est_recompute_all_s)
     assert chosen.est_load_all_s is not None and chosen.est_load_all_s > 20
+
+
+def test_the_copy_into_the_engine_counts_with_the_read() -> None:
+    # A fast disk read whose copy into the engine's memory is slow (a GPU pool over PCIe): the
+    # read alone beats the recompute, read and copy together do not.
+    prefill = linear_prefill(1e-4)  # 4,096 tokens in 0.41 s
+    copy = CopyRate()
+    assert copy.seconds_per_byte is None and copy.snapshot() == {"copy_gbps": None, "copies": 0}
+    unmeasured = CostModel(rates_with(disk=5.0), prefill, copy=copy, clock=STILL)
+    assert plan(unmeasured, [("disk", 256)]).num_load_blocks == 256  # no copy measured: none
+    copy.observe(256 * BLOCK_BYTES, 1.0)  # 0.27 GB/s
+    chosen = plan(unmeasured, [("disk", 256)])
+    assert chosen.num_load_blocks == 0
+    assert chosen.est_load_all_s is not None and chosen.est_load_all_s > 1.0
+    assert copy.snapshot() == {"copy_gbps": pytest.approx(0.2684, abs=1e-4), "copies": 1}
+    # Averaged like a tier's reads: a faster copy counts at once, nothing is learnt from none.
+    copy.observe(256 * BLOCK_BYTES, 0.01)
+    copy.observe(0, 1.0)
+    copy.observe(BLOCK_BYTES, float("nan"))
+    assert copy.snapshot()["copies"] == 2
+    assert plan(unmeasured, [("disk", 256)]).num_load_blocks == 256
 
 
 def quadratic_prefill() -> PrefillModel:

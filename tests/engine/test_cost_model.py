@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cachetier.config import StoreConfig, build_store
 from cachetier.events import read_events
 from engine.llm import LLM
+from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -107,3 +110,31 @@ def test_breakdown_adds_up_to_the_ttft(tiny_model_dir: Path, tmp_path: Path) -> 
     assert parts["restore_read_s"] > 0 and parts["prefill_s"] > 0
     stats = llm.engine.stats()["cost_model"]
     assert stats["tiers"]["cpu"]["reads"] >= 1 and stats["prefill"]["samples"] >= 2
+
+
+def test_a_pool_that_copies_restores_times_the_copy_for_the_model(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A GPU pool cannot be read into in place: every restore copies. Here a CPU pool that
+    # declines in-place reads takes that path (KVPool.write_blocks) on this machine.
+    import engine.llm_engine
+    from engine.kv_cache import KVPool
+
+    class CopyingPool(KVPool):
+        def block_views(self, block_ids: object) -> None:
+            return None
+
+    in_place = KVPool(ModelSpec.from_folder(tiny_model_dir), 16, 1 << 20, "float32")
+    assert in_place.time_restore_copy() is None
+    monkeypatch.setattr(engine.llm_engine, "KVPool", CopyingPool)
+    store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
+    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
+        # Timed once at start, before any request.
+        assert llm.engine.stats()["cost_model"]["copy"]["copies"] == 1
+        llm.generate([PROMPT], GREEDY)
+    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_load_policy="always") as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+        copy = llm.engine.stats()["cost_model"]["copy"]
+    assert out.cached_tokens_by_source == {"disk": 288}
+    assert out.token_ids == reference(tiny_model_dir)
+    assert copy["copies"] == 2 and copy["copy_gbps"] > 0
