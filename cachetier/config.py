@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cachetier.checks import fraction
 from cachetier.pin_registry import PinRegistry
+from cachetier.rates_file import RATES_FILE_NAME, RatesFile
 from cachetier.redact import redacted_repr
 from cachetier.store import TieredStore
 from cachetier.tiers.base import Tier
@@ -256,6 +257,12 @@ def build_store(config: StoreConfig) -> TieredStore:
             write_queue_bytes=config.write_queue_bytes,
             writer_nice=config.writer_nice,
             pin_registry=registry,
+            # The disk tier's measured speed, kept in its folder for the next process.
+            rates_file=RatesFile(
+                Path(config.disk_path) / RATES_FILE_NAME, "disk", config.disk_file_mode
+            )
+            if config.disk_path
+            else None,
         )
     except BaseException:
         for tier in tiers:  # e.g. an unreadable pin registry: leave no tier open

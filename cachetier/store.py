@@ -26,6 +26,7 @@ from cachetier.keys import BlockHash, Namespace, block_keys
 from cachetier.landing import Destination
 from cachetier.parallel import BACKGROUND_NICE, become_background
 from cachetier.pin_registry import PinRegistry, Pins
+from cachetier.rates_file import RatesFile
 from cachetier.record import KVBlock
 from cachetier.stats import TierStats
 from cachetier.store_pins import PinResult, StorePins
@@ -153,6 +154,8 @@ class TieredStore(Tier):
             ``cachetier.parallel.BACKGROUND_NICE``).
         pin_registry: where pins are kept across restarts (they are applied to the tiers
             now); ``None`` keeps pins in memory only.
+        rates_file: where one tier's measured rate is kept across restarts
+            (``cachetier.rates_file``): the store starts from it and keeps it up to date.
     """
 
     name = "tiered"
@@ -166,6 +169,7 @@ class TieredStore(Tier):
         promote: bool = True,
         writer_nice: int = BACKGROUND_NICE,
         pin_registry: PinRegistry | None = None,
+        rates_file: RatesFile | None = None,
     ) -> None:
         super().__init__()
         if not tiers:
@@ -187,6 +191,14 @@ class TieredStore(Tier):
         # Every tier's measured latency and read speed, from the lookups and gets below: what
         # a cost model weighs a load against a recompute with.
         self.rates = TierRates()
+        self._rates_file = (
+            rates_file if rates_file is not None and rates_file.tier in self._names else None
+        )
+        self._rates_measured = False  # whether this process has read the kept tier itself
+        if self._rates_file is not None:
+            kept = self._rates_file.load()
+            if kept is not None:
+                self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
 
     @property
@@ -323,11 +335,12 @@ class TieredStore(Tier):
             else:
                 got = tier.get_into(namespace, wanted, [dests[i] for i in missing])
             if tier.num_errors == errors:
-                self.rates.observe_read(
-                    tier.name,
-                    sum(b.nbytes for b in got if b is not None),
-                    time.perf_counter() - tier_start,
-                )
+                nbytes = sum(b.nbytes for b in got if b is not None)
+                self.rates.observe_read(tier.name, nbytes, time.perf_counter() - tier_start)
+                kept = self._rates_file
+                if kept is not None and nbytes and tier.name == kept.tier:
+                    self._rates_measured = True
+                    kept.save(self.rates.get(tier.name))
             still: list[int] = []
             promoted: list[KVBlock] = []
             for i, block in zip(missing, got):
@@ -443,6 +456,8 @@ class TieredStore(Tier):
         if self._closed:
             return
         self._closed = True
+        if self._rates_file is not None and self._rates_measured:
+            self._rates_file.save(self.rates.get(self._rates_file.tier), force=True)
         self.flush(timeout=30)
         for writer in self._writers:
             writer.stop()

@@ -138,3 +138,31 @@ def test_a_pool_that_copies_restores_times_the_copy_for_the_model(
     assert out.cached_tokens_by_source == {"disk": 288}
     assert out.token_ids == reference(tiny_model_dir)
     assert copy["copies"] == 2 and copy["copy_gbps"] > 0
+
+
+def test_a_restarted_engine_weighs_its_first_hit_with_the_kept_disk_speed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # The first restart finds the disk unmeasured (its first hit is loaded without a plan);
+    # it measures the disk as it reads, and the next restart starts with that measure.
+    store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
+    measured_at_start: list[bool] = []
+    for run in range(3):
+        with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
+            assert llm.store is not None
+            measured_at_start.append(llm.store.rates.get("disk") is not None)
+            cost = llm.engine.cost_model
+            assert cost is not None
+            first_plan = cost.plan(
+                [("disk", 18)],
+                block_bytes=llm.engine.pool.block_bytes,
+                block_size=16,
+                cached_tokens=0,
+                num_tokens=len(PROMPT),
+                chunk_tokens=2048,
+            )
+            out = llm.generate([PROMPT], GREEDY)[0]
+        assert out.token_ids == reference(tiny_model_dir)
+        assert out.cached_tokens_by_source == ({} if run == 0 else {"disk": 288})
+        assert (first_plan.reason == "unmeasured") == (run < 2)
+    assert measured_at_start == [False, False, True]
