@@ -43,6 +43,13 @@ _PREFER_LOAD = 0.02
 _PREFER_LOAD_S = 0.001
 
 
+def _log_average(old: float | None, sample: float) -> float:
+    """One step of a moving average in log space (``sample`` alone where there is no ``old``)."""
+    if not old:
+        return sample
+    return math.exp(math.log(old) + _ALPHA * (math.log(sample) - math.log(old)))
+
+
 @dataclass(frozen=True, slots=True)
 class TierRate:
     """What one tier's reads cost, as measured.
@@ -116,14 +123,7 @@ class TierRates:
             # Averaged in log space: speeds span orders of magnitude (a thin link is 100x a
             # fast one), and a plain mean of seconds per byte would let one slow read outweigh
             # many fast ones long after the link recovered.
-            spb = (
-                sample
-                if not old.seconds_per_byte
-                else math.exp(
-                    math.log(old.seconds_per_byte)
-                    + _ALPHA * (math.log(sample) - math.log(old.seconds_per_byte))
-                )
-            )
+            spb = _log_average(old.seconds_per_byte, sample)
             self._rates[tier] = TierRate(old.latency_s, spb, old.num_reads + 1, self._clock())
 
     def get(self, tier: str) -> TierRate | None:
@@ -174,12 +174,7 @@ class CopyRate:
             return
         sample = seconds / nbytes
         with self._lock:
-            old = self._spb
-            self._spb = (
-                sample
-                if old is None
-                else math.exp(math.log(old) + _ALPHA * (math.log(sample) - math.log(old)))
-            )
+            self._spb = _log_average(self._spb, sample)
             self._count += 1
 
     @property

@@ -272,6 +272,8 @@ class LlamaModel:
         )
         others = [s for s in batch.seqs if not (s.num_new == 1 and s.context_len > 1)]
         plan = self._native_prefill_plan(others, kv_cache, kv_scales)
+        # The prefill chunks' block tables on the pool's device, once for all layers.
+        prefill_tables = [s.block_table.to(kv_cache.device, non_blocking=True) for s in others]
         # Each sublayer's output joins the residual stream inside the next RMSNorm (one pass
         # for add and norm, kernels.fused_ops), so it is carried as ``delta`` until then.
         delta: torch.Tensor | None = None
@@ -317,10 +319,10 @@ class LlamaModel:
             native = plan is not None and paged_prefill_attention(
                 q, kv_cache, index, plan, self.scale, attn
             )
-            for s in () if native else others:
+            for s, table in () if native else zip(others, prefill_tables):
                 rows = slice(s.start, s.start + s.num_new)
                 attn[rows] = self._prefill_attention(
-                    q[rows], k[rows], v[rows], s, kv_cache, index, kv_scales
+                    q[rows], k[rows], v[rows], s, table, kv_cache, index, kv_scales
                 )
             delta = linear(attn.view(-1, hq * d), layer["o"])
             h = rms_norm(x, layer["post_norm"], eps, delta, backend=backend)
@@ -351,13 +353,14 @@ class LlamaModel:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         s: SeqSlice,
+        table: torch.Tensor,
         kv_cache: torch.Tensor,
         layer: int,
         kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
-        # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new.
+        # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new, whose
+        # blocks ``table`` (s.block_table on the pool's device) lists.
         n, cached = s.num_new, s.context_len - s.num_new
-        table = s.block_table.to(kv_cache.device, non_blocking=True)
         on_cpu_flash = CPU_FLASH_WITH_LSE is not None and q.device.type == "cpu"
         if cached and kv_scales is None and on_cpu_flash:
             return self._split_attention(q, k_new, v_new, s, kv_cache, layer)
