@@ -70,9 +70,11 @@ class StoredBlocks(KVConnectorWorkerMetadata):
     stored: dict[str, list[BlockHash]] = field(default_factory=dict)
     failed: dict[str, list[BlockHash]] = field(default_factory=dict)
     # What the cost model on the scheduler side learns from the worker: ``(tokens, attention,
-    # forward seconds)`` of prefill steps, and the worker's measured tier rates by tier name.
+    # forward seconds)`` of prefill steps, the worker's measured tier rates by tier name, and
+    # ``(bytes, seconds)`` of its copies of restored records into vLLM's KV memory.
     steps: list[tuple[int, float, float]] = field(default_factory=list)
     rates: dict[str, TierRate] = field(default_factory=dict)
+    copies: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredBlocks:
         if not isinstance(other, StoredBlocks):
@@ -86,5 +88,6 @@ class StoredBlocks(KVConnectorWorkerMetadata):
         for ns, keys in other.failed.items():
             out.failed.setdefault(ns, []).extend(keys)
         out.steps = [*self.steps, *other.steps]
+        out.copies = [*self.copies, *other.copies]
         out.rates = {**self.rates, **other.rates}
         return out

@@ -89,6 +89,11 @@ class PagedKV:
         self._check_ids(block_ids)
         self._staging.load(block_ids, payloads)
 
+    def synchronize(self) -> None:
+        """Wait for copies into the pages still running on the device (none on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _check_ids(self, block_ids: Sequence[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:

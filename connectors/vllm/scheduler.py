@@ -8,7 +8,8 @@ request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel t
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
   stored, stopping one token short of the prompt (vLLM must compute at least one token), and
   reports the leading part of them that the cost model finds faster to load than to recompute
-  (tier rates and prefill speed come from the worker's reports).
+  (tier rates, the copy into vLLM's KV memory and prefill speed come from the worker's
+  reports).
 - ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
 - ``build_connector_meta`` hands the step's loads to the worker, plus a save of every block
   whose last token this step computes; the worker saves after the forward, in the same step, so
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from cachetier.costmodel import CostModel, PrefillModel, TierRates
+from cachetier.costmodel import CopyRate, CostModel, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
 from cachetier.store import TieredStore
@@ -128,7 +129,8 @@ class CacheTierScheduler:
         # its rates and prefill step times back (``StoredBlocks``).
         self.rates = store.rates if store is not None else TierRates()
         self.prefill = PrefillModel()
-        self.cost = CostModel(self.rates, self.prefill, enabled=cost_model)
+        self.copy = CopyRate()
+        self.cost = CostModel(self.rates, self.prefill, copy=self.copy, enabled=cost_model)
         self._chunk_tokens = chunk_tokens
         self.num_recomputed_by_choice_tokens = 0
 
@@ -253,6 +255,8 @@ class CacheTierScheduler:
             self.prefill.observe(tokens, attention, seconds)
         for tier, rate in report.rates.items():
             self.rates.adopt(tier, rate)
+        for nbytes, seconds in report.copies:
+            self.copy.observe(nbytes, seconds)
         self._cpu_index.update(report)
         for namespace_id, keys in report.failed.items():
             failed = set(keys)

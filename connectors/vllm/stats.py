@@ -16,6 +16,7 @@ COUNTERS = (
     "loaded_bytes",
     "saved_bytes",
     "load_s",
+    "copy_s",  # the part of load_s spent copying restored records into vLLM's KV memory
     "save_s",
 )
 

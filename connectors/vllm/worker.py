@@ -135,7 +135,9 @@ class CacheTierWorker:
         if self._loaded_since_report:
             report.rates = self._store.rates.measured()
             self._loaded_since_report = False
-        return report if report.stored or report.failed or report.steps or report.rates else None
+        if report.stored or report.failed or report.steps or report.rates or report.copies:
+            return report
+        return None
 
     def take_stats(self) -> CacheTierConnectorStats | None:
         """Counters since the last call (``None`` if nothing happened)."""
@@ -174,7 +176,15 @@ class CacheTierWorker:
             good.append(record)
         num_good = len(good)
         if num_good:
+            read_end = time.perf_counter()
             paged.write(transfer.block_ids[:num_good], [record.data for record in good])
+            # Timed to the end of the copy (on a GPU it runs on after ``write`` returns; the
+            # forward would wait for it anyway, and its time must not count as prefill), so
+            # the scheduler's cost model adds what a loaded block costs to copy in.
+            paged.synchronize()
+            copy_s = time.perf_counter() - read_end
+            self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
+            self._stats.add(copy_s=copy_s)
         if num_good < len(transfer.keys):
             self._failed_block_ids.update(transfer.block_ids[num_good:])
             self._failed_req_ids.add(transfer.req_id)

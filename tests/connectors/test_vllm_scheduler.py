@@ -278,3 +278,23 @@ def test_prefill_steps_are_described_for_the_worker(store: TieredStore) -> None:
     assert meta.step_attention == PrefillModel.attention_work(2 * BS, 0)
     decode = sched.build_connector_meta(_cached_step(request, None, 3 * BS, 1))
     assert decode.step_tokens == 0
+
+
+def test_reported_copy_into_vllm_memory_counts_against_loading(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    _put(store, ns, block_keys(ns, request.prompt_token_ids))
+    _teach(sched, 10.0)  # the tier reads fast: on its own, the whole hit loads
+    assert sched.get_num_new_matched_tokens(request, 0) == (5 * BS, False)
+    # The worker's copies into vLLM's pages run at 1 kB/s: 8 s a block, against 32 ms of
+    # prefill, so loading loses whatever the tier's speed.
+    sched.update_connector_output(StoredBlocks(copies=[(LAYOUT.block_bytes, 8.0)]))
+    assert sched.copy.seconds_per_byte == pytest.approx(8.0 / LAYOUT.block_bytes)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_worker_reports_aggregate_their_copies() -> None:
+    a = StoredBlocks(copies=[(100, 0.1)])
+    b = StoredBlocks(copies=[(200, 0.3)])
+    assert a.aggregate(b).copies == [(100, 0.1), (200, 0.3)]

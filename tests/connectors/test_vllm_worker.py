@@ -1,0 +1,116 @@
+"""The worker side's loads on vLLM-CPU-shaped pages: restored records land whole in the pages,
+and what copying them in cost reaches the scheduler's cost model. The store is a real disk tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.record import KVBlock  # noqa: E402
+from cachetier.store import TieredStore  # noqa: E402
+from connectors.config import ConnectorConfig, open_store  # noqa: E402
+from connectors.vllm.layouts import CPU_VEC, VllmArrangement  # noqa: E402
+from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata  # noqa: E402
+from connectors.vllm.paged import PagedKV  # noqa: E402
+from connectors.vllm.worker import CacheTierWorker  # noqa: E402
+from kernels.staging import payload_view  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+NUM_LAYERS, NUM_KV_HEADS, BS, HEAD_SIZE, NUM_BLOCKS = 2, 2, 32, 8, 8
+LAYOUT = KVLayout("float32", BS, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+
+
+def _caches(seed: int) -> dict[str, torch.Tensor]:
+    # vLLM-CPU's per-layer page: [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BS, 2 * HEAD_SIZE, generator=gen)
+        for name in NAMES
+    }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    with open_store(ConnectorConfig(cpu_bytes=0, disk_path=str(tmp_path)), with_cpu=False) as s:
+        yield s
+
+
+def test_load_lands_whole_blocks_and_reports_its_copy(store: TieredStore) -> None:
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
+    source = PagedKV(_caches(0), NAMES, arrangement)
+    payloads = source.gather([5, 1, 6])
+    store.put_many(
+        namespace.id,
+        [
+            KVBlock(
+                key,
+                namespace.fingerprint,
+                LAYOUT.dtype,
+                LAYOUT.payload_shape,
+                BS,
+                payload_view(payload),
+            )
+            for key, payload in zip(keys, payloads, strict=True)
+        ],
+    )
+    store.flush()
+
+    caches = _caches(1)
+    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker.register_kv_caches(caches)
+    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    worker.step_started()
+    worker.load(CacheTierConnectorMetadata(loads=[transfer]))
+
+    assert worker.take_failed_block_ids() == set()
+    landed = PagedKV(caches, NAMES, arrangement).gather([2, 3, 4])
+    for got, want in zip(landed, payloads, strict=True):
+        assert torch.equal(got, want)
+    report = worker.take_report()
+    assert report is not None
+    ((nbytes, seconds),) = report.copies
+    assert nbytes == 3 * LAYOUT.block_bytes
+    assert seconds > 0
+    stats = worker.take_stats()
+    assert stats is not None
+    assert 0 < stats.data["copy_s"] <= stats.data["load_s"]
+    assert stats.data["num_loaded_blocks"] == 3
+
+
+def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
+    (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
+    block = KVBlock(
+        keys[0],
+        namespace.fingerprint,
+        LAYOUT.dtype,
+        LAYOUT.payload_shape,
+        BS,
+        payload_view(payload),
+    )
+    store.put_many(namespace.id, [block])  # only the first of the three is stored
+    store.flush()
+
+    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker.register_kv_caches(_caches(1))
+    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    worker.load(CacheTierConnectorMetadata(loads=[transfer]))
+
+    assert worker.take_failed_block_ids() == {3, 4}
+    report = worker.take_report()
+    assert report is not None
+    assert [nbytes for nbytes, _ in report.copies] == [LAYOUT.block_bytes]
+    assert report.failed == {namespace.id: list(keys[1:])}
