@@ -10,6 +10,7 @@ into our engine or HF, and back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -78,21 +79,31 @@ class PagedKV:
         self.save(block_ids, None)
         return [payload for pending in self.drain() for payload in pending.payloads]
 
-    def write(self, block_ids: Sequence[int], payloads: Sequence[Buffer]) -> None:
-        """Overwrite whole blocks of every layer with record payloads.
+    def write(self, block_ids: Sequence[int], payloads: Sequence[Buffer]) -> float:
+        """Overwrite whole blocks of every layer with record payloads, and wait for it.
 
         Args:
             block_ids: vLLM block ids.
             payloads: one canonical payload per block, checked with ``check_record``; they are
                 only read.
+
+        Returns:
+            Seconds the copy took, to its end. On a GPU that is the device's time from the
+            copy's start to its end (host staging included), not a wait for saves still
+            copying out before it (``fence``): the cost model weighs what a block costs to
+            copy in, and the forward would wait for the copy anyway.
         """
         self._check_ids(block_ids)
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            self._staging.load(block_ids, payloads)
+            return time.perf_counter() - start
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
         self._staging.load(block_ids, payloads)
-
-    def synchronize(self) -> None:
-        """Wait for copies into the pages still running on the device (none on the CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        ended.record()
+        ended.synchronize()
+        return began.elapsed_time(ended) / 1e3
 
     def _check_ids(self, block_ids: Sequence[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]

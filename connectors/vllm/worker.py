@@ -176,13 +176,10 @@ class CacheTierWorker:
             good.append(record)
         num_good = len(good)
         if num_good:
-            read_end = time.perf_counter()
-            paged.write(transfer.block_ids[:num_good], [record.data for record in good])
-            # Timed to the end of the copy (on a GPU it runs on after ``write`` returns; the
-            # forward would wait for it anyway, and its time must not count as prefill), so
-            # the scheduler's cost model adds what a loaded block costs to copy in.
-            paged.synchronize()
-            copy_s = time.perf_counter() - read_end
+            # ``write`` waits for the copy's end, so its time never counts as the forward's
+            # (the prefill model's), and the scheduler's cost model adds what a loaded block
+            # costs to copy in.
+            copy_s = paged.write(transfer.block_ids[:num_good], [record.data for record in good])
             self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
             self._stats.add(copy_s=copy_s)
         if num_good < len(transfer.keys):
