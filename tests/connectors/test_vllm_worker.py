@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store import TieredStore  # noqa: E402
 from connectors.config import ConnectorConfig, open_store  # noqa: E402
@@ -44,27 +44,25 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
         yield s
 
 
+def _put(
+    store: TieredStore, namespace: Namespace, keys: list[BlockHash], payloads: list[torch.Tensor]
+) -> None:
+    """Store one record per key, its payload a canonical block gathered from pages."""
+    records = [
+        KVBlock(key, namespace.fingerprint, LAYOUT.dtype, LAYOUT.payload_shape, BS, view)
+        for key, view in zip(keys, map(payload_view, payloads), strict=True)
+    ]
+    store.put_many(namespace.id, records)
+    store.flush()
+
+
 def test_load_lands_whole_blocks_and_reports_its_copy(store: TieredStore) -> None:
     arrangement = VllmArrangement(CPU_VEC, LAYOUT)
     namespace = Namespace("test-model", LAYOUT)
     keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
     source = PagedKV(_caches(0), NAMES, arrangement)
     payloads = source.gather([5, 1, 6])
-    store.put_many(
-        namespace.id,
-        [
-            KVBlock(
-                key,
-                namespace.fingerprint,
-                LAYOUT.dtype,
-                LAYOUT.payload_shape,
-                BS,
-                payload_view(payload),
-            )
-            for key, payload in zip(keys, payloads, strict=True)
-        ],
-    )
-    store.flush()
+    _put(store, namespace, keys, payloads)
 
     caches = _caches(1)
     worker = CacheTierWorker(store, arrangement, NAMES)
@@ -93,16 +91,7 @@ def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
     namespace = Namespace("test-model", LAYOUT)
     keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
     (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
-    block = KVBlock(
-        keys[0],
-        namespace.fingerprint,
-        LAYOUT.dtype,
-        LAYOUT.payload_shape,
-        BS,
-        payload_view(payload),
-    )
-    store.put_many(namespace.id, [block])  # only the first of the three is stored
-    store.flush()
+    _put(store, namespace, keys[:1], [payload])  # only the first of the three
 
     worker = CacheTierWorker(store, arrangement, NAMES)
     worker.register_kv_caches(_caches(1))
