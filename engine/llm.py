@@ -130,7 +130,9 @@ class LLM:
             self.store.flush()
 
     def close(self) -> None:
-        """Flush and, if this object built the store, close it."""
+        """Close the engine (its tier reads still running end first), flush and, if this
+        object built the store, close it."""
+        self.engine.close()
         if self.store is not None:
             self.store.flush()
             if self._owns_store:

@@ -162,7 +162,12 @@ class LLMEngine:
         self.num_decode_tokens = 0
 
     def close(self) -> None:
-        """Close the event log, if any (the store belongs to the caller); idempotent."""
+        """Wait for tier reads still running and close the event log, if any (the store
+        belongs to the caller); idempotent."""
+        for seq in self.scheduler.running:
+            self.scheduler.drop_restore(seq)
+        if self.bridge is not None:
+            self.bridge.close()
         if self.events is not None:
             self.events.close()
 

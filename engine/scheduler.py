@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 from cachetier.costmodel import CostModel, LoadPlan
@@ -19,7 +20,7 @@ from cachetier.keys import BlockHash, Namespace, block_keys
 from cachetier.store import PrefixHit
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PendingRestore, Sequence, SequenceStatus
 from engine.tier_bridge import TierBridge
 
 
@@ -52,6 +53,14 @@ class Scheduler:
         self.num_recomputed_hit_tokens = 0  # tier hits the cost model chose to recompute
         # Plans of requests whose prefix the tiers held, by ``LoadPlan.choice``.
         self.num_plans_by_choice = {"load_all": 0, "partial": 0, "recompute_all": 0}
+        # Tiers whose reads of a loaded tail ``_admit`` runs beside the head's recompute: on a
+        # CPU only those that wait on a network (a read from memory or the page cache takes
+        # the same cores as the forward: both at once took longer than one after the other in
+        # benchmarks/bench_overlap.py), on a GPU every tier (the reads are the host's work, the
+        # forward the device's). The plan still counts the read in full (an upper bound).
+        on_cpu = bridge is None or bridge.pool.cache.device.type == "cpu"
+        tiers = bridge.store.tiers if bridge is not None else ()
+        self.background_tiers = frozenset(t.name for t in tiers if t.over_network or not on_cpu)
 
     def add(self, seq: Sequence) -> None:
         self.extend_keys(seq)
@@ -151,23 +160,41 @@ class Scheduler:
         restore_s = 0.0
         if first:
             seq.add_time("lookup_s", time.perf_counter() - start)
+        pending = False
         if load_end > load_start and self.bridge is not None:
             base = len(pool_ids)
             tier_keys = keys[base + load_start : base + load_end]
-            # Every key asked for is inside the hit just looked up: not looked up again.
-            restored = self.bridge.restore(tier_keys, new_ids[load_start:load_end], hit)
-            sources = restored.sources
-            restore_s = restored.read_s + restored.copy_s
-            if first:
-                seq.add_time("restore_read_s", restored.read_s)
-                seq.add_time("restore_copy_s", restored.copy_s)
-            for key, block_id in zip(tier_keys, new_ids[load_start : load_start + len(sources)]):
-                self.blocks.register(block_id, key, stored=True)
+            tier_ids = new_ids[load_start:load_end]
+            if load_start and self._reads_in_background(hit, load_start):
+                # The head is recomputed first: the tail is read meanwhile, on the bridge's
+                # thread, into blocks nothing reads before the head is done (``skip``).
+                seq.pending_restore = PendingRestore(
+                    self.bridge.restore_in_background(tier_keys, tier_ids, hit),
+                    list(tier_keys),
+                    list(tier_ids),
+                    list(keys),
+                    len(pool_ids),
+                    first,
+                )
+                pending = True
+            else:
+                # Every key asked for is inside the hit just looked up: not looked up again.
+                restored = self.bridge.restore(tier_keys, tier_ids, hit)
+                sources = restored.sources
+                restore_s = restored.read_s + restored.copy_s
+                if first:
+                    seq.add_time("restore_read_s", restored.read_s)
+                    seq.add_time("restore_copy_s", restored.copy_s)
+                for key, block_id in zip(tier_keys, tier_ids[: len(sources)]):
+                    self.blocks.register(block_id, key, stored=True)
         if load_start:
             seq.num_computed_tokens = len(pool_ids) * bs
-            if sources:
+            # While a read is pending the whole tail is expected; ``_finish_restore`` cuts the
+            # jump short if fewer blocks arrive.
+            arrived = load_end - load_start if pending else len(sources)
+            if arrived:
                 begin = (len(pool_ids) + load_start) * bs
-                seq.skip = (begin, begin + len(sources) * bs)
+                seq.skip = (begin, begin + arrived * bs)
         else:
             seq.num_computed_tokens = (len(pool_ids) + len(sources)) * bs
             if len(sources) < load_end:
@@ -175,26 +202,82 @@ class Scheduler:
                 # blocks already taken.
                 cached = seq.num_computed_tokens
                 num_new = min(seq.num_tokens - cached, budget, len(seq.block_table) * bs - cached)
-        cached = (len(pool_ids) + len(sources)) * bs
         if first:
-            seq.num_cached_tokens = cached
             if plan is not None:
                 if plan.num_hit_blocks:
                     self.num_plans_by_choice[plan.choice] += 1
                 seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * bs
                 self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
                 seq.est_saved_s = plan.est_saved_s
-            by_source: dict[str, int] = {}
-            if pool_ids:
-                by_source["pool"] = len(pool_ids) * bs
-            for name in sources:
-                by_source[name] = by_source.get(name, 0) + bs
-            seq.cached_tokens_by_source = by_source
-            # Logged here, once per request: a preempted sequence re-admitted later looks its
-            # prefix up again, but that is the engine's doing, not a new request's.
-            if self.events is not None and self.config.enable_prefix_caching:
-                self._log_lookup(seq, keys, by_source, restore_s)
+            if not pending:
+                self._account_hit(seq, keys, len(pool_ids), sources, restore_s)
         return num_new
+
+    def _reads_in_background(self, hit: PrefixHit | None, first: int) -> bool:
+        """Whether every tier holding the hit's blocks from ``first`` on (an index into the
+        hit) is one of ``background_tiers``."""
+        if hit is None:
+            return False
+        return all(
+            hit.tier_names[tier] in self.background_tiers
+            for tier, _, end in hit.spans
+            if end > first
+        )
+
+    def _account_hit(
+        self,
+        seq: Sequence,
+        keys: list[BlockHash],
+        num_pool_blocks: int,
+        sources: list[str],
+        restore_s: float,
+    ) -> None:
+        """Record where a request's cached tokens came from, once its restore is in."""
+        bs = self.block_size
+        seq.num_cached_tokens = (num_pool_blocks + len(sources)) * bs
+        by_source: dict[str, int] = {}
+        if num_pool_blocks:
+            by_source["pool"] = num_pool_blocks * bs
+        for name in sources:
+            by_source[name] = by_source.get(name, 0) + bs
+        seq.cached_tokens_by_source = by_source
+        # Logged once per request: a preempted sequence re-admitted later looks its prefix up
+        # again, but that is the engine's doing, not a new request's.
+        if self.events is not None and self.config.enable_prefix_caching:
+            self._log_lookup(seq, keys, by_source, restore_s)
+
+    def _finish_restore(self, seq: Sequence) -> None:
+        """Wait for the sequence's background read (its head is computed) and put what
+        arrived in the prefix cache; the jump over the loaded blocks ends where they end."""
+        pending, seq.pending_restore = seq.pending_restore, None
+        assert pending is not None and seq.skip is not None, "no restore to finish"
+        start = time.perf_counter()
+        restored = pending.future.result()  # a failure raises here as a synchronous one would
+        waited = time.perf_counter() - start
+        arrived = len(restored.sources)
+        for key, block_id in zip(pending.keys, pending.block_ids[:arrived]):
+            self.blocks.register(block_id, key, stored=True)
+        seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
+        if pending.first:
+            # What the TTFT paid for the restore is the wait, not the read the head hid: the
+            # copy ran last, so the wait's end is the copy's.
+            copy_waited = min(waited, restored.copy_s)
+            seq.add_time("restore_read_s", waited - copy_waited)
+            seq.add_time("restore_copy_s", copy_waited)
+            self._account_hit(
+                seq,
+                pending.lookup_keys,
+                pending.num_pool_blocks,
+                restored.sources,
+                restored.read_s + restored.copy_s,
+            )
+
+    def drop_restore(self, seq: Sequence) -> None:
+        """Wait for a background read the sequence no longer needs (it is preempted, finished
+        or aborted), so its blocks can be freed; what it read is dropped."""
+        pending, seq.pending_restore = seq.pending_restore, None
+        if pending is not None:
+            wait([pending.future])
 
     def _plan(self, seq: Sequence, hit: PrefixHit, pool_tokens: int) -> LoadPlan:
         """Load or recompute the tier hit: without a cost model, load all of it."""
@@ -238,6 +321,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Recompute later: the blocks go back to the pool, and their cached keys let the
         # re-admitted sequence find most of its KV there again.
+        self.drop_restore(seq)
         self.blocks.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -251,6 +335,8 @@ class Scheduler:
         """Index blocks that became full and computed this step in the prefix cache, and step
         over blocks loaded from the tiers once the recomputed ones before them are done."""
         if seq.skip is not None and seq.num_computed_tokens == seq.skip[0]:
+            if seq.pending_restore is not None:
+                self._finish_restore(seq)
             seq.num_computed_tokens = seq.skip[1]
             seq.skip = None
         if not self.config.enable_prefix_caching:
@@ -268,6 +354,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+        self.drop_restore(seq)
         if self.bridge is not None and self.config.enable_prefix_caching:
             self.bridge.save([self.blocks.blocks[b] for b in seq.block_table])
         self.blocks.release(seq.block_table)

@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from cachetier.keys import BlockHash
 from engine.sampling import SamplingParams
+from engine.tier_bridge import Restored
 
 TTFT_PARTS = ("queue_s", "lookup_s", "restore_read_s", "restore_copy_s", "prefill_s", "sample_s")
 """The parts of a request's TTFT the engine times: waiting to be admitted, the prefix lookup
 (pool, tiers and the load plan), reading the hit from the tiers, copying what could not be read
 in place, the forward passes that computed its prompt, and sampling its first token. What they
 do not cover (other requests' steps, scheduling, Python between steps) is ``other_s``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRestore:
+    """A tier read into a sequence's blocks, running on the bridge's thread.
+
+    Args:
+        future: the restore (``TierBridge.restore_in_background``).
+        keys: the blocks asked for, in order.
+        block_ids: the pool blocks they go to, one per key; nothing else may use them until
+            the future is done.
+        lookup_keys: every key the admission looked up (for the lookup event).
+        num_pool_blocks: leading blocks the pool itself held.
+        first: whether this is the request's first admission (its lookup is logged once).
+    """
+
+    future: Future[Restored]
+    keys: list[BlockHash]
+    block_ids: list[int]
+    lookup_keys: list[BlockHash]
+    num_pool_blocks: int
+    first: bool
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +80,9 @@ class Sequence:
     # Leading blocks the tiers already hold (from its last lookup): computed again by choice,
     # they are not written back over the link the cost model avoided.
     num_stored_blocks: int = 0
+    # The tier read of the loaded blocks at ``skip``, running while the blocks before them
+    # are recomputed; ``None`` when there is none.
+    pending_restore: PendingRestore | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -4,14 +4,16 @@ restore on a prefix hit."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cachetier.costmodel import CopyRate
 from cachetier.keys import BlockHash, Namespace
 from cachetier.record import KVBlock
-from cachetier.store import PrefixHit, TieredStore
+from cachetier.store import PrefixHit, RestoredPrefix, TieredStore
 from engine.block_manager import Block
 from engine.kv_cache import KVPool
 
@@ -65,6 +67,11 @@ class TierBridge:
         self.pool = pool
         self.copy_rate = copy_rate
         self.stats = BridgeStats()
+        # A restore may run on the background thread (``restore_in_background``) while the
+        # engine's thread restores another: the pool's staging buffers and the stats are
+        # shared, so the part after the read holds this lock.
+        self._lock = threading.Lock()
+        self._background: ThreadPoolExecutor | None = None
 
     def save(self, blocks: Sequence[Block]) -> None:
         """Hand full, computed blocks not yet stored to the store (lower tiers write later)."""
@@ -127,6 +134,36 @@ class TierBridge:
             dests=self.pool.block_views(block_ids[: len(keys)]),
             hit=hit,
         )
+        with self._lock:
+            return self._put_in_place(restored, block_ids, start)
+
+    def restore_in_background(
+        self,
+        keys: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        hit: PrefixHit | None = None,
+    ) -> Future[Restored]:
+        """``restore`` on the bridge's own thread, for blocks the engine will not read until
+        the future is done (a tail read while the head before it is recomputed). Restores
+        submitted here run one at a time, in order.
+
+        The caller must wait for the future before it frees or reuses ``block_ids``.
+        """
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="cachetier-restore")
+        return self._background.submit(self.restore, list(keys), list(block_ids), hit)
+
+    def close(self) -> None:
+        """Wait for background restores still running and stop their thread; idempotent (a
+        later ``restore_in_background`` starts a new one)."""
+        background, self._background = self._background, None
+        if background is not None:
+            background.shutdown(wait=True)
+
+    def _put_in_place(
+        self, restored: RestoredPrefix, block_ids: Sequence[int], start: float
+    ) -> Restored:
+        """Check the blocks a restore read and copy those not read in place into the pool."""
         good: list[KVBlock] = []
         for block in restored.blocks:
             nbytes = memoryview(block.data).nbytes

@@ -77,6 +77,11 @@ class Tier(ABC):
     supports_pins: bool = False
     """Whether ``pin`` keeps blocks from this tier's eviction (``TieredStore`` pins only in
     those that do)."""
+    over_network: bool = False
+    """Whether reads wait on a network (Redis, the sidecar): on a slow link they leave the
+    host's cores mostly idle, so an engine can compute while one runs. Reads from memory or
+    the page cache are the cores' own work, and run no faster beside a forward on a CPU
+    (``benchmarks/bench_overlap.py``)."""
 
     def __init__(self) -> None:
         self._stats = TierStats()

@@ -3,15 +3,19 @@ with the same tokens either way; the choice reaches the output, stats and the ev
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cachetier.config import StoreConfig, build_store
+from cachetier.costmodel import LoadPlan
 from cachetier.events import read_events
+from cachetier.store import PrefixHit
 from engine.llm import LLM
 from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams
+from tests.support import own_redis_prefix
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = [(i * 11 + 5) % 250 for i in range(300)]  # 18 full blocks of 16 and a partial one
@@ -68,20 +72,19 @@ def test_always_load_ignores_the_model(tiny_model_dir: Path, tmp_path: Path) -> 
     assert llm.engine.stats()["cost_model"]["enabled"] is False
 
 
+class Split:
+    """A planner that always recomputes the first 5 hit blocks and loads the rest."""
+
+    def plan(self, spans: list[tuple[str, int]], **kw: object) -> LoadPlan:
+        total = sum(n for _, n in spans)
+        return LoadPlan(total, 5, total, "model")
+
+
 def test_early_blocks_recomputed_late_blocks_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:
     # A plan that recomputes the first blocks and loads the rest: the sequence computes its
-    # head, steps over the loaded blocks, computes its suffix, and its tokens do not change.
+    # head while the tail is read, steps over the loaded blocks, computes its suffix, and its
+    # tokens do not change.
     llm = warm_engine(tiny_model_dir, tmp_path, max_num_batched_tokens=64)
-    cost = llm.engine.cost_model
-    assert cost is not None
-
-    class Split:
-        def plan(self, spans: list[tuple[str, int]], **kw: object) -> object:
-            from cachetier.costmodel import LoadPlan
-
-            total = sum(n for _, n in spans)
-            return LoadPlan(total, 5, total, "model")
-
     llm.engine.scheduler.cost = Split()  # type: ignore[assignment]
     out = llm.generate([PROMPT], GREEDY)[0]
     assert out.cached_tokens_by_source == {"cpu": 13 * 16}
@@ -90,6 +93,91 @@ def test_early_blocks_recomputed_late_blocks_loaded(tiny_model_dir: Path, tmp_pa
     # The recomputed head was registered in the pool like any computed block.
     again = llm.generate([PROMPT], GREEDY)[0]
     assert again.cached_tokens_by_source == {"pool": 288}
+
+
+@pytest.fixture
+def redis_engine(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[LLM]:
+    """An engine whose only tier is the real Redis (a network tier, so a loaded tail is read
+    on the bridge's thread while the head is recomputed), holding PROMPT's blocks; the Split
+    planner; 32 tokens a step, so the 5-block head takes three steps."""
+    with own_redis_prefix(redis_url, "cachetier-tail") as prefix:
+        store = build_store(StoreConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=prefix))
+        llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, max_num_batched_tokens=32)
+        try:
+            llm.generate([PROMPT], GREEDY)
+            llm.flush()
+            llm.engine.blocks.clear_cache()
+            llm.engine.scheduler.cost = Split()  # type: ignore[assignment]
+            yield llm
+        finally:
+            llm.close()
+            store.close()
+
+
+def test_a_network_tail_is_read_while_the_head_computes(
+    redis_engine: LLM, tiny_model_dir: Path
+) -> None:
+    engine = redis_engine.engine
+    assert engine.scheduler.background_tiers == {"redis"}
+    engine.add_request(PROMPT, GREEDY)
+    engine.step()  # the first 32 of the head's 80 tokens, the tail's read submitted
+    (seq,) = engine.scheduler.running
+    assert seq.pending_restore is not None and seq.skip == (80, 288)
+    assert seq.cached_tokens_by_source == {}  # known once the read is in
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.pending_restore is None
+    assert seq.cached_tokens_by_source == {"redis": 13 * 16}
+    assert seq.output_token_ids == reference(tiny_model_dir)
+
+
+def test_a_tail_that_arrives_short_is_computed(redis_engine: LLM, tiny_model_dir: Path) -> None:
+    # The tail's blocks 15-17 are gone by the time the background read gets to them (another
+    # engine evicted them after the lookup): the sequence steps over what arrived and computes
+    # the rest, with the same tokens.
+    bridge, store = redis_engine.engine.bridge, redis_engine.store
+    assert bridge is not None and store is not None
+    lookup = bridge.lookup
+
+    def lookup_then_evict(keys: list[bytes]) -> PrefixHit:
+        hit = lookup(keys)
+        store.delete(bridge.namespace.id, list(keys[15 : hit.num_blocks]))
+        return hit
+
+    bridge.lookup = lookup_then_evict  # type: ignore[method-assign]
+    out = redis_engine.generate([PROMPT], GREEDY)[0]
+    assert out.cached_tokens_by_source == {"redis": (15 - 5) * 16}
+    assert out.token_ids == reference(tiny_model_dir)
+
+
+def test_a_request_aborted_while_its_tail_is_read_frees_its_blocks(
+    redis_engine: LLM, tiny_model_dir: Path
+) -> None:
+    engine = redis_engine.engine
+    free = engine.blocks.num_free_blocks
+    request = engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    (seq,) = engine.scheduler.running
+    assert seq.pending_restore is not None
+    engine.abort_request(request)
+    assert seq.pending_restore is None
+    assert engine.blocks.num_free_blocks == free
+    assert not engine.has_unfinished_requests()
+    # The engine goes on: the same prompt again gives the reference tokens.
+    assert redis_engine.generate([PROMPT], GREEDY)[0].token_ids == reference(tiny_model_dir)
+
+
+def test_a_tail_on_a_local_tier_is_read_before_the_head(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # A CPU-tier read beside a CPU forward only takes the forward's cores: no background.
+    llm = warm_engine(tiny_model_dir, tmp_path, max_num_batched_tokens=32)
+    llm.engine.scheduler.cost = Split()  # type: ignore[assignment]
+    assert llm.engine.scheduler.background_tiers == frozenset()
+    llm.engine.add_request(PROMPT, GREEDY)
+    llm.engine.step()
+    (seq,) = llm.engine.scheduler.running
+    assert seq.pending_restore is None and seq.cached_tokens_by_source == {"cpu": 13 * 16}
 
 
 def test_breakdown_adds_up_to_the_ttft(tiny_model_dir: Path, tmp_path: Path) -> None:

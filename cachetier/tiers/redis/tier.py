@@ -96,6 +96,7 @@ class RedisTier(Tier):
     """
 
     name = "redis"
+    over_network = True
 
     def __init__(self, config: RedisTierConfig, *, clock: Clock = time.monotonic) -> None:
         super().__init__()

@@ -67,6 +67,7 @@ class RemoteTier(Tier):
     """
 
     name = "remote"
+    over_network = True
 
     def __init__(self, config: RemoteTierConfig, *, clock: Clock = time.monotonic) -> None:
         super().__init__()
