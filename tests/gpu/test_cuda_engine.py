@@ -112,3 +112,26 @@ def test_blocks_saved_on_one_device_restore_on_the_other(
     assert own_out[0].cached_tokens_by_source == {"disk": 192}
     _assert_same_run(own_steps, warm_steps)
     assert warm_out[0].token_ids == own_out[0].token_ids
+
+
+def test_a_tail_read_beside_the_head_on_cuda_gives_the_same_tokens(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """On a GPU every tier's tail is read on the bridge's thread while the head computes; the
+    pool's copies from that thread must land whole before the jump over them."""
+    from cachetier.costmodel import LoadPlan
+
+    class Split:
+        def plan(self, spans: list[tuple[str, int]], **kw: object) -> LoadPlan:
+            total = sum(n for _, n in spans)
+            return LoadPlan(total, 3, total, "model")
+
+    store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
+    prompt = [PROMPTS[0]]
+    cold_out, _ = _run(tiny_model_dir, "cuda", prompt, store)
+    with LLM(tiny_model_dir, store=store, device="cuda", **ENGINE_ARGS) as llm:
+        assert llm.engine.scheduler.background_tiers == {"disk"}
+        llm.engine.scheduler.cost = Split()  # type: ignore[assignment]
+        (warm,) = llm.generate(prompt, GREEDY)
+    assert warm.cached_tokens_by_source == {"disk": 192 - 3 * 16}
+    assert warm.token_ids == cold_out[0].token_ids
