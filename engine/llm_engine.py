@@ -164,8 +164,7 @@ class LLMEngine:
     def close(self) -> None:
         """Wait for tier reads still running and close the event log, if any (the store
         belongs to the caller); idempotent."""
-        for seq in self.scheduler.running:
-            self.scheduler.drop_restore(seq)
+        self.scheduler.close()
         if self.bridge is not None:
             self.bridge.close()
         if self.events is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import wait
+from concurrent.futures import FIRST_COMPLETED as FIRST
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from cachetier.costmodel import CostModel, LoadPlan
@@ -21,7 +22,7 @@ from cachetier.store import PrefixHit
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import PendingRestore, Sequence, SequenceStatus
-from engine.tier_bridge import TierBridge
+from engine.tier_bridge import Restored, TierBridge
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class Scheduler:
         self.num_recomputed_hit_tokens = 0  # tier hits the cost model chose to recompute
         # Plans of requests whose prefix the tiers held, by ``LoadPlan.choice``.
         self.num_plans_by_choice = {"load_all": 0, "partial": 0, "recompute_all": 0}
+        # Blocks of dropped sequences that a tail read still writes into: freed once it ends.
+        self._held_for_reads: list[tuple[Future[Restored], list[int]]] = []
         # Tiers whose reads of a loaded tail ``_admit`` runs beside the head's recompute: on a
         # CPU only those that wait on a network (a read from memory or the page cache takes
         # the same cores as the forward: both at once took longer than one after the other in
@@ -83,11 +86,34 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def schedule(self) -> list[ScheduledSeq]:
+        self._free_read_blocks()
+        scheduled = self._schedule_once()
+        while not scheduled and (reads := self._reads_awaited()):
+            # Nothing else can run: wait for a tail read rather than spin.
+            wait(reads, return_when=FIRST)
+            scheduled = self._schedule_once()
+        return scheduled
+
+    def _reads_awaited(self) -> list[Future[Restored]]:
+        """The tail reads of running sequences whose head is computed, not in yet."""
+        return [
+            pending.future
+            for seq in self.running
+            if (pending := seq.pending_restore) is not None
+            and seq.skip is not None
+            and seq.num_computed_tokens == seq.skip[0]
+            and not pending.future.done()
+        ]
+
+    def _schedule_once(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not self._jump(seq):
+                i += 1  # its tail is still being read: the others go on meanwhile
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.skip is not None:
                 num_new = min(num_new, seq.skip[0] - seq.num_computed_tokens)
@@ -272,12 +298,48 @@ class Scheduler:
                 restored.read_s + restored.copy_s,
             )
 
-    def drop_restore(self, seq: Sequence) -> None:
-        """Wait for a background read the sequence no longer needs (it is preempted, finished
-        or aborted), so its blocks can be freed; what it read is dropped."""
+    def _jump(self, seq: Sequence) -> bool:
+        """Step over the loaded blocks once the head before them is computed and their read
+        is in; ``False`` while that read is still running (the sequence waits, nothing else
+        does)."""
+        if seq.skip is None or seq.num_computed_tokens != seq.skip[0]:
+            return True
+        if seq.pending_restore is not None:
+            if not seq.pending_restore.future.done():
+                return False
+            self._finish_restore(seq)
+        seq.num_computed_tokens = seq.skip[1]
+        seq.skip = None
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a preempted or finished sequence's blocks: at once, or, while a read still
+        writes into some of them, once it is over (``_free_read_blocks``); what it read is
+        dropped. Nothing waits for the read here."""
         pending, seq.pending_restore = seq.pending_restore, None
-        if pending is not None:
-            wait([pending.future])
+        if pending is not None and not pending.future.done():
+            self._held_for_reads.append((pending.future, list(seq.block_table)))
+        else:
+            self.blocks.release(seq.block_table)
+
+    def _free_read_blocks(self, *, block: bool = False) -> None:
+        """Free the blocks of dropped reads that are over (all of them, waiting, if
+        ``block``)."""
+        still: list[tuple[Future[Restored], list[int]]] = []
+        for future, block_ids in self._held_for_reads:
+            if block:
+                wait([future])
+            if future.done():
+                self.blocks.release(block_ids)
+            else:
+                still.append((future, block_ids))
+        self._held_for_reads = still
+
+    def close(self) -> None:
+        """Wait for every tail read still running (the engine's or dropped sequences'), so
+        none writes into the pool after this; free what dropped ones held."""
+        wait([p.future for seq in self.running if (p := seq.pending_restore) is not None])
+        self._free_read_blocks(block=True)
 
     def _plan(self, seq: Sequence, hit: PrefixHit, pool_tokens: int) -> LoadPlan:
         """Load or recompute the tier hit: without a cost model, load all of it."""
@@ -321,8 +383,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Recompute later: the blocks go back to the pool, and their cached keys let the
         # re-admitted sequence find most of its KV there again.
-        self.drop_restore(seq)
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.skip = None
@@ -334,11 +395,7 @@ class Scheduler:
     def register_computed(self, seq: Sequence, before: int) -> None:
         """Index blocks that became full and computed this step in the prefix cache, and step
         over blocks loaded from the tiers once the recomputed ones before them are done."""
-        if seq.skip is not None and seq.num_computed_tokens == seq.skip[0]:
-            if seq.pending_restore is not None:
-                self._finish_restore(seq)
-            seq.num_computed_tokens = seq.skip[1]
-            seq.skip = None
+        self._jump(seq)
         if not self.config.enable_prefix_caching:
             return
         bs = self.block_size
@@ -354,8 +411,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.drop_restore(seq)
         if self.bridge is not None and self.config.enable_prefix_caching:
             self.bridge.save([self.blocks.blocks[b] for b in seq.block_table])
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.block_table = []

@@ -11,11 +11,13 @@ import pytest
 from cachetier.config import StoreConfig, build_store
 from cachetier.costmodel import LoadPlan
 from cachetier.events import read_events
-from cachetier.store import PrefixHit
+from cachetier.store import PrefixHit, TieredStore
+from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from engine.llm import LLM
 from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams
 from tests.support import own_redis_prefix
+from tests.throttled_link import SlowLink
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = [(i * 11 + 5) % 250 for i in range(300)]  # 18 full blocks of 16 and a partial one
@@ -77,7 +79,7 @@ class Split:
 
     def plan(self, spans: list[tuple[str, int]], **kw: object) -> LoadPlan:
         total = sum(n for _, n in spans)
-        return LoadPlan(total, 5, total, "model")
+        return LoadPlan(total, 5 if total > 5 else 0, total, "model")
 
 
 def test_early_blocks_recomputed_late_blocks_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -96,22 +98,39 @@ def test_early_blocks_recomputed_late_blocks_loaded(tiny_model_dir: Path, tmp_pa
 
 
 @pytest.fixture
-def redis_engine(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[LLM]:
-    """An engine whose only tier is the real Redis (a network tier, so a loaded tail is read
-    on the bridge's thread while the head is recomputed), holding PROMPT's blocks; the Split
-    planner; 32 tokens a step, so the 5-block head takes three steps."""
-    with own_redis_prefix(redis_url, "cachetier-tail") as prefix:
-        store = build_store(StoreConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=prefix))
+def linked_engine(
+    tiny_model_dir: Path, tmp_path: Path, redis_url: str
+) -> Iterator[tuple[LLM, SlowLink]]:
+    """An engine whose only tier is the real Redis behind a real throttled TCP link (open to
+    start with; a network tier, so a loaded tail is read on the bridge's thread while the head
+    is recomputed), holding PROMPT's blocks; the Split planner; 32 tokens a step, so the
+    5-block head takes three steps."""
+    host, port = redis_url.split("//")[1].split("/")[0].split(":")
+    with (
+        own_redis_prefix(redis_url, "cachetier-tail") as prefix,
+        SlowLink((host, int(port))) as link,
+    ):
+        # A socket timeout above the slow reads' seconds: a read cut by it would be a miss.
+        tier = RedisTier(
+            RedisTierConfig(url=link.url("redis"), key_prefix=prefix, socket_timeout_s=60)
+        )
+        store = TieredStore([tier])
         llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, max_num_batched_tokens=32)
         try:
             llm.generate([PROMPT], GREEDY)
             llm.flush()
             llm.engine.blocks.clear_cache()
             llm.engine.scheduler.cost = Split()  # type: ignore[assignment]
-            yield llm
+            yield llm, link
         finally:
+            link.set(bandwidth_bytes_per_s=None, latency_s=0.0)
             llm.close()
             store.close()
+
+
+@pytest.fixture
+def redis_engine(linked_engine: tuple[LLM, SlowLink]) -> LLM:
+    return linked_engine[0]
 
 
 def test_a_network_tail_is_read_while_the_head_computes(
@@ -159,12 +178,63 @@ def test_a_request_aborted_while_its_tail_is_read_frees_its_blocks(
     engine.step()
     (seq,) = engine.scheduler.running
     assert seq.pending_restore is not None
-    engine.abort_request(request)
+    read = seq.pending_restore.future
+    engine.abort_request(request)  # does not wait for the read
     assert seq.pending_restore is None
-    assert engine.blocks.num_free_blocks == free
     assert not engine.has_unfinished_requests()
+    read.result()
+    assert engine.step() == []  # nothing to run; the blocks the read held are freed
+    assert engine.blocks.num_free_blocks == free
     # The engine goes on: the same prompt again gives the reference tokens.
     assert redis_engine.generate([PROMPT], GREEDY)[0].token_ids == reference(tiny_model_dir)
+
+
+# 13 tail blocks of 8 KiB over 50 kB/s: the read takes about 2 s, the tiny model's steps ms.
+SLOW = 50e3
+
+
+def test_an_abort_does_not_wait_for_the_read(
+    linked_engine: tuple[LLM, SlowLink], tiny_model_dir: Path
+) -> None:
+    llm, link = linked_engine
+    engine = llm.engine
+    free = engine.blocks.num_free_blocks
+    link.set(bandwidth_bytes_per_s=SLOW, latency_s=0.0)
+    request = engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    (seq,) = engine.scheduler.running
+    assert seq.pending_restore is not None
+    read = seq.pending_restore.future
+    engine.abort_request(request)
+    assert not read.done()  # the engine did not wait; the read still holds its blocks
+    assert engine.blocks.num_free_blocks < free
+    read.result()
+    assert engine.step() == []
+    assert engine.blocks.num_free_blocks == free
+
+
+def test_other_requests_run_while_a_tail_is_read(
+    linked_engine: tuple[LLM, SlowLink], tiny_model_dir: Path
+) -> None:
+    llm, link = linked_engine
+    engine = llm.engine
+    link.set(bandwidth_bytes_per_s=SLOW, latency_s=0.0)
+    engine.add_request(PROMPT, GREEDY, request_id="tail")
+    # No block in any tier, and too short to fill one (a full block would be saved at its
+    # end, over the same slow link).
+    other = [(i * 7 + 1) % 250 + 3 for i in range(6)]
+    engine.add_request(other, GREEDY, request_id="other")
+    seqs = {seq.request_id: seq for seq in engine.scheduler.waiting}
+    while not seqs["other"].is_finished:
+        engine.step()
+    # The other request ran to its end while the first waited for its tail, head computed.
+    tail = seqs["tail"]
+    assert tail.pending_restore is not None and not tail.pending_restore.future.done()
+    assert tail.num_computed_tokens == 80 and tail.output_token_ids == []
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert tail.cached_tokens_by_source == {"redis": 13 * 16}
+    assert tail.output_token_ids == reference(tiny_model_dir)
 
 
 def test_a_tail_on_a_local_tier_is_read_before_the_head(
