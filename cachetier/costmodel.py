@@ -8,8 +8,9 @@ is the common case. So a prefix hit is not loaded blindly: for each split point 
     sum of reads of blocks [0, k), each tier span one call: latency + bytes x seconds-per-byte
     + prefill of tokens [cached + k x block_size, prompt end), chunk by chunk
 
-and the smallest wins. Loading is a prefix because a block's KV is only usable after every
-block before it is in place.
+and the smallest wins. The other shape recomputes a leading run ``[0, j)`` and loads the rest;
+an engine that reads that tail while it computes the head (ours, from a tier whose reads wait
+on a link slower than its compute) pays the longer of the two instead of their sum.
 
 Both sides are measured, never configured: ``TierRates`` keeps a moving average of each tier's
 round-trip latency (from lookups) and read time per byte (from real gets), ``CopyRate`` the time
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,6 +417,7 @@ class CostModel:
         num_tokens: int,
         chunk_tokens: int,
         prefix_only: bool = False,
+        overlap_tiers: Collection[str] = (),
     ) -> LoadPlan:
         """Choose which hit blocks to load.
 
@@ -427,6 +429,11 @@ class CostModel:
             num_tokens: tokens that must be computed or loaded before the first token.
             chunk_tokens: most tokens one prefill step computes.
             prefix_only: consider only plans that load a leading run of the hit.
+            overlap_tiers: tiers the engine reads a loaded tail from while it recomputes the
+                head before it (ours: network tiers beside a CPU forward, every tier beside a
+                GPU one). Where such a tier reads a block slower than the engine computes one,
+                the read waits on its link, not on the cores the head needs, and the plan
+                counts the longer of head and tail instead of their sum.
         """
         total = sum(n for _, n in spans)
         if not self.enabled:
@@ -474,9 +481,18 @@ class CostModel:
             options.append((head[k] + rest, 0, k, rest))
         if not prefix_only:
             suffix_s = compute(hit_start + total * block_size, num_tokens)
+            # hidden[j]: the tail [j, total) can be read beside the head's compute. A tier
+            # faster than compute (a local Redis) is the cores' work as much as the forward's,
+            # and stays counted in series.
+            block_compute_s = compute(hit_start, hit_start + total * block_size) / total
+            hidden = [True] * (total + 1)
+            for j in range(total - 1, -1, -1):
+                beside = tiers[j] in overlap_tiers and per_block[j] >= block_compute_s
+                hidden[j] = hidden[j + 1] and beside
             for j in range(1, total):
                 early = compute(hit_start, hit_start + j * block_size)
-                options.append((early + tail_latency[j] + suffix_s, j, total, early + suffix_s))
+                both = max(early, tail_latency[j]) if hidden[j] else early + tail_latency[j]
+                options.append((both + suffix_s, j, total, early + suffix_s))
         best, _, _, best_compute = min(options)
         # Among plans close enough to the best whose extra time the compute they free pays
         # for, the one that loads the most.

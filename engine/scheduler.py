@@ -60,7 +60,8 @@ class Scheduler:
         # CPU only those that wait on a network (a read from memory or the page cache takes
         # the same cores as the forward: both at once took longer than one after the other in
         # benchmarks/bench_overlap.py), on a GPU every tier (the reads are the host's work, the
-        # forward the device's). The plan still counts the read in full (an upper bound).
+        # forward the device's). The plan counts such a read as hidden behind the head only
+        # where it is slower than computing the same tokens (``CostModel.plan``).
         on_cpu = bridge is None or bridge.pool.cache.device.type == "cpu"
         tiers = bridge.store.tiers if bridge is not None else ()
         self.background_tiers = frozenset(t.name for t in tiers if t.over_network or not on_cpu)
@@ -354,6 +355,7 @@ class Scheduler:
             cached_tokens=pool_tokens,
             num_tokens=seq.num_tokens,
             chunk_tokens=self.config.max_num_batched_tokens,
+            overlap_tiers=self.background_tiers,
         )
 
     def _log_lookup(

@@ -187,6 +187,50 @@ def test_a_link_a_little_slower_than_compute_loads_the_late_blocks() -> None:
     assert prefix.load_start == 0 and prefix.num_load_blocks in (0, 256)
 
 
+def overlapped_plan(model: CostModel, blocks: int, num_tokens: int) -> LoadPlan:
+    return model.plan(
+        [("remote", blocks)],
+        block_bytes=BLOCK_BYTES,
+        block_size=BLOCK_SIZE,
+        cached_tokens=0,
+        num_tokens=num_tokens,
+        chunk_tokens=2048,
+        overlap_tiers={"remote"},
+    )
+
+
+def test_a_tail_read_beside_the_head_costs_the_longer_of_the_two() -> None:
+    # A link slower than compute: in series, loading gains nothing on recomputing all. An
+    # engine that reads the tail while it computes the head loads as much as the head hides,
+    # and the estimate is max(head, tail read) + suffix, exactly.
+    prefill = linear_prefill(1e-3)  # 16 ms a block
+    rates = rates_with(remote=0.05)  # 1 MiB blocks: 21 ms a block
+    serial = plan(CostModel(rates, prefill, clock=STILL), [("remote", 200)], num_tokens=3216)
+    assert serial.est_ttft_s is not None and serial.est_recompute_all_s is not None
+    assert serial.est_ttft_s >= 0.98 * serial.est_recompute_all_s
+    chosen = overlapped_plan(CostModel(rates, prefill, clock=STILL), 200, 3216)
+    rate = rates.get("remote")
+    assert rate is not None
+    j = chosen.load_start
+    assert 0 < j < 200 and chosen.load_end == 200
+    head = prefill.recompute_s(0, j * BLOCK_SIZE, 2048)
+    suffix = prefill.recompute_s(200 * BLOCK_SIZE, 3216, 2048)
+    tail = rate.read_s((200 - j) * BLOCK_BYTES)
+    assert head is not None and suffix is not None and tail is not None
+    assert chosen.est_ttft_s == pytest.approx(max(head, tail) + suffix)
+    assert abs(j - 200 * 21 / 37) <= 20  # where 16 ms x j meets 21 ms x (200 - j)
+    assert chosen.est_recompute_all_s is not None
+    assert chosen.est_ttft_s < 0.7 * chosen.est_recompute_all_s
+
+
+def test_a_tier_faster_than_compute_is_not_counted_as_hidden() -> None:
+    # At 1 GB/s a block reads in 1 ms against 16 ms of compute: such a read is the cores' own
+    # work (a local Redis), so it is counted in series, and loading all of it wins.
+    prefill = linear_prefill(1e-3)
+    chosen = overlapped_plan(CostModel(rates_with(remote=1.0), prefill, clock=STILL), 200, 3216)
+    assert chosen.num_load_blocks == 200
+
+
 def test_a_gain_within_the_estimates_noise_loads() -> None:
     # 8 blocks read at 10 GB/s after a 1 ms round trip (1.8 ms), against 128 tokens at 10 us
     # each (1.3 ms): the recompute wins on paper by less than the estimates are worth.

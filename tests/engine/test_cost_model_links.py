@@ -66,8 +66,12 @@ def test_thin_link_recomputes_fast_link_loads(linked: tuple[LLM, SlowLink]) -> N
     link.set(bandwidth_bytes_per_s=2e6, latency_s=0.002)  # loading LONG would take ~23 s
     _run(llm, SHORT, learn=True)
     thin = _run(llm, LONG)
-    assert thin.cached_tokens_by_source == {}  # type: ignore[attr-defined]
-    assert thin.num_recomputed_hit_tokens == 992  # type: ignore[attr-defined]
+    # Most of the hit is recomputed; at most the last few blocks, which the link brings in
+    # while the head before them computes, are loaded.
+    loaded = thin.cached_tokens_by_source.get("redis", 0)  # type: ignore[attr-defined]
+    assert set(thin.cached_tokens_by_source) <= {"redis"}  # type: ignore[attr-defined]
+    assert loaded <= 992 // 4
+    assert thin.num_recomputed_hit_tokens == 992 - loaded  # type: ignore[attr-defined]
     assert thin.token_ids == cold[0].token_ids  # type: ignore[attr-defined]
 
     link.set(bandwidth_bytes_per_s=None, latency_s=0.0)
