@@ -319,8 +319,8 @@ class LoadPlan:
     recompute the others.
 
     Blocks before ``load_start`` are recomputed first (they attend to little context, so they
-    are the cheapest to compute), then the loaded ones are in place, then everything after
-    ``load_end`` is computed with the prompt's suffix.
+    are the cheapest to compute), while the loaded ones are read where the engine can do both
+    at once, then everything after ``load_end`` is computed with the prompt's suffix.
 
     Args:
         num_hit_blocks: leading blocks the tiers hold (after the pool's own hit).
