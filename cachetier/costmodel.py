@@ -484,11 +484,12 @@ class CostModel:
             # hidden[j]: the tail [j, total) can be read beside the head's compute. A tier
             # faster than compute (a local Redis) is the cores' work as much as the forward's,
             # and stays counted in series.
-            block_compute_s = compute(hit_start, hit_start + total * block_size) / total
-            hidden = [True] * (total + 1)
-            for j in range(total - 1, -1, -1):
-                beside = tiers[j] in overlap_tiers and per_block[j] >= block_compute_s
-                hidden[j] = hidden[j + 1] and beside
+            hidden = [bool(overlap_tiers)] * (total + 1)
+            if overlap_tiers:
+                block_compute_s = compute(hit_start, hit_start + total * block_size) / total
+                for j in range(total - 1, -1, -1):
+                    beside = tiers[j] in overlap_tiers and per_block[j] >= block_compute_s
+                    hidden[j] = hidden[j + 1] and beside
             for j in range(1, total):
                 early = compute(hit_start, hit_start + j * block_size)
                 both = max(early, tail_latency[j]) if hidden[j] else early + tail_latency[j]

@@ -101,8 +101,7 @@ class Scheduler:
             pending.future
             for seq in self.running
             if (pending := seq.pending_restore) is not None
-            and seq.skip is not None
-            and seq.num_computed_tokens == seq.skip[0]
+            and _at_jump(seq)
             and not pending.future.done()
         ]
 
@@ -278,16 +277,16 @@ class Scheduler:
         arrived in the prefix cache; the jump over the loaded blocks ends where they end."""
         pending, seq.pending_restore = seq.pending_restore, None
         assert pending is not None and seq.skip is not None, "no restore to finish"
-        start = time.perf_counter()
         restored = pending.future.result()  # a failure raises here as a synchronous one would
-        waited = time.perf_counter() - start
+        since = pending.waiting_since_s
+        waited = 0.0 if since is None else time.perf_counter() - since
         arrived = len(restored.sources)
         for key, block_id in zip(pending.keys, pending.block_ids[:arrived]):
             self.blocks.register(block_id, key, stored=True)
         seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
         if pending.first:
-            # What the TTFT paid for the restore is the wait, not the read the head hid: the
-            # copy ran last, so the wait's end is the copy's.
+            # What the TTFT paid for the restore is the wait from the head's end, not the read
+            # the head hid: the copy ran last, so the wait's end is the copy's.
             copy_waited = min(waited, restored.copy_s)
             seq.add_time("restore_read_s", waited - copy_waited)
             seq.add_time("restore_copy_s", copy_waited)
@@ -303,10 +302,13 @@ class Scheduler:
         """Step over the loaded blocks once the head before them is computed and their read
         is in; ``False`` while that read is still running (the sequence waits, nothing else
         does)."""
-        if seq.skip is None or seq.num_computed_tokens != seq.skip[0]:
+        if not _at_jump(seq):
             return True
-        if seq.pending_restore is not None:
-            if not seq.pending_restore.future.done():
+        pending = seq.pending_restore
+        if pending is not None:
+            if not pending.future.done():
+                if pending.waiting_since_s is None:
+                    pending.waiting_since_s = time.perf_counter()
                 return False
             self._finish_restore(seq)
         seq.num_computed_tokens = seq.skip[1]
@@ -417,3 +419,8 @@ class Scheduler:
             self.bridge.save([self.blocks.blocks[b] for b in seq.block_table])
         self._release(seq)
         seq.block_table = []
+
+
+def _at_jump(seq: Sequence) -> bool:
+    """Whether the sequence has computed everything before its loaded blocks."""
+    return seq.skip is not None and seq.num_computed_tokens == seq.skip[0]

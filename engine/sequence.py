@@ -20,7 +20,7 @@ in place, the forward passes that computed its prompt, and sampling its first to
 do not cover (other requests' steps, scheduling, Python between steps) is ``other_s``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PendingRestore:
     """A tier read into a sequence's blocks, running on the bridge's thread.
 
@@ -32,6 +32,8 @@ class PendingRestore:
         lookup_keys: every key the admission looked up (for the lookup event).
         num_pool_blocks: leading blocks the pool itself held.
         first: whether this is the request's first admission (its lookup is logged once).
+        waiting_since_s: when the head was computed with the read not yet in (the request
+            has waited for it since); ``None`` while it has not had to wait.
     """
 
     future: Future[Restored]
@@ -40,6 +42,7 @@ class PendingRestore:
     lookup_keys: list[BlockHash]
     num_pool_blocks: int
     first: bool
+    waiting_since_s: float | None = None
 
 
 class SequenceStatus(enum.Enum):

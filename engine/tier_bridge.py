@@ -153,18 +153,20 @@ class TierBridge:
         """
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="cachetier-restore")
-        return self._background.submit(self._restore_on_pool_device, list(keys), block_ids, hit)
+        return self._background.submit(
+            self._restore_on_pool_device, list(keys), list(block_ids), hit
+        )
 
     def _restore_on_pool_device(
-        self, keys: list[BlockHash], block_ids: Sequence[int], hit: PrefixHit | None
+        self, keys: list[BlockHash], block_ids: list[int], hit: PrefixHit | None
     ) -> Restored:
         # A new thread's current CUDA device is device 0: the pool's copies and the events
         # that free its staging buffers must go to the pool's own device.
         device = self.pool.cache.device
         if device.type != "cuda":
-            return self.restore(keys, list(block_ids), hit)
+            return self.restore(keys, block_ids, hit)
         with torch.cuda.device(device):
-            return self.restore(keys, list(block_ids), hit)
+            return self.restore(keys, block_ids, hit)
 
     def close(self) -> None:
         """Wait for background restores still running and stop their thread; idempotent (a

@@ -235,6 +235,9 @@ def test_other_requests_run_while_a_tail_is_read(
         engine.step()
     assert tail.cached_tokens_by_source == {"redis": 13 * 16}
     assert tail.output_token_ids == reference(tiny_model_dir)
+    # Its TTFT paid for the read from the head's end to the read's (about 2 s), and its
+    # breakdown says so.
+    assert tail.ttft_breakdown()["restore_read_s"] > 0.5
 
 
 def test_a_tail_on_a_local_tier_is_read_before_the_head(
