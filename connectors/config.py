@@ -50,6 +50,10 @@ class ConnectorConfig:
         kv_load_policy: ``cost`` reports (and loads) only the part of a hit that the measured
             tier speeds load faster than the engine recomputes it (``cachetier.costmodel``);
             ``always`` loads every hit.
+        load_async: which of vLLM's loads run beside its forwards (vLLM keeps scheduling other
+            requests while a request waits for its KV): ``network`` (those whose every block
+            comes over a network, Redis or a sidecar: their reads wait on a link, not on the
+            cores the forward uses), ``always`` or ``never``. Other engines ignore it.
     """
 
     cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
@@ -67,11 +71,16 @@ class ConnectorConfig:
     write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
     writer_nice: int = _STORE_DEFAULTS.writer_nice
     kv_load_policy: str = "cost"
+    load_async: str = "network"
 
     def __post_init__(self) -> None:
         if self.kv_load_policy not in ("cost", "always"):
             raise ValueError(
                 f"kv_load_policy must be 'cost' or 'always', got {self.kv_load_policy!r}"
+            )
+        if self.load_async not in ("network", "always", "never"):
+            raise ValueError(
+                f"load_async must be 'network', 'always' or 'never', got {self.load_async!r}"
             )
         if not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")

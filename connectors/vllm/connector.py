@@ -99,6 +99,7 @@ class CacheTierConnector(KVConnectorBase_V1):
                 config.cpu_bytes // layout.block_bytes,
                 cost_model=config.kv_load_policy == "cost",
                 chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                load_async=config.load_async,
             )
             logger.info(
                 "cachetier scheduler: model %s..., layout %s, tenant %r",
@@ -130,9 +131,17 @@ class CacheTierConnector(KVConnectorBase_V1):
 
     @timed("start_load_kv")
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's restored blocks into the paged buffers (all layers, before the
-        forward: vLLM schedules them as sync loads)."""
+        """Copy this step's restored blocks into the paged buffers (all layers): the sync loads
+        before returning (the forward reads them), the async ones on the worker's loader
+        thread (``get_finished`` reports them)."""
         self._require_worker().load(self._metadata())
+
+    @timed("get_finished")
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No sends to wait for (saves end within their step); the requests whose async loads
+        ended since the last call, failed ones included (their failed blocks are reported by
+        ``get_block_ids_with_load_errors`` in the same step or an earlier one)."""
+        return None, self._require_worker().take_finished_loads() or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: ``start_load_kv`` copied every layer already."""
@@ -189,7 +198,8 @@ class CacheTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens after ``num_computed_tokens`` whose blocks are stored (loaded synchronously)."""
+        """Tokens after ``num_computed_tokens`` whose blocks are stored and worth loading, and
+        whether to load them asynchronously."""
         return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     @timed("update_state_after_alloc")

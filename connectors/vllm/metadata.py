@@ -46,12 +46,15 @@ class CacheTierConnectorMetadata(KVConnectorMetadata):
 
     Args:
         loads: blocks to restore before the forward (each request's first new blocks).
+        async_loads: blocks to restore beside the forwards, for requests vLLM holds back until
+            the worker reports them loaded (``get_finished``).
         saves: blocks whose every token was computed by this step's forward, to store after it.
         step_tokens: tokens this step computes, if it computes prompt tokens (else 0).
         step_attention: their attention work (``cachetier.costmodel.PrefillModel``).
     """
 
     loads: list[BlockTransfer] = field(default_factory=list)
+    async_loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     # A step that computes prompt tokens: its tokens and attention work (``PrefillModel``), so
     # the worker can report how long its forward took; 0 for a decode-only step.

@@ -11,6 +11,9 @@ request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel t
   (tier rates, the copy into vLLM's KV memory and prefill speed come from the worker's
   reports).
 - ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
+  A hit whose every block comes over a network (Redis, a sidecar) is loaded asynchronously by
+  default: vLLM holds that request back and keeps running the others until the worker reports
+  it loaded (``load_async``), since its read waits on a link, not on the cores the forward uses.
 - ``build_connector_meta`` hands the step's loads to the worker, plus a save of every block
   whose last token this step computes; the worker saves after the forward, in the same step, so
   no block is ever freed while a save of it is pending and ``request_finished`` frees at once.
@@ -52,6 +55,11 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # vLLM block ids, in token order
     num_stored_blocks: int = 0  # leading blocks known stored (hit, loaded or saved)
     hit: tuple[int, int, dict[str, int]] = (0, 0, {})  # (first block, num blocks, by tier)
+    hit_async: bool = False  # the hit is loaded beside the forwards
+    # First block the worker failed to load or store: no hit reaches past it again. vLLM asks
+    # again after an async load that failed (the request starts over from its local hit), and
+    # a tier that times out on these blocks would be asked for them for ever.
+    failed_from: int | None = None
     pending_load: BlockTransfer | None = None
 
 
@@ -105,6 +113,8 @@ class CacheTierScheduler:
         cost_model: report only hits that load faster than they recompute; ``False`` reports
             every hit.
         chunk_tokens: vLLM's ``max_num_batched_tokens`` (a recompute runs in such chunks).
+        load_async: which hits vLLM loads asynchronously: ``network`` (every block from a tier
+            over a network), ``always`` or ``never`` (``ConnectorConfig.load_async``).
     """
 
     def __init__(
@@ -117,8 +127,19 @@ class CacheTierScheduler:
         *,
         cost_model: bool = True,
         chunk_tokens: int = 2048,
+        load_async: str = "network",
     ) -> None:
+        if load_async not in ("network", "always", "never"):
+            raise ValueError(
+                f"load_async must be 'network', 'always' or 'never', not {load_async!r}"
+            )
         self._store = store
+        self._load_async = load_async
+        # The worker's CPU tier ("cpu") is in its own process, never over a network.
+        self._network_tiers = frozenset(
+            t.name for t in (store.tiers if store is not None else ()) if t.over_network
+        )
+        self._async_loads: list[BlockTransfer] = []
         self._layout = layout
         self._block_size = layout.block_size
         self._model_fingerprint = model_fingerprint
@@ -142,14 +163,17 @@ class CacheTierScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens after vLLM's own ``num_computed_tokens`` that can be loaded (always sync)."""
+        """Tokens after vLLM's own ``num_computed_tokens`` that can be loaded, and whether
+        vLLM should load them asynchronously (``load_async``)."""
         if not _cacheable(request) or num_computed_tokens % self._block_size:
             return 0, False
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size  # one token is left to compute
+        tracked = self._track(request)
+        if tracked.failed_from is not None:
+            last = min(last, tracked.failed_from)
         if last <= first:
             return 0, False
-        tracked = self._track(request)
         keys = self._keys_upto(tracked, last)[first:last]
         spans = self._lookup(tracked.namespace.id, keys)
         plan = self.cost.plan(
@@ -170,6 +194,7 @@ class CacheTierScheduler:
                 by_tier[tier] = by_tier.get(tier, 0) + take
             left -= take
         tracked.hit = (first, num_hit, by_tier)
+        tracked.hit_async = num_hit > 0 and self._asynchronous(by_tier)
         if plan.num_recompute_blocks:
             self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * self._block_size
             logger.info(
@@ -189,7 +214,12 @@ class CacheTierScheduler:
                 num_computed_tokens,
                 by_tier,
             )
-        return num_hit * self._block_size, False
+        return num_hit * self._block_size, tracked.hit_async
+
+    def _asynchronous(self, by_tier: dict[str, int]) -> bool:
+        if self._load_async == "network":
+            return all(tier in self._network_tiers for tier in by_tier)
+        return self._load_async == "always"
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -209,18 +239,25 @@ class CacheTierScheduler:
             f"vLLM asked to load {num_external_tokens} tokens of a {num_hit}-block hit"
         )
         (block_ids,) = blocks.get_block_ids()
-        tracked.pending_load = BlockTransfer(
+        transfer = BlockTransfer(
             request.request_id,
             tracked.namespace.id,
             tracked.namespace.fingerprint,
             tuple(tracked.keys[first : first + num_blocks]),
             tuple(block_ids[first : first + num_blocks]),
         )
+        if tracked.hit_async:
+            # vLLM does not schedule the request until the worker reports it loaded, so the
+            # load goes out with the next step's metadata, whatever that step runs.
+            self._async_loads.append(transfer)
+        else:
+            tracked.pending_load = transfer
         tracked.num_stored_blocks = first + num_blocks
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CacheTierConnectorMetadata:
         """This step's loads and saves; consumes the pending loads."""
-        meta = CacheTierConnectorMetadata()
+        meta = CacheTierConnectorMetadata(async_loads=self._async_loads)
+        self._async_loads = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         _describe_step(scheduler_output, meta)
         for req_id in scheduler_output.preempted_req_ids or ():
@@ -267,6 +304,8 @@ class CacheTierScheduler:
                 bad = next((i for i, key in enumerate(stored) if key in failed), None)
                 if bad is not None:
                     tracked.num_stored_blocks = bad
+                    if tracked.failed_from is None or bad < tracked.failed_from:
+                        tracked.failed_from = bad
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its full blocks were saved in the steps that computed them.

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = (
     "num_loaded_blocks",
     "num_load_errors",
+    "num_async_loads",  # requests loaded beside the forwards (counted, not blocks)
     "num_saved_blocks",
     "num_save_errors",
     "loaded_bytes",

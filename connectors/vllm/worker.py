@@ -1,7 +1,10 @@
 """Worker side of the connector: copy whole blocks between vLLM's paged buffers and the tiers.
 
-Loads run in ``start_load_kv``, before the forward that reads them (vLLM schedules them as sync
-loads); saves start in ``wait_for_save``, after the forward wrote every layer. A record holds a
+Sync loads run in ``start_load_kv``, before the forward that reads them; async loads (requests
+vLLM holds back until ``get_finished`` names them) run on one loader thread beside the forwards,
+on CPU pages (on CUDA the pinned staging is shared with the saves, so they run in
+``start_load_kv`` too, and are reported finished at once). Saves start in ``wait_for_save``, after
+the forward wrote every layer. A record holds a
 block of every layer, so both work on whole blocks at once rather than layer by layer. On CUDA
 a save's device-to-host copy runs on a side stream and reaches the store at a later call, when
 its event has fired (``PagedKV.poll``); on CPU it is stored at once.
@@ -13,8 +16,10 @@ after it in the same request are reported too, since a prefix is only usable up 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from vllm.logger import init_logger
@@ -59,6 +64,11 @@ class CacheTierWorker:
         self._step_start: float | None = None
         self._step_load_s = 0.0
         self._loaded_since_report = False
+        # The loader thread's results meet the step's here: failed block ids, the report, the
+        # stats and the requests whose async loads ended are all taken under this lock.
+        self._lock = threading.Lock()
+        self._loader: ThreadPoolExecutor | None = None
+        self._finished_loads: set[str] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], aux: bytes = b"") -> None:
         """Take vLLM's per-layer KV tensors (checked against the layout).
@@ -104,19 +114,49 @@ class CacheTierWorker:
         paged.fence()
         for transfer in meta.loads:
             self._load_one(transfer)
+        for transfer in meta.async_loads:
+            if paged.device.type == "cpu":
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="cachetier-load")
+                self._loader.submit(self._load_async, transfer)
+            else:
+                self._load_async(transfer)
+
+    def _load_async(self, transfer: BlockTransfer) -> None:
+        """One async load, then its request reported finished, whatever happened: vLLM holds
+        the request (and, if it was aborted meanwhile, its blocks) until then."""
+        try:
+            self._load_one(transfer, asynchronous=True)
+        except BaseException as exc:  # a thread's error would otherwise vanish
+            logger.error("cachetier: async load for request %s failed: %r", transfer.req_id, exc)
+            with self._lock:
+                self._failed_block_ids.update(transfer.block_ids)
+                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+        finally:
+            with self._lock:
+                self._finished_loads.add(transfer.req_id)
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose async loads ended since the last call (their failed blocks were
+        handed to ``take_failed_block_ids`` first)."""
+        with self._lock:
+            finished, self._finished_loads = self._finished_loads, set()
+        return finished
 
     def save(self, meta: CacheTierConnectorMetadata) -> None:
         """Store this step's completed blocks (after the forward wrote them)."""
         if self._step_start is not None and meta.step_tokens:
             forward_s = time.perf_counter() - self._step_start - self._step_load_s
-            self._report.steps.append((meta.step_tokens, meta.step_attention, forward_s))
+            with self._lock:
+                self._report.steps.append((meta.step_tokens, meta.step_attention, forward_s))
         self._step_start = None
         start = time.perf_counter()
         for transfer in meta.saves:
             if transfer.req_id in self._failed_req_ids:
                 # Its forward attended over blocks that failed to load, so what it wrote is
                 # wrong; vLLM recomputes it and the scheduler plans the save again.
-                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+                with self._lock:
+                    self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
                 continue
             self._save_one(transfer)
         copied = time.perf_counter()
@@ -126,24 +166,27 @@ class CacheTierWorker:
 
     def take_failed_block_ids(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
-        failed, self._failed_block_ids = self._failed_block_ids, set()
+        with self._lock:
+            failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def take_report(self) -> StoredBlocks | None:
         """What was stored or failed since the last call, for the scheduler (or ``None``)."""
-        report, self._report = self._report, StoredBlocks()
-        if self._loaded_since_report:
+        with self._lock:
+            report, self._report = self._report, StoredBlocks()
+            loaded, self._loaded_since_report = self._loaded_since_report, False
+        if loaded:
             report.rates = self._store.rates.measured()
-            self._loaded_since_report = False
         if report.stored or report.failed or report.steps or report.rates or report.copies:
             return report
         return None
 
     def take_stats(self) -> CacheTierConnectorStats | None:
         """Counters since the last call (``None`` if nothing happened)."""
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, CacheTierConnectorStats()
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, CacheTierConnectorStats()
         return stats
 
     def tier_stats(self) -> dict[str, object]:
@@ -151,12 +194,15 @@ class CacheTierWorker:
         return self._store.stats()
 
     def close(self) -> None:
-        """Finish copies in flight, flush queued writes to the lower tiers and close them."""
+        """Finish loads and copies in flight, flush queued writes to the lower tiers and close
+        them."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._paged is not None:
             self._store_saved(self._paged.drain())
         self._store.close()
 
-    def _load_one(self, transfer: BlockTransfer) -> None:
+    def _load_one(self, transfer: BlockTransfer, *, asynchronous: bool = False) -> None:
         paged = self._require_paged()
         start = time.perf_counter()
         try:
@@ -175,39 +221,47 @@ class CacheTierWorker:
                 break
             good.append(record)
         num_good = len(good)
+        copy_s = 0.0
         if num_good:
             # ``write`` waits for the copy's end, so its time never counts as the forward's
             # (the prefill model's), and the scheduler's cost model adds what a loaded block
             # costs to copy in.
             copy_s = paged.write(transfer.block_ids[:num_good], [record.data for record in good])
-            self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
-            self._stats.add(copy_s=copy_s)
-        if num_good < len(transfer.keys):
-            self._failed_block_ids.update(transfer.block_ids[num_good:])
-            self._failed_req_ids.add(transfer.req_id)
-            self._report.failed.setdefault(transfer.namespace_id, []).extend(
-                transfer.keys[num_good:]
-            )
         elapsed = time.perf_counter() - start
-        self._loaded_since_report = True
         by_tier: dict[str, int] = {}
         for source in sources[:num_good]:
             by_tier[source] = by_tier.get(source, 0) + 1
-        self._stats.add(
-            num_loaded_blocks=num_good,
-            num_load_errors=len(transfer.keys) - num_good,
-            loaded_bytes=num_good * self._layout.block_bytes,
-            load_s=elapsed,
-            **{f"loaded_from_{tier}": count for tier, count in by_tier.items()},
-        )
+        with self._lock:
+            if num_good:
+                self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
+                self._stats.add(copy_s=copy_s)
+            if num_good < len(transfer.keys):
+                self._failed_block_ids.update(transfer.block_ids[num_good:])
+                if not asynchronous:
+                    # This step's forward reads those blocks: what it writes is not saved.
+                    # An async request's forward comes after vLLM has taken the failure in.
+                    self._failed_req_ids.add(transfer.req_id)
+                self._report.failed.setdefault(transfer.namespace_id, []).extend(
+                    transfer.keys[num_good:]
+                )
+            self._loaded_since_report = True
+            self._stats.add(
+                num_loaded_blocks=num_good,
+                num_load_errors=len(transfer.keys) - num_good,
+                num_async_loads=int(asynchronous),
+                loaded_bytes=num_good * self._layout.block_bytes,
+                load_s=elapsed,
+                **{f"loaded_from_{tier}": count for tier, count in by_tier.items()},
+            )
         logger.info(
-            "cachetier: request %s loaded %d/%d blocks (%d tokens) from %s in %.1f ms%s",
+            "cachetier: request %s loaded %d/%d blocks (%d tokens) from %s in %.1f ms%s%s",
             transfer.req_id,
             num_good,
             len(transfer.keys),
             num_good * self._layout.block_size,
             by_tier or "no tier",
             1e3 * elapsed,
+            " (async)" if asynchronous else "",
             ""
             if num_good == len(transfer.keys)
             else f"; {len(transfer.keys) - num_good} failed, vLLM recomputes them",
@@ -219,7 +273,8 @@ class CacheTierWorker:
             paged.save(transfer.block_ids, (transfer, time.perf_counter()))
         except ValueError as exc:
             logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
-            self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+            with self._lock:
+                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
 
     def _store_saved(self, saved: Sequence[PendingSave]) -> None:
         """Hand finished copies to the store, and tell the scheduler what is stored."""
@@ -244,16 +299,15 @@ class CacheTierWorker:
                 stored = 0
             # put_many stores in the first tier now and queues the rest; the CPU tier (if
             # first) is what the scheduler cannot see by itself.
-            if stored == len(records):
-                self._report.stored.setdefault(transfer.namespace_id, []).extend(transfer.keys)
-            else:
-                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
-            self._stats.add(
-                num_saved_blocks=stored,
-                num_save_errors=len(records) - stored,
-                saved_bytes=stored * self._layout.block_bytes,
-                save_s=time.perf_counter() - start,
-            )
+            with self._lock:
+                done = self._report.stored if stored == len(records) else self._report.failed
+                done.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+                self._stats.add(
+                    num_saved_blocks=stored,
+                    num_save_errors=len(records) - stored,
+                    saved_bytes=stored * self._layout.block_bytes,
+                    save_s=time.perf_counter() - start,
+                )
             logger.debug(
                 "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
             )

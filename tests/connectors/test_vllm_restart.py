@@ -230,6 +230,10 @@ def test_restart_restores_prefix(
     )
     assert restored["num_cached_tokens"] >= NUM_FULL_BLOCKS * BLOCK_SIZE
     assert_logged_full_load(log, source)
+    # Redis is read over a network, so vLLM loaded it asynchronously (``load_async`` of
+    # ``network``, the default): the request waited in WAITING_FOR_REMOTE_KVS meanwhile.
+    is_async = [line.endswith("(async)") for line in _load_lines(log)]
+    assert is_async == [source == "redis"], _load_lines(log)
     assert_same_output(restored, stored["baseline"])
 
 
@@ -262,6 +266,50 @@ def test_tampered_block_on_disk_is_recomputed(
     for index in TAMPERED_BLOCKS:
         record = decode_record(paths[index].read_bytes())
         assert tuple(record.shape) == layout.payload_shape
+
+
+@pytest.mark.faults
+def test_tampered_block_in_redis_is_recomputed_after_an_async_load(
+    stored: dict[str, Any],
+    workdir: Path,
+    model_dir: Path,
+    redis_url: str,
+    module_redis_prefix: str,
+) -> None:
+    import redis
+
+    from cachetier.keys import block_keys
+
+    namespace = _namespace(model_dir)
+    client = redis.Redis.from_url(redis_url)
+    first_bad = min(TAMPERED_BLOCKS)
+    # A copy of what the store run wrote, under a prefix of this test's own, with flipped
+    # bytes in two records: the module's own records stay whole for the other tests.
+    with own_redis_prefix(redis_url, "cachetier-vllm-tampered") as prefix:
+        for index, key in enumerate(block_keys(namespace, _prompt())):
+            value = client.get(f"{module_redis_prefix}:{namespace.id}:{key.hex()}")
+            assert value is not None, f"block {index} is not in Redis after the store run"
+            if index in TAMPERED_BLOCKS:
+                data = bytearray(value)
+                for offset in (len(data) // 2, len(data) - 1):  # inside the payload
+                    data[offset] ^= 0xFF
+                value = bytes(data)
+            client.set(f"{prefix}:{namespace.id}:{key.hex()}", value)
+        extra = {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": prefix}
+        (restored,), log = EngineProcess(workdir).run(
+            "restore-redis-tampered",
+            model_dir,
+            [{"name": "restore-redis-tampered", "kv_extra": extra}],
+        )
+    client.close()
+    lines = _load_lines(log)
+    want = f"loaded {first_bad}/{NUM_FULL_BLOCKS} blocks"
+    assert any(want in line and "vLLM recomputes them" in line for line in lines), lines
+    assert all("(async)" in line for line in lines), lines
+    # vLLM took the request as loaded up to the first bad block and computed the rest (its
+    # num_cached_tokens still counts the whole hit it was promised at allocation).
+    assert "Recovered from KV load failure" in log, "vLLM did not reschedule the bad blocks"
+    assert_same_output(restored, stored["baseline"])
 
 
 if __name__ == "__main__":

@@ -298,3 +298,73 @@ def test_worker_reports_aggregate_their_copies() -> None:
     a = StoredBlocks(copies=[(100, 0.1)])
     b = StoredBlocks(copies=[(200, 0.3)])
     assert a.aggregate(b).copies == [(100, 0.1), (200, 0.3)]
+
+
+@pytest.fixture
+def redis_store(redis_url: str, redis_prefix: str) -> Iterator[TieredStore]:
+    config = ConnectorConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
+    with open_store(config, with_cpu=False) as s:
+        yield s
+
+
+def test_a_hit_over_a_network_loads_beside_the_forwards(redis_store: TieredStore) -> None:
+    sched = _scheduler(redis_store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put(redis_store, ns, keys[1:4])
+    block_ids = [40, 41, 42, 43, 44, 45]
+
+    # Redis is read over a network: vLLM holds the request back while the worker loads it.
+    assert sched.get_num_new_matched_tokens(request, BS) == (3 * BS, True)
+    sched.update_state_after_alloc(request, _blocks(block_ids), 3 * BS)
+    # The request is not scheduled in the next step, but its load goes out with it.
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    (load,) = meta.async_loads
+    assert meta.loads == [] and meta.saves == []
+    assert load.keys == tuple(keys[1:4]) and load.block_ids == (41, 42, 43)
+    assert sched.build_connector_meta(SchedulerOutput.make_empty()).async_loads == []
+    # Once loaded, vLLM schedules it from the end of the load: only what it computes is saved.
+    meta = sched.build_connector_meta(_new_step(request, block_ids, 4 * BS, BS + 10))
+    assert meta.loads == [] and meta.async_loads == []
+    (save,) = meta.saves
+    assert save.keys == (keys[4],) and save.block_ids == (44,)
+
+
+def test_load_async_setting_picks_which_hits_load_beside_the_forwards(
+    store: TieredStore, redis_store: TieredStore
+) -> None:
+    request = _request("r", 3 * BS + 1)
+    for tiers, setting, want in (
+        (store, "network", False),  # a local disk
+        (store, "always", True),
+        (redis_store, "never", False),
+        (redis_store, "network", True),
+    ):
+        sched = CacheTierScheduler(tiers, LAYOUT, FINGERPRINT, "acme", 0, load_async=setting)
+        ns = sched.namespace(None)
+        _put(tiers, ns, block_keys(ns, request.prompt_token_ids))
+        assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, want), (setting, want)
+    with pytest.raises(ValueError, match="load_async"):
+        CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, load_async="sometimes")
+    with pytest.raises(ValueError, match="load_async"):
+        ConnectorConfig(disk_path="/tmp/x", load_async="sometimes")
+
+
+def test_a_hit_that_failed_to_load_is_not_offered_again(redis_store: TieredStore) -> None:
+    # After a failed async load vLLM puts the request back to waiting and asks again; offering
+    # the same blocks again would loop for as long as the tier fails on them.
+    sched = _scheduler(redis_store)
+    request = _request("r", 5 * BS + 10)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put(redis_store, ns, keys)
+    assert sched.get_num_new_matched_tokens(request, 0) == (5 * BS, True)
+    sched.update_state_after_alloc(request, _blocks([10, 11, 12, 13, 14, 15]), 5 * BS)
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    sched.update_connector_output(StoredBlocks(failed={ns.id: list(keys[2:])}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (2 * BS, True)
+    sched.update_connector_output(StoredBlocks(failed={ns.id: list(keys)}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    # Another request with the same prefix is not held to this one's failure.
+    assert sched.get_num_new_matched_tokens(_request("s", 5 * BS + 10), 0) == (5 * BS, True)

@@ -4,6 +4,7 @@ and what copying them in cost reaches the scheduler's cost model. The store is a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,83 @@ def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
     assert report is not None
     assert [nbytes for nbytes, _ in report.copies] == [LAYOUT.block_bytes]
     assert report.failed == {namespace.id: list(keys[1:])}
+
+
+def _finished_loads(worker: CacheTierWorker, timeout_s: float = 30.0) -> set[str]:
+    """Wait until the loader thread reports a finished load; what it reported."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        finished = worker.take_finished_loads()
+        if finished:
+            return finished
+        time.sleep(0.005)
+    raise AssertionError(f"no async load finished within {timeout_s} s")
+
+
+def test_async_load_lands_beside_the_step_and_is_reported_finished(store: TieredStore) -> None:
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
+    payloads = PagedKV(_caches(0), NAMES, arrangement).gather([5, 1, 6])
+    _put(store, namespace, keys, payloads)
+
+    caches = _caches(1)
+    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker.register_kv_caches(caches)
+    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    worker.load(CacheTierConnectorMetadata(async_loads=[transfer]))
+
+    assert _finished_loads(worker) == {"r"}
+    assert worker.take_failed_block_ids() == set()
+    landed = PagedKV(caches, NAMES, arrangement).gather([2, 3, 4])
+    for got, want in zip(landed, payloads, strict=True):
+        assert torch.equal(got, want)
+    stats = worker.take_stats()
+    assert stats is not None
+    assert stats.data["num_async_loads"] == 1 and stats.data["num_loaded_blocks"] == 3
+    assert worker.take_finished_loads() == set()  # reported once
+    worker.close()
+
+
+def test_failed_async_load_names_its_blocks_before_its_request(store: TieredStore) -> None:
+    # vLLM takes a finished request as loaded up to its first failed block: the failed ids must
+    # be in hand by the time the request is reported finished (the same step, or earlier).
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
+    (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
+    _put(store, namespace, keys[:1], [payload])  # only the first of the three
+
+    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker.register_kv_caches(_caches(1))
+    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    worker.load(CacheTierConnectorMetadata(async_loads=[transfer]))
+
+    assert _finished_loads(worker) == {"r"}
+    assert worker.take_failed_block_ids() == {3, 4}
+    report = worker.take_report()
+    assert report is not None and report.failed == {namespace.id: list(keys[1:])}
+    # The failure was the tier's, not this step's forward's: a save of the request in this
+    # step is not dropped (the sync path drops it, since its forward read the failed blocks).
+    save = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys[:1]), (2,))
+    worker.save(CacheTierConnectorMetadata(saves=[save]))
+    report = worker.take_report()
+    assert report is not None and report.stored == {namespace.id: [keys[0]]}
+    worker.close()
+
+
+def test_an_async_load_that_raises_still_finishes_its_request(store: TieredStore) -> None:
+    # A request aborted while it loads keeps its blocks until vLLM hears it finished: a load
+    # that dies must still be reported, or those blocks leak.
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 2 * BS)))
+    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker.register_kv_caches(_caches(1))
+    bad = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, NUM_BLOCKS))
+    _put(store, namespace, keys, PagedKV(_caches(0), NAMES, arrangement).gather([0, 1]))
+    worker.load(CacheTierConnectorMetadata(async_loads=[bad]))  # block id out of range
+
+    assert _finished_loads(worker) == {"r"}
+    assert worker.take_failed_block_ids() == {2, NUM_BLOCKS}
+    worker.close()

@@ -1,0 +1,234 @@
+"""Real vLLM (CPU) loading a hit asynchronously from Redis behind a thin link.
+
+Process A stores two prompts' blocks in Redis (and runs the baseline without the connector).
+Process B reaches that Redis only through ``tests.throttled_link.SlowLink`` (a real TCP hop
+at 25 MB/s), so each prompt's ~50 MB of KV takes seconds to read. There:
+
+- a short request added after the long cached one finishes while the long one waits for its
+  KV (vLLM keeps scheduling it: the load runs beside its forwards), and the long one then gives
+  the baseline's exact tokens and top-5 logprobs;
+- a request aborted while its KV loads keeps its blocks until the load ends, then frees every
+  one of them (vLLM holds them until the worker reports the load finished).
+
+Ordering of steps is asserted, never a duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.children import run_spec_module
+from tests.support import own_redis_prefix
+
+BLOCK_SIZE = 32
+PROMPT_LEN = 1100  # 34 full blocks, ~50 MB of SmolLM2 fp32 KV
+SHORT_LEN = 40
+MAX_TOKENS = 4
+TOP_LOGPROBS = 5
+LOGPROB_ATOL = 1e-3
+# Slow enough that a load takes ~2 s, beside steps of tens of ms; not slower: the Redis tier's
+# 0.5 s read timeout counts a stream stalled behind the link's other streams (it queues 2 MB
+# per connection, several connections share it) as a failure, and its load as a miss.
+LINK_BYTES_PER_S = 25e6
+RUN_TIMEOUT_S = 600
+DRAIN_TIMEOUT_S = 120
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 48000) for _ in range(length)]
+
+
+LONG = _prompt(20261127, PROMPT_LEN)
+ABORTED = _prompt(20261128, PROMPT_LEN)
+SHORT = _prompt(20261129, SHORT_LEN)
+
+
+# The subprocess side.
+
+
+def _engine(spec: dict[str, Any], kv_extra: dict[str, Any] | None):
+    from vllm import LLM
+
+    from connectors.vllm.launch import kv_transfer_config
+
+    kwargs: dict[str, Any] = {}
+    if kv_extra is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(kv_extra)
+    return LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _params():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
+
+
+def _result(output) -> dict[str, Any]:
+    completion = output.outputs[0]
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [
+            {str(token): float(lp.logprob) for token, lp in step.items()}
+            for step in completion.logprobs or []
+        ],
+    }
+
+
+def _store(spec: dict[str, Any]) -> dict[str, Any]:
+    """Process A: the long prompt's baseline, then both long prompts stored in Redis."""
+    llm = _engine(spec, None)
+    (baseline,) = llm.generate([{"prompt_token_ids": LONG}], _params(), use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    llm = _engine(spec, spec["kv_extra"])
+    llm.generate(
+        [{"prompt_token_ids": LONG}, {"prompt_token_ids": ABORTED}], _params(), use_tqdm=False
+    )
+    llm.llm_engine.engine_core.shutdown()  # flushes the Redis writes
+    return {"baseline": _result(baseline)}
+
+
+def _async(spec: dict[str, Any]) -> dict[str, Any]:
+    """Process B: both scenarios in one engine that reads Redis through the thin link."""
+    llm = _engine(spec, spec["kv_extra"])
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    free_at_start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    # 1. A long cached request, then a short uncached one.
+    engine.add_request("long", {"prompt_token_ids": LONG}, _params())
+    engine.add_request("short", {"prompt_token_ids": SHORT}, _params())
+    events: list[str] = []
+    outputs: dict[str, Any] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and f"{out.request_id} first" not in events:
+                events.append(f"{out.request_id} first")
+            if out.finished:
+                events.append(f"{out.request_id} done")
+                outputs[out.request_id] = _result(out)
+
+    # 2. A request aborted while it waits for its KV: its blocks come back once the load ends.
+    engine.add_request("aborted", {"prompt_token_ids": ABORTED}, _params())
+    engine.step()  # schedules its async load
+    # vLLM's scheduler knows the request by the id given plus a suffix of its own.
+    (internal,) = [r for r in scheduler.requests if r.startswith("aborted")]
+    status = scheduler.requests[internal].status.name
+    engine.abort_request(["aborted"])
+    engine.step()  # the abort is taken in; the blocks stay with the load
+    held_after_abort = internal in scheduler.requests
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while internal in scheduler.requests and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.01)
+    free_at_end = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    result = {
+        "events": events,
+        "long": outputs["long"],
+        "aborted_status": status,
+        "held_after_abort": held_after_abort,
+        "released": internal not in scheduler.requests,
+        "free_at_start": free_at_start,
+        "free_at_end": free_at_end,
+    }
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    spec = json.loads(args.spec.read_text())
+    run = _store if spec["phase"] == "store" else _async
+    args.out.write_text(json.dumps(run(spec)))
+
+
+# The pytest side.
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from engine.smollm2 import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    with own_redis_prefix(redis_url, "cachetier-vllm-async") as name:
+        yield name
+
+
+def _run(workdir: Path, model_dir: Path, phase: str, kv_extra: dict[str, Any]) -> tuple[Any, str]:
+    spec = {"model": str(model_dir), "phase": phase, "kv_extra": kv_extra}
+    return run_spec_module(
+        "tests.connectors.test_vllm_async_loads", spec, workdir, phase, timeout=RUN_TIMEOUT_S
+    )
+
+
+def test_a_thin_link_load_runs_beside_other_requests_and_an_abort_frees_its_blocks(
+    tmp_path: Path, model_dir: Path, redis_url: str, prefix: str
+) -> None:
+    from tests.throttled_link import SlowLink
+
+    direct = {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": prefix}
+    stored, _ = _run(tmp_path, model_dir, "store", direct)
+    url = urlsplit(redis_url)
+    with SlowLink((url.hostname or "127.0.0.1", url.port or 6379), LINK_BYTES_PER_S) as link:
+        slow = {
+            **direct,
+            "redis_url": f"redis://{link.host}:{link.port}{url.path or '/0'}",
+            # Loads even where the link's measured speed says recompute: the load is the point.
+            "kv_load_policy": "always",
+        }
+        got, log = _run(tmp_path, model_dir, "async", slow)
+
+    loads = [
+        line for line in log.splitlines() if "cachetier: request" in line and " loaded " in line
+    ]
+    assert any(
+        "request long" in line and "loaded 34/34 blocks" in line and "(async)" in line
+        for line in loads
+    ), loads
+    events = got["events"]
+    # The short request was scheduled, ran and finished while the long one waited for its KV.
+    assert events.index("short done") < events.index("long first"), events
+    want = stored["baseline"]
+    assert got["long"]["token_ids"] == want["token_ids"]
+    for step, (g, w) in enumerate(zip(got["long"]["logprobs"], want["logprobs"], strict=True)):
+        assert set(g) == set(w), step
+        for token in w:
+            assert abs(g[token] - w[token]) <= LOGPROB_ATOL, (step, token)
+
+    assert got["aborted_status"] == "WAITING_FOR_REMOTE_KVS"
+    assert got["held_after_abort"], "vLLM freed the blocks while the load still wrote them"
+    assert got["released"], "the aborted request's load never reported finished"
+    assert got["free_at_end"] == got["free_at_start"]
+
+
+if __name__ == "__main__":
+    _main()
