@@ -41,6 +41,9 @@ class StoreConfig:
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
         redis_key_prefix: first part of every Redis key (tests and tenants of one Redis use
             their own).
+        redis_timeout_s: longest wait for Redis to answer one read or write, and for a
+            connection (seconds). Raise it for a Redis across a thin or congested link: a read
+            that waits longer is a miss (the block is recomputed).
         redis_bytes: most record bytes the Redis tier keeps under ``redis_key_prefix`` (its
             exact LRU, shared by every process using the prefix; single-node Redis only);
             ``None`` leaves the bound to Redis's ``maxmemory`` policy, and pins out of Redis.
@@ -77,6 +80,7 @@ class StoreConfig:
     redis_ttl_s: float | None = None
     redis_key_prefix: str = "cachetier"
     redis_bytes: int | None = None
+    redis_timeout_s: float = 0.5
     compression: str = "none"
     policy: str = "lru"
     write_queue_blocks: int = 4096
@@ -113,6 +117,8 @@ class StoreConfig:
             raise ValueError("remote_token is set without remote_url: name the server too")
         if self.remote_ca_file and not self.remote_url:
             raise ValueError("remote_ca_file is set without remote_url: name the server too")
+        if not self.redis_timeout_s > 0:
+            raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s!r}")
         if self.redis_bytes is not None and not self.redis_url:
             raise ValueError("redis_bytes is set without redis_url: name the Redis too")
         redis_tls = (self.redis_ssl_ca_certs, self.redis_ssl_certfile, self.redis_ssl_keyfile)
@@ -222,6 +228,8 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                     ssl_certfile=config.redis_ssl_certfile,
                     ssl_keyfile=config.redis_ssl_keyfile,
                     max_pinned_fraction=config.max_pinned_fraction,
+                    socket_timeout_s=config.redis_timeout_s,
+                    connect_timeout_s=config.redis_timeout_s,
                 )
             )
         )

@@ -34,6 +34,8 @@ class ConnectorConfig:
         redis_key_prefix: first part of every Redis key (engines with the same prefix share
             blocks).
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        redis_timeout_s: longest wait for Redis to answer one read or write (seconds); a read
+            that waits longer is a miss. Raise it for a Redis across a thin link.
         remote_url: base URL of a cachetier server (``http://host:port``), a tier shared by
             every engine that names it; ``None`` leaves it out.
         remote_token: bearer token for that server (it names the server-side tenant).
@@ -62,6 +64,7 @@ class ConnectorConfig:
     redis_url: str | None = None
     redis_key_prefix: str = _REDIS_PREFIX_DEFAULT
     redis_ttl_s: float | None = None
+    redis_timeout_s: float = _STORE_DEFAULTS.redis_timeout_s
     remote_url: str | None = None
     remote_token: str | None = dataclasses.field(default=None, repr=False)
     tenant: str = ""
@@ -126,8 +129,9 @@ class ConnectorConfig:
         for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks", "writer_nice"):
             if name in extra:
                 extra[name] = _as_int(name, extra[name])
-        if extra.get("redis_ttl_s") is not None:
-            extra["redis_ttl_s"] = float(extra["redis_ttl_s"])
+        for name in ("redis_ttl_s", "redis_timeout_s"):
+            if extra.get(name) is not None:
+                extra[name] = float(extra[name])
         if "fsync" in extra:
             extra["fsync"] = _as_bool("fsync", extra["fsync"])
         for name in ("disk_path", "redis_url", "remote_url", "remote_token"):
@@ -148,6 +152,7 @@ class ConnectorConfig:
             disk_bytes=self.disk_bytes,
             redis_url=self.redis_url,
             redis_ttl_s=self.redis_ttl_s,
+            redis_timeout_s=self.redis_timeout_s,
             redis_key_prefix=self.redis_key_prefix,
             compression=self.compression,
             fsync=self.fsync,

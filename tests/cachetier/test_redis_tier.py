@@ -448,3 +448,52 @@ def test_pooled_connections_survive_a_quick_restart(
         assert tier.put_many(namespace.id, blocks) == 2
         assert all(tier.get_many(namespace.id, _keys(blocks)))
         assert tier.stats()["errors"] == 0
+
+
+def test_a_store_across_a_thin_link_reads_whole_with_a_longer_timeout(
+    redis_url: str, redis_prefix: str
+) -> None:
+    # 12 records of 1.5 MB over an 8 MB/s hop, read on the tier's parallel streams: a stream
+    # waits behind the others' queued bytes for longer than the default 0.5 s (seen here: the
+    # read failed, every block a miss). redis_timeout_s is the setting for such a link.
+    from urllib.parse import urlsplit
+
+    from cachetier.config import StoreConfig, build_store
+    from cachetier.keys import KVLayout, block_keys
+    from tests.throttled_link import SlowLink
+
+    layout = KVLayout("float32", 32, 30, 3, 64)  # SmolLM2's 32-token block: 1.47 MB
+    namespace = Namespace("thin-link", layout)
+    keys = block_keys(namespace, list(range(12 * 32)))
+    rng = np.random.default_rng(0)
+    blocks = [
+        KVBlock(
+            key,
+            namespace.fingerprint,
+            "float32",
+            layout.payload_shape,
+            32,
+            rng.integers(0, 255, layout.block_bytes, dtype=np.uint8).tobytes(),
+        )
+        for key in keys
+    ]
+    with build_store(
+        StoreConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
+    ) as store:
+        assert store.put_many(namespace.id, blocks) == len(blocks)
+        store.flush()
+    url = urlsplit(redis_url)
+    with SlowLink((url.hostname or "127.0.0.1", url.port or 6379), 8e6) as link:
+        config = StoreConfig(
+            cpu_bytes=0,
+            redis_url=f"redis://{link.host}:{link.port}{url.path or '/0'}",
+            redis_key_prefix=redis_prefix,
+            redis_timeout_s=10.0,
+        )
+        with build_store(config) as store:
+            restored = store.restore_prefix(namespace.id, keys, fingerprint=namespace.fingerprint)
+            assert [b.key for b in restored.blocks] == keys
+            assert [bytes(b.data) for b in restored.blocks] == [b.data for b in blocks]
+            assert store.stats()["tiers"]["redis"]["errors"] == 0
+    with pytest.raises(ValueError, match="redis_timeout_s"):
+        StoreConfig(redis_url=redis_url, redis_timeout_s=0)

@@ -35,9 +35,10 @@ SHORT_LEN = 40
 MAX_TOKENS = 4
 TOP_LOGPROBS = 5
 LOGPROB_ATOL = 1e-3
-# Slow enough that a load takes ~2 s, beside steps of tens of ms; not slower: the Redis tier's
-# 0.5 s read timeout counts a stream stalled behind the link's other streams (it queues 2 MB
-# per connection, several connections share it) as a failure, and its load as a miss.
+# Slow enough that a load takes ~2 s, beside steps of tens of ms. Through this proxy a stream
+# can stall behind the others' queued bytes (2 MB per connection) for longer than the Redis
+# tier's default 0.5 s read timeout, which would make the load a miss: the test's timeout is
+# longer, as a deployment across a thin link would set it.
 LINK_BYTES_PER_S = 25e6
 RUN_TIMEOUT_S = 600
 DRAIN_TIMEOUT_S = 120
@@ -204,6 +205,7 @@ def test_a_thin_link_load_runs_beside_other_requests_and_an_abort_frees_its_bloc
             "redis_url": f"redis://{link.host}:{link.port}{url.path or '/0'}",
             # Loads even where the link's measured speed says recompute: the load is the point.
             "kv_load_policy": "always",
+            "redis_timeout_s": 10.0,
         }
         got, log = _run(tmp_path, model_dir, "async", slow)
 
