@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,15 @@ def run_spec_module(
     text = log_path.read_text(errors="replace")
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-6000:]}"
     return json.loads(out_path.read_text()), text
+
+
+def spec_main(run: Callable[[dict[str, Any]], Any], description: str | None = None) -> None:
+    """The child's side of ``run_spec_module``: ``python -m module SPEC OUT`` reads the spec
+    (JSON), calls ``run`` with it and writes what it returns to ``OUT`` (JSON)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(run(json.loads(args.spec.read_text()))))

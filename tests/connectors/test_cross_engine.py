@@ -24,15 +24,13 @@ never share keys: a lookup is a clean miss, never a re-chunked block (``test_key
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.children import run_spec_module
+from tests.children import run_spec_module, spec_main
 
 BLOCK_SIZE = 32
 PROMPT_LEN = 4 * BLOCK_SIZE + 5  # 4 full blocks restored; the last 5 tokens are computed
@@ -154,13 +152,7 @@ def _run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("spec", type=Path)
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    spec = json.loads(args.spec.read_text())
-    results = _run_vllm(spec) if spec["kind"] == "vllm" else _run_torch(spec)
-    args.out.write_text(json.dumps(results))
+    spec_main(lambda spec: _run_vllm(spec) if spec["kind"] == "vllm" else _run_torch(spec), __doc__)
 
 
 # The pytest side.

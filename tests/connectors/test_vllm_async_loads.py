@@ -15,8 +15,6 @@ Ordering of steps is asserted, never a duration.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.children import run_spec_module
+from tests.children import run_spec_module, spec_main
 from tests.support import own_redis_prefix
 
 BLOCK_SIZE = 32
@@ -159,23 +157,10 @@ def _async(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("spec", type=Path)
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    spec = json.loads(args.spec.read_text())
-    run = _store if spec["phase"] == "store" else _async
-    args.out.write_text(json.dumps(run(spec)))
+    spec_main(lambda spec: (_store if spec["phase"] == "store" else _async)(spec), __doc__)
 
 
 # The pytest side.
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from engine.smollm2 import smollm2_path
-
-    return smollm2_path()
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +177,12 @@ def _run(workdir: Path, model_dir: Path, phase: str, kv_extra: dict[str, Any]) -
 
 
 def test_a_thin_link_load_runs_beside_other_requests_and_an_abort_frees_its_blocks(
-    tmp_path: Path, model_dir: Path, redis_url: str, prefix: str
+    tmp_path: Path, smollm2_dir: Path, redis_url: str, prefix: str
 ) -> None:
     from tests.throttled_link import SlowLink
 
     direct = {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": prefix}
-    stored, _ = _run(tmp_path, model_dir, "store", direct)
+    stored, _ = _run(tmp_path, smollm2_dir, "store", direct)
     url = urlsplit(redis_url)
     with SlowLink((url.hostname or "127.0.0.1", url.port or 6379), LINK_BYTES_PER_S) as link:
         slow = {
@@ -207,7 +192,7 @@ def test_a_thin_link_load_runs_beside_other_requests_and_an_abort_frees_its_bloc
             "kv_load_policy": "always",
             "redis_timeout_s": 10.0,
         }
-        got, log = _run(tmp_path, model_dir, "async", slow)
+        got, log = _run(tmp_path, smollm2_dir, "async", slow)
 
     loads = [
         line for line in log.splitlines() if "cachetier: request" in line and " loaded " in line

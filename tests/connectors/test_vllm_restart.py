@@ -9,8 +9,6 @@ logprobs. A record tampered with on disk must be caught and recomputed, with the
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.children import run_spec_module
+from tests.children import run_spec_module, spec_main
 from tests.support import own_redis_prefix
 
 BLOCK_SIZE = 32
@@ -89,12 +87,7 @@ def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("spec", type=Path)
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    results = _run_engines(json.loads(args.spec.read_text()))
-    args.out.write_text(json.dumps(results))
+    spec_main(_run_engines, __doc__)
 
 
 # The pytest side.

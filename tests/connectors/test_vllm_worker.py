@@ -87,16 +87,23 @@ def test_load_lands_whole_blocks_and_reports_its_copy(store: TieredStore) -> Non
     assert stats.data["num_loaded_blocks"] == 3
 
 
-def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
+def _first_of_three_stored(
+    store: TieredStore,
+) -> tuple[CacheTierWorker, Namespace, list[BlockHash], BlockTransfer]:
+    """A worker and a load of three blocks into pages 2-4, of which the store holds the first."""
     arrangement = VllmArrangement(CPU_VEC, LAYOUT)
     namespace = Namespace("test-model", LAYOUT)
     keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
     (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
-    _put(store, namespace, keys[:1], [payload])  # only the first of the three
-
+    _put(store, namespace, keys[:1], [payload])
     worker = CacheTierWorker(store, arrangement, NAMES)
     worker.register_kv_caches(_caches(1))
     transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    return worker, namespace, keys, transfer
+
+
+def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
+    worker, namespace, keys, transfer = _first_of_three_stored(store)
     worker.load(CacheTierConnectorMetadata(loads=[transfer]))
 
     assert worker.take_failed_block_ids() == {3, 4}
@@ -145,15 +152,7 @@ def test_async_load_lands_beside_the_step_and_is_reported_finished(store: Tiered
 def test_failed_async_load_names_its_blocks_before_its_request(store: TieredStore) -> None:
     # vLLM takes a finished request as loaded up to its first failed block: the failed ids must
     # be in hand by the time the request is reported finished (the same step, or earlier).
-    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
-    namespace = Namespace("test-model", LAYOUT)
-    keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
-    (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
-    _put(store, namespace, keys[:1], [payload])  # only the first of the three
-
-    worker = CacheTierWorker(store, arrangement, NAMES)
-    worker.register_kv_caches(_caches(1))
-    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
+    worker, namespace, keys, transfer = _first_of_three_stored(store)
     worker.load(CacheTierConnectorMetadata(async_loads=[transfer]))
 
     assert _finished_loads(worker) == {"r"}
