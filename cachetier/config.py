@@ -26,6 +26,10 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("CACHETIER_HOME", Path.home() / ".cache" / "cachetier"))
 
 
+# Longest wait for Redis to answer one read or write, by default (seconds).
+REDIS_TIMEOUT_S = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Which tiers a store stacks, fastest first: CPU, then disk, then Redis, then the sidecar.
@@ -80,7 +84,7 @@ class StoreConfig:
     redis_ttl_s: float | None = None
     redis_key_prefix: str = "cachetier"
     redis_bytes: int | None = None
-    redis_timeout_s: float = 0.5
+    redis_timeout_s: float = REDIS_TIMEOUT_S
     compression: str = "none"
     policy: str = "lru"
     write_queue_blocks: int = 4096

@@ -25,7 +25,14 @@ from types import MappingProxyType
 from typing import Any
 
 from cachetier.checks import positive_int
-from cachetier.config import ENV_PREFIX, GiB, StoreConfig, default_data_dir, env_values
+from cachetier.config import (
+    ENV_PREFIX,
+    REDIS_TIMEOUT_S,
+    GiB,
+    StoreConfig,
+    default_data_dir,
+    env_values,
+)
 from cachetier.redact import redact_url, redacted_repr, url_secrets
 from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 
@@ -61,6 +68,8 @@ class ServerConfig:
         redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
         redis_key_prefix: first part of every Redis key the server writes.
         redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
+        redis_timeout_s: longest wait for Redis to answer one read or write (seconds); a read
+            that waits longer is a miss. Raise it for a Redis across a thin link.
         redis_bytes: most record bytes kept in Redis under ``redis_key_prefix`` (an exact LRU
             shared by every server using the prefix; single-node Redis only, and needed for
             pins in Redis); ``None`` leaves the bound to Redis's ``maxmemory`` policy.
@@ -124,6 +133,7 @@ class ServerConfig:
     redis_ssl_keyfile: str | None = None
     redis_key_prefix: str = "cachetier"
     redis_ttl_s: float | None = None
+    redis_timeout_s: float = REDIS_TIMEOUT_S
     redis_bytes: int | None = None
     compression: str = "none"
     fsync: bool = True
@@ -251,6 +261,7 @@ class ServerConfig:
             disk_dir_mode=self.disk_dir_mode,
             redis_url=self.redis_url,
             redis_ttl_s=self.redis_ttl_s,
+            redis_timeout_s=self.redis_timeout_s,
             redis_key_prefix=self.redis_key_prefix,
             redis_bytes=self.redis_bytes,
             redis_ssl_ca_certs=self.redis_ssl_ca_certs,

@@ -46,6 +46,25 @@ def test_toml_file(tmp_path: Path) -> None:
     config = load_config(path, {})
     assert config.open_mode and config.tenants == {"bob": (BOB,)}
     assert config.store_config().redis_url == "redis://127.0.0.1:6379/0"
+    assert config.store_config().redis_timeout_s == 0.5
+
+
+def test_redis_timeout_reaches_the_redis_tier(tmp_path: Path) -> None:
+    # A Redis across a thin link needs a longer read timeout than the default (see
+    # tests/cachetier/test_redis_tier.py): the server takes it from its file or environment.
+    from cachetier.config import build_tiers
+
+    path = tmp_path / "server.toml"
+    path.write_text('open_mode = true\nredis_url = "redis://127.0.0.1:6379/0"\n')
+    config = load_config(path, {"CACHETIER_REDIS_TIMEOUT_S": "4.5"})
+    assert config.redis_timeout_s == 4.5
+    (redis_tier,) = [t for t in build_tiers(config.store_config()) if t.name == "redis"]
+    try:
+        assert redis_tier.config.socket_timeout_s == 4.5
+    finally:
+        redis_tier.close()
+    with pytest.raises(ValueError, match="redis_timeout_s"):
+        load_config(path, {"CACHETIER_REDIS_TIMEOUT_S": "0"})
 
 
 def test_disk_permissions_for_pods_sharing_a_folder(tmp_path: Path) -> None:
