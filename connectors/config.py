@@ -22,6 +22,15 @@ _STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have 
 _REDIS_PREFIX_DEFAULT = "cachetier"
 
 
+LOAD_ASYNC_CHOICES = ("network", "always", "never")
+
+
+def check_load_async(value: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``LOAD_ASYNC_CHOICES``."""
+    if value not in LOAD_ASYNC_CHOICES:
+        raise ValueError(f"load_async must be one of {LOAD_ASYNC_CHOICES}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """What an engine's extra config may set for its cachetier plugin.
@@ -81,10 +90,7 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_load_policy must be 'cost' or 'always', got {self.kv_load_policy!r}"
             )
-        if self.load_async not in ("network", "always", "never"):
-            raise ValueError(
-                f"load_async must be 'network', 'always' or 'never', got {self.load_async!r}"
-            )
+        check_load_async(self.load_async)
         if not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
         if self.model_fingerprint is not None and not self.model_fingerprint:

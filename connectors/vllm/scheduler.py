@@ -33,6 +33,7 @@ from cachetier.costmodel import CopyRate, CostModel, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
 from cachetier.store import TieredStore
+from connectors.config import check_load_async
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
 
 if TYPE_CHECKING:
@@ -129,10 +130,7 @@ class CacheTierScheduler:
         chunk_tokens: int = 2048,
         load_async: str = "network",
     ) -> None:
-        if load_async not in ("network", "always", "never"):
-            raise ValueError(
-                f"load_async must be 'network', 'always' or 'never', not {load_async!r}"
-            )
+        check_load_async(load_async)
         self._store = store
         self._load_async = load_async
         # The worker's CPU tier ("cpu") is in its own process, never over a network.

@@ -4,8 +4,8 @@ Sync loads run in ``start_load_kv``, before the forward that reads them; async l
 vLLM holds back until ``get_finished`` names them) run on one loader thread beside the forwards,
 on CPU pages (on CUDA the pinned staging is shared with the saves, so they run in
 ``start_load_kv`` too, and are reported finished at once). Saves start in ``wait_for_save``, after
-the forward wrote every layer. A record holds a
-block of every layer, so both work on whole blocks at once rather than layer by layer. On CUDA
+the forward wrote every layer. A record holds a block of every layer, so both work on whole
+blocks at once rather than layer by layer. On CUDA
 a save's device-to-host copy runs on a side stream and reaches the store at a later call, when
 its event has fired (``PagedKV.poll``); on CPU it is stored at once.
 
@@ -130,8 +130,7 @@ class CacheTierWorker:
         except BaseException as exc:  # a thread's error would otherwise vanish
             logger.error("cachetier: async load for request %s failed: %r", transfer.req_id, exc)
             with self._lock:
-                self._failed_block_ids.update(transfer.block_ids)
-                self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys)
+                self._failed_from(transfer, 0)
         finally:
             with self._lock:
                 self._finished_loads.add(transfer.req_id)
@@ -236,14 +235,11 @@ class CacheTierWorker:
                 self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
                 self._stats.add(copy_s=copy_s)
             if num_good < len(transfer.keys):
-                self._failed_block_ids.update(transfer.block_ids[num_good:])
+                self._failed_from(transfer, num_good)
                 if not asynchronous:
                     # This step's forward reads those blocks: what it writes is not saved.
                     # An async request's forward comes after vLLM has taken the failure in.
                     self._failed_req_ids.add(transfer.req_id)
-                self._report.failed.setdefault(transfer.namespace_id, []).extend(
-                    transfer.keys[num_good:]
-                )
             self._loaded_since_report = True
             self._stats.add(
                 num_loaded_blocks=num_good,
@@ -266,6 +262,12 @@ class CacheTierWorker:
             if num_good == len(transfer.keys)
             else f"; {len(transfer.keys) - num_good} failed, vLLM recomputes them",
         )
+
+    def _failed_from(self, transfer: BlockTransfer, index: int) -> None:
+        """Report a load's blocks from ``index`` on as failed: to vLLM, which recomputes them,
+        and to the scheduler, which stops counting them stored. Under ``_lock``."""
+        self._failed_block_ids.update(transfer.block_ids[index:])
+        self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys[index:])
 
     def _save_one(self, transfer: BlockTransfer) -> None:
         paged = self._require_paged()
