@@ -281,6 +281,14 @@ class DiskTier(Tier):
         folder = self._folder
         for key, result in zip(keys, results, strict=True):
             slot = (namespace, bytes(key))
+            if type(result) is tuple:  # a hit, the usual answer: looked at first
+                block, size, stamp = result
+                with folder.lock:  # a block another process wrote is adopted here
+                    folder.index.add(slot, size, stamp)
+                hits += 1
+                nbytes += size
+                out.append(block)
+                continue
             if isinstance(result, FileNotFoundError):
                 with folder.lock:
                     folder.index.forget(slot)
@@ -298,14 +306,8 @@ class DiskTier(Tier):
                 errors += 1
                 out.append(None)
                 continue
-            if isinstance(result, BaseException):
-                raise result
-            block, size, stamp = result
-            with folder.lock:  # a block another process wrote is adopted here
-                folder.index.add(slot, size, stamp)
-            hits += 1
-            nbytes += size
-            out.append(block)
+            assert isinstance(result, BaseException), "a read answers a hit or an exception"
+            raise result  # not an I/O error: a bug, not a miss
         if errors or corrupt:
             self._stats.add(errors=errors, corrupt=corrupt)
         self._stats.record_get(time.perf_counter() - start, hits, len(keys) - hits, nbytes)

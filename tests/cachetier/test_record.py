@@ -44,8 +44,37 @@ def read_whole_file(record: bytes, **checks: bytes | None) -> KVBlock:
     return read_record(stream.readinto, len(record), trusted_size=True, **checks)
 
 
-# Every check runs through every decoder: whole-buffer, streamed, and a file read whole.
-DECODERS = [decode_record, read_streamed, read_whole_file]
+def read_positioned(record: bytes, **checks: bytes | None) -> KVBlock:
+    """The disk tier's read of a file with no destination, given positional reads as it is:
+    a record up to a megabyte is read by its first page, then the rest."""
+    preads: list[tuple[int, int]] = []
+    back = _read_positioned(record, preads, **checks)
+    if len(record) <= 1 << 20:
+        assert len(preads) <= 2, "a small record is read in two positional reads at most"
+    return back
+
+
+def _read_positioned(
+    record: bytes, preads: list[tuple[int, int]], **checks: bytes | None
+) -> KVBlock:
+    def pread(buf: memoryview, offset: int) -> int:
+        preads.append((offset, buf.nbytes))
+        got = record[offset : offset + buf.nbytes]
+        buf[: len(got)] = got
+        return len(got)
+
+    stream = io.BytesIO(record)  # a larger record's reader (split reads use both)
+
+    def readinto(buf: memoryview) -> int:
+        assert len(record) > 1 << 20, "a small record is read by position only"
+        return stream.readinto(buf)
+
+    return read_record(readinto, len(record), trusted_size=True, pread=pread, **checks)
+
+
+# Every check runs through every decoder: whole-buffer, streamed, and a file read whole (as a
+# stream, and by position).
+DECODERS = [decode_record, read_streamed, read_whole_file, read_positioned]
 
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4])
@@ -370,6 +399,32 @@ def test_a_file_read_whole_is_checked_against_its_header_before_it_is_allocated(
     with pytest.raises(CorruptBlockError, match="header claims"):
         read_record(io.BytesIO(padded).readinto, len(padded), trusted_size=True)
     assert taken == []
+
+
+def test_a_small_record_read_by_position_checks_its_header_before_reading_the_rest() -> None:
+    layout = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)
+    record = encode_record(make_blocks(Namespace("positioned-model", layout), 1)[0])
+    assert 4096 < len(record) <= 1 << 20
+    preads: list[tuple[int, int]] = []
+    back = _read_positioned(record, preads)
+    # Its first page, then the rest in one read; its payload as aligned as in the file.
+    assert preads == [(0, 4096), (4096, len(record) - 4096)]
+    address = np.frombuffer(back.data, dtype=np.uint8).__array_interface__["data"][0]
+    assert address % 4096 == (len(record) - len(bytes(back.data))) % 4096
+    # A file longer than its header says: refused on the first page.
+    preads.clear()
+    with pytest.raises(CorruptBlockError, match="header claims"):
+        _read_positioned(record + bytes(4096), preads)
+    assert preads == [(0, 4096)]
+
+
+def test_a_record_claiming_no_tokens_is_corrupt(namespace: Namespace) -> None:
+    record = bytearray(encode_record(make_blocks(namespace, 1)[0]))
+    struct.pack_into("<I", record, record_module._KEY_OFFSET - 4, 0)  # num_tokens
+    reseal(record)
+    for decode in DECODERS:
+        with pytest.raises(CorruptBlockError, match="0 tokens"):
+            decode(bytes(record))
 
 
 def _big_record_file(tmp_path: Path) -> tuple[KVBlock, bytes, Path]:
