@@ -463,6 +463,27 @@ def test_a_large_record_reads_its_later_segments_on_a_helper_thread(tmp_path: Pa
     assert all(thread.startswith("cachetier-data") for _, thread in preads)
 
 
+def test_beside_its_helper_the_caller_reads_one_segment_at_a_time(tmp_path: Path) -> None:
+    # So that each segment is hashed from the core's own cache right after its read.
+    block, record, path = _big_record_file(tmp_path)
+    reads: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def readinto(buf: memoryview) -> int:
+            reads.append(buf.nbytes)
+            return os.readv(fd, [buf])
+
+        back = read_record(
+            readinto, len(record), trusted_size=True, pread=lambda b, at: os.preadv(fd, [b], at)
+        )
+    finally:
+        os.close(fd)
+    assert bytes(back.data) == bytes(block.data)
+    assert reads[0] == 4096  # the first page, with the header
+    assert reads[1] == SEGMENT_BYTES - 4096 and set(reads[2:]) == {SEGMENT_BYTES}
+
+
 def test_a_large_record_of_the_previous_version_is_read_on_one_thread(tmp_path: Path) -> None:
     # Its checksum is one stream: nothing to split.
     block, record, path = _big_record_file(tmp_path)
