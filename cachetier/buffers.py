@@ -27,6 +27,9 @@ ALIGN_BYTES = 4096
 _lock = threading.Lock()
 _idle: dict[int, list[np.ndarray]] = {}
 _idle_bytes = 0
+# Handed-out buffers: id of the weak reference to the array handed out -> (that reference,
+# the buffer to take back when it fires). Single dict operations, atomic under the GIL.
+_out: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
 
 
 def take(nbytes: int) -> np.ndarray:
@@ -47,8 +50,15 @@ def take(nbytes: int) -> np.ndarray:
     if base is None:
         base = _aligned(nbytes)
     handed = base.view()  # a new array over the same memory: its end is the signal
-    weakref.finalize(handed, _give_back, base)
+    # A bare weak reference with a callback, kept alive here until it fires: a third of what
+    # weakref.finalize costs (0.27 against 0.75 us), paid on every read of a block.
+    ref = weakref.ref(handed, _returned)
+    _out[id(ref)] = (ref, base)
     return handed
+
+
+def _returned(ref: weakref.ref[np.ndarray]) -> None:
+    _give_back(_out.pop(id(ref))[1])
 
 
 def _aligned(nbytes: int) -> np.ndarray:

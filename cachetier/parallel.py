@@ -112,6 +112,8 @@ def map_in_threads(
         Per item, in order, ``fn``'s result or the exception it raised (one item's failure
         does not stop the others).
     """
+    if len(items) == 1:  # a connector's one-block get: no pool, no list to build
+        return [_call(fn, items[0])]
     workers = min(workers, WORKERS, len(items))
     if workers <= 1 or getattr(_local, "worker", False):
         return [_call(fn, item) for item in items]
