@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import cachetier.record as record_module
+import cachetier.record.codec as codec_module
+import cachetier.record.reading as reading_module
 from cachetier.errors import CorruptBlockError
 from cachetier.keys import KVLayout, Namespace
 from cachetier.parallel import map_in_threads
@@ -282,10 +284,8 @@ def test_a_checked_block_encodes_again_without_hashing_its_payload(
     record = encode_record(block)
     decoded = decode_record(record, key=block.key)  # bytes: immutable, the checksum is kept
     calls: list[int] = []
-    real = record_module._Checksum.past_head  # where every checksum starts
-    monkeypatch.setattr(
-        record_module._Checksum, "past_head", lambda *a: calls.append(1) or real(*a)
-    )
+    real = codec_module._Checksum.past_head  # where every checksum starts
+    monkeypatch.setattr(codec_module._Checksum, "past_head", lambda *a: calls.append(1) or real(*a))
     assert encode_record(decoded) == record and calls == []
     # Another payload (or aux) under the same block: hashed afresh, so the record stays valid.
     other = dataclasses.replace(decoded, data=bytes(len(block.data)))
@@ -391,8 +391,8 @@ def test_a_file_read_whole_is_checked_against_its_header_before_it_is_allocated(
     # header, nothing of its size allocated.
     record = encode_record(make_blocks(namespace, 1)[0])
     taken: list[int] = []
-    real_take = record_module.buffers.take
-    monkeypatch.setattr(record_module.buffers, "take", lambda n: taken.append(n) or real_take(n))
+    real_take = reading_module.buffers.take
+    monkeypatch.setattr(reading_module.buffers, "take", lambda n: taken.append(n) or real_take(n))
     padded = record + bytes(8192)
     with pytest.raises(CorruptBlockError, match="header claims"):
         read_record(io.BytesIO(padded).readinto, 1 << 40, trusted_size=True)
@@ -420,7 +420,7 @@ def test_a_small_record_read_by_position_checks_its_header_before_reading_the_re
 
 def test_a_record_claiming_no_tokens_is_corrupt(namespace: Namespace) -> None:
     record = bytearray(encode_record(make_blocks(namespace, 1)[0]))
-    struct.pack_into("<I", record, record_module._KEY_OFFSET - 4, 0)  # num_tokens
+    struct.pack_into("<I", record, codec_module._KEY_OFFSET - 4, 0)  # num_tokens
     reseal(record)
     for decode in DECODERS:
         with pytest.raises(CorruptBlockError, match="0 tokens"):
@@ -432,7 +432,7 @@ def _big_record_file(tmp_path: Path) -> tuple[KVBlock, bytes, Path]:
     layout = KVLayout("float16", block_size=256, num_layers=10, num_kv_heads=4, head_dim=64)
     block = make_blocks(Namespace("split-model", layout), 1)[0]
     record = encode_record(block)
-    assert len(record) - 4096 >= record_module._SPLIT_READ_BYTES
+    assert len(record) - 4096 >= reading_module._SPLIT_READ_BYTES
     path = tmp_path / "record.ctkv"
     path.write_bytes(record)
     return block, record, path
