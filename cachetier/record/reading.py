@@ -27,9 +27,13 @@ from cachetier.record.codec import (
 # The first read of a record read whole: its head (and whatever follows) up to a page boundary.
 _PAGE = 4096
 assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first page"
-# Small enough to still sit in cache when it is checksummed, large enough to keep syscalls few
-# (5.6 MiB records from the page cache: 1 MiB measured ~5% faster than 256 KiB).
-_READ_CHUNK = 1 << 20
+# Small enough to still sit in cache (L3 here) when it is checksummed, large enough to keep
+# syscalls few. 5.6 MiB records from the page cache: 1 MiB was ~5% faster than 256 KiB, and
+# 2 MiB faster again than 1 MiB for a batch's reads, one record per data thread (16 records in
+# one process, 5.09-5.38 against 5.41-5.58 ms; 4 MiB 5.42-5.72), as in bench-peers'
+# disk:smollm2 run alone six times each way (as returned 0.97-1.01 of LMCache's, median 1.00,
+# against 0.95-1.03, median 0.97; into a buffer and cold better too).
+_READ_CHUNK = 2 << 20
 assert _READ_CHUNK % SEGMENT_BYTES == 0, "a whole record's reads end on segment boundaries"
 # A record read whole with a positional reader at hand reads part of itself on another thread
 # from this size on (hand-off ~50 us). Measured on this machine, 16 records of 5.6 MiB from the

@@ -48,10 +48,10 @@ def read_whole_file(record: bytes, **checks: bytes | None) -> KVBlock:
 
 def read_positioned(record: bytes, **checks: bytes | None) -> KVBlock:
     """The disk tier's read of a file with no destination, given positional reads as it is:
-    a record up to a megabyte is read by its first page, then the rest."""
+    a record up to ``_READ_CHUNK`` (2 MiB) is read by its first page, then the rest."""
     preads: list[tuple[int, int]] = []
     back = _read_positioned(record, preads, **checks)
-    if len(record) <= 1 << 20:
+    if len(record) <= reading_module._READ_CHUNK:
         assert len(preads) <= 2, "a small record is read in two positional reads at most"
     return back
 
@@ -68,7 +68,7 @@ def _read_positioned(
     stream = io.BytesIO(record)  # a larger record's reader (split reads use both)
 
     def readinto(buf: memoryview) -> int:
-        assert len(record) > 1 << 20, "a small record is read by position only"
+        assert len(record) > reading_module._READ_CHUNK, "a small record is read by position"
         return stream.readinto(buf)
 
     return read_record(readinto, len(record), trusted_size=True, pread=pread, **checks)
@@ -404,7 +404,7 @@ def test_a_file_read_whole_is_checked_against_its_header_before_it_is_allocated(
 def test_a_small_record_read_by_position_checks_its_header_before_reading_the_rest() -> None:
     layout = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)
     record = encode_record(make_blocks(Namespace("positioned-model", layout), 1)[0])
-    assert 4096 < len(record) <= 1 << 20
+    assert 4096 < len(record) <= reading_module._READ_CHUNK
     preads: list[tuple[int, int]] = []
     back = _read_positioned(record, preads)
     # Its first page, then the rest in one read; its payload as aligned as in the file.
