@@ -177,18 +177,7 @@ def _read_small_whole(
     if h.total != size:  # before the head's lengths are used to slice anything
         raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
     _pread_exactly(pread, whole[first:], first, size)
-    body = h.head_len + 8
-    payload_at = body + h.aux_len
-    return _build(
-        h,
-        whole[:body],
-        whole[body:payload_at],
-        whole[payload_at:].toreadonly(),
-        _whole_checksum(h.version, whole, h.head_len),
-        key,
-        fingerprint,
-        True,
-    )
+    return _build_whole(h, whole, _whole_checksum(h.version, whole, h.head_len), key, fingerprint)
 
 
 def _read_rest_whole(
@@ -212,6 +201,15 @@ def _read_rest_whole(
         checksum = digest.digest()
     else:
         checksum = _read_segments_whole(readinto, whole, first, h.head_len, pread)
+    return _build_whole(h, whole, checksum, key, fingerprint)
+
+
+def _build_whole(
+    h: _Header, whole: memoryview, checksum: bytes, key: bytes | None, fingerprint: bytes | None
+) -> KVBlock:
+    """``_build`` of a record read whole into a recycled buffer nobody else holds: its payload
+    handed out read-only, so the block may carry the checksum."""
+    body = h.head_len + 8
     payload_at = body + h.aux_len
     return _build(
         h,
@@ -252,7 +250,7 @@ def _read_segments_whole(
     # Beside a helper, one segment a read: its hash then runs from this core's L2 (1 MiB here)
     # while the helper fills the other's. Bench-peers, SmolLM2 one chunk a call, five runs of
     # each: 0.93-0.98 of LMCache's with 1 MiB reads, 0.99-1.02 with 512 KiB. Alone (a batch's
-    # records, one per data thread) the fewer calls of 1 MiB reads won (5.16 against 5.37 ms).
+    # records, one per data thread) fewer, larger reads win (see _READ_CHUNK).
     step = SEGMENT_BYTES if helper is not None else _READ_CHUNK
     digests: list[bytes] = []
     try:

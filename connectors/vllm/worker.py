@@ -5,9 +5,9 @@ vLLM holds back until ``get_finished`` names them) run on one loader thread besi
 on CPU pages (on CUDA the pinned staging is shared with the saves, so they run in
 ``start_load_kv`` too, and are reported finished at once). Saves start in ``wait_for_save``, after
 the forward wrote every layer. A record holds a block of every layer, so both work on whole
-blocks at once rather than layer by layer. On CUDA
-a save's device-to-host copy runs on a side stream and reaches the store at a later call, when
-its event has fired (``PagedKV.poll``); on CPU it is stored at once.
+blocks at once rather than layer by layer. On CUDA a save's device-to-host copy runs on a side
+stream and reaches the store at a later call, when its event has fired (``PagedKV.poll``); on
+CPU it is stored at once.
 
 A block that cannot be restored (missing, corrupt, failed checksum, another layout) is reported
 through ``take_failed_block_ids`` so vLLM recomputes it instead of reading stale KV; the blocks
