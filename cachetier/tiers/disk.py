@@ -4,12 +4,13 @@ shared by any number of processes of one node (engine pods mounting one host fol
 Files live at ``root/<namespace>/<first two hex digits>/<key hex>.ctkv``. Only validated
 namespaces and hex keys ever become path parts, so nothing can escape the root.
 
-Records are never rewritten in place. A write goes to a temp file that is fsynced and renamed
-over the final name (the folder is fsynced after the rename); an eviction or a delete unlinks
-the name. A reader that has the file open keeps reading that inode whole, since POSIX keeps an
-unlinked or replaced file alive while it is open, and a reader that opens the name gets the
-old record, the new one, or nothing. So another process writing or evicting a block can never
-make a reader see a torn one (and the record's checksum would catch it anyway).
+A record is never written while it is in place. A write goes to a temp file that is fsynced
+and renamed over the final name (the folder is fsynced after the rename), so a reader that
+opens the name gets the old record, the new one, or nothing. An eviction or a delete renames
+the file away: it is unlinked, or kept by its process as a spare (``disk_spares``) that a later
+put writes over before renaming it in under its new name. A reader that opened the record
+before then may read bytes being written over; the record's checksum fails, the reader sees
+that the file changed under it, and it is a miss. No reader is ever served a torn record.
 
 Sharing the folder:
 - one byte budget for every process, kept in a ledger under ``flock`` (``disk_budget``);
@@ -41,8 +42,9 @@ from cachetier.record import Buffer, Compression, KVBlock, encode_parts, read_re
 from cachetier.tiers.base import Tier, check_namespace
 from cachetier.tiers.disk_config import DiskTierConfig
 from cachetier.tiers.disk_files import SUFFIX, ensure_dir, fsync_dir, stamp_file, temp_name
-from cachetier.tiers.disk_folder import Landing, SharedFolder
+from cachetier.tiers.disk_folder import Admission, Landing, SharedFolder
 from cachetier.tiers.disk_index import Slot
+from cachetier.tiers.disk_spares import Spare
 
 __all__ = ["SUFFIX", "DiskTier", "DiskTierConfig"]
 
@@ -103,6 +105,12 @@ class DiskTier(Tier):
         return self._config.capacity_bytes
 
     @property
+    def spare_bytes(self) -> int:
+        """Bytes of this process's spare files (evicted or deleted records kept to be written
+        over by its next puts; the folder's budget counts them)."""
+        return self._folder.spares.held_bytes
+
+    @property
     def used_bytes(self) -> int:
         return self._folder.index.used_bytes
 
@@ -147,16 +155,17 @@ class DiskTier(Tier):
             todo.append(((namespace, bytes(block.key)), path, parts, size))
         if todo:
             batch_bytes = sum(size for _, _, _, size in todo)
+            admission: Admission | None | bool
             try:
-                admitted: bool | None = self._folder.admit(batch_bytes)
+                admission = self._folder.admit(batch_bytes, len(todo))
             except TierUnavailableError:
-                admitted = None
-            if admitted is None:
+                admission = False
+            if admission is False:
                 errors += len(todo)
-            elif not admitted:
+            elif admission is None:
                 rejected += len(todo)  # no room: other processes' batches held it all
             else:
-                landed = self._write_batch(todo, batch_bytes)
+                landed = self._write_batch(todo, admission)
                 errors += len(todo) - len(landed)
                 stored += len(landed)
                 nbytes += sum(size for _, _, _, size in landed)
@@ -165,11 +174,17 @@ class DiskTier(Tier):
         return stored
 
     def _write_batch(
-        self, todo: list[tuple[Slot, str, list[Buffer], int]], reserved: int
+        self, todo: list[tuple[Slot, str, list[Buffer], int]], admission: Admission
     ) -> list[Landing]:
-        """Write a reserved batch: the temp files on a few threads (writev and fsync release
-        the GIL), then one locked commit renames them in. Returns the records now stored."""
-        results = map_in_threads(lambda item: self._write_temp(item[1], item[2]), todo)
+        """Write a reserved batch: the temp files (or the spares handed out, written over) on
+        a few threads (writev and fsync release the GIL), then one locked commit renames them
+        in. Returns the records now stored."""
+        reserved = admission.reserved
+        spares: list[Spare | None] = [*admission.spares]
+        spares += [None] * (len(todo) - len(spares))
+        results = map_in_threads(
+            lambda i: self._write_temp(todo[i][1], todo[i][2], spares[i]), range(len(todo))
+        )
         landings = [
             (slot, path, tmp, size)
             for (slot, path, _, size), tmp in zip(todo, results, strict=True)
@@ -216,22 +231,32 @@ class DiskTier(Tier):
             self._folder.index.add((namespace, bytes(key)), size, stamp)
         return True
 
-    def _write_temp(self, path: str, parts: list[Buffer]) -> str:
-        # Next to its final name (a rename never crosses a file system), and named after this
-        # tier, so that no other process opening the folder takes it for an orphan. Paths are
-        # strings: pathlib's joins and parses were a tenth of a small block's put.
-        folder = os.path.dirname(path)
-        tmp = f"{folder}/{temp_name(self._folder.owner_id)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    def _write_temp(self, path: str, parts: list[Buffer], spare: Spare | None) -> str:
+        # Over a spare file of ours if one was handed out (in whichever shard it lies: the
+        # folder is one file system); else a new file next to its final name. Both are named
+        # after this tier, so that no other process opening the folder takes them for
+        # orphans. Paths are strings: pathlib's joins and parses were a tenth of a small
+        # block's put.
         mode = self._config.file_mode
-        try:
-            fd = os.open(tmp, flags, mode)
-        except FileNotFoundError:  # a new shard (or the whole folder was deleted)
-            ensure_dir(Path(folder), self._config.dir_mode, self._config.fsync)
-            fd = os.open(tmp, flags, mode)
+        folder = os.path.dirname(path)
+        fd = -1
+        if spare is not None:
+            tmp = spare.path
+            fd = self._open_spare(spare, folder)
+        if fd < 0:
+            spare = None
+            tmp = f"{folder}/{temp_name(self._folder.owner_id)}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:
+                fd = os.open(tmp, flags, mode)
+            except FileNotFoundError:  # a new shard (or the whole folder was deleted)
+                ensure_dir(Path(folder), self._config.dir_mode, self._config.fsync)
+                fd = os.open(tmp, flags, mode)
         try:
             try:
-                if mode & 0o077:  # the usual umasks only take group and other bits away
+                if spare is not None and spare.mode != mode:
+                    os.fchmod(fd, mode)  # written by a process of ours with another file_mode
+                elif spare is None and mode & 0o077:  # umasks take group and other bits away
                     os.fchmod(fd, mode)
                 views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
                 total = sum(v.nbytes for v in views)
@@ -239,6 +264,8 @@ class DiskTier(Tier):
                 while written < total:  # short write: finish it part by part
                     flat = b"".join(views)[written:]
                     written += os.write(fd, flat)
+                if spare is not None and spare.size != total:
+                    os.ftruncate(fd, total)  # nothing of the old record may stay past the end
                 if self._config.fsync:
                     os.fsync(fd)
             finally:
@@ -247,6 +274,19 @@ class DiskTier(Tier):
             _unlink_quietly(tmp)
             raise
         return tmp
+
+    def _open_spare(self, spare: Spare, folder: str) -> int:
+        """Open a spare to be written over where it lies (the commit renames it in under the
+        lock: every rename of a record or spare file is done under it, so a look at the folder
+        under the lock sees each file once); -1 if it cannot be (then it is removed, and a new
+        file is written)."""
+        try:
+            if os.path.dirname(spare.path) != folder:  # the final name's shard must exist
+                ensure_dir(Path(folder), self._config.dir_mode, self._config.fsync)
+            return os.open(spare.path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:  # e.g. removed by someone who took it for a stuck write
+            _unlink_quietly(spare.path)
+            return -1
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         return self._read_many(namespace, keys, None)
@@ -378,8 +418,9 @@ class _CorruptFile(CorruptBlockError):
 def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KVBlock, int, int]:
     """The checked block in ``path``, the file's size, and the LRU stamp it was given.
 
-    The inode read here never changes under us: records are replaced by rename and removed by
-    unlink, never written in place, so an open file stays whole to its end.
+    A record that fails a check is corrupt, unless the file changed while it was read: its
+    process made it a spare and is writing over it (a rename and a write change its ctime).
+    That is a miss (``FileNotFoundError``), and the file is not removed as corrupt.
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -394,6 +435,9 @@ def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KV
                 pread=lambda buf, offset: os.preadv(fd, [buf], offset),
             )
         except CorruptBlockError as e:
+            now = os.fstat(fd)
+            if (now.st_ctime_ns, now.st_size) != (st.st_ctime_ns, st.st_size):
+                raise FileNotFoundError(f"{path} changed while it was read") from e
             raise _CorruptFile(str(e), st.st_ino) from e
         # The mtime carries the LRU order across processes. Set through the descriptor: no
         # second path lookup, and it is the inode just read that is stamped.

@@ -8,6 +8,7 @@ from cachetier.checks import fraction, positive_int
 
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
+MAX_DEFAULT_SPARE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,12 @@ class DiskTierConfig:
         admit_wait_s: longest a put waits for other processes' in-flight batches to land when
             they hold all the room; after it the put is refused (counted in ``rejected``). A
             slow disk or a loaded node may need more.
+        spare_bytes: most bytes of evicted or deleted record files this process keeps, for a
+            short while, to write its next puts over instead of creating new files (cheaper:
+            ``disk_spares``). They count against ``capacity_bytes``. ``None``: an eighth of the
+            capacity, at most 256 MiB; 0 keeps none.
+        spare_idle_s: a spare unused for this long is removed (at most half of
+            ``orphan_temp_age_s`` is used, so that no other process takes it for a stuck write).
     """
 
     root: str
@@ -51,6 +58,8 @@ class DiskTierConfig:
     orphan_temp_age_s: float = 3600.0
     max_pinned_fraction: float = 0.5
     admit_wait_s: float = 5.0
+    spare_bytes: int | None = None
+    spare_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -65,6 +74,26 @@ class DiskTierConfig:
         fraction("max_pinned_fraction", self.max_pinned_fraction)
         if not self.admit_wait_s > 0:
             raise ValueError(f"admit_wait_s must be positive, got {self.admit_wait_s}")
+        if self.spare_bytes is not None and (
+            isinstance(self.spare_bytes, bool)
+            or not isinstance(self.spare_bytes, int)
+            or self.spare_bytes < 0
+        ):
+            raise ValueError(f"spare_bytes must be None or >= 0, got {self.spare_bytes!r}")
+        if not self.spare_idle_s > 0:
+            raise ValueError(f"spare_idle_s must be positive, got {self.spare_idle_s}")
+
+    @property
+    def spare_limit(self) -> int:
+        """``spare_bytes`` resolved: the bytes of spare files a process may keep."""
+        if self.spare_bytes is not None:
+            return self.spare_bytes
+        return min(self.capacity_bytes // 8, MAX_DEFAULT_SPARE_BYTES)
+
+    @property
+    def spare_idle_limit_s(self) -> float:
+        """``spare_idle_s``, kept under half the age at which temp files count as stuck."""
+        return min(self.spare_idle_s, self.orphan_temp_age_s / 2)
 
 
 def check_mode(name: str, mode: object, *, needs: int) -> int:

@@ -8,6 +8,10 @@ place), and before evicting a record stamped after the last moment this process 
 file of the folder, the folder is rescanned (without holding the lock), so an older record
 written by another process goes first. One rescan serves until the records it found are gone,
 about one capacity's worth of evictions.
+
+A record this process evicts to make room for a batch, or deletes, may become a spare file
+(``disk_spares``) that its next batch writes over; its bytes stay counted, as this process's
+reservation, until then.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachetier.errors import TierUnavailableError
@@ -37,6 +42,7 @@ from cachetier.tiers.disk_files import (
     scan_folder,
 )
 from cachetier.tiers.disk_index import LocalIndex, Slot
+from cachetier.tiers.disk_spares import Spare, SparePool
 
 _ADMIT_POLL_S = 0.002
 # A process killed while it evicts leaves the ledger counting the files it removed: whoever
@@ -46,6 +52,20 @@ HEAL_INTERVAL_S = 600.0
 
 Landing = tuple[Slot, str, str, int]
 """(slot, final path, temp path, size) of a record written and waiting to be renamed in."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Room reserved for a batch.
+
+    Args:
+        reserved: the bytes reserved for it (pass them to ``commit``, which releases them).
+        spares: spare files to write the batch's records over, at most one per record; their
+            bytes are part of ``reserved``.
+    """
+
+    reserved: int
+    spares: list[Spare] = field(default_factory=list)
 
 
 class SharedFolder:
@@ -74,7 +94,10 @@ class SharedFolder:
         # to ``_synced_clock`` is (or is gone).
         self._seen: tuple[str, int] | None = None
         self._synced_clock = 0
-        self._reserved = 0  # bytes of batches this process reserved and has not committed
+        # Bytes this process reserved in the ledger: its batches not yet committed and its
+        # spare files.
+        self._reserved = 0
+        self.spares = SparePool(owner_id, config.spare_limit, config.spare_idle_limit_s)
         self.heals = 0
 
     @property
@@ -99,8 +122,37 @@ class SharedFolder:
             raise TierUnavailableError(f"the disk tier folder {self.root} is not a folder")
 
     def close(self) -> None:
+        if len(self.spares):
+            try:
+                with self.locked() as state:
+                    self._drop_spares(state, everything=True)
+            except TierUnavailableError:
+                for spare in self.spares.expired(everything=True):  # orphans for the next open
+                    _unlink_quietly(spare.path)
         self._mark.close()
         self._ledger.close()
+
+    def _drop_spares(self, state: LedgerState, *, everything: bool = False) -> None:
+        """Unlink the spares unused for too long (or all) and give their bytes back."""
+        gone = self.spares.expired(everything=everything)
+        for spare in gone:
+            _unlink_quietly(spare.path)
+        freed = sum(spare.size for spare in gone)
+        if freed:
+            state.release(self.owner_id, freed)
+            with self.lock:
+                self._reserved -= freed
+
+    def _keep_spare(self, path: str, st: os.stat_result, state: LedgerState) -> bool:
+        """Keep a record file being removed as a spare: its bytes move from the records to
+        this process's reservation. ``False``: not kept, the caller unlinks it."""
+        if not self.spares.keep(path, st):
+            return False
+        state.committed_bytes -= min(st.st_size, state.committed_bytes)
+        state.reserve(self.owner_id, st.st_size)
+        with self.lock:
+            self._reserved += st.st_size
+        return True
 
     @contextmanager
     def locked(self, *, check_owners: bool = False) -> Iterator[LedgerState]:
@@ -183,9 +235,15 @@ class SharedFolder:
             self.index.rebuild(scan.records, keep_after=clock)
             self._seen, self._synced_clock = (ledger_id, adds), clock
 
-    def _evict_locked(self, state: LedgerState, *, rescanned: bool, room: int = 0) -> str:
+    def _evict_locked(
+        self, state: LedgerState, *, rescanned: bool, room: int = 0, records: int = 0
+    ) -> str:
         """Evict until the folder's records and in-flight batches fit the capacity with
         ``room`` bytes to spare.
+
+        With ``records`` (room for a batch of that many records about to be written), the
+        spares it will write over count as room made, and victims become spares while the
+        spares do not cover ``room``.
 
         Returns:
             ``"ok"``; ``"scan"`` if the folder must be rescanned first (files the index has
@@ -194,7 +252,11 @@ class SharedFolder:
         evicted = 0
         spared: set[Slot] = set()
         try:
-            while state.used_bytes + room > self._config.capacity_bytes:
+            spares = self.spares
+            while (
+                state.used_bytes + max(0, room - spares.cover(records, room))
+                > self._config.capacity_bytes
+            ):
                 with self.lock:
                     popped = self.index.pop_victim()
                     complete, synced = self._seen is not None, self._synced_clock
@@ -220,6 +282,13 @@ class SharedFolder:
                     with self.lock:  # the rescan puts it back in its place
                         self.index.add(slot, entry.size, entry.stamp)
                     return "scan"
+                if (
+                    spares.cover(records, room) < room
+                    and len(spares) < records
+                    and self._keep_spare(path, st, state)
+                ):
+                    evicted += 1
+                    continue
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -234,8 +303,8 @@ class SharedFolder:
             if evicted:
                 self._stats.add(evictions=evicted)
 
-    def admit(self, nbytes: int) -> bool:
-        """Make room for a batch of ``nbytes`` and reserve it.
+    def admit(self, nbytes: int, count: int = 1) -> Admission | None:
+        """Make room for a batch of ``count`` records, ``nbytes`` in all, and reserve it.
 
         The room is made before the batch is written, so the folder stays within its
         capacity. When that cannot be (the batch alone, or with other processes' in-flight
@@ -244,16 +313,19 @@ class SharedFolder:
 
         Args:
             nbytes: the batch's record bytes.
+            count: its number of records (at most one spare file is handed out for each).
 
         Returns:
-            ``False`` if no room came (other processes' in-flight batches held it all for
-            longer than the config's ``admit_wait_s``); then nothing is reserved.
+            The reservation, with the spare files to write over; ``None`` if no room came
+            (other processes' in-flight batches held it all for longer than the config's
+            ``admit_wait_s``): then nothing is reserved.
         """
         rescanned = healed = False
         deadline = time.monotonic() + self._config.admit_wait_s
         while True:
             with self.locked() as state:
-                outcome = self._evict_locked(state, rescanned=rescanned, room=nbytes)
+                self._drop_spares(state)
+                outcome = self._evict_locked(state, rescanned=rescanned, room=nbytes, records=count)
                 if outcome == "stuck" and not healed:
                     if state.committed_bytes or self._dead_reservations(state):
                         # We know no record left, yet the ledger counts some: records removed
@@ -263,18 +335,28 @@ class SharedFolder:
                         healed = rescanned = True
                         continue
                 capacity = self._config.capacity_bytes
-                if outcome == "ok" or (outcome == "stuck" and state.used_bytes <= capacity):
-                    state.reserve(self.owner_id, nbytes)
+                # Stuck (no record left to evict): admitted if all the rest fits, the spares
+                # this batch writes over counting as its own.
+                rest = state.used_bytes - self.spares.cover(count, nbytes)
+                if outcome == "ok" or (outcome == "stuck" and rest <= capacity):
+                    spares = self.spares.take(count, nbytes)
+                    covered = sum(spare.size for spare in spares)
+                    extra = max(0, nbytes - covered)  # the spares' bytes are reserved already
+                    state.reserve(self.owner_id, extra)
                     with self.lock:
-                        self._reserved += nbytes
-                    return True
-                others_writing = bool(state.reserved)
+                        self._reserved += extra
+                    return Admission(extra + covered, spares)
+                # Batches in flight (ours from other threads too), not our idle spares.
+                others_writing = (
+                    any(owner != self.owner_id for owner in state.reserved)
+                    or self._reserved > self.spares.held_bytes
+                )
             if outcome == "scan":
                 self._rescan()
                 rescanned = True
                 continue
             if not others_writing or time.monotonic() > deadline:
-                return False
+                return None
             # Other batches in flight hold all the room; they land (and become evictable)
             # within moments.
             time.sleep(_ADMIT_POLL_S)
@@ -326,6 +408,7 @@ class SharedFolder:
                     with self.lock:
                         self.index.add(slot, size, stamp)
                 state.release(self.owner_id, reserved)
+                self._drop_spares(state)
                 with self.lock:
                     if was_complete:  # every add since our last look was ours
                         self._seen, self._synced_clock = (state.ledger_id, state.adds), state.clock
@@ -380,20 +463,24 @@ class SharedFolder:
         with self.locked() as state:
             try:
                 if os.lstat(path).st_ino == inode:
-                    self._unlink_counted(path, state)
+                    # Never a spare: a file that went bad may sit on a bad sector.
+                    self._unlink_counted(path, state, keep=False)
             except FileNotFoundError:
                 pass
 
-    def _unlink_counted(self, path: str, state: LedgerState) -> bool:
+    def _unlink_counted(self, path: str, state: LedgerState, *, keep: bool = True) -> bool:
+        """Remove a record file (kept as a spare if ``keep`` and there is room among them)."""
         try:
-            size = os.lstat(path).st_size
+            st = os.lstat(path)
+            if keep and self._keep_spare(path, st, state):
+                return True
             os.unlink(path)
         except FileNotFoundError:
             return False
         except OSError:
             self._stats.add(errors=1)
             return False
-        state.committed_bytes -= min(size, state.committed_bytes)
+        state.committed_bytes -= min(st.st_size, state.committed_bytes)
         return True
 
 
