@@ -44,8 +44,9 @@ class DiskTierConfig:
             short while, to write its next puts over instead of creating new files (cheaper:
             ``disk_spares``). They count against ``capacity_bytes``. ``None``: an eighth of the
             capacity, at most 256 MiB; 0 keeps none.
-        spare_idle_s: a spare unused for this long is removed (at most half of
-            ``orphan_temp_age_s`` is used, so that no other process takes it for a stuck write).
+        spare_idle_s: a spare unused for this long is removed by the process's next put (and
+            every spare at ``close``); at most half of ``orphan_temp_age_s`` is used, so that
+            no other process takes a spare for a stuck write.
     """
 
     root: str
