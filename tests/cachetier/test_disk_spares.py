@@ -47,6 +47,8 @@ def test_a_put_after_a_delete_writes_over_the_deleted_file(
     assert tier.spare_bytes == size
     assert tier.folder_bytes() == size  # the budget still counts the spare's bytes
     assert [p.stat().st_ino for p in _temps(tmp_path)] == [inode]
+    # b's shard folder does not exist yet: the spare lies in a's, and is renamed into b's.
+    assert not tier.path_of(namespace.id, b.key).parent.exists()
     assert tier.put_many(namespace.id, [b]) == 1
     path = tier.path_of(namespace.id, b.key)
     assert path.stat().st_ino == inode  # written over, not a new file
