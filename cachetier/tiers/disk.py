@@ -155,20 +155,18 @@ class DiskTier(Tier):
             todo.append(((namespace, bytes(block.key)), path, parts, size))
         if todo:
             batch_bytes = sum(size for _, _, _, size in todo)
-            admission: Admission | None | bool
             try:
                 admission = self._folder.admit(batch_bytes, len(todo))
             except TierUnavailableError:
-                admission = False
-            if admission is False:
                 errors += len(todo)
-            elif admission is None:
-                rejected += len(todo)  # no room: other processes' batches held it all
             else:
-                landed = self._write_batch(todo, admission)
-                errors += len(todo) - len(landed)
-                stored += len(landed)
-                nbytes += sum(size for _, _, _, size in landed)
+                if admission is None:
+                    rejected += len(todo)  # no room: other processes' batches held it all
+                else:
+                    landed = self._write_batch(todo, admission)
+                    errors += len(todo) - len(landed)
+                    stored += len(landed)
+                    nbytes += sum(size for _, _, _, size in landed)
         self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, errors=errors)
         self._stats.observe(time.perf_counter() - start)
         return stored

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cachetier.errors import TierUnavailableError
@@ -65,7 +65,7 @@ class Admission:
     """
 
     reserved: int
-    spares: list[Spare] = field(default_factory=list)
+    spares: list[Spare]
 
 
 class SharedFolder:
@@ -253,10 +253,10 @@ class SharedFolder:
         spared: set[Slot] = set()
         try:
             spares = self.spares
-            while (
-                state.used_bytes + max(0, room - spares.cover(records, room))
-                > self._config.capacity_bytes
-            ):
+            while True:
+                covered = spares.cover(records, room)  # room the batch's spares already make
+                if state.used_bytes + max(0, room - covered) <= self._config.capacity_bytes:
+                    break
                 with self.lock:
                     popped = self.index.pop_victim()
                     complete, synced = self._seen is not None, self._synced_clock
@@ -282,11 +282,7 @@ class SharedFolder:
                     with self.lock:  # the rescan puts it back in its place
                         self.index.add(slot, entry.size, entry.stamp)
                     return "scan"
-                if (
-                    spares.cover(records, room) < room
-                    and len(spares) < records
-                    and self._keep_spare(path, st, state)
-                ):
+                if covered < room and len(spares) < records and self._keep_spare(path, st, state):
                     evicted += 1
                     continue
                 try:
@@ -337,8 +333,10 @@ class SharedFolder:
                 capacity = self._config.capacity_bytes
                 # Stuck (no record left to evict): admitted if all the rest fits, the spares
                 # this batch writes over counting as its own.
-                rest = state.used_bytes - self.spares.cover(count, nbytes)
-                if outcome == "ok" or (outcome == "stuck" and rest <= capacity):
+                if outcome == "ok" or (
+                    outcome == "stuck"
+                    and state.used_bytes - self.spares.cover(count, nbytes) <= capacity
+                ):
                     spares = self.spares.take(count, nbytes)
                     covered = sum(spare.size for spare in spares)
                     extra = max(0, nbytes - covered)  # the spares' bytes are reserved already
