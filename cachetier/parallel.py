@@ -30,8 +30,16 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_PARALLEL_COPY_BYTES = 16 << 20
 _PIECE_BYTES = 16 << 20  # copies are cut into pieces of at most this size
 
+# Threads for reads that wait on a cold disk (``submit_io``): waiting takes no core, and the
+# device serves more requests in flight faster. 16 cold records read on 8 threads against the
+# 2 data threads here: 7.4 against 8.3 ms (512 KiB records), 45.6 against 46.9 (5.6 MiB); 4
+# threads 7.4 and 46.8. On cached files the data threads win (1.5 against 2.3 ms on 4
+# threads): only files found cold come here.
+IO_WORKERS = 8
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_io_pool: ThreadPoolExecutor | None = None
 _local = threading.local()
 
 
@@ -45,6 +53,26 @@ def _executor() -> ThreadPoolExecutor:
                 initializer=_mark_worker,
             )
         return _pool
+
+
+def may_wait_on_io() -> bool:
+    """Whether the calling thread may hand reads to the I/O threads and wait for them: not
+    one of the shared threads, and not background work (which never waits on them)."""
+    return not getattr(_local, "worker", False)
+
+
+def submit_io(fn: Callable[[], _T]) -> Future[_T]:
+    """``fn``, a read that waits on the disk, started on one of the ``IO_WORKERS`` I/O threads
+    (callers check ``may_wait_on_io`` first). They count as data threads: work they start
+    (``beside``, ``map_in_threads``) runs on them."""
+    global _io_pool
+    with _lock:
+        if _io_pool is None:
+            _io_pool = ThreadPoolExecutor(
+                IO_WORKERS, thread_name_prefix="cachetier-io", initializer=_mark_worker
+            )
+        pool = _io_pool
+    return pool.submit(fn)
 
 
 def _mark_worker() -> None:

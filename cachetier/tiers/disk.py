@@ -30,20 +30,23 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from cachetier.errors import CorruptBlockError, TierUnavailableError
+from cachetier import parallel
+from cachetier.errors import TierUnavailableError
 from cachetier.keys import HASH_BYTES, BlockHash
 from cachetier.landing import Destination
 from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from cachetier.parallel import map_in_threads
-from cachetier.record import Buffer, Compression, KVBlock, encode_parts, read_record
+from cachetier.record import Buffer, Compression, KVBlock, encode_parts
 from cachetier.tiers.base import Tier, check_namespace
 from cachetier.tiers.disk_config import DiskTierConfig
 from cachetier.tiers.disk_files import SUFFIX, ensure_dir, fsync_dir, stamp_file, temp_name
 from cachetier.tiers.disk_folder import Admission, Landing, SharedFolder
 from cachetier.tiers.disk_index import Slot
+from cachetier.tiers.disk_reads import CorruptFile, read_block
 from cachetier.tiers.disk_spares import Spare
 
 __all__ = ["SUFFIX", "DiskTier", "DiskTierConfig"]
@@ -307,13 +310,30 @@ class DiskTier(Tier):
         hits = nbytes = errors = corrupt = 0
         paths = [self._file_of(namespace, key) for key in keys]
 
-        def read(index: int) -> tuple[KVBlock, int, int]:
-            into = None if dests is None else dests[index]
-            return _read_block(paths[index], keys[index], into)
+        # A batch's cold files go to the I/O threads (``disk_reads``); a one-block get, or one
+        # from background work, reads where it is.
+        wide = len(keys) > 1 and parallel.may_wait_on_io()
+        cold: dict[int, Future[tuple[KVBlock, int, int]]] = {}
 
-        # Reads (and their checksums) on a few threads: cold files keep several requests in
-        # flight, cached ones copy on every core. The index is updated after, in order.
+        def read(index: int) -> tuple[KVBlock, int, int] | None:
+            path, key = paths[index], keys[index]
+            into = None if dests is None else dests[index]
+            if not wide:
+                return read_block(path, key, into)
+            try:
+                return read_block(path, key, into, nowait=True)
+            except BlockingIOError:
+                cold[index] = parallel.submit_io(lambda: read_block(path, key, into))
+                return None
+
+        # Cached files are read (and checksummed) on one thread per core; cold ones on the I/O
+        # threads, many reads in flight. The index is updated after, in order.
         results = map_in_threads(read, range(len(keys)))
+        for index, future in cold.items():
+            try:
+                results[index] = future.result()
+            except Exception as exc:  # as map_in_threads: per item, the caller decides
+                results[index] = exc
         folder = self._folder
         for key, result in zip(keys, results, strict=True):
             slot = (namespace, bytes(key))
@@ -330,7 +350,7 @@ class DiskTier(Tier):
                     folder.index.forget(slot)
                 out.append(None)
                 continue
-            if isinstance(result, _CorruptFile):
+            if isinstance(result, CorruptFile):
                 corrupt += 1
                 try:
                     folder.drop_corrupt(slot, result.inode)
@@ -401,47 +421,6 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Release this tier's mark and ledger file; its records stay for the next process."""
         self._folder.close()
-
-
-class _CorruptFile(CorruptBlockError):
-    """A record file failed a check; ``inode`` says which file, in case it is replaced."""
-
-    def __init__(self, message: str, inode: int) -> None:
-        super().__init__(message)
-        self.inode = inode
-
-
-def _read_block(path: str, key: BlockHash, dest: Destination | None) -> tuple[KVBlock, int, int]:
-    """The checked block in ``path``, the file's size, and the LRU stamp it was given.
-
-    A record that fails a check is corrupt, unless the file changed while it was read: its
-    process made it a spare and is writing over it (a rename and a write change its ctime).
-    That is a miss (``FileNotFoundError``), and the file is not removed as corrupt.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        try:
-            block = read_record(
-                lambda buf: os.readv(fd, [buf]),
-                st.st_size,
-                key=key,
-                payload_into=dest,
-                trusted_size=True,
-                pread=lambda buf, offset: os.preadv(fd, [buf], offset),
-            )
-        except CorruptBlockError as e:
-            now = os.fstat(fd)
-            if (now.st_ctime_ns, now.st_size) != (st.st_ctime_ns, st.st_size):
-                raise FileNotFoundError(f"{path} changed while it was read") from e
-            raise _CorruptFile(str(e), st.st_ino) from e
-        # The mtime carries the LRU order across processes. Set through the descriptor: no
-        # second path lookup, and it is the inode just read that is stamped.
-        stamp = time.time_ns()
-        stamp_file(fd, stamp)
-        return block, st.st_size, stamp
-    finally:
-        os.close(fd)
 
 
 def _same_record_on_disk(path: str, head: Buffer, size: int) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import cachetier.tiers.disk as disk_module
+import cachetier.tiers.disk_reads as reads_module
 from cachetier.keys import Namespace
 from cachetier.record import encode_record
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
@@ -225,7 +225,7 @@ def test_a_reader_whose_record_is_written_over_under_it_gets_a_miss(
     reader = _tier(tmp_path, 1 << 20)
     writer = _tier(tmp_path, 1 << 20)  # another process's tier on the same folder
     writer.put_many(namespace.id, [x])
-    real_read = disk_module.read_record
+    real_read = reads_module.read_record
 
     def read_after_reuse(*args: object, **kwargs: object) -> object:
         # The reader has the file open: now its record is deleted and y written over it.
@@ -235,9 +235,9 @@ def test_a_reader_whose_record_is_written_over_under_it_gets_a_miss(
         assert writer.spare_bytes == 0
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(disk_module, "read_record", read_after_reuse)
+    monkeypatch.setattr(reads_module, "read_record", read_after_reuse)
     assert reader.get_many(namespace.id, [x.key]) == [None]
-    monkeypatch.setattr(disk_module, "read_record", real_read)
+    monkeypatch.setattr(reads_module, "read_record", real_read)
     assert reader.stats()["corrupt"] == 0  # a miss, not a damaged record
     [got] = reader.get_many(namespace.id, [y.key])  # y was not removed as corrupt
     assert got is not None and bytes(got.data) == y.data

@@ -1,0 +1,203 @@
+"""Reads of the disk tier's record files (``cachetier.tiers.disk_reads``): a batch's cold small
+files go to the I/O threads, found cold by a non-blocking first read; cached files, one-block
+gets, large records and background work read on the data threads as before. The files are
+made cold for real (written back, then dropped from the page cache)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachetier import parallel
+from cachetier.keys import Namespace
+from cachetier.record import KVBlock, encode_record
+from cachetier.tiers import disk_reads
+from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk_reads import read_block
+from tests.support import make_blocks
+
+
+def _drop(paths: list[Path]) -> None:
+    """Make these files cold: written back, then their pages dropped from the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cold(path: Path) -> bool:
+    # A non-blocking read of a missing page starts reading it in: after this, it is not cold.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def cold_files(tmp_path: Path) -> Callable[[list[Path]], None]:
+    """Drops files from the page cache; the test cannot run where that is not possible."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 16))
+    _drop([probe])
+    if not hasattr(os, "RWF_NOWAIT") or not _cold(probe):
+        pytest.skip("this file system keeps dropped pages or has no non-blocking reads")
+
+    return _drop
+
+
+@pytest.fixture
+def io_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the threads that ran each read handed to the I/O threads."""
+    ran: list[str] = []
+    submit = parallel.submit_io
+
+    def counted(fn: Callable[[], Any]) -> Future[Any]:
+        def run() -> Any:
+            ran.append(threading.current_thread().name)
+            return fn()
+
+        return submit(run)
+
+    monkeypatch.setattr(parallel, "submit_io", counted)
+    yield ran
+
+
+def _tier(root: Path) -> DiskTier:
+    return DiskTier(DiskTierConfig(str(root), 1 << 24, fsync=False))
+
+
+def _stored(tmp_path: Path, namespace: Namespace, count: int) -> tuple[DiskTier, list[KVBlock]]:
+    tier = _tier(tmp_path / "tier")
+    blocks = make_blocks(namespace, count)
+    assert tier.put_many(namespace.id, blocks) == count
+    return tier, blocks
+
+
+def _paths(tier: DiskTier, namespace: Namespace, blocks: list[KVBlock]) -> list[Path]:
+    return [tier.path_of(namespace.id, b.key) for b in blocks]
+
+
+def test_a_first_read_without_waiting_fails_on_a_cold_file_only(
+    tmp_path: Path, namespace: Namespace, cold_files: Callable[[list[Path]], None]
+) -> None:
+    tier, [block] = _stored(tmp_path, namespace, 1)
+    [path] = _paths(tier, namespace, [block])
+    cold_files([path])
+    stamp = path.stat().st_mtime_ns
+    with pytest.raises(BlockingIOError):
+        read_block(str(path), block.key, None, nowait=True)
+    assert path.stat().st_mtime_ns == stamp  # nothing read, nothing stamped
+    got, size, _ = read_block(str(path), block.key, None)  # waits for the disk
+    assert bytes(got.data) == block.data and size == len(encode_record(block))
+    got, _, _ = read_block(str(path), block.key, None, nowait=True)  # cached now
+    assert bytes(got.data) == block.data
+
+
+def test_a_batch_reads_its_cold_files_on_the_io_threads(
+    tmp_path: Path,
+    namespace: Namespace,
+    cold_files: Callable[[list[Path]], None],
+    io_reads: list[str],
+) -> None:
+    tier, blocks = _stored(tmp_path, namespace, 6)
+    keys = [b.key for b in blocks]
+    paths = _paths(tier, namespace, blocks)
+    cold_files(paths[1::2])  # every other one: a batch of cold and cached files
+    got = tier.get_many(namespace.id, keys)
+    assert [bytes(g.data) if g else None for g in got] == [b.data for b in blocks]
+    assert len(io_reads) == 3 and all(n.startswith("cachetier-io") for n in io_reads)
+    # Straight into the caller's buffers, from cold files too.
+    cold_files(paths)
+    dests = [memoryview(bytearray(len(b.data))) for b in blocks]
+    got = tier.get_into(namespace.id, keys, dests)
+    assert all(g is not None for g in got)
+    assert [bytes(d) for d in dests] == [b.data for b in blocks]
+    assert len(io_reads) == 9
+    tier.get_many(namespace.id, keys)  # all cached now: none goes to the I/O threads
+    assert len(io_reads) == 9
+    assert tier.stats()["hits"] == 18 and tier.stats()["errors"] == 0
+
+
+def test_one_block_gets_large_records_and_background_work_read_where_they_are(
+    tmp_path: Path,
+    namespace: Namespace,
+    cold_files: Callable[[list[Path]], None],
+    io_reads: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tier, blocks = _stored(tmp_path, namespace, 4)
+    keys = [b.key for b in blocks]
+    paths = _paths(tier, namespace, blocks)
+    cold_files(paths[:1])
+    assert tier.get_many(namespace.id, keys[:1])[0] is not None  # one block: no hand-off
+    cold_files(paths)
+
+    def background() -> None:
+        parallel.become_background(0)
+        assert all(g is not None for g in tier.get_many(namespace.id, keys))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    cold_files(paths)
+    monkeypatch.setattr(disk_reads, "WIDE_COLD_MAX_BYTES", paths[0].stat().st_size - 1)
+    assert all(g is not None for g in tier.get_many(namespace.id, keys))
+    assert io_reads == []
+
+
+def test_a_cold_corrupt_record_is_a_miss_and_dropped(
+    tmp_path: Path,
+    namespace: Namespace,
+    cold_files: Callable[[list[Path]], None],
+    io_reads: list[str],
+) -> None:
+    tier, blocks = _stored(tmp_path, namespace, 3)
+    paths = _paths(tier, namespace, blocks)
+    with open(paths[1], "r+b") as f:  # one payload byte flipped
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    cold_files(paths)
+    got = tier.get_many(namespace.id, [b.key for b in blocks])
+    assert [g is not None for g in got] == [True, False, True]
+    assert len(io_reads) == 3
+    assert tier.stats()["corrupt"] == 1 and not paths[1].exists()
+
+
+def test_without_non_blocking_reads_every_file_is_read_as_cached(
+    tmp_path: Path, namespace: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file system that refuses RWF_NOWAIT (EOPNOTSUPP): the read that asked for it is made
+    # again as a plain one, and no later read asks.
+    monkeypatch.setattr(disk_reads, "_NOWAIT_FLAG", [os.RWF_NOWAIT])
+    preadv = os.preadv
+    refused: list[int] = []
+
+    def no_nowait(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        if flags:
+            refused.append(flags)
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", no_nowait)
+    tier, blocks = _stored(tmp_path, namespace, 3)
+    for _ in range(2):
+        got = tier.get_many(namespace.id, [b.key for b in blocks])
+        assert [bytes(g.data) if g else None for g in got] == [b.data for b in blocks]
+    assert len(refused) == 1 and disk_reads._NOWAIT_FLAG == [0]
+    assert tier.stats()["errors"] == 0
