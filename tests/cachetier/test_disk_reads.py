@@ -91,20 +91,33 @@ def _paths(tier: DiskTier, namespace: Namespace, blocks: list[KVBlock]) -> list[
     return [tier.path_of(namespace.id, b.key) for b in blocks]
 
 
+# A non-blocking read of a page not in memory starts reading it in before it fails, and the
+# read succeeds if that finished first (a virtual disk the host caches can answer in
+# microseconds): a dropped file is found cold almost always, not always. So what must go
+# through the cold path is tried until it has, a few times at most.
+ATTEMPTS = 20
+
+
 def test_a_first_read_without_waiting_fails_on_a_cold_file_only(
     tmp_path: Path, namespace: Namespace, cold_files: Callable[[list[Path]], None]
 ) -> None:
     tier, [block] = _stored(tmp_path, namespace, 1)
     [path] = _paths(tier, namespace, [block])
-    cold_files([path])
-    stamp = path.stat().st_mtime_ns
-    with pytest.raises(BlockingIOError):
-        read_block(str(path), block.key, None, nowait=True)
-    assert path.stat().st_mtime_ns == stamp  # nothing read, nothing stamped
+    for _ in range(ATTEMPTS):
+        cold_files([path])
+        stamp = path.stat().st_mtime_ns
+        try:
+            read_block(str(path), block.key, None, nowait=True)
+        except BlockingIOError:
+            assert path.stat().st_mtime_ns == stamp  # nothing read, nothing stamped
+            break
+    else:
+        pytest.fail(f"a cold file was read without waiting {ATTEMPTS} times in a row")
     got, size, _ = read_block(str(path), block.key, None)  # waits for the disk
     assert bytes(got.data) == block.data and size == len(encode_record(block))
-    got, _, _ = read_block(str(path), block.key, None, nowait=True)  # cached now
-    assert bytes(got.data) == block.data
+    for _ in range(5):  # cached now: never refused
+        got, _, _ = read_block(str(path), block.key, None, nowait=True)
+        assert bytes(got.data) == block.data
 
 
 def test_a_batch_reads_its_cold_files_on_the_io_threads(
@@ -116,20 +129,33 @@ def test_a_batch_reads_its_cold_files_on_the_io_threads(
     tier, blocks = _stored(tmp_path, namespace, 6)
     keys = [b.key for b in blocks]
     paths = _paths(tier, namespace, blocks)
-    cold_files(paths[1::2])  # every other one: a batch of cold and cached files
-    got = tier.get_many(namespace.id, keys)
-    assert [bytes(g.data) if g else None for g in got] == [b.data for b in blocks]
-    assert len(io_reads) == 3 and all(n.startswith("cachetier-io") for n in io_reads)
-    # Straight into the caller's buffers, from cold files too.
-    cold_files(paths)
-    dests = [memoryview(bytearray(len(b.data))) for b in blocks]
-    got = tier.get_into(namespace.id, keys, dests)
-    assert all(g is not None for g in got)
-    assert [bytes(d) for d in dests] == [b.data for b in blocks]
-    assert len(io_reads) == 9
-    tier.get_many(namespace.id, keys)  # all cached now: none goes to the I/O threads
-    assert len(io_reads) == 9
-    assert tier.stats()["hits"] == 18 and tier.stats()["errors"] == 0
+    gets = 0
+    for _ in range(ATTEMPTS):  # every other file cold: a batch of cold and cached files
+        cold_files(paths[1::2])
+        got = tier.get_many(namespace.id, keys)
+        gets += 1
+        assert [bytes(g.data) if g else None for g in got] == [b.data for b in blocks]
+        assert len(io_reads) <= 3 * gets  # only the cold ones
+        if io_reads:
+            break
+    assert io_reads and all(n.startswith("cachetier-io") for n in io_reads)
+    handed = len(io_reads)
+    for _ in range(ATTEMPTS):  # straight into the caller's buffers, from cold files too
+        cold_files(paths)
+        dests = [memoryview(bytearray(len(b.data))) for b in blocks]
+        got = tier.get_into(namespace.id, keys, dests)
+        gets += 1
+        assert all(g is not None for g in got)
+        assert [bytes(d) for d in dests] == [b.data for b in blocks]
+        if len(io_reads) > handed:
+            break
+    assert len(io_reads) > handed
+    handed = len(io_reads)
+    for _ in range(5):  # all cached now: none goes to the I/O threads
+        assert all(g is not None for g in tier.get_many(namespace.id, keys))
+        gets += 1
+    assert len(io_reads) == handed
+    assert tier.stats()["hits"] == 6 * gets and tier.stats()["errors"] == 0
 
 
 def test_one_block_gets_large_records_and_background_work_read_where_they_are(
@@ -145,38 +171,48 @@ def test_one_block_gets_large_records_and_background_work_read_where_they_are(
     cold_files(paths[:1])
     assert tier.get_many(namespace.id, keys[:1])[0] is not None  # one block: no hand-off
     cold_files(paths)
+    found: list[bool] = []
 
     def background() -> None:
         parallel.become_background(0)
-        assert all(g is not None for g in tier.get_many(namespace.id, keys))
+        found.extend(g is not None for g in tier.get_many(namespace.id, keys))
 
     thread = threading.Thread(target=background)
     thread.start()
     thread.join()
+    assert found == [True] * 4
     cold_files(paths)
     monkeypatch.setattr(disk_reads, "WIDE_COLD_MAX_BYTES", paths[0].stat().st_size - 1)
     assert all(g is not None for g in tier.get_many(namespace.id, keys))
     assert io_reads == []
 
 
-def test_a_cold_corrupt_record_is_a_miss_and_dropped(
+def test_cold_corrupt_records_are_misses_and_dropped(
     tmp_path: Path,
     namespace: Namespace,
     cold_files: Callable[[list[Path]], None],
     io_reads: list[str],
 ) -> None:
-    tier, blocks = _stored(tmp_path, namespace, 3)
-    paths = _paths(tier, namespace, blocks)
-    with open(paths[1], "r+b") as f:  # one payload byte flipped
-        f.seek(-5, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    cold_files(paths)
-    got = tier.get_many(namespace.id, [b.key for b in blocks])
-    assert [g is not None for g in got] == [True, False, True]
-    assert len(io_reads) == 3
-    assert tier.stats()["corrupt"] == 1 and not paths[1].exists()
+    # Every record of the batch corrupt, so whichever is read on an I/O thread is a corrupt one.
+    tier = _tier(tmp_path / "tier")
+    for attempt in range(ATTEMPTS):
+        blocks = make_blocks(namespace, 3, seed=attempt)
+        assert tier.put_many(namespace.id, blocks) == 3
+        paths = _paths(tier, namespace, blocks)
+        for path in paths:
+            with open(path, "r+b") as f:  # one payload byte flipped
+                f.seek(-5, os.SEEK_END)
+                byte = f.read(1)
+                f.seek(-5, os.SEEK_END)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        cold_files(paths)
+        assert tier.get_many(namespace.id, [b.key for b in blocks]) == [None] * 3
+        assert tier.stats()["corrupt"] == 3 * (attempt + 1)
+        assert not any(p.exists() for p in paths)
+        if io_reads:
+            break
+    assert io_reads
+    assert tier.stats()["errors"] == 0
 
 
 def test_without_non_blocking_reads_every_file_is_read_as_cached(
