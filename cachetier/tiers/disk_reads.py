@@ -3,10 +3,12 @@
 ``read_block`` reads and checks a record. Asked to (``nowait``), the first read of a small
 record is made with ``RWF_NOWAIT``: a file whose first page is not in memory then raises
 ``BlockingIOError`` at once instead of waiting for the disk, costing nothing more on a cached
-file (the flag rides on the read the record needs anyway). The tier reads a batch's cached
-files on its data threads, one per core, and hands the cold ones to the I/O threads, which are
-many: a thread waiting on the disk takes no core, and more small reads in flight hide the
-device's latency (``parallel.submit_io``).
+file (the flag rides on the read the record needs anyway). Almost always: the kernel starts
+reading the page in before it gives up, and a device that answers within microseconds (a
+virtual disk the host caches) lets the read succeed, which is then as good as a cached file.
+The tier reads a batch's cached files on its data threads, one per core, and hands the cold
+ones to the I/O threads, which are many: a thread waiting on the disk takes no core, and more
+small reads in flight hide the device's latency (``parallel.submit_io``).
 """
 
 from __future__ import annotations
