@@ -8,15 +8,17 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.peers_common import drop_from_page_cache
 from cachetier import parallel
 from cachetier.keys import Namespace
+from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers import disk_reads
 from cachetier.tiers.disk import DiskTier, DiskTierConfig
@@ -24,39 +26,15 @@ from cachetier.tiers.disk_reads import read_block
 from tests.support import make_blocks
 
 
-def _drop(paths: list[Path]) -> None:
-    """Make these files cold: written back, then their pages dropped from the page cache."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _cold(path: Path) -> bool:
-    # A non-blocking read of a missing page starts reading it in: after this, it is not cold.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture
-def cold_files(tmp_path: Path) -> Callable[[list[Path]], None]:
-    """Drops files from the page cache; the test cannot run where that is not possible."""
-    probe = tmp_path / "probe"
-    probe.write_bytes(os.urandom(1 << 16))
-    _drop([probe])
-    if not hasattr(os, "RWF_NOWAIT") or not _cold(probe):
-        pytest.skip("this file system keeps dropped pages or has no non-blocking reads")
-
-    return _drop
+def cold_files(tmp_path: Path) -> Callable[[Iterable[Path]], None]:
+    """Drops files from the page cache, which needs a file system backed by a disk."""
+    fstype = mount_fstype(tmp_path)
+    assert fstype not in MEMORY_FILESYSTEMS, (
+        f"{tmp_path} is on {fstype}, which keeps every page in memory: run pytest with"
+        " --basetemp on a disk-backed folder"
+    )
+    return drop_from_page_cache
 
 
 @pytest.fixture
@@ -99,7 +77,7 @@ ATTEMPTS = 20
 
 
 def test_a_first_read_without_waiting_fails_on_a_cold_file_only(
-    tmp_path: Path, namespace: Namespace, cold_files: Callable[[list[Path]], None]
+    tmp_path: Path, namespace: Namespace, cold_files: Callable[[Iterable[Path]], None]
 ) -> None:
     tier, [block] = _stored(tmp_path, namespace, 1)
     [path] = _paths(tier, namespace, [block])
@@ -123,7 +101,7 @@ def test_a_first_read_without_waiting_fails_on_a_cold_file_only(
 def test_a_batch_reads_its_cold_files_on_the_io_threads(
     tmp_path: Path,
     namespace: Namespace,
-    cold_files: Callable[[list[Path]], None],
+    cold_files: Callable[[Iterable[Path]], None],
     io_reads: list[str],
 ) -> None:
     tier, blocks = _stored(tmp_path, namespace, 6)
@@ -161,7 +139,7 @@ def test_a_batch_reads_its_cold_files_on_the_io_threads(
 def test_one_block_gets_large_records_and_background_work_read_where_they_are(
     tmp_path: Path,
     namespace: Namespace,
-    cold_files: Callable[[list[Path]], None],
+    cold_files: Callable[[Iterable[Path]], None],
     io_reads: list[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -190,7 +168,7 @@ def test_one_block_gets_large_records_and_background_work_read_where_they_are(
 def test_cold_corrupt_records_are_misses_and_dropped(
     tmp_path: Path,
     namespace: Namespace,
-    cold_files: Callable[[list[Path]], None],
+    cold_files: Callable[[Iterable[Path]], None],
     io_reads: list[str],
 ) -> None:
     # Every record of the batch corrupt, so whichever is read on an I/O thread is a corrupt one.
