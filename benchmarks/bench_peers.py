@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, paired_ratio_interval  # noqa: E402
 from benchmarks.peers_common import SHAPES, can_drop_all_caches, make_chunks  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
 
@@ -70,29 +70,57 @@ def run_section(section: str, args: argparse.Namespace, work: Path) -> dict[str,
     raise ValueError(f"unknown section {section!r}")
 
 
-def speedups(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Every ours-over-LMCache ratio, per tier, shape and mode (``<tier>_get_<mode>_<shape>``)."""
-    out: dict[str, float] = {}
+def figures(raw: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str, str]]:
+    """Every ours-over-LMCache figure (``<tier>_get_<mode>_<shape>`` and the puts): its name ->
+    (section, LMCache's op, ours), two ops timed in turn in that section."""
+    out: dict[str, tuple[str, str, str]] = {}
     for tier in TIERS:
         for shape in SHAPES:
-            t = raw[f"{tier}:{shape}"]
+            section = f"{tier}:{shape}"
+            t = raw[section]
             for suffix in ("", "_cold") if tier == "disk" else ("",):
                 for mode in MODES:
                     name = f"{tier}{suffix}_get_{mode}_{shape}"
-                    out[name] = t[f"lmcache_get_{mode}{suffix}"] / t[f"ours_get_{mode}{suffix}"]
+                    out[name] = (section, f"lmcache_get_{mode}{suffix}", f"ours_get_{mode}{suffix}")
             if "ours_put" in t:
-                theirs = t.get("lmcache_put_durable_group", t["lmcache_put"])
-                out[f"{tier}_put_{shape}"] = theirs / t["ours_put"]
+                # The durable puts ran in a group of their own (peers_sections.bench_server).
+                durable = "lmcache_put_durable_group"
+                theirs = durable if durable in t else "lmcache_put"
+                out[f"{tier}_put_{shape}"] = (section, theirs, "ours_put")
             if "ours_put_memonly" in t:
-                out[f"server_put_memonly_{shape}"] = t["lmcache_put"] / t["ours_put_memonly"]
+                out[f"server_put_memonly_{shape}"] = (section, "lmcache_put", "ours_put_memonly")
             if tier == "server":  # ours over the Unix socket it offers same-host engines
                 for mode in ("buf", "ret"):
                     out[f"server_unix_get_{mode}_{shape}"] = (
-                        t[f"lmcache_get_{mode}"] / t[f"ours_unix_get_{mode}"]
+                        section,
+                        f"lmcache_get_{mode}",
+                        f"ours_unix_get_{mode}",
                     )
                 out[f"server_unix_put_memonly_{shape}"] = (
-                    t["lmcache_put"] / t["ours_unix_put_memonly"]
+                    section,
+                    "lmcache_put",
+                    "ours_unix_put_memonly",
                 )
+    return out
+
+
+def speedups(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Every figure's ratio: LMCache's median time over ours."""
+    return {
+        name: raw[section][theirs] / raw[section][ours]
+        for name, (section, theirs, ours) in figures(raw).items()
+    }
+
+
+def intervals(raw: dict[str, dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Every figure's 95% interval: that of the median of its per-round ratios (LMCache's time
+    over ours in the same round), where the section kept its samples."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, (section, theirs, ours) in figures(raw).items():
+        t = raw[section]
+        if f"{theirs}_samples" in t and f"{ours}_samples" in t:
+            low, _, high = paired_ratio_interval(t[f"{theirs}_samples"], t[f"{ours}_samples"])
+            out[name] = (round(low, 3), round(high, 3))
     return out
 
 
@@ -129,26 +157,32 @@ def bounds(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def headline(ratios: dict[str, float], raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's figures: each is the lower of the two shapes (we must hold at both)."""
-
-    def worst(prefix: str) -> float:
-        return round(min(ratios[f"{prefix}_{shape}"] for shape in SHAPES), 3)
-
+def headline(
+    ratios: dict[str, float], raw: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The issue's figures: each is the lower of the two shapes (we must hold at both). Also,
+    per ``*_speedup`` figure, the ratio it took (``figures``' name, shape included)."""
     out: dict[str, Any] = {}
+    taken: dict[str, str] = {}
+
+    def worst(figure: str, prefix: str) -> None:
+        name = min((f"{prefix}_{shape}" for shape in SHAPES), key=ratios.__getitem__)
+        out[figure] = round(ratios[name], 3)
+        taken[figure] = name
+
     for tier in ("cpu", "disk", "disk_cold", "redis", "server"):
-        out[f"{tier}_get_speedup"] = worst(f"{tier}_get_buf")
-    out["redis_put_speedup"] = worst("redis_put")
+        worst(f"{tier}_get_speedup", f"{tier}_get_buf")
+    worst("redis_put_speedup", "redis_put")
     # Like for like: LMCache's server holds puts in memory only, so does ours here. With its
     # disk tier ours answers only after the disk write (durable): reported apart.
-    out["server_put_speedup"] = worst("server_put_memonly")
-    out["server_put_durable_speedup"] = worst("server_put")
+    worst("server_put_speedup", "server_put_memonly")
+    worst("server_put_durable_speedup", "server_put")
     # Over the Unix socket our sidecar offers engines on its host (LMCache's lm:// has none).
-    out["server_get_unix_socket_speedup"] = worst("server_unix_get_buf")
-    out["server_put_unix_socket_speedup"] = worst("server_unix_put_memonly")
+    worst("server_get_unix_socket_speedup", "server_unix_get_buf")
+    worst("server_put_unix_socket_speedup", "server_unix_put_memonly")
     for tier in ("cpu", "disk", "disk_cold", "redis", "server"):
-        out[f"{tier}_get_as_returned_speedup"] = worst(f"{tier}_get_ret")
-        out[f"{tier}_get_one_chunk_speedup"] = worst(f"{tier}_get_one")
+        worst(f"{tier}_get_as_returned_speedup", f"{tier}_get_ret")
+        worst(f"{tier}_get_one_chunk_speedup", f"{tier}_get_one")
     disk = raw["restart:disk-read"]
     server = raw["restart:server"]
     out["chunks"] = raw["restart:disk-write"]["stored"]
@@ -162,12 +196,16 @@ def headline(ratios: dict[str, float], raw: dict[str, dict[str, Any]]) -> dict[s
     out["lmcache_disk_files_after_restart"] = disk["lmcache_disk_files"]
     out["ours_server_found_after_restart"] = server["ours_server_found"]
     out["lmcache_server_found_after_restart"] = server["lmcache_server_found"]
-    return out
+    return out, taken
 
 
 def table(raw: dict[str, dict[str, Any]], num_chunks: int) -> str:
-    """Absolute medians, ms per batch of ``num_chunks`` chunks, and LMCache / ours."""
-    lines = [f"{'tier:shape':<14} {'op':<22} {'ours ms':>9} {'LMCache ms':>11} {'ratio':>6}"]
+    """Absolute medians, ms per batch of ``num_chunks`` chunks, LMCache / ours, and the 95%
+    interval of the per-round ratio's median (``common.paired_ratio_interval``)."""
+    lines = [
+        f"{'tier:shape':<14} {'op':<22} {'ours ms':>9} {'LMCache ms':>11} {'ratio':>6} "
+        f"{'95% interval':>13}"
+    ]
     for section, t in raw.items():
         if section.startswith("restart"):
             continue
@@ -184,9 +222,12 @@ def table(raw: dict[str, dict[str, Any]], num_chunks: int) -> str:
                 # The durable puts ran in a group of their own (peers_sections.bench_server).
                 theirs_op = "put_durable_group" if "lmcache_put_durable_group" in t else "put"
             theirs = t[f"lmcache_{theirs_op}"]
+            low, _, high = paired_ratio_interval(
+                t[f"lmcache_{theirs_op}_samples"], t[f"{name}_samples"]
+            )
             lines.append(
                 f"{section:<14} {op:<22} {1e3 * ours:>9.2f} {1e3 * theirs:>11.2f} "
-                f"{theirs / ours:>6.2f}"
+                f"{theirs / ours:>6.2f} {f'{low:.2f}-{high:.2f}':>13}"
             )
     lines.append(f"(one batch = {num_chunks} chunks; ratio > 1: ours (or the bound) is faster)")
     return "\n".join(lines)
@@ -223,7 +264,8 @@ def main() -> None:
                 sys.exit(f"bench_peers: section {section} failed:\n{out.stderr[-4000:]}")
             raw[section] = json.loads(out.stdout.strip().splitlines()[-1])
     ratios = speedups(raw)
-    result: dict[str, Any] = headline(ratios, raw)
+    cis = intervals(raw)
+    result, taken = headline(ratios, raw)
     result.update(
         {
             "chunks_per_shape": args.chunks,
@@ -237,6 +279,10 @@ def main() -> None:
             + str(max(raw[f"disk:{s}"]["resident_bytes_after_drop"] for s in SHAPES)),
             "drop_caches_writable": can_drop_all_caches(),
             "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            # Per headline figure, the interval of the ratio it took: one whose interval holds
+            # 1.0 is not told apart from LMCache by this run.
+            "intervals_95": {figure: cis[name] for figure, name in taken.items()},
+            "ratio_intervals_95": cis,
             "bounds": bounds(raw),
             "minor_faults_per_batch": {
                 sec: {k.removesuffix("_minflt"): v for k, v in t.items() if k.endswith("_minflt")}

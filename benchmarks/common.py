@@ -5,12 +5,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,45 @@ def interleaved_medians(
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_ratio_interval(
+    num: Sequence[float], den: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """The median of the per-round ratios ``num[i] / den[i]`` of two interleaved runs, and a
+    distribution-free interval for it (order statistics of the binomial, nothing assumed of
+    the ratios' shape). Samples taken in turn are paired: the drift a round sees hits both,
+    so a ratio's spread across rounds says whether a median ratio near 1.0 is a difference
+    or this machine's noise.
+
+    Args:
+        num: one op's samples, in round order (e.g. the peer's seconds).
+        den: the other op's, the same rounds.
+        confidence: the interval's coverage of the true median ratio, at least.
+
+    Returns:
+        ``(low, median, high)``; with too few rounds for that coverage, the lowest and
+        highest ratio seen.
+
+    Raises:
+        ValueError: no rounds, rounds that do not pair up, or a sample that is not > 0.
+    """
+    if len(num) != len(den) or not num:
+        raise ValueError(f"{len(num)} and {len(den)} samples do not pair up round by round")
+    if min(den) <= 0 or min(num) <= 0:
+        raise ValueError("a sample is not a positive time")
+    ratios = sorted(a / b for a, b in zip(num, den, strict=True))
+    n = len(ratios)
+    # The k-th lowest and k-th highest ratios bound the median with probability
+    # 1 - 2 * P(Binomial(n, 1/2) < k): the largest k that keeps that at least ``confidence``.
+    k, below = 0, 0.0
+    while k + 1 <= n // 2:
+        below_next = below + math.comb(n, k) / 2**n
+        if 1 - 2 * below_next < confidence:
+            break
+        k, below = k + 1, below_next
+    k = max(k, 1)
+    return ratios[k - 1], statistics.median(ratios), ratios[n - k]
 
 
 def settle() -> None:

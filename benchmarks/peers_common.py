@@ -144,7 +144,9 @@ def interleaved_checked(runs: dict[str, Timed], repeats: int, warmup: int = 1) -
     hands back fresh memory pays one per 4 KiB page it fills.
 
     Returns:
-        name -> median seconds, and ``<name>_minflt`` -> median minor page faults per call.
+        name -> median seconds, ``<name>_minflt`` -> median minor page faults per call, and
+        ``<name>_samples`` -> every sample's seconds in round order (rounds pair up across
+        ops: ``common.paired_ratio_interval``).
     """
     faults: dict[str, list[int]] = {name: [] for name in runs}
     for i in range(warmup + repeats):
@@ -164,6 +166,7 @@ def interleaved_checked(runs: dict[str, Timed], repeats: int, warmup: int = 1) -
                 faults[name].append(flt)
     out: dict[str, Any] = {name: statistics.median(run.samples) for name, run in runs.items()}
     out.update({f"{name}_minflt": int(statistics.median(f)) for name, f in faults.items()})
+    out.update({f"{name}_samples": list(run.samples) for name, run in runs.items()})
     return out
 
 
