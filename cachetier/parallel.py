@@ -38,21 +38,23 @@ _PIECE_BYTES = 16 << 20  # copies are cut into pieces of at most this size
 IO_WORKERS = 8
 
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_io_pool: ThreadPoolExecutor | None = None
+_pools: dict[str, ThreadPoolExecutor] = {}  # by thread name prefix, each started on first use
 _local = threading.local()
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
+def _shared_pool(prefix: str, workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads named ``prefix``, started on first use; its
+    threads count as data threads (``_mark_worker``)."""
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                WORKERS - 1,
-                thread_name_prefix="cachetier-data",
-                initializer=_mark_worker,
-            )
-        return _pool
+        pool = _pools.get(prefix)
+        if pool is None:
+            pool = ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=_mark_worker)
+            _pools[prefix] = pool
+        return pool
+
+
+def _executor() -> ThreadPoolExecutor:
+    return _shared_pool("cachetier-data", WORKERS - 1)
 
 
 def may_wait_on_io() -> bool:
@@ -65,14 +67,7 @@ def submit_io(fn: Callable[[], _T]) -> Future[_T]:
     """``fn``, a read that waits on the disk, started on one of the ``IO_WORKERS`` I/O threads
     (callers check ``may_wait_on_io`` first). They count as data threads: work they start
     (``beside``, ``map_in_threads``) runs on them."""
-    global _io_pool
-    with _lock:
-        if _io_pool is None:
-            _io_pool = ThreadPoolExecutor(
-                IO_WORKERS, thread_name_prefix="cachetier-io", initializer=_mark_worker
-            )
-        pool = _io_pool
-    return pool.submit(fn)
+    return _shared_pool("cachetier-io", IO_WORKERS).submit(fn)
 
 
 def _mark_worker() -> None:
