@@ -114,13 +114,12 @@ def speedups(raw: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def intervals(raw: dict[str, dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """Every figure's 95% interval: that of the median of its per-round ratios (LMCache's time
-    over ours in the same round), where the section kept its samples."""
+    over ours in the same round)."""
     out: dict[str, tuple[float, float]] = {}
     for name, (section, theirs, ours) in figures(raw).items():
         t = raw[section]
-        if f"{theirs}_samples" in t and f"{ours}_samples" in t:
-            low, _, high = paired_ratio_interval(t[f"{theirs}_samples"], t[f"{ours}_samples"])
-            out[name] = (round(low, 3), round(high, 3))
+        low, _, high = paired_ratio_interval(t[f"{theirs}_samples"], t[f"{ours}_samples"])
+        out[name] = (round(low, 3), round(high, 3))
     return out
 
 

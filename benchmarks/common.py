@@ -70,13 +70,11 @@ def paired_ratio_interval(
     n = len(ratios)
     # The k-th lowest and k-th highest ratios bound the median with probability
     # 1 - 2 * P(Binomial(n, 1/2) < k): the largest k that keeps that at least ``confidence``.
-    k, below = 0, 0.0
-    while k + 1 <= n // 2:
-        below_next = below + math.comb(n, k) / 2**n
-        if 1 - 2 * below_next < confidence:
-            break
-        k, below = k + 1, below_next
-    k = max(k, 1)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = max((k for k in range(1, n // 2 + 1) if coverage(k) >= confidence), default=1)
     return ratios[k - 1], statistics.median(ratios), ratios[n - k]
 
 
