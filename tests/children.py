@@ -14,7 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+PEERS_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -103,3 +106,20 @@ def spec_main(run: Callable[[dict[str, Any]], Any], description: str | None = No
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     args.out.write_text(json.dumps(run(json.loads(args.spec.read_text()))))
+
+
+def run_peers(script: Path, *args: str | Path) -> dict[str, Any]:
+    """Run ``script`` with ``.venv-peers``' Python (LMCache's env); its last line, parsed."""
+    if not PEERS_PYTHON.exists():
+        pytest.fail(f"{PEERS_PYTHON} is missing: run `make setup-peers` (make test does)")
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [str(PEERS_PYTHON), str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -7,38 +7,16 @@ restart steps of ``benchmarks/plugins_lmcache.py``) and checks what it printed.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.children import REPO_ROOT
+from tests.children import REPO_ROOT, run_peers
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
 
-PEERS_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
 CHILD = Path(__file__).with_name("lmcache_child.py")
 PLUGINS = REPO_ROOT / "benchmarks" / "plugins_lmcache.py"
-
-
-def run_peers(script: Path, *args: str | Path) -> dict[str, Any]:
-    """Run ``script`` with ``.venv-peers``' Python; its last line, parsed."""
-    if not PEERS_PYTHON.exists():
-        pytest.fail(f"{PEERS_PYTHON} is missing: run `make setup-peers` (make test does)")
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [str(PEERS_PYTHON), str(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_all_chunks_survive_a_restart_where_lmcaches_own_disk_finds_none(tmp_path: Path) -> None:

@@ -1,0 +1,191 @@
+"""What a sidecar put costs in CPU, client and server together, against LMCache's ``lm://``.
+
+``make bench-peers`` times puts; this says why a put acknowledged after its disk write
+(``server_put_durable_speedup``) stays under 1.0 on a small machine. Each side puts the same 16
+chunks, in turn, for ``--repeats`` rounds: our server with its disk tier (the default: the answer
+comes after the disk write), ours with the disk tier left out (memory only, like LMCache's
+server), and LMCache 0.5.6's own server. Per put it records the wall time and the CPU time of
+the client (this process, every thread) and of that side's server process (every thread), read
+from ``/proc/<pid>/task/*/schedstat`` (nanoseconds of CPU, not 10 ms ticks).
+
+A put cannot finish before its CPU work is done on the cores it has, so with ``cores`` cores
+``cpu / cores`` is the least wall time any overlap of its steps could reach. The figure
+``durable_floor_speedup_<shape>`` is LMCache's median wall time over that floor for our
+durable put: the most ``server_put_durable_speedup`` could be on this machine without doing
+less work. ``cpu_vs_lmcache_<side>_<shape>`` is LMCache's CPU per put over ours (> 1: ours
+spends less); LMCache's client CPU includes the harness's wait for its put, which LMCache
+sends without an answer (``PeerStore.put`` polls every 0.2 ms), so these ratios lean our way.
+
+    make setup-peers
+    LMCACHE_TRACK_USAGE=false .venv-peers/bin/python benchmarks/bench_put_cpu.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_server import TOKEN, Server  # noqa: E402
+from benchmarks.common import cpu_ns, emit  # noqa: E402
+from benchmarks.peers_common import SHAPES, ChunkSet, make_chunks  # noqa: E402
+from benchmarks.workdir import disk_work_dir  # noqa: E402
+from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
+from tests.server.live import free_port  # noqa: E402
+
+
+@dataclass
+class Side:
+    """One way of putting the chunk set.
+
+    Args:
+        put: the put; returns once the server holds every chunk.
+        forget: untimed, before each put, so that every put stores (our disk tier skips a
+            record it already holds; LMCache's server overwrites its dict entries anyway).
+        server_pid: the server process whose CPU counts.
+    """
+
+    put: Callable[[], None]
+    forget: Callable[[], None]
+    server_pid: int
+    wall: list[float] = field(default_factory=list)
+    client_cpu: list[float] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)
+
+    def sample(self) -> None:
+        self.forget()
+        me, server = os.getpid(), self.server_pid
+        client0, server0 = cpu_ns(me), cpu_ns(server)
+        start = time.perf_counter()
+        self.put()
+        wall = time.perf_counter() - start
+        # Each put returns once its server answered a request sent after the chunks (ours: the
+        # put's reply; LMCache: an EXIST on the same connection), so the server's work on them
+        # is counted; bookkeeping it does after answering may be left out.
+        client1, server1 = cpu_ns(me), cpu_ns(server)
+        self.wall.append(wall)
+        self.client_cpu.append((client1 - client0) / 1e9)
+        self.server_cpu.append((server1 - server0) / 1e9)
+
+    def reset(self) -> None:
+        self.wall.clear()
+        self.client_cpu.clear()
+        self.server_cpu.clear()
+
+    def summary(self, cores: int) -> dict[str, float]:
+        """Medians per put, in milliseconds, and the wall-time floor of its CPU on ``cores``."""
+        cpu = [c + s for c, s in zip(self.client_cpu, self.server_cpu, strict=True)]
+        return {
+            "wall_ms": 1e3 * statistics.median(self.wall),
+            "client_cpu_ms": 1e3 * statistics.median(self.client_cpu),
+            "server_cpu_ms": 1e3 * statistics.median(self.server_cpu),
+            "cpu_ms": 1e3 * statistics.median(cpu),
+            "floor_ms": 1e3 * statistics.median(cpu) / cores,
+        }
+
+
+def our_side(server: Server, chunks: ChunkSet) -> tuple[Side, RemoteTier]:
+    """Our remote tier's ``put_many`` of the chunk set to ``server`` (over its transfer port)."""
+    assert server.proc is not None
+    tier = RemoteTier(RemoteTierConfig(url=server.url, token=TOKEN, timeout_s=60))
+    ns, blocks = chunks.namespace.id, list(chunks.blocks)
+    keys = [b.key for b in blocks]
+
+    def put() -> None:
+        stored = tier.put_many(ns, blocks)
+        if stored != len(blocks):
+            raise AssertionError(f"our server stored {stored} of {len(blocks)} chunks")
+
+    return Side(put, lambda: tier.delete(ns, keys), server.proc.pid), tier
+
+
+def measure(chunks: ChunkSet, repeats: int, work: Path) -> dict[str, Any]:
+    """Every side's put, ``repeats`` rounds after one warm-up round; sides alternate within a
+    round so that drift hits them alike."""
+    durable = Server(str(work / "durable"), fsync=False)
+    memonly = Server(str(work / "memonly"), fsync=False)
+    memonly.env["CACHETIER_DISK_BYTES"] = "0"
+    closers: list[Callable[[], None]] = []
+    try:
+        sides: dict[str, Side] = {}
+        for name, server in (("ours_put", durable), ("ours_put_memonly", memonly)):
+            server.start()
+            closers.append(server.stop)
+            sides[name], tier = our_side(server, chunks)
+            closers.append(tier.close)
+        sides["lmcache_put"] = lmcache_side(chunks, closers)
+        for i in range(1 + repeats):
+            for side in sides.values():
+                side.sample()
+                if i == 0:  # the warm-up round: connections, pools and spares settle
+                    side.reset()
+    finally:
+        for close in reversed(closers):
+            close()
+    cores = len(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"cores": cores, "repeats": repeats}
+    out.update({name: side.summary(cores) for name, side in sides.items()})
+    return out
+
+
+def lmcache_side(chunks: ChunkSet, closers: list[Callable[[], None]]) -> Side:
+    """LMCache's storage manager putting the staged chunks to its own ``lm://`` server."""
+    from benchmarks.peers_lmcache import LMServer, PeerStore, release
+
+    server = LMServer(free_port())
+    server.start()
+    closers.append(server.kill)
+    store = PeerStore("server", chunks, f"put-cpu-{os.getpid()}", remote_url=server.url)
+    closers.append(store.close)
+    staged = store.stage(chunks.payloads)
+    closers.append(lambda: release(staged))  # before the store closes (closers run last first)
+    assert server.proc is not None
+    return Side(lambda: store.put(staged), lambda: None, server.proc.pid)
+
+
+def figures(shapes: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The ratios of the module docstring, per shape."""
+    out: dict[str, float] = {}
+    for shape, got in shapes.items():
+        theirs = got["lmcache_put"]
+        out[f"durable_floor_speedup_{shape}"] = theirs["wall_ms"] / got["ours_put"]["floor_ms"]
+        out[f"durable_speedup_{shape}"] = theirs["wall_ms"] / got["ours_put"]["wall_ms"]
+        for side in ("ours_put", "ours_put_memonly"):
+            out[f"cpu_vs_lmcache_{side}_{shape}"] = theirs["cpu_ms"] / got[side]["cpu_ms"]
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per put")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds, after one warm-up")
+    parser.add_argument("--work", default=None, help="scratch folder (default: a temp one)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON last")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(dir=disk_work_dir(args.work, "--work"), prefix="put-cpu-"))
+    try:
+        shapes = {
+            shape: measure(make_chunks(shape, args.chunks), args.repeats, root / shape)
+            for shape in args.shapes
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = figures(shapes)
+    result["shapes"] = shapes
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
