@@ -39,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_server import TOKEN, Server  # noqa: E402
 from benchmarks.common import cpu_ns, emit  # noqa: E402
-from benchmarks.peers_common import SHAPES, ChunkSet, make_chunks  # noqa: E402
+from benchmarks.peers_common import SHAPES, ChunkSet, Timed, make_chunks  # noqa: E402
+from benchmarks.peers_lmcache import LMServer, PeerStore, release  # noqa: E402
+from benchmarks.peers_sections import ours_put_run  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
 from tests.server.live import free_port  # noqa: E402
@@ -47,67 +49,55 @@ from tests.server.live import free_port  # noqa: E402
 
 @dataclass
 class Side:
-    """One way of putting the chunk set.
+    """One way of putting the chunk set, and its CPU per sample.
 
     Args:
-        put: the put; returns once the server holds every chunk.
-        forget: untimed, before each put, so that every put stores (our disk tier skips a
-            record it already holds; LMCache's server overwrites its dict entries anyway).
+        timed: the put (``before`` it, untimed, what makes every put store: our disk tier
+            skips a record it already holds), checked after each sample; its ``samples``
+            are the wall times.
         server_pid: the server process whose CPU counts.
     """
 
-    put: Callable[[], None]
-    forget: Callable[[], None]
+    timed: Timed
     server_pid: int
-    wall: list[float] = field(default_factory=list)
     client_cpu: list[float] = field(default_factory=list)
     server_cpu: list[float] = field(default_factory=list)
 
     def sample(self) -> None:
-        self.forget()
+        if self.timed.before is not None:
+            self.timed.before()
         me, server = os.getpid(), self.server_pid
         client0, server0 = cpu_ns(me), cpu_ns(server)
         start = time.perf_counter()
-        self.put()
+        result = self.timed.op()
         wall = time.perf_counter() - start
         # Each put returns once its server answered a request sent after the chunks (ours: the
         # put's reply; LMCache: an EXIST on the same connection), so the server's work on them
         # is counted; bookkeeping it does after answering may be left out.
         client1, server1 = cpu_ns(me), cpu_ns(server)
-        self.wall.append(wall)
+        if self.timed.check is not None:
+            self.timed.check(result)
+        self.timed.samples.append(wall)
         self.client_cpu.append((client1 - client0) / 1e9)
         self.server_cpu.append((server1 - server0) / 1e9)
 
     def reset(self) -> None:
-        self.wall.clear()
+        self.timed.samples.clear()
         self.client_cpu.clear()
         self.server_cpu.clear()
 
     def summary(self, cores: int) -> dict[str, float]:
         """Medians per put, in milliseconds, and the wall-time floor of its CPU on ``cores``."""
-        cpu = [c + s for c, s in zip(self.client_cpu, self.server_cpu, strict=True)]
+        cpu = statistics.median(
+            c + s for c, s in zip(self.client_cpu, self.server_cpu, strict=True)
+        )
         return {
-            "wall_ms": 1e3 * statistics.median(self.wall),
+            "wall_ms": 1e3 * statistics.median(self.timed.samples),
             "client_cpu_ms": 1e3 * statistics.median(self.client_cpu),
             "server_cpu_ms": 1e3 * statistics.median(self.server_cpu),
-            "cpu_ms": 1e3 * statistics.median(cpu),
-            "floor_ms": 1e3 * statistics.median(cpu) / cores,
+            "cpu_ms": 1e3 * cpu,
+            "floor_ms": 1e3 * cpu / cores,
         }
-
-
-def our_side(server: Server, chunks: ChunkSet) -> tuple[Side, RemoteTier]:
-    """Our remote tier's ``put_many`` of the chunk set to ``server`` (over its transfer port)."""
-    assert server.proc is not None
-    tier = RemoteTier(RemoteTierConfig(url=server.url, token=TOKEN, timeout_s=60))
-    ns, blocks = chunks.namespace.id, list(chunks.blocks)
-    keys = [b.key for b in blocks]
-
-    def put() -> None:
-        stored = tier.put_many(ns, blocks)
-        if stored != len(blocks):
-            raise AssertionError(f"our server stored {stored} of {len(blocks)} chunks")
-
-    return Side(put, lambda: tier.delete(ns, keys), server.proc.pid), tier
 
 
 def measure(chunks: ChunkSet, repeats: int, work: Path) -> dict[str, Any]:
@@ -122,8 +112,10 @@ def measure(chunks: ChunkSet, repeats: int, work: Path) -> dict[str, Any]:
         for name, server in (("ours_put", durable), ("ours_put_memonly", memonly)):
             server.start()
             closers.append(server.stop)
-            sides[name], tier = our_side(server, chunks)
+            assert server.proc is not None
+            tier = RemoteTier(RemoteTierConfig(url=server.url, token=TOKEN, timeout_s=60))
             closers.append(tier.close)
+            sides[name] = Side(ours_put_run(tier, chunks), server.proc.pid)
         sides["lmcache_put"] = lmcache_side(chunks, closers)
         for i in range(1 + repeats):
             for side in sides.values():
@@ -141,8 +133,6 @@ def measure(chunks: ChunkSet, repeats: int, work: Path) -> dict[str, Any]:
 
 def lmcache_side(chunks: ChunkSet, closers: list[Callable[[], None]]) -> Side:
     """LMCache's storage manager putting the staged chunks to its own ``lm://`` server."""
-    from benchmarks.peers_lmcache import LMServer, PeerStore, release
-
     server = LMServer(free_port())
     server.start()
     closers.append(server.kill)
@@ -151,7 +141,8 @@ def lmcache_side(chunks: ChunkSet, closers: list[Callable[[], None]]) -> Side:
     staged = store.stage(chunks.payloads)
     closers.append(lambda: release(staged))  # before the store closes (closers run last first)
     assert server.proc is not None
-    return Side(lambda: store.put(staged), lambda: None, server.proc.pid)
+    # LMCache's server overwrites its dict entries: nothing to forget before a put.
+    return Side(Timed(lambda: store.put(staged)), server.proc.pid)
 
 
 def figures(shapes: dict[str, dict[str, Any]]) -> dict[str, float]:
