@@ -28,9 +28,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_server import TOKEN, Server  # noqa: E402
 from benchmarks.common import cpu_ns, emit  # noqa: E402
-from benchmarks.peers_common import SHAPES, ChunkSet, Timed, make_chunks  # noqa: E402
+from benchmarks.peers_common import SHAPES, ChunkSet, Timed, interleaved_checked, make_chunks  # noqa: E402
 from benchmarks.peers_lmcache import LMServer, PeerStore, release  # noqa: E402
 from benchmarks.peers_sections import ours_put_run  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
@@ -47,92 +45,63 @@ from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
 from tests.server.live import free_port  # noqa: E402
 
 
-@dataclass
-class Side:
-    """One way of putting the chunk set, and its CPU per sample.
-
-    Args:
-        timed: the put (``before`` it, untimed, what makes every put store: our disk tier
-            skips a record it already holds), checked after each sample; its ``samples``
-            are the wall times.
-        server_pid: the server process whose CPU counts.
-    """
-
-    timed: Timed
-    server_pid: int
-    client_cpu: list[float] = field(default_factory=list)
-    server_cpu: list[float] = field(default_factory=list)
-
-    def sample(self) -> None:
-        if self.timed.before is not None:
-            self.timed.before()
-        me, server = os.getpid(), self.server_pid
-        client0, server0 = cpu_ns(me), cpu_ns(server)
-        start = time.perf_counter()
-        result = self.timed.op()
-        wall = time.perf_counter() - start
-        # Each put returns once its server answered a request sent after the chunks (ours: the
-        # put's reply; LMCache: an EXIST on the same connection), so the server's work on them
-        # is counted; bookkeeping it does after answering may be left out.
-        client1, server1 = cpu_ns(me), cpu_ns(server)
-        if self.timed.check is not None:
-            self.timed.check(result)
-        self.timed.samples.append(wall)
-        self.client_cpu.append((client1 - client0) / 1e9)
-        self.server_cpu.append((server1 - server0) / 1e9)
-
-    def reset(self) -> None:
-        self.timed.samples.clear()
-        self.client_cpu.clear()
-        self.server_cpu.clear()
-
-    def summary(self, cores: int) -> dict[str, float]:
-        """Medians per put, in milliseconds, and the wall-time floor of its CPU on ``cores``."""
-        cpu = statistics.median(
-            c + s for c, s in zip(self.client_cpu, self.server_cpu, strict=True)
-        )
-        return {
-            "wall_ms": 1e3 * statistics.median(self.timed.samples),
-            "client_cpu_ms": 1e3 * statistics.median(self.client_cpu),
-            "server_cpu_ms": 1e3 * statistics.median(self.server_cpu),
-            "cpu_ms": 1e3 * cpu,
-            "floor_ms": 1e3 * cpu / cores,
-        }
+def summary(ops: dict[str, Any], name: str, cores: int) -> dict[str, float]:
+    """One side's medians per put, in milliseconds, and the wall-time floor of its CPU on
+    ``cores`` (from ``interleaved_checked``'s samples of it)."""
+    client, server = ops[f"{name}_client_cpu"], ops[f"{name}_server_cpu"]
+    cpu = statistics.median(c + s for c, s in zip(client, server, strict=True)) / 1e9
+    return {
+        "wall_ms": 1e3 * ops[name],
+        "client_cpu_ms": 1e3 * statistics.median(client) / 1e9,
+        "server_cpu_ms": 1e3 * statistics.median(server) / 1e9,
+        "cpu_ms": 1e3 * cpu,
+        "floor_ms": 1e3 * cpu / cores,
+    }
 
 
 def measure(chunks: ChunkSet, repeats: int, work: Path) -> dict[str, Any]:
-    """Every side's put, ``repeats`` rounds after one warm-up round; sides alternate within a
-    round so that drift hits them alike."""
+    """Every side's put, ``repeats`` rounds after one warm-up round (connections, pools and
+    spares settle); sides alternate within a round so that drift hits them alike. Each put's
+    CPU: this process's (the client, every thread) and its server's, read around the put.
+    Each put returns once its server answered a request sent after the chunks (ours: the
+    put's reply; LMCache: an EXIST on the same connection), so the server's work on them is
+    counted; bookkeeping it does after answering may be left out."""
     durable = Server(str(work / "durable"), fsync=False)
     memonly = Server(str(work / "memonly"), fsync=False)
     memonly.env["CACHETIER_DISK_BYTES"] = "0"
     closers: list[Callable[[], None]] = []
     try:
-        sides: dict[str, Side] = {}
+        runs: dict[str, Timed] = {}
+        server_pids: dict[str, int] = {}
         for name, server in (("ours_put", durable), ("ours_put_memonly", memonly)):
             server.start()
             closers.append(server.stop)
             assert server.proc is not None
             tier = RemoteTier(RemoteTierConfig(url=server.url, token=TOKEN, timeout_s=60))
             closers.append(tier.close)
-            sides[name] = Side(ours_put_run(tier, chunks), server.proc.pid)
-        sides["lmcache_put"] = lmcache_side(chunks, closers)
-        for i in range(1 + repeats):
-            for side in sides.values():
-                side.sample()
-                if i == 0:  # the warm-up round: connections, pools and spares settle
-                    side.reset()
+            # ``before`` each put, untimed, deletes the chunks so that every put stores (our
+            # disk tier skips a record it already holds).
+            runs[name] = ours_put_run(tier, chunks)
+            server_pids[name] = server.proc.pid
+        runs["lmcache_put"], server_pids["lmcache_put"] = lmcache_run(chunks, closers)
+        me = os.getpid()
+        meters = {
+            "client_cpu": lambda _: cpu_ns(me),
+            "server_cpu": lambda name: cpu_ns(server_pids[name]),
+        }
+        ops = interleaved_checked(runs, repeats, warmup=1, meters=meters)
     finally:
         for close in reversed(closers):
             close()
     cores = len(os.sched_getaffinity(0))
     out: dict[str, Any] = {"cores": cores, "repeats": repeats}
-    out.update({name: side.summary(cores) for name, side in sides.items()})
+    out.update({name: summary(ops, name, cores) for name in runs})
     return out
 
 
-def lmcache_side(chunks: ChunkSet, closers: list[Callable[[], None]]) -> Side:
-    """LMCache's storage manager putting the staged chunks to its own ``lm://`` server."""
+def lmcache_run(chunks: ChunkSet, closers: list[Callable[[], None]]) -> tuple[Timed, int]:
+    """LMCache's storage manager putting the staged chunks to its own ``lm://`` server, and
+    that server's pid."""
     server = LMServer(free_port())
     server.start()
     closers.append(server.kill)
@@ -142,7 +111,7 @@ def lmcache_side(chunks: ChunkSet, closers: list[Callable[[], None]]) -> Side:
     closers.append(lambda: release(staged))  # before the store closes (closers run last first)
     assert server.proc is not None
     # LMCache's server overwrites its dict entries: nothing to forget before a put.
-    return Side(Timed(lambda: store.put(staged)), server.proc.pid)
+    return Timed(lambda: store.put(staged)), server.proc.pid
 
 
 def figures(shapes: dict[str, dict[str, Any]]) -> dict[str, float]:

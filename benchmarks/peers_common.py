@@ -135,38 +135,63 @@ class Timed:
     samples: list[float] = field(default_factory=list)
 
 
-def interleaved_checked(runs: dict[str, Timed], repeats: int, warmup: int = 1) -> dict[str, Any]:
+Meter = Callable[[str], float]
+"""A count read just before and just after each op, given the op's name (e.g. CPU ns)."""
+
+
+def _minor_faults(_: str) -> float:
+    # Every thread's: LMCache reads disk chunks on a thread pool.
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+def interleaved_checked(
+    runs: dict[str, Timed],
+    repeats: int,
+    warmup: int = 1,
+    meters: dict[str, Meter] | None = None,
+) -> dict[str, Any]:
     """Median seconds of each op, run in turn (a, b, a, b, ...) so drift hits all alike.
 
     Unlike ``common.interleaved_medians`` each result is checked after its clock stops, so
-    checking every read costs no measured time. The process's minor page faults during each op
-    are counted too (every thread: LMCache reads disk chunks on a thread pool): an op that
-    hands back fresh memory pays one per 4 KiB page it fills.
+    checking every read costs no measured time. Around each op, outside its clock, every meter
+    is read in order before and again after; the process's minor page faults are always one
+    (``minflt``): an op that hands back fresh memory pays one per 4 KiB page it fills.
+
+    Args:
+        runs: the ops, by name.
+        repeats: samples of each op kept.
+        warmup: rounds run first and not kept (connections, pools and spares settle).
+        meters: more counts to read around each op, by name.
 
     Returns:
-        name -> median seconds, ``<name>_minflt`` -> median minor page faults per call, and
+        name -> median seconds, ``<name>_minflt`` -> median minor page faults per call,
         ``<name>_samples`` -> every sample's seconds in round order (rounds pair up across
-        ops: ``common.paired_ratio_interval``).
+        ops: ``common.paired_ratio_interval``), and per other meter ``<name>_<meter>`` -> its
+        growth over each sample, in the same order.
     """
-    faults: dict[str, list[int]] = {name: [] for name in runs}
+    all_meters: dict[str, Meter] = {"minflt": _minor_faults, **(meters or {})}
+    counts: dict[str, dict[str, list[float]]] = {name: {m: [] for m in all_meters} for name in runs}
     for i in range(warmup + repeats):
         for name, run in runs.items():
             if run.before is not None:
                 run.before()
-            flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            before = [meter(name) for meter in all_meters.values()]
             start = time.perf_counter()
             result = run.op()
             elapsed = time.perf_counter() - start
-            flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt
+            after = [meter(name) for meter in all_meters.values()]
             if run.check is not None:
                 run.check(result)
             del result  # before the next op runs, as a caller done with it would
             if i >= warmup:
                 run.samples.append(elapsed)
-                faults[name].append(flt)
+                for m, b, a in zip(all_meters, before, after, strict=True):
+                    counts[name][m].append(a - b)
     out: dict[str, Any] = {name: statistics.median(run.samples) for name, run in runs.items()}
-    out.update({f"{name}_minflt": int(statistics.median(f)) for name, f in faults.items()})
-    out.update({f"{name}_samples": list(run.samples) for name, run in runs.items()})
+    for name, run in runs.items():
+        out[f"{name}_minflt"] = int(statistics.median(counts[name].pop("minflt")))
+        out[f"{name}_samples"] = list(run.samples)
+        out.update({f"{name}_{m}": got for m, got in counts[name].items()})
     return out
 
 
