@@ -392,7 +392,8 @@ class RespClient:
             skeys: Redis keys.
             record_of: the parts (``encode_parts``) of key ``i``'s record, sent without a
                 join. Called on the thread that sends it, just before: one stream's encoding
-                (a checksum, under the GIL) overlaps the others' sends (which release it).
+                (Python steps under the GIL; xxh3 lets go of it for pieces over 64 KiB)
+                overlaps the others' sends (which release it).
             px_ms: expiry in milliseconds, or ``None``.
 
         Returns:
