@@ -13,6 +13,7 @@ key: a partial last block is always recomputed by the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -133,6 +134,50 @@ class KVLayout:
             * self.head_dim
             * DTYPE_BYTES[self.dtype]
         )
+
+
+def records_per_block(block_size: int, record_tokens: int) -> int:
+    """How many records of ``record_tokens`` tokens one engine block of ``block_size`` holds.
+
+    Args:
+        block_size: the engine's tokens per block (or per page).
+        record_tokens: the deployment's tokens per record (``kv_format.DEFAULT_RECORD_TOKENS``).
+
+    Returns:
+        ``block_size // record_tokens``.
+
+    Raises:
+        ValueError: ``block_size`` is not a positive multiple of ``record_tokens``: such an
+            engine cannot share the deployment's records, and says so at start rather than
+            missing every lookup.
+    """
+    positive_int("block_size", block_size)
+    positive_int("record_tokens", record_tokens)
+    if block_size % record_tokens:
+        raise ValueError(
+            f"the engine's block size {block_size} is not a multiple of record_tokens "
+            f"{record_tokens}: set record_tokens to a divisor of it (the same value in every "
+            "engine that shares the cache)"
+        )
+    return block_size // record_tokens
+
+
+def record_layout(layout: KVLayout, record_tokens: int) -> KVLayout:
+    """The layout of one record cut from blocks of ``layout``: the same KV, ``record_tokens``
+    tokens. Namespaces are built on it, so keys do not depend on an engine's block size.
+
+    Args:
+        layout: the engine's block layout.
+        record_tokens: the deployment's tokens per record.
+
+    Returns:
+        ``layout`` with ``block_size`` set to ``record_tokens``.
+
+    Raises:
+        ValueError: ``layout.block_size`` is not a multiple of ``record_tokens``.
+    """
+    records_per_block(layout.block_size, record_tokens)
+    return dataclasses.replace(layout, block_size=record_tokens)
 
 
 @dataclass(frozen=True, slots=True)

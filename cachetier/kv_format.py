@@ -17,11 +17,16 @@ float32 (K then V per layer; ``[num_layers, 1]`` for MLA), an element being ``fp
 engine with one scale per layer (vLLM) writes that scale for every block and re-scales a block
 whose scales differ from its own on restore.
 
-The namespace is the model fingerprint plus this format (dtype, block size, layer and head
-counts, the arrangement name): the same prompt on the same model, dtype and block size gives
-the same keys and the same bytes in every engine, so a block saved by one restores into
-another. Engines with different block sizes never share keys (the block size is in the
-namespace): a lookup from one is a clean miss for the other, never a re-chunked block.
+The namespace is the model fingerprint plus this format (dtype, record size in tokens, layer
+and head counts, the arrangement name): the same prompt on the same model and dtype gives the
+same keys and the same bytes in every engine, so a block saved by one restores into another.
+
+A record holds ``record_tokens`` tokens, one setting for the whole deployment, never the
+engine's block size: an engine whose block is ``n`` times that size reads and writes ``n``
+records per block (``kernels.records`` splits and joins them), so HF at 16, vLLM at 16 or 32
+and our engine share one cache. Engines with other record sizes (a deployment that changed the
+setting) never share keys, since the record size is in the namespace: a clean miss, never a
+re-chunked record.
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ NATIVE_PREFIX = "native:"
 as one plane per layer (``[num_layers, 1, block_size, num_kv_heads, C]``, C the cell size) and
 restored only by the same engine on the same layout. Its name keeps it out of every canonical
 namespace."""
+
+DEFAULT_RECORD_TOKENS = 16
+"""Tokens per record unless a deployment says otherwise: the block size of vLLM on GPUs and of
+HF and our engine by default, and a divisor of the other common sizes (32, 64, 128, 256).
+Smaller records share more (a block size of 8 would need 8) but pay a record's fixed costs
+(header, checksum, one file or key each) more often: ``benchmarks/bench_portable.py`` measures
+that per-record cost."""
 
 SCALE_DTYPE = "<f4"
 """numpy dtype of the fp8 scales in a record's ``aux``."""

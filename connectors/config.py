@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachetier.checks import positive_int
 from cachetier.config import StoreConfig, build_store
 from cachetier.fingerprint import model_fingerprint
+from cachetier.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.redact import redacted_repr, url_secrets
 from cachetier.store import TieredStore
 
@@ -65,6 +67,9 @@ class ConnectorConfig:
             requests while a request waits for its KV): ``network`` (those whose every block
             comes over a network, Redis or a sidecar: their reads wait on a link, not on the
             cores the forward uses), ``always`` or ``never``. Other engines ignore it.
+        record_tokens: tokens per stored record, the same in every engine that shares the
+            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block size
+            must be a multiple of it, and each block is stored as several records.
     """
 
     cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
@@ -84,8 +89,10 @@ class ConnectorConfig:
     writer_nice: int = _STORE_DEFAULTS.writer_nice
     kv_load_policy: str = "cost"
     load_async: str = "network"
+    record_tokens: int = DEFAULT_RECORD_TOKENS
 
     def __post_init__(self) -> None:
+        positive_int("record_tokens", self.record_tokens)
         if self.kv_load_policy not in ("cost", "always"):
             raise ValueError(
                 f"kv_load_policy must be 'cost' or 'always', got {self.kv_load_policy!r}"
@@ -132,7 +139,13 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown {source} keys {unknown}; known: {sorted(known)}")
-        for name in ("cpu_bytes", "disk_bytes", "write_queue_blocks", "writer_nice"):
+        for name in (
+            "cpu_bytes",
+            "disk_bytes",
+            "write_queue_blocks",
+            "writer_nice",
+            "record_tokens",
+        ):
             if name in extra:
                 extra[name] = _as_int(name, extra[name])
         for name in ("redis_ttl_s", "redis_timeout_s"):

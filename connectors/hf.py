@@ -6,8 +6,9 @@ prefills only the rest. After it, the full blocks the cache now holds are writte
 
 A block's payload is ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (arrangement
 ``"layer,kv,token,head,dim"``, ``KVLayout``'s default) with keys after RoPE, exactly what our
-engine's pool stores; so for the same model folder, dtype and block size the engine and this
-connector read each other's blocks.
+engine's pool stores. HF keeps no pages, so a block here is one record of the deployment's
+``record_tokens``: for the same model folder and dtype, our engine, vLLM (at any multiple of
+that size) and this connector read each other's records.
 
 Only batch-1 prompts without padding, and models whose every layer is full attention (Llama,
 Qwen2, SmolLM2; not sliding-window or hybrid models), are supported.
@@ -25,6 +26,7 @@ import torch
 
 from cachetier.fingerprint import model_fingerprint
 from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, dtype_name, torch_dtype
+from cachetier.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from kernels.paged_layouts import PagedBlocks, axes_view
@@ -85,7 +87,8 @@ class HFCacheConnector:
         model_folder: the folder the weights were loaded from; its ``model_fingerprint`` names
             the model in every key. Give this or ``fingerprint``.
         fingerprint: a ready model fingerprint instead of ``model_folder``.
-        block_size: tokens per block.
+        record_tokens: tokens per record, the same in every engine that shares the cache
+            (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``).
         tenant: tenant name or cache salt; different tenants never share blocks.
         save_generated_tokens: also store the full blocks of generated tokens (their KV was
             computed one token at a time, so it may differ from a prefill in the last bits).
@@ -98,7 +101,7 @@ class HFCacheConnector:
         *,
         model_folder: str | Path | None = None,
         fingerprint: str | None = None,
-        block_size: int = 16,
+        record_tokens: int = DEFAULT_RECORD_TOKENS,
         tenant: str = "",
         save_generated_tokens: bool = False,
     ) -> None:
@@ -113,11 +116,11 @@ class HFCacheConnector:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        layout = KVLayout(dtype, block_size, config.num_hidden_layers, num_kv_heads, head_dim)
+        layout = KVLayout(dtype, record_tokens, config.num_hidden_layers, num_kv_heads, head_dim)
         self.model = model
         self.store = store
         self.namespace = Namespace(fingerprint, layout, tenant)
-        self.block_shape = (layout.num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.block_shape = layout.payload_shape
         self.save_generated_tokens = save_generated_tokens
         self.stats = HFConnectorStats()
         self._check_full_attention()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cachetier.checks import positive_int
+from cachetier.kv_format import DEFAULT_RECORD_TOKENS
+
 GiB = 1 << 30
 
 # Dtypes the engine computes in, by their ``cachetier.keys.DTYPE_BYTES`` names.
@@ -44,6 +47,9 @@ class EngineConfig:
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
+        record_tokens: tokens per stored record, the same in every engine that shares the
+            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``). With tiers, this engine
+            stores one record per block, so ``block_size`` must equal it.
     """
 
     model: str
@@ -61,6 +67,7 @@ class EngineConfig:
     event_log: str | None = None
     kv_load_policy: str = "cost"
     device: str = "cpu"
+    record_tokens: int = DEFAULT_RECORD_TOKENS
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -91,6 +98,7 @@ class EngineConfig:
             )
         if self.event_log is not None and not self.event_log.strip():
             raise ValueError("event_log must be a file path, or None for no log")
+        positive_int("record_tokens", self.record_tokens)
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

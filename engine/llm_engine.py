@@ -114,6 +114,14 @@ class LLMEngine:
             self.spec.max_position_embeddings,
             self.pool.num_blocks * config.block_size,
         )
+        if store is not None and config.block_size != config.record_tokens:
+            # Keys are per record; a pool block of several records would need keys of its
+            # own, so rather than split the cache silently the engine refuses at start.
+            raise ValueError(
+                f"block_size {config.block_size} differs from record_tokens "
+                f"{config.record_tokens}: with tiers the engine stores one record per block, "
+                "so set both to the deployment's record_tokens"
+            )
         warm_up = self.model.warm_up(self.pool.cache, self.pool.scales)
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
         # Restores into a GPU pool copy what the tiers read; that copy is timed once here (and

@@ -96,10 +96,14 @@ class CacheTierConnector(KVConnectorBase_V1):
                 layout,
                 fingerprint,
                 config.tenant,
-                config.cpu_bytes // layout.block_bytes,
+                # The worker's CPU tier holds records, several per block where they are smaller.
+                config.cpu_bytes
+                // layout.block_bytes
+                * (layout.block_size // config.record_tokens),
                 cost_model=config.kv_load_policy == "cost",
                 chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 load_async=config.load_async,
+                record_tokens=config.record_tokens,
             )
             logger.info(
                 "cachetier scheduler: model %s..., layout %s, tenant %r",
@@ -109,7 +113,7 @@ class CacheTierConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = CacheTierWorker(
-                open_store(config, with_cpu=True), arrangement, layer_names
+                open_store(config, with_cpu=True), arrangement, layer_names, config.record_tokens
             )
 
     @property

@@ -25,8 +25,8 @@ class BlockTransfer:
         req_id: vLLM request id (for logs).
         namespace_id: storage namespace of the blocks (``Namespace.id``).
         fingerprint: namespace fingerprint the records must carry.
-        keys: block keys, in sequence order.
-        block_ids: vLLM block ids, one per key.
+        keys: record keys, in sequence order: ``per_block`` of them per vLLM block.
+        block_ids: vLLM block ids, in sequence order.
     """
 
     req_id: str
@@ -36,8 +36,14 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.keys) != len(self.block_ids):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} block ids")
+        num_keys, num_blocks = len(self.keys), len(self.block_ids)
+        if (num_keys == 0) != (num_blocks == 0) or (num_blocks and num_keys % num_blocks):
+            raise ValueError(f"{num_keys} keys for {num_blocks} block ids")
+
+    @property
+    def per_block(self) -> int:
+        """Records per vLLM block."""
+        return len(self.keys) // len(self.block_ids) if self.block_ids else 1
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Scheduler side of the connector: which leading blocks of a request are stored, and the plan
 of whole-block loads and saves the worker carries out each step.
 
-A request's blocks are keyed with ``cachetier.keys.block_keys`` over its token ids in a
-``Namespace(model fingerprint, canonical layout, tenant + cache salt)``; block ``i`` of the
-request is vLLM block ``block_ids[i]``, so key ``i`` and block id ``i`` travel together.
+A request's records are keyed with ``cachetier.keys.block_keys`` over its token ids in a
+``Namespace(model fingerprint, canonical record layout, tenant + cache salt)``. A record holds
+``record_tokens`` tokens, the same in every engine of a deployment, and a vLLM block of
+``block_size`` tokens holds ``block_size / record_tokens`` of them: block ``i`` of the request
+is vLLM block ``block_ids[i]`` and keys ``[i * n, (i + 1) * n)``. vLLM takes a hit in whole
+blocks, so a hit that ends inside a block is cut back to the block before it.
 
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
   stored, stopping one token short of the prompt (vLLM must compute at least one token), and
@@ -31,7 +34,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cachetier.costmodel import CopyRate, CostModel, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, num_leading_hits
+from cachetier.keys import (
+    BlockHash,
+    KVLayout,
+    Namespace,
+    block_keys,
+    num_leading_hits,
+    record_layout,
+    records_per_block,
+)
+from cachetier.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.store import TieredStore
 from connectors.config import check_load_async
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
@@ -52,10 +64,11 @@ class _Tracked:
 
     request: Request
     namespace: Namespace
-    keys: list[BlockHash] = field(default_factory=list)  # of its first full blocks
+    keys: list[BlockHash] = field(default_factory=list)  # of its first full records
     block_ids: list[int] = field(default_factory=list)  # vLLM block ids, in token order
     num_stored_blocks: int = 0  # leading blocks known stored (hit, loaded or saved)
-    hit: tuple[int, int, dict[str, int]] = (0, 0, {})  # (first block, num blocks, by tier)
+    # (first block, num blocks, tokens by tier)
+    hit: tuple[int, int, dict[str, int]] = (0, 0, {})
     hit_async: bool = False  # the hit is loaded beside the forwards
     # First block the worker failed to load or store: no hit reaches past it again. vLLM asks
     # again after an async load that failed (the request starts over from its local hit), and
@@ -107,7 +120,7 @@ class CacheTierScheduler:
     Args:
         store: the shared tiers (disk, Redis) to look blocks up in; ``None`` if the worker's CPU
             tier is the only tier.
-        layout: the (canonical) layout of a block of this model.
+        layout: the (canonical) layout of a vLLM block of this model.
         model_fingerprint: identity of the weights.
         tenant: tenant name; a request's cache salt is added to it.
         cpu_index_blocks: capacity of the worker's CPU tier in blocks (0 if it has none).
@@ -116,6 +129,8 @@ class CacheTierScheduler:
         chunk_tokens: vLLM's ``max_num_batched_tokens`` (a recompute runs in such chunks).
         load_async: which hits vLLM loads asynchronously: ``network`` (every block from a tier
             over a network), ``always`` or ``never`` (``ConnectorConfig.load_async``).
+        record_tokens: tokens per record (``ConnectorConfig.record_tokens``); vLLM's block
+            size must be a multiple of it.
     """
 
     def __init__(
@@ -129,6 +144,7 @@ class CacheTierScheduler:
         cost_model: bool = True,
         chunk_tokens: int = 2048,
         load_async: str = "network",
+        record_tokens: int = DEFAULT_RECORD_TOKENS,
     ) -> None:
         check_load_async(load_async)
         self._store = store
@@ -140,6 +156,8 @@ class CacheTierScheduler:
         self._async_loads: list[BlockTransfer] = []
         self._layout = layout
         self._block_size = layout.block_size
+        self._record_layout = record_layout(layout, record_tokens)
+        self._per_block = records_per_block(layout.block_size, record_tokens)
         self._model_fingerprint = model_fingerprint
         self._tenant = tenant
         self._cpu_index = WorkerCPUIndex(cpu_index_blocks)
@@ -156,7 +174,7 @@ class CacheTierScheduler:
     def namespace(self, cache_salt: str | None) -> Namespace:
         """The namespace of a request with this cache salt."""
         tenant = self._tenant if not cache_salt else f"{self._tenant}\0{cache_salt}"
-        return Namespace(self._model_fingerprint, self._layout, tenant)
+        return Namespace(self._model_fingerprint, self._record_layout, tenant)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -172,29 +190,31 @@ class CacheTierScheduler:
             last = min(last, tracked.failed_from)
         if last <= first:
             return 0, False
-        keys = self._keys_upto(tracked, last)[first:last]
-        spans = self._lookup(tracked.namespace.id, keys)
+        n = self._per_block
+        keys = self._keys_upto(tracked, last * n)[first * n : last * n]
+        spans = self._lookup(tracked.namespace.id, keys)  # in records
+        record_tokens = self._record_layout.block_size
         plan = self.cost.plan(
             spans,
-            block_bytes=self._layout.block_bytes,
-            block_size=self._block_size,
+            block_bytes=self._record_layout.block_bytes,
+            block_size=record_tokens,
             cached_tokens=num_computed_tokens,
             num_tokens=request.num_tokens,
             chunk_tokens=self._chunk_tokens,
             prefix_only=True,  # vLLM takes a number of leading tokens
         )
-        num_hit = plan.num_load_blocks
-        by_tier: dict[str, int] = {}
-        left = num_hit
+        num_hit = plan.num_load_blocks // n  # vLLM loads whole blocks
+        by_tier: dict[str, int] = {}  # tokens
+        left = num_hit * n
         for tier, count in spans:
             take = min(count, left)
             if take:
-                by_tier[tier] = by_tier.get(tier, 0) + take
+                by_tier[tier] = by_tier.get(tier, 0) + take * record_tokens
             left -= take
         tracked.hit = (first, num_hit, by_tier)
         tracked.hit_async = num_hit > 0 and self._asynchronous(by_tier)
         if plan.num_recompute_blocks:
-            self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * self._block_size
+            self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * record_tokens
             logger.info(
                 "request %s: recomputing %d of %d stored blocks (est. TTFT %.3f s, loading all "
                 "%.3f s)",
@@ -237,11 +257,12 @@ class CacheTierScheduler:
             f"vLLM asked to load {num_external_tokens} tokens of a {num_hit}-block hit"
         )
         (block_ids,) = blocks.get_block_ids()
+        n = self._per_block
         transfer = BlockTransfer(
             request.request_id,
             tracked.namespace.id,
             tracked.namespace.fingerprint,
-            tuple(tracked.keys[first : first + num_blocks]),
+            tuple(tracked.keys[first * n : (first + num_blocks) * n]),
             tuple(block_ids[first : first + num_blocks]),
         )
         if tracked.hit_async:
@@ -298,9 +319,10 @@ class CacheTierScheduler:
             for tracked in self._requests.values():
                 if tracked.namespace.id != namespace_id:
                     continue
-                stored = tracked.keys[: tracked.num_stored_blocks]
+                stored = tracked.keys[: tracked.num_stored_blocks * self._per_block]
                 bad = next((i for i, key in enumerate(stored) if key in failed), None)
                 if bad is not None:
+                    bad //= self._per_block  # the block that record is part of
                     tracked.num_stored_blocks = bad
                     if tracked.failed_from is None or bad < tracked.failed_from:
                         tracked.failed_from = bad
@@ -322,9 +344,9 @@ class CacheTierScheduler:
         if tracked is None or tracked.hit[1] * self._block_size != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         out: dict[CacheHitSource, int] = {}
-        for tier, num_blocks in tracked.hit[2].items():
+        for tier, num_tokens in tracked.hit[2].items():
             source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
-            out[source] = out.get(source, 0) + num_blocks * self._block_size
+            out[source] = out.get(source, 0) + num_tokens
         return out
 
     def close(self) -> None:
@@ -338,12 +360,13 @@ class CacheTierScheduler:
             self._requests[request.request_id] = tracked
         return tracked
 
-    def _keys_upto(self, tracked: _Tracked, num_blocks: int) -> list[BlockHash]:
-        """The request's keys of its first ``num_blocks`` blocks, extending the cached chain."""
+    def _keys_upto(self, tracked: _Tracked, num_records: int) -> list[BlockHash]:
+        """The request's keys of its first ``num_records`` records, extending the cached
+        chain."""
         have = len(tracked.keys)
-        if num_blocks > have:
-            size = self._block_size
-            tokens = tracked.request.all_token_ids[have * size : num_blocks * size]
+        if num_records > have:
+            size = self._record_layout.block_size
+            tokens = tracked.request.all_token_ids[have * size : num_records * size]
             parent = tracked.keys[-1] if tracked.keys else None
             tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
         return tracked.keys
@@ -374,13 +397,14 @@ class CacheTierScheduler:
         start = tracked.num_stored_blocks
         if num_full <= start:
             return
-        keys = self._keys_upto(tracked, num_full)
+        n = self._per_block
+        keys = self._keys_upto(tracked, num_full * n)
         meta.saves.append(
             BlockTransfer(
                 tracked.request.request_id,
                 tracked.namespace.id,
                 tracked.namespace.fingerprint,
-                tuple(keys[start:num_full]),
+                tuple(keys[start * n : num_full * n]),
                 tuple(tracked.block_ids[start:num_full]),
             )
         )

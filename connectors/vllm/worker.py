@@ -9,9 +9,12 @@ blocks at once rather than layer by layer. On CUDA a save's device-to-host copy 
 stream and reaches the store at a later call, when its event has fired (``PagedKV.poll``); on
 CPU it is stored at once.
 
-A block that cannot be restored (missing, corrupt, failed checksum, another layout) is reported
-through ``take_failed_block_ids`` so vLLM recomputes it instead of reading stale KV; the blocks
-after it in the same request are reported too, since a prefix is only usable up to its first gap.
+A vLLM block of ``n`` records is saved as ``n`` records cut from its canonical payload and
+restored by joining them (``kernels.records``), so vLLM shares records with engines of other
+block sizes. A block that cannot be restored (missing, corrupt, failed checksum, another
+layout) is reported through ``take_failed_block_ids`` so vLLM recomputes it instead of reading
+stale KV; the blocks after it in the same request are reported too, since a prefix is only
+usable up to its first gap.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 from vllm.logger import init_logger
 
 from cachetier.errors import CacheTierError
-from cachetier.record import KVBlock
+from cachetier.keys import record_layout, torch_dtype
+from cachetier.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.record import Buffer, KVBlock
 from cachetier.store import TieredStore
 from connectors.records import check_record
 from connectors.vllm import timing
@@ -33,7 +38,8 @@ from connectors.vllm.layouts import VllmArrangement
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
 from connectors.vllm.paged import PagedKV
 from connectors.vllm.stats import CacheTierConnectorStats
-from kernels.staging import PendingSave, payload_view
+from kernels.records import join_records, split_block
+from kernels.staging import PendingSave, payload_tensor, payload_view
 
 logger = init_logger("vllm.cachetier.worker")
 
@@ -45,14 +51,20 @@ class CacheTierWorker:
         store: the tiers, fastest first; the worker owns it and closes it on ``close()``.
         arrangement: how this run's KV cells map onto canonical blocks.
         layer_names: attention layers in model order (the order of layers inside a record).
+        record_tokens: tokens per record; vLLM's block size must be a multiple of it.
     """
 
     def __init__(
-        self, store: TieredStore, arrangement: VllmArrangement, layer_names: Sequence[str]
+        self,
+        store: TieredStore,
+        arrangement: VllmArrangement,
+        layer_names: Sequence[str],
+        record_tokens: int = DEFAULT_RECORD_TOKENS,
     ) -> None:
         self._store = store
         self._arrangement = arrangement
         self._layout = arrangement.layout
+        self._record_layout = record_layout(self._layout, record_tokens)
         self._aux = b""
         self._layer_names = list(layer_names)
         self._paged: PagedKV | None = None
@@ -214,27 +226,32 @@ class CacheTierWorker:
             records, sources = [], []
         good: list[KVBlock] = []
         for record, key in zip(records, transfer.keys, strict=False):
-            problem = check_record(record, key, transfer.fingerprint, self._layout, self._aux)
+            problem = check_record(
+                record, key, transfer.fingerprint, self._record_layout, self._aux
+            )
             if problem is not None:
-                logger.warning("cachetier: block %s... holds %s", key.hex()[:16], problem)
+                logger.warning("cachetier: record %s... holds %s", key.hex()[:16], problem)
                 break
             good.append(record)
-        num_good = len(good)
+        per_block = transfer.per_block
+        num_good = len(good) // per_block  # whole vLLM blocks
         copy_s = 0.0
         if num_good:
             # ``write`` waits for the copy's end, so its time never counts as the forward's
             # (the prefill model's), and the scheduler's cost model adds what a loaded block
             # costs to copy in.
-            copy_s = paged.write(transfer.block_ids[:num_good], [record.data for record in good])
+            copy_s = paged.write(
+                transfer.block_ids[:num_good], self._block_payloads(good, per_block, num_good)
+            )
         elapsed = time.perf_counter() - start
         by_tier: dict[str, int] = {}
-        for source in sources[:num_good]:
+        for source in sources[: num_good * per_block]:
             by_tier[source] = by_tier.get(source, 0) + 1
         with self._lock:
             if num_good:
                 self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
                 self._stats.add(copy_s=copy_s)
-            if num_good < len(transfer.keys):
+            if num_good < len(transfer.block_ids):
                 self._failed_from(transfer, num_good)
                 if not asynchronous:
                     # This step's forward reads those blocks: what it writes is not saved.
@@ -243,7 +260,7 @@ class CacheTierWorker:
             self._loaded_since_report = True
             self._stats.add(
                 num_loaded_blocks=num_good,
-                num_load_errors=len(transfer.keys) - num_good,
+                num_load_errors=len(transfer.block_ids) - num_good,
                 num_async_loads=int(asynchronous),
                 loaded_bytes=num_good * self._layout.block_bytes,
                 load_s=elapsed,
@@ -253,21 +270,41 @@ class CacheTierWorker:
             "cachetier: request %s loaded %d/%d blocks (%d tokens) from %s in %.1f ms%s%s",
             transfer.req_id,
             num_good,
-            len(transfer.keys),
+            len(transfer.block_ids),
             num_good * self._layout.block_size,
             by_tier or "no tier",
             1e3 * elapsed,
             " (async)" if asynchronous else "",
             ""
-            if num_good == len(transfer.keys)
-            else f"; {len(transfer.keys) - num_good} failed, vLLM recomputes them",
+            if num_good == len(transfer.block_ids)
+            else f"; {len(transfer.block_ids) - num_good} failed, vLLM recomputes them",
         )
+
+    def _block_payloads(
+        self, records: Sequence[KVBlock], per_block: int, num_blocks: int
+    ) -> list[Buffer]:
+        """One canonical payload per vLLM block: a record's bytes as they are, or its records
+        joined (one copy) where a block holds several."""
+        if per_block == 1:
+            return [record.data for record in records[:num_blocks]]
+        dtype = torch_dtype(self._record_layout.dtype)
+        shape = self._record_layout.payload_shape
+        return [
+            join_records(
+                [
+                    payload_tensor(record.data, dtype, shape)
+                    for record in records[b * per_block : (b + 1) * per_block]
+                ]
+            )
+            for b in range(num_blocks)
+        ]
 
     def _failed_from(self, transfer: BlockTransfer, index: int) -> None:
         """Report a load's blocks from ``index`` on as failed: to vLLM, which recomputes them,
         and to the scheduler, which stops counting them stored. Under ``_lock``."""
         self._failed_block_ids.update(transfer.block_ids[index:])
-        self._report.failed.setdefault(transfer.namespace_id, []).extend(transfer.keys[index:])
+        failed_keys = transfer.keys[index * transfer.per_block :]
+        self._report.failed.setdefault(transfer.namespace_id, []).extend(failed_keys)
 
     def _save_one(self, transfer: BlockTransfer) -> None:
         paged = self._require_paged()
@@ -282,18 +319,7 @@ class CacheTierWorker:
         """Hand finished copies to the store, and tell the scheduler what is stored."""
         for pending in saved:
             transfer, start = pending.tag  # type: ignore[misc]
-            records = [
-                KVBlock(
-                    key,
-                    transfer.fingerprint,
-                    self._layout.dtype,
-                    self._layout.payload_shape,
-                    self._layout.block_size,
-                    payload_view(payload),
-                    self._aux,
-                )
-                for key, payload in zip(transfer.keys, pending.payloads, strict=True)
-            ]
+            records = self._records(transfer, pending.payloads)
             try:
                 stored = self._store.put_many(transfer.namespace_id, records)
             except (CacheTierError, OSError) as exc:
@@ -307,12 +333,39 @@ class CacheTierWorker:
                 self._stats.add(
                     num_saved_blocks=stored,
                     num_save_errors=len(records) - stored,
-                    saved_bytes=stored * self._layout.block_bytes,
+                    saved_bytes=stored * self._record_layout.block_bytes,
                     save_s=time.perf_counter() - start,
                 )
             logger.debug(
                 "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
             )
+
+    def _records(self, transfer: BlockTransfer, payloads: Sequence[torch.Tensor]) -> list[KVBlock]:
+        """The records of saved vLLM blocks: each block's payload, cut into ``per_block``
+        records where it holds several."""
+        layout = self._record_layout
+        per_block = transfer.per_block
+        if len(payloads) * per_block != len(transfer.keys):
+            raise ValueError(f"{len(payloads)} payloads for {len(transfer.keys)} records")
+        pieces: list[torch.Tensor] = []
+        for payload in payloads:
+            if per_block == 1:
+                pieces.append(payload)
+            else:
+                block = payload.reshape(self._layout.payload_shape)
+                pieces.extend(split_block(block, per_block))
+        return [
+            KVBlock(
+                key,
+                transfer.fingerprint,
+                layout.dtype,
+                layout.payload_shape,
+                layout.block_size,
+                payload_view(piece),
+                self._aux,
+            )
+            for key, piece in zip(transfer.keys, pieces, strict=True)
+        ]
 
     def _require_paged(self) -> PagedKV:
         if self._paged is None:

@@ -182,3 +182,18 @@ def test_foreign_keys_are_scoped_by_namespace_and_engine() -> None:
     for engine, name in (("", page), ("a\0b", page), ("sglang", "")):
         with pytest.raises(ValueError):
             foreign_key(NS, engine, name)
+
+
+def test_record_layout_keeps_the_kv_and_takes_the_record_size() -> None:
+    from cachetier.keys import record_layout, records_per_block
+
+    vllm = KVLayout("float16", 32, 30, 3, 64)
+    hf = KVLayout("float16", 16, 30, 3, 64)
+    assert record_layout(vllm, 16) == hf == record_layout(hf, 16)
+    # So the namespace, and every key, is the same whatever the engine's block size.
+    assert Namespace("m", record_layout(vllm, 16)).id == Namespace("m", hf).id
+    assert records_per_block(64, 16) == 4 and records_per_block(16, 16) == 1
+    with pytest.raises(ValueError, match="not a multiple of record_tokens 16"):
+        records_per_block(24, 16)
+    with pytest.raises(ValueError, match="record_tokens"):
+        records_per_block(16, 0)

@@ -99,7 +99,7 @@ def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     store = build_store(store_config)
     try:
-        hf = HFCacheConnector(model, store, model_folder=folder, block_size=BLOCK_SIZE)
+        hf = HFCacheConnector(model, store, model_folder=folder, record_tokens=BLOCK_SIZE)
         for name, prompt in spec["hf"].items():
             results[f"hf:{name}"] = _hf_generate(model, prompt, hf)
         for name, prompt in spec["hf_cold"].items():

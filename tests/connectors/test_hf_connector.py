@@ -72,7 +72,9 @@ def test_warm_generate_matches_plain_generate_and_prefills_only_the_tail(
     prompt = _prompt(70)
     with ForwardTokens(tiny_model) as plain_forward:
         expected = _greedy(tiny_model, prompt)
-    conn = HFCacheConnector(tiny_model, store, model_folder=tiny_model_dir, block_size=BLOCK_SIZE)
+    conn = HFCacheConnector(
+        tiny_model, store, model_folder=tiny_model_dir, record_tokens=BLOCK_SIZE
+    )
 
     cold, cold_info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     with ForwardTokens(tiny_model) as warm_forward:
@@ -96,7 +98,9 @@ def test_warm_generate_matches_plain_generate_and_prefills_only_the_tail(
 def test_restore_leaves_at_least_one_prompt_token_and_takes_the_longest_stored_prefix(
     tiny_model: torch.nn.Module, tiny_model_dir: Path, store: TieredStore
 ) -> None:
-    conn = HFCacheConnector(tiny_model, store, model_folder=tiny_model_dir, block_size=BLOCK_SIZE)
+    conn = HFCacheConnector(
+        tiny_model, store, model_folder=tiny_model_dir, record_tokens=BLOCK_SIZE
+    )
     prompt = _prompt(64)
     assert conn.restore(prompt) == (None, 0)
     _, info = conn.generate(prompt, max_new_tokens=2, do_sample=False)
@@ -267,7 +271,7 @@ def test_our_engine_and_the_hf_connector_share_blocks(
 
     # Engine first: its finished blocks serve the HF model.
     prompt = _prompt(70, seed=11)
-    engine = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, block_size=BLOCK_SIZE)
+    engine = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE)
     engine_out = engine.generate([prompt[0].tolist()], greedy)[0]
     engine.flush()
     out, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -279,7 +283,7 @@ def test_our_engine_and_the_hf_connector_share_blocks(
     prompt = _prompt(50, seed=12)
     _, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert info.num_saved_blocks == 3
-    fresh = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, block_size=BLOCK_SIZE)
+    fresh = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE)
     restored = fresh.generate([prompt[0].tolist()], greedy)[0]
     assert restored.cached_tokens_by_source == {"cpu": 48}
     assert restored.token_ids == _greedy(tiny_model, prompt)[0, 50:].tolist()

@@ -100,7 +100,9 @@ def _cached_step(
 
 
 def _scheduler(store: TieredStore | None, cpu_index_blocks: int = 0) -> CacheTierScheduler:
-    return CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", cpu_index_blocks)
+    return CacheTierScheduler(
+        store, LAYOUT, FINGERPRINT, "acme", cpu_index_blocks, record_tokens=BS
+    )
 
 
 def test_hit_counts_stored_blocks_after_the_local_hit(store: TieredStore) -> None:
@@ -131,7 +133,7 @@ def test_tenant_and_cache_salt_scope_the_keys(store: TieredStore) -> None:
     assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, False)
     salted = _request("s", 3 * BS + 1, salt="user-42")
     assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
-    other_tenant = CacheTierScheduler(store, LAYOUT, FINGERPRINT, "globex", 0)
+    other_tenant = CacheTierScheduler(store, LAYOUT, FINGERPRINT, "globex", 0, record_tokens=BS)
     assert other_tenant.get_num_new_matched_tokens(_request("t", 3 * BS + 1), 0) == (0, False)
 
 
@@ -260,7 +262,9 @@ def test_cost_model_reports_only_hits_worth_loading(store: TieredStore) -> None:
 
 
 def test_always_load_policy_reports_every_hit(store: TieredStore) -> None:
-    sched = CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, cost_model=False)
+    sched = CacheTierScheduler(
+        store, LAYOUT, FINGERPRINT, "acme", 0, cost_model=False, record_tokens=BS
+    )
     request = _request("r", 5 * BS + 10)
     ns = sched.namespace(None)
     _put(store, ns, block_keys(ns, request.prompt_token_ids))
@@ -341,7 +345,9 @@ def test_load_async_setting_picks_which_hits_load_beside_the_forwards(
         (redis_store, "never", False),
         (redis_store, "network", True),
     ):
-        sched = CacheTierScheduler(tiers, LAYOUT, FINGERPRINT, "acme", 0, load_async=setting)
+        sched = CacheTierScheduler(
+            tiers, LAYOUT, FINGERPRINT, "acme", 0, load_async=setting, record_tokens=BS
+        )
         ns = sched.namespace(None)
         _put(tiers, ns, block_keys(ns, request.prompt_token_ids))
         assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, want), (setting, want)
@@ -368,3 +374,69 @@ def test_a_hit_that_failed_to_load_is_not_offered_again(redis_store: TieredStore
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
     # Another request with the same prefix is not held to this one's failure.
     assert sched.get_num_new_matched_tokens(_request("s", 5 * BS + 10), 0) == (5 * BS, True)
+
+
+def _record_scheduler(store: TieredStore) -> CacheTierScheduler:
+    """vLLM at 32 tokens a block over records of 16 (an HF or our engine's block)."""
+    return CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, record_tokens=BS // 2)
+
+
+def test_records_of_another_block_size_hit_in_whole_blocks(store: TieredStore) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    sched = _record_scheduler(store)
+    ns = sched.namespace(None)
+    assert ns.block_size == BS // 2  # the namespace does not depend on vLLM's block size
+    request = _request("r", 5 * BS + 10)
+    keys = block_keys(ns, request.prompt_token_ids)
+    assert len(keys) == 10
+    _put_records(store, ns, keys[:7])  # three blocks and a half
+    assert sched.get_num_new_matched_tokens(request, 0) == (3 * BS, False)
+    assert sched.hit_sources(request, 3 * BS) == {CacheHitSource.DISK: 3 * BS}
+
+    block_ids = [7, 8, 9, 10, 11, 12]
+    sched.update_state_after_alloc(request, _blocks(block_ids), 3 * BS)
+    meta = sched.build_connector_meta(_new_step(request, block_ids, 3 * BS, 2 * BS + 10))
+    (load,) = meta.loads
+    assert load.keys == tuple(keys[:6]) and load.block_ids == (7, 8, 9)
+    (save,) = meta.saves
+    assert save.keys == tuple(keys[6:10]) and save.block_ids == (10, 11)
+    assert save.per_block == 2
+
+
+def test_a_failed_record_fails_its_whole_block(store: TieredStore) -> None:
+    sched = _record_scheduler(store)
+    ns = sched.namespace(None)
+    request = _request("r", 4 * BS + 1)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put_records(store, ns, keys)
+    assert sched.get_num_new_matched_tokens(request, 0) == (4 * BS, False)
+    sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 4 * BS)
+    sched.build_connector_meta(_new_step(request, [1, 2, 3, 4, 5], 4 * BS, 1))
+    # The worker could not read record 5, the second half of block 2.
+    sched.update_connector_output(StoredBlocks(failed={ns.id: [keys[5]]}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (2 * BS, False)
+
+
+def test_a_block_size_that_records_do_not_divide_is_refused_at_start(
+    store: TieredStore,
+) -> None:
+    with pytest.raises(ValueError, match="not a multiple of record_tokens"):
+        CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, record_tokens=24)
+
+
+def _put_records(store: TieredStore, namespace: Namespace, keys: list[BlockHash]) -> None:
+    layout = namespace.layout
+    blocks = [
+        KVBlock(
+            key,
+            namespace.fingerprint,
+            layout.dtype,
+            layout.payload_shape,
+            layout.block_size,
+            bytes(layout.block_bytes),
+        )
+        for key in keys
+    ]
+    store.put_many(namespace.id, blocks)
+    store.flush()

@@ -66,7 +66,7 @@ def test_load_lands_whole_blocks_and_reports_its_copy(store: TieredStore) -> Non
     _put(store, namespace, keys, payloads)
 
     caches = _caches(1)
-    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker = CacheTierWorker(store, arrangement, NAMES, BS)
     worker.register_kv_caches(caches)
     transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
     worker.step_started()
@@ -96,7 +96,7 @@ def _first_of_three_stored(
     keys = block_keys(namespace, list(range(100, 100 + 3 * BS)))
     (payload,) = PagedKV(_caches(0), NAMES, arrangement).gather([5])
     _put(store, namespace, keys[:1], [payload])
-    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker = CacheTierWorker(store, arrangement, NAMES, BS)
     worker.register_kv_caches(_caches(1))
     transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
     return worker, namespace, keys, transfer
@@ -132,7 +132,7 @@ def test_async_load_lands_beside_the_step_and_is_reported_finished(store: Tiered
     _put(store, namespace, keys, payloads)
 
     caches = _caches(1)
-    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker = CacheTierWorker(store, arrangement, NAMES, BS)
     worker.register_kv_caches(caches)
     transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3, 4))
     worker.load(CacheTierConnectorMetadata(async_loads=[transfer]))
@@ -174,7 +174,7 @@ def test_an_async_load_that_raises_still_finishes_its_request(store: TieredStore
     arrangement = VllmArrangement(CPU_VEC, LAYOUT)
     namespace = Namespace("test-model", LAYOUT)
     keys = block_keys(namespace, list(range(100, 100 + 2 * BS)))
-    worker = CacheTierWorker(store, arrangement, NAMES)
+    worker = CacheTierWorker(store, arrangement, NAMES, BS)
     worker.register_kv_caches(_caches(1))
     bad = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, NUM_BLOCKS))
     _put(store, namespace, keys, PagedKV(_caches(0), NAMES, arrangement).gather([0, 1]))
@@ -182,4 +182,76 @@ def test_an_async_load_that_raises_still_finishes_its_request(store: TieredStore
 
     assert _finished_loads(worker) == {"r"}
     assert worker.take_failed_block_ids() == {2, NUM_BLOCKS}
+    worker.close()
+
+
+RECORD_TOKENS = BS // 2
+RECORD_LAYOUT = KVLayout("float32", RECORD_TOKENS, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
+
+
+def test_a_block_is_saved_as_records_of_record_tokens(store: TieredStore) -> None:
+    # vLLM at 32 tokens a block, records of 16: each block is two records, each holding its
+    # half of the tokens, readable by an engine that pages by 16.
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", RECORD_LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 2 * BS)))
+    assert len(keys) == 4
+    caches = _caches(0)
+    worker = CacheTierWorker(store, arrangement, NAMES, RECORD_TOKENS)
+    worker.register_kv_caches(caches)
+    save = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (5, 1))
+    worker.save(CacheTierConnectorMetadata(saves=[save]))
+    store.flush()
+
+    blocks = PagedKV(caches, NAMES, arrangement).gather([5, 1])
+    records = store.get_many(namespace.id, keys)
+    for i, record in enumerate(records):
+        assert record is not None and record.num_tokens == RECORD_TOKENS
+        assert tuple(record.shape) == RECORD_LAYOUT.payload_shape
+        half = blocks[i // 2][:, :, (i % 2) * RECORD_TOKENS : (i % 2 + 1) * RECORD_TOKENS]
+        got = torch.frombuffer(bytearray(record.data), dtype=torch.float32)
+        assert torch.equal(got.view(RECORD_LAYOUT.payload_shape), half)
+    report = worker.take_report()
+    assert report is not None and report.stored == {namespace.id: keys}
+    worker.close()
+
+
+def test_records_of_a_block_are_joined_on_load_and_a_half_block_is_not_loaded(
+    store: TieredStore,
+) -> None:
+    arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+    namespace = Namespace("test-model", RECORD_LAYOUT)
+    keys = block_keys(namespace, list(range(100, 100 + 2 * BS)))
+    # Three of the four records: the first block whole, the second only its first half.
+    source = PagedKV(_caches(0), NAMES, arrangement).gather([5, 1])
+    halves = [b[:, :, s : s + RECORD_TOKENS].contiguous() for b in source for s in (0, 16)]
+    store.put_many(
+        namespace.id,
+        [
+            KVBlock(
+                key,
+                namespace.fingerprint,
+                "float32",
+                RECORD_LAYOUT.payload_shape,
+                RECORD_TOKENS,
+                payload_view(half),
+            )
+            for key, half in zip(keys[:3], halves[:3], strict=True)
+        ],
+    )
+    store.flush()
+
+    caches = _caches(1)
+    worker = CacheTierWorker(store, arrangement, NAMES, RECORD_TOKENS)
+    worker.register_kv_caches(caches)
+    transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3))
+    worker.load(CacheTierConnectorMetadata(loads=[transfer]))
+
+    assert worker.take_failed_block_ids() == {3}
+    (landed,) = PagedKV(caches, NAMES, arrangement).gather([2])
+    assert torch.equal(landed, source[0])
+    report = worker.take_report()
+    assert report is not None
+    assert [nbytes for nbytes, _ in report.copies] == [LAYOUT.block_bytes]
+    assert report.failed == {namespace.id: list(keys[2:])}  # both records of the failed block
     worker.close()

@@ -57,7 +57,7 @@ def test_hf_connector_with_its_model_on_cuda_restores_instead_of_prefilling(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False
     )
     with build_store(_store_config(tmp_path / "kv", cpu_bytes=16 * MiB)) as store:
-        conn = HFCacheConnector(model, store, model_folder=tiny_model_dir, block_size=BLOCK_SIZE)
+        conn = HFCacheConnector(model, store, model_folder=tiny_model_dir, record_tokens=BLOCK_SIZE)
         cold, cold_info = conn.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
         with ForwardTokens(model) as warm_forward:
             warm, warm_info = conn.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
