@@ -13,6 +13,13 @@ Three figures (issue 15):
   ``tests/connectors/test_cross_engine.py`` (HF, our engine and vLLM-CPU in fresh processes,
   SmolLM2 fp32); a pair is identical when its test passed: every full block restored, greedy
   tokens equal to the target engine's own cold run, logprobs within 1e-3.
+  ``cross_block_size_pairs`` / ``cross_block_size_pairs_identical`` count the pairs whose
+  engines page by different block sizes (HF and our engine at 16, vLLM-CPU at 32, records of
+  16 tokens): all four, in that test.
+- ``record_put_get_s_per_mib``: what a record's fixed costs add at small record sizes: a disk
+  tier's put and get of the same KV bytes (SmolLM2 geometry, 256 tokens) cut into records of 1,
+  4, 16 and 64 tokens, seconds per MiB (median of interleaved rounds), and each size's ratio to
+  the 64-token records. The default ``record_tokens`` (16) is chosen from it.
 - ``cpu_restart_speedup_unchanged``: ``bench_vllm_restart.py``'s TTFT speedup of a vLLM-CPU
   restart from the disk tier (``--skip-restart`` leaves it out).
 
@@ -45,6 +52,8 @@ from kernels.paged_layouts import PagedBlocks, axes_view  # noqa: E402
 L, H, D, BS, LATENT = 30, 3, 64, 32, 576
 NUM_BLOCKS, NUM_GATHERED = 256, 16
 PAIRS = ("hf->vllm-cpu", "engine->vllm-cpu", "vllm-cpu->engine", "vllm-cpu->hf")
+# Block size of each engine in the cross-engine test: records are 16 tokens throughout.
+BLOCK_SIZES = {"hf": 16, "engine": 16, "vllm-cpu": 32}
 
 
 def _vllm_pages(spec, layout_name: str) -> list[torch.Tensor]:
@@ -178,10 +187,56 @@ def cross_engine() -> dict[str, object]:
         "PASSED tests/connectors/test_cross_engine.py::test_every_engine_writes_the_same_kv"
         in proc.stdout
     )
+    mixed = [p for p in PAIRS if len({BLOCK_SIZES[e] for e in p.split("->")}) == 2]
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], file=sys.stderr)
     return {
         "cross_engine_pairs": len(PAIRS),
         "cross_engine_pairs_identical": sum(pair in passed for pair in PAIRS),
+        "cross_block_size_pairs": len(mixed),
+        "cross_block_size_pairs_identical": sum(pair in passed for pair in mixed),
         "cross_engine_same_kv_for_same_key": same_kv,
+    }
+
+
+def record_size_costs(repeats: int) -> dict[str, object]:
+    """Disk put + get of 256 tokens of SmolLM2 KV as records of several sizes (docstring)."""
+    import tempfile
+
+    from cachetier.config import StoreConfig, build_store
+    from cachetier.keys import Namespace, block_keys
+    from cachetier.record import KVBlock
+
+    tokens = list(range(1000, 1256))
+    sizes = (1, 4, 16, 64)
+    runs: dict[str, Callable[[], object]] = {}
+    stores = []
+    with tempfile.TemporaryDirectory(prefix="record-sizes-") as folder:
+        for size in sizes:
+            layout = KVLayout("float16", size, L, H, D)
+            ns = Namespace("bench", layout)
+            keys = block_keys(ns, tokens)
+            payload = bytes(layout.block_bytes)
+            store = build_store(StoreConfig(cpu_bytes=0, disk_path=f"{folder}/{size}", fsync=False))
+            stores.append(store)
+            records = [
+                KVBlock(k, ns.fingerprint, "float16", layout.payload_shape, size, payload)
+                for k in keys
+            ]
+
+            def run(store=store, ns=ns, keys=keys, records=records) -> object:
+                store.delete(ns.id, keys)
+                store.put_many(ns.id, records)
+                return store.get_many(ns.id, keys)
+
+            runs[str(size)] = run
+        medians = interleaved_medians(runs, repeats)
+        for store in stores:
+            store.close()
+    mib = 256 * L * 2 * H * D * 2 / (1 << 20)
+    return {
+        "record_put_get_s_per_mib": {size: s / mib for size, s in medians.items()},
+        "record_cost_vs_64_tokens": {size: s / medians["64"] for size, s in medians.items()},
     }
 
 
@@ -215,6 +270,7 @@ def main() -> None:
         "adapter_copy_vs_memcpy_min": min(vs_memcpy.values()),
         "adapter_copy_vs_block_copy": vs_block,
     }
+    result |= record_size_costs(max(5, args.repeats // 3))
     if not args.skip_cross:
         result |= cross_engine()
     if not args.skip_restart:

@@ -7,6 +7,15 @@ prompt. The cold process starts from an empty folder, so it computes every promp
 it); the warm process is the restart, which finds each prompt's full blocks on disk. TTFT is the
 wall time of the ``max_tokens=1`` generate; each figure is the median over the prompts.
 
+The second restart is the ordinary second day with the default load policy (``cost``): a
+process fills a fresh folder with prompts of 347, 811 and 1,433 tokens and two warm-up prompts,
+then a new process starts over that folder, sends the two warm-ups (hits, so the only prefills
+it has timed are their last few tokens) and then the three prompts. Every full block of them
+must be loaded (``second_restart_blocks_restored`` against ``second_restart_full_blocks``), no
+plan may refuse a load from this local disk (``cost_refusals_local_disk``, counted from the
+connector's log), and no record already in the folder may be written again
+(``rewrites_of_present_blocks``: files whose inode or modification time changed).
+
     python benchmarks/bench_vllm_restart.py --json
 """
 
@@ -35,6 +44,8 @@ CHECK_TOKENS = 8
 TOP_LOGPROBS = 5
 LOGPROB_ATOL = 1e-3
 _LOAD_MS_RE = re.compile(r"cachetier: request \S+ loaded (\d+)/(\d+) blocks .* in ([0-9.]+) ms")
+_REFUSAL_RE = re.compile(r"request \S+: recomputing (\d+) of (\d+) stored")
+SECOND_DAY_LENGTHS = (347, 811, 1433)
 
 
 def make_prompts(num_prompts: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -61,8 +72,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     )
     startup_s = time.perf_counter() - start
     first = SamplingParams(temperature=0.0, max_tokens=1)
-    warmup, *prompts = spec["prompts"]
-    llm.generate([{"prompt_token_ids": warmup}], first, use_tqdm=False)
+    num_warmups = spec.get("num_warmups", 1)
+    warmups, prompts = spec["prompts"][:num_warmups], spec["prompts"][num_warmups:]
+    for warmup in warmups:
+        llm.generate([{"prompt_token_ids": warmup}], first, use_tqdm=False)
     ttft_s, cached, first_tokens = [], [], []
     for prompt in prompts:
         start = time.perf_counter()
@@ -90,6 +103,43 @@ def run_child(spec: dict[str, Any], workdir: Path, name: str) -> tuple[dict[str,
     return run_vllm_child(Path(__file__).resolve(), spec, workdir, name)
 
 
+def record_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every record file under ``folder``: path -> (inode, modification time in ns)."""
+    found = {}
+    for path in folder.rglob("*.ctkv"):
+        st = path.stat()
+        found[str(path)] = (st.st_ino, st.st_mtime_ns)
+    return found
+
+
+def second_day(spec: dict[str, Any], workdir: Path, seed: int) -> dict[str, Any]:
+    """The second restart of the module docstring, in its own folder."""
+    rng = random.Random(seed + 1)
+    lengths = (331, 358, *SECOND_DAY_LENGTHS)  # two warm-ups, then the three prompts
+    prompts = [[rng.randrange(1000, 48000) for _ in range(n)] for n in lengths]
+    disk = workdir / "second-day"
+    day = {
+        **spec,
+        "prompt_len": max(lengths),
+        "prompts": prompts,
+        "num_warmups": 2,
+        "kv_extra": {**spec["kv_extra"], "disk_path": str(disk)},
+    }
+    run_child(day, workdir, "fill")
+    before = record_files(disk)
+    second, log = run_child(day, workdir, "second")
+    after = record_files(disk)
+    rewritten = sum(1 for path, stamp in before.items() if after.get(path, stamp) != stamp)
+    full_blocks = sum((n - 1) // BLOCK_SIZE for n in SECOND_DAY_LENGTHS)
+    return {
+        "second_restart_full_blocks": full_blocks,
+        "second_restart_blocks_restored": sum(second["num_cached_tokens"]) // BLOCK_SIZE,
+        "cost_refusals_local_disk": sum(int(m.group(1)) for m in _REFUSAL_RE.finditer(log)),
+        "rewrites_of_present_blocks": rewritten,
+        "second_restart_records_before": len(before),
+    }
+
+
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Same first tokens, same greedy check tokens, top-5 logprobs within ``LOGPROB_ATOL``."""
     if a["first_tokens"] != b["first_tokens"] or a["check_tokens"] != b["check_tokens"]:
@@ -107,6 +157,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="timed prompts per process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=None, help="disk tier folder (default: a temp dir)")
+    parser.add_argument(
+        "--skip-second-day", action="store_true", help="leave out the second restart"
+    )
     parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -130,6 +183,7 @@ def main() -> None:
         }
         cold, _ = run_child(spec, workdir, "cold")
         warm, warm_log = run_child(spec, workdir, "warm")
+        second = second_day(spec, workdir, args.seed) if not args.skip_second_day else {}
 
     loads = [m.groups() for m in _LOAD_MS_RE.finditer(warm_log)]
     cold_ttft = statistics.median(cold["ttft_s"])
@@ -152,6 +206,7 @@ def main() -> None:
         "startup_s": {"cold": round(cold["startup_s"], 1), "warm": round(warm["startup_s"], 1)},
         "outputs_identical": same_output(cold, warm),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
+        **second,
     }
     emit(result, args.json)
 

@@ -1,7 +1,9 @@
 """One KV block format for every engine: blocks saved by one engine restore into another.
 
-SmolLM2 in float32, 32-token blocks everywhere, one model fingerprint and tenant, so HF, our
-engine and vLLM-CPU key the same prompt with the same keys. Each engine runs in a fresh process
+SmolLM2 in float32, one model fingerprint and tenant, and each engine at its own block size:
+HF and our engine at 16 tokens (their default), vLLM-CPU at 32, every one keying records of the
+default ``record_tokens`` (16), so all three key the same prompt with the same keys and vLLM
+reads and writes two records per block. Each engine runs in a fresh process
 (this file is also the script it runs):
 
 1. ``torch-save``: HF stores ``PROMPTS["hf"]`` and our engine ``PROMPTS["engine"]`` in folder A;
@@ -18,8 +20,8 @@ Our engine reports no logprobs; for it the tokens are compared, and the records 
 wrote for the same key must hold the same KV within ``KV_ATOL`` (a wrong arrangement is off
 by the size of the values themselves, ~20, not by rounding).
 
-Block sizes: the block size is part of the namespace, so engines with different block sizes
-never share keys: a lookup is a clean miss, never a re-chunked block (``test_keys``).
+A deployment that changes ``record_tokens`` changes the namespace: a clean miss for engines
+still at the old size, never a re-chunked record (``test_keys``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import pytest
 
 from tests.children import run_spec_module, spec_main
 
-BLOCK_SIZE = 32
-PROMPT_LEN = 4 * BLOCK_SIZE + 5  # 4 full blocks restored; the last 5 tokens are computed
-FULL_BLOCKS = 4
+VLLM_BLOCK_SIZE = 32
+RECORD_TOKENS = 16  # cachetier.kv_format.DEFAULT_RECORD_TOKENS, and HF's and our engine's block
+PROMPT_LEN = 4 * VLLM_BLOCK_SIZE + 5  # 4 vLLM blocks restored; the last 5 tokens are computed
+FULL_BLOCKS = 4  # of vLLM's
+CACHED_TOKENS = FULL_BLOCKS * VLLM_BLOCK_SIZE
 MAX_TOKENS = 6
 LOGPROB_ATOL = 1e-3
 KV_ATOL = 1e-3
@@ -99,14 +103,14 @@ def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     store = build_store(store_config)
     try:
-        hf = HFCacheConnector(model, store, model_folder=folder, record_tokens=BLOCK_SIZE)
+        hf = HFCacheConnector(model, store, model_folder=folder)  # the README's defaults
         for name, prompt in spec["hf"].items():
             results[f"hf:{name}"] = _hf_generate(model, prompt, hf)
         for name, prompt in spec["hf_cold"].items():
             results[f"hf-cold:{name}"] = _hf_generate(model, prompt, None)
     finally:
         store.close()
-    engine_args = dict(block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20, max_model_len=512)
+    engine_args = dict(kv_cache_bytes=64 << 20, max_model_len=512)  # 16-token blocks
     with LLM(folder, store=store_config, **engine_args) as llm:
         for name, prompt in spec["engine"].items():
             results[f"engine:{name}"] = _engine_generate(llm, prompt)
@@ -130,7 +134,7 @@ def _run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
             model=spec["model"],
             dtype="float32",
             enforce_eager=True,
-            block_size=BLOCK_SIZE,
+            block_size=VLLM_BLOCK_SIZE,
             max_model_len=512,
             seed=0,
             kv_transfer_config=kv_transfer_config({"cpu_bytes": 0, "disk_path": run["disk"]}),
@@ -229,7 +233,7 @@ PAIRS = {
 def test_blocks_of_one_engine_restore_into_another(runs: dict[str, Any], pair: str) -> None:
     restored_name, cold_name = PAIRS[pair]
     restored, cold = runs[restored_name], runs[cold_name]
-    assert restored["num_cached_tokens"] == FULL_BLOCKS * BLOCK_SIZE, (pair, restored)
+    assert restored["num_cached_tokens"] == CACHED_TOKENS, (pair, restored)
     assert cold["num_cached_tokens"] == 0
     assert restored["token_ids"] == cold["token_ids"], pair
     if "logprobs" in cold:
@@ -251,11 +255,13 @@ def test_every_engine_writes_the_same_kv_for_the_same_key(runs: dict[str, Any]) 
 
     from_torch, from_vllm = (records(runs["folders"][k]) for k in ("torch", "vllm"))
     shared = set(from_torch) & set(from_vllm)
-    # HF's and the engine's prompts, 4 blocks each, stored by both sides.
-    assert len(shared) == 2 * FULL_BLOCKS, (len(from_torch), len(from_vllm), len(shared))
+    # HF's and the engine's prompts, 8 records each, stored by both sides.
+    num_records = CACHED_TOKENS // RECORD_TOKENS
+    assert len(shared) == 2 * num_records, (len(from_torch), len(from_vllm), len(shared))
     for key in shared:
         a, b = from_torch[key], from_vllm[key]
         assert tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype == "float32"
+        assert a.num_tokens == b.num_tokens == RECORD_TOKENS
         diff = np.abs(np.frombuffer(a.data, "<f4") - np.frombuffer(b.data, "<f4")).max()
         assert diff <= KV_ATOL, (key.hex()[:12], diff)
 
