@@ -1,5 +1,5 @@
 """Greedy output with a restored prefix (pool, CPU, disk, Redis, a restarted process) equals
-output computed from scratch; blocks of another model, dtype or block size are never used."""
+output computed from scratch; blocks of another model, dtype or record size are never used."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_preemption_and_chunked_prefill_keep_outputs(tiny_model_dir: Path) -> No
     assert [o.token_ids for o in outs] == reference(tiny_model_dir, prompts)
 
 
-def test_blocks_of_another_model_dtype_or_block_size_are_never_used(
+def test_blocks_of_another_model_dtype_or_record_size_are_never_used(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
@@ -108,13 +108,25 @@ def test_blocks_of_another_model_dtype_or_block_size_are_never_used(
     variants = [
         (other_model, {}),
         (tiny_model_dir, {"dtype": "bfloat16"}),
-        (tiny_model_dir, {"block_size": 32}),
+        (tiny_model_dir, {"block_size": 32, "record_tokens": 32}),
         (tiny_model_dir, {"tenant": "someone-else"}),
     ]
     for model, kw in variants:
         with LLM(model, store=config, kv_cache_bytes=4 << 20, **kw) as llm:
             out = llm.generate([PROMPT], GREEDY)[0]
         assert out.num_cached_tokens == 0, (model, kw)
+
+
+def test_a_block_size_other_than_record_tokens_is_refused_with_tiers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Silently keying 32-token blocks would split the cache from every 16-token engine.
+    config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
+    with pytest.raises(ValueError, match="block_size 32 differs from record_tokens 16"):
+        LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=32)
+    # Without tiers nothing is keyed for sharing, and any block size runs.
+    with LLM(tiny_model_dir, kv_cache_bytes=4 << 20, block_size=32) as llm:
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids
 
 
 _CHILD = """
