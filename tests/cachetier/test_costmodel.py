@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from pathlib import Path
 
 import pytest
 
-from cachetier.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
+from cachetier.costmodel import (
+    CopyRate,
+    CostModel,
+    EstimateError,
+    LoadPlan,
+    PrefillModel,
+    TierRates,
+)
 from cachetier.record import KVBlock
 from cachetier.store import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
@@ -39,8 +47,13 @@ def rates_with(clock: Clock = STILL, **gbps: float) -> TierRates:
     return rates
 
 
-def linear_prefill(seconds_per_token: float) -> PrefillModel:
-    model = PrefillModel()
+def trusted() -> EstimateError:
+    """An error with no default margin: the tests of a plan's shape weigh bare estimates."""
+    return EstimateError(default_margin=0.0)
+
+
+def linear_prefill(seconds_per_token: float, error: EstimateError | None = None) -> PrefillModel:
+    model = PrefillModel(error=error or trusted())
     for n in (64, 256, 1024, 4096):
         model.observe(n, PrefillModel.attention_work(n, 0), n * seconds_per_token)
     return model
@@ -145,7 +158,7 @@ def test_the_copy_into_the_engine_counts_with_the_read() -> None:
 
 
 def quadratic_prefill() -> PrefillModel:
-    prefill = PrefillModel()
+    prefill = PrefillModel(error=trusted())
     for n, cached in [(256, 0), (1024, 0), (2048, 0), (2048, 2048), (1024, 3072)]:
         work = PrefillModel.attention_work(n, cached)
         prefill.observe(n, work, 1e-3 + 1e-5 * n + 4e-8 * work)
@@ -344,3 +357,150 @@ def test_a_plan_names_its_choice_for_the_dashboard() -> None:
     assert LoadPlan(4, 0, 0, "model").choice == "recompute_all"
     assert LoadPlan(4, 1, 4, "model").choice == "partial"
     assert LoadPlan(4, 0, 2, "model").choice == "partial"
+
+
+def restarted_over_a_full_folder(error: EstimateError | None = None) -> PrefillModel:
+    """What an engine restarted over a folder it filled had seen: its warm-up requests were
+    hits, so only 16-token suffixes were computed (after 320 tokens loaded), at 2.9 ms each."""
+    model = PrefillModel(error=error)
+    for cached in (320, 320, 336):
+        model.observe(16, PrefillModel.attention_work(16, cached), 0.0029)
+    return model
+
+
+def plan_347(model: CostModel) -> LoadPlan:
+    """A 347-token prompt whose first 10 blocks of 32 tokens the disk holds."""
+    return model.plan(
+        [("disk", 10)],
+        block_bytes=BLOCK_BYTES,
+        block_size=32,
+        cached_tokens=0,
+        num_tokens=347,
+        chunk_tokens=2048,
+    )
+
+
+def test_a_model_started_from_hits_only_loads_a_longer_prompt() -> None:
+    # 10 blocks of 1 MiB at 0.135 GB/s: 78 ms to load. The line through 16-token steps puts
+    # the whole prompt's recompute below that: on those estimates alone the plan would
+    # recompute every stored block (measured: 0.84 s, against 63 ms estimated).
+    prefill = restarted_over_a_full_folder(trusted())
+    model = CostModel(rates_with(disk=0.135), prefill, clock=STILL)
+    estimate = prefill.recompute_s(0, 347, 2048)
+    chosen = plan_347(model)
+    assert chosen.est_load_all_s is not None and estimate is not None
+    assert estimate < chosen.est_load_all_s
+    assert not prefill.covers(0, 347, 2048) and prefill.measured_range[0] == 16
+    assert (chosen.num_load_blocks, chosen.reason) == (10, "unmeasured_length")
+    assert not chosen.refused
+
+
+def test_a_calibrated_model_still_refuses_a_thin_link() -> None:
+    # One forward at a realistic length (what an engine runs at start) puts the prompt inside
+    # the measured range: a link 1,000 times too slow is still refused.
+    prefill = restarted_over_a_full_folder(trusted())
+    prefill.observe(512, PrefillModel.attention_work(512, 0), 1.2)
+    assert prefill.covers(0, 347, 2048)
+    chosen = plan_347(CostModel(rates_with(disk=0.0001), prefill, clock=STILL))
+    assert (chosen.num_load_blocks, chosen.reason) == (0, "model")
+    assert chosen.refused and chosen.choice == "recompute_all"
+
+
+def test_the_measured_range_is_what_still_weighs_in_the_fit() -> None:
+    prefill = PrefillModel(decay=0.98)
+    prefill.observe(512, PrefillModel.attention_work(512, 0), 1.2)
+    prefill.observe(16, PrefillModel.attention_work(16, 0), 0.003)
+    assert prefill.covers(0, 347, 2048) and prefill.covers(0, 512, 2048)
+    assert not prefill.covers(0, 513, 2048)  # one token more than any step measured
+    assert not prefill.covers(400, 747, 2048)  # as many tokens, more context
+    assert prefill.covers(0, 512, 128)  # in steps of 128: each one inside
+    assert not prefill.covers(0, 1024, 256)  # the last of these attends to too much
+    # 0.98^114 < 0.1: after that many short steps the long one hardly weighs in the fit.
+    for _ in range(114):
+        prefill.observe(16, PrefillModel.attention_work(16, 0), 0.003)
+    assert prefill.measured_range[0] == 16
+    assert not prefill.covers(0, 347, 2048)
+    snap = prefill.snapshot()
+    assert snap["max_step_tokens"] == 16 and snap["error"]["outcomes"] == 0
+
+
+def test_the_margin_follows_the_measured_error() -> None:
+    error = EstimateError(default_margin=1.0, min_outcomes=4)
+    assert error.margin == 1.0 and error.num_outcomes == 0
+    assert error.observe(0.0, 1.0) is None and error.observe(1.0, math.nan) is None
+    assert error.num_outcomes == 0
+    # Exact estimates: the default holds until four outcomes are known, then the margin goes.
+    for _ in range(3):
+        assert error.observe(0.1, 0.1) == pytest.approx(1.0)
+    assert error.margin == 1.0
+    error.observe(0.1, 0.1)
+    assert error.margin == pytest.approx(0.0)
+    # One refusal that cost 13 times its estimate: the margin grows past its default.
+    assert error.observe(0.063, 0.84) == pytest.approx(0.84 / 0.063)
+    grown = error.margin
+    assert grown > 1.0
+    # Estimates right again: it shrinks back, a step at a time.
+    error.observe(0.1, 0.1)
+    assert 0 < error.margin < grown
+    # An estimate too high is an error too.
+    before = error.margin
+    error.observe(1.0, 0.1)
+    assert error.margin > before
+    assert error.snapshot()["outcomes"] == 7
+
+
+def tight_plan(error: EstimateError) -> LoadPlan:
+    # 8 blocks of 1 MiB over 0.01 GB/s: 0.105 s each to load, against 256 tokens at 0.28 ms
+    # each (0.072 s) to recompute: every block loads 1.46 times slower than it computes.
+    model = CostModel(rates_with(remote=0.01), linear_prefill(2.8e-4, error), clock=STILL)
+    return model.plan(
+        [("remote", 8)],
+        block_bytes=BLOCK_BYTES,
+        block_size=256,
+        cached_tokens=0,
+        num_tokens=2049,
+        chunk_tokens=2048,
+        prefix_only=True,
+        request_id="r1",
+    )
+
+
+def test_a_refusal_needs_a_gain_beyond_the_measured_error() -> None:
+    bare = tight_plan(trusted())
+    assert bare.refused and bare.margin == 0.0
+    assert bare.est_load_all_s is not None and bare.est_ttft_s is not None
+    assert bare.est_ttft_s < bare.est_load_all_s < 1.5 * bare.est_ttft_s
+    # Nothing known of the model's error: the default margin (the recompute, doubled, must
+    # still win) is not met, and the hit loads.
+    error = EstimateError()
+    held = tight_plan(error)
+    assert (held.num_load_blocks, held.reason, held.margin) == (8, "within_error", 1.0)
+    # Refusals whose estimates came true lower the margin below the gain: the plan refuses.
+    model = CostModel(rates_with(remote=0.01), linear_prefill(2.8e-4, error), clock=STILL)
+    for _ in range(4):
+        model.observe_outcome(bare, bare.est_compute_s or 0.0)
+    assert error.margin == pytest.approx(0.0)
+    assert tight_plan(error).refused
+    # Then one that cost three times its estimate: the margin outgrows the gain again.
+    model.observe_outcome(bare, 3 * (bare.est_compute_s or 0.0))
+    assert error.margin > 0.5
+    assert tight_plan(error).reason == "within_error"
+
+
+def test_a_refusal_and_its_outcome_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    error = trusted()
+    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+        chosen = tight_plan(error)
+    assert chosen.refused and chosen.est_compute_s is not None
+    assert chosen.est_ttft_s is not None and chosen.est_load_all_s is not None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "r1" in line and "recomputes 8 of 8" in line
+    assert f"{chosen.est_ttft_s:.4f} s" in line and f"{chosen.est_load_all_s:.4f} s" in line
+    caplog.clear()
+    model = CostModel(rates_with(remote=0.01), linear_prefill(2.8e-4, error), clock=STILL)
+    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+        model.observe_outcome(chosen, 1.25, request_id="r1")
+        model.observe_outcome(LoadPlan.load_all(8, "model"), 9.0)  # no refusal: nothing
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "r1" in line and "1.2500 s" in line and f"{chosen.est_compute_s:.4f} s" in line
+    assert error.num_outcomes == 1
