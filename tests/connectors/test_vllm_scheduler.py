@@ -5,6 +5,7 @@ Exact block ids and keys, as vLLM's prefix-caching tests do; the store is a real
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -440,3 +441,54 @@ def _put_records(store: TieredStore, namespace: Namespace, keys: list[BlockHash]
     ]
     store.put_many(namespace.id, blocks)
     store.flush()
+
+
+def _teach_rates(sched: CacheTierScheduler, step_tokens: int, step_s: float, read_s: float) -> None:
+    """Prefill steps of ``step_tokens`` in ``step_s`` each, and disk reads of ``read_s`` a
+    record, as the worker would report them."""
+    from cachetier.costmodel import PrefillModel, TierRate
+
+    record_bytes = sched.namespace(None).layout.block_bytes
+    steps = [
+        (step_tokens, PrefillModel.attention_work(step_tokens, ctx), step_s * (1 + ctx / 4096))
+        for ctx in (0, step_tokens, 2 * step_tokens, 3 * step_tokens)
+    ]
+    rate = TierRate(0.0, read_s / record_bytes, 8, time.monotonic())
+    sched.update_connector_output(StoredBlocks(steps=steps, rates={"disk": rate}))
+
+
+def test_a_model_that_saw_only_short_prefills_loads_a_long_prompts_hit(
+    store: TieredStore,
+) -> None:
+    # Restarted over a full folder, its warm-ups hits: 16-token steps are all it has timed.
+    # Extrapolated, they make a 347-token recompute look cheaper than a slow-ish load.
+    sched = _record_scheduler(store)
+    _teach_rates(sched, step_tokens=16, step_s=0.004, read_s=0.010)
+    request = _request("r", 347)
+    keys = block_keys(sched.namespace(None), request.prompt_token_ids)
+    _put_records(store, sched.namespace(None), keys)
+    full_blocks = (347 - 1) // BS
+    assert sched.get_num_new_matched_tokens(request, 0) == (full_blocks * BS, False)
+    assert sched.num_recomputed_by_choice_tokens == 0
+
+
+def test_a_refusal_on_evidence_saves_nothing_again_and_its_real_cost_is_learnt(
+    store: TieredStore,
+) -> None:
+    sched = _record_scheduler(store)
+    # Long prefills measured fast, reads measured slow: recomputing is the better plan.
+    _teach_rates(sched, step_tokens=512, step_s=0.002, read_s=0.5)
+    request = _request("r", 4 * BS + 1)
+    ns = sched.namespace(None)
+    keys = block_keys(ns, request.prompt_token_ids)
+    _put_records(store, ns, keys)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched.num_recomputed_by_choice_tokens == 4 * BS
+    block_ids = [1, 2, 3, 4, 5]
+    sched.update_state_after_alloc(request, _blocks(block_ids), 0)
+    meta = sched.build_connector_meta(_new_step(request, block_ids, 0, 4 * BS + 1))
+    # The disk holds those records already: no save writes them over themselves.
+    assert meta.saves == [] and meta.loads == []
+    assert sched.prefill.error.num_outcomes == 0
+    sched.update_connector_output(StoredBlocks(steps=[(4 * BS + 1, 0.0, 0.25)]))
+    assert sched.prefill.error.num_outcomes == 1  # it took far longer than estimated
