@@ -31,6 +31,10 @@ from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 
+# Tokens of the warm-up's calibration forward (bounded by the step budget and the model's
+# length): a few hundred, as chat prompts commonly are, and a fraction of loading the weights.
+CALIBRATION_TOKENS = 512
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -122,7 +126,13 @@ class LLMEngine:
                 f"{config.record_tokens}: with tiers the engine stores one record per block, "
                 "so set both to the deployment's record_tokens"
             )
-        warm_up = self.model.warm_up(self.pool.cache, self.pool.scales)
+        # One forward at a realistic prompt length: the cost model refuses no load whose
+        # recompute is longer than a step it has measured, and an engine restarted over a full
+        # folder may compute nothing but short suffixes for a long while.
+        calibration = min(CALIBRATION_TOKENS, config.max_num_batched_tokens, self.max_model_len)
+        warm_up = self.model.warm_up(
+            self.pool.cache, self.pool.scales, calibration_tokens=calibration
+        )
         self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
         # Restores into a GPU pool copy what the tiers read; that copy is timed once here (and
         # the pinned buffers it uses are set up, out of the first restore's way), then at
@@ -299,6 +309,7 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.first_token_s is None:
                 seq.first_token_s = now
+                self.scheduler.observe_outcome(seq)
             self.scheduler.extend_keys(seq)
             reason = self._stop_reason(seq, token)
             if reason is not None:

@@ -213,17 +213,31 @@ class LlamaModel:
         self._inv_freq = _rope_inv_freq(spec).to(self.device)
 
     def warm_up(
-        self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None
+        self,
+        kv_cache: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+        *,
+        calibration_tokens: int = 0,
     ) -> list[tuple[int, float]]:
         """Throw-away forwards (their K/V go nowhere: slot -1), so that one-time set-up of the
         math libraries (thread pools, kernel selection) is not paid by the first request.
+
+        Args:
+            kv_cache: the pool (only block 0 is read).
+            kv_scales: an fp8 pool's scales.
+            calibration_tokens: one more forward of this many tokens where it is longer than
+                the others: the cost model estimates no recompute longer than a step it has
+                measured, so this is the prompt length it can judge from the start.
 
         Returns:
             ``(tokens, seconds)`` of the forwards after the first (which pays the set-up): a
             first measure of prefill speed before any request has run.
         """
         timings = []
-        for n in (1, _SMALL_CHUNK + 1, 4 * _SMALL_CHUNK):
+        sizes = [1, _SMALL_CHUNK + 1, 4 * _SMALL_CHUNK]
+        if calibration_tokens > sizes[-1]:
+            sizes.append(calibration_tokens)
+        for n in sizes:
             # Block 0 over and over: an fp8 pool's prefill reads its (zero-scaled) context.
             num_blocks = -(-n // kv_cache.shape[3])
             batch = ForwardBatch(

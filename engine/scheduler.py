@@ -238,6 +238,7 @@ class Scheduler:
                 seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * bs
                 self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
                 seq.est_saved_s = plan.est_saved_s
+                seq.load_plan = plan
             if not pending:
                 self._account_hit(seq, keys, len(pool_ids), sources, restore_s)
         return num_new
@@ -361,6 +362,26 @@ class Scheduler:
             num_tokens=seq.num_tokens,
             chunk_tokens=self.config.max_num_batched_tokens,
             overlap_tiers=self.background_tiers,
+            request_id=seq.request_id,
+        )
+
+    def observe_outcome(self, seq: Sequence) -> None:
+        """Once a sequence's first token is out, tell the cost model what the prompt of a
+        refused load really took to compute.
+
+        The figure is ``prefill_s``: the forward steps that computed the prompt, which is what
+        ``LoadPlan.est_compute_s`` estimates (TTFT would add queueing and reads the estimate
+        does not cover). A step shared with other requests counts whole, which overstates the
+        cost and can only make later refusals rarer. A preempted sequence computed parts of
+        its prompt twice and says nothing about the estimate: left out.
+        """
+        plan = seq.load_plan
+        if self.cost is None or plan is None or not plan.refused or plan.est_compute_s is None:
+            return
+        if seq.num_preemptions:
+            return
+        self.cost.observe_outcome(
+            plan, seq.timings.get("prefill_s", 0.0), request_id=seq.request_id
         )
 
     def _log_lookup(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachetier.costmodel import LoadPlan
 from cachetier.keys import BlockHash
 from engine.sampling import SamplingParams
 from engine.tier_bridge import Restored
@@ -77,6 +78,8 @@ class Sequence:
     # estimated the hit saved (against recomputing all of it).
     num_recomputed_hit_tokens: int = 0
     est_saved_s: float = 0.0
+    # The plan of its first admission: a refusal's real prefill time goes back to the model.
+    load_plan: LoadPlan | None = None
     # (from, to): blocks loaded from the tiers sit at tokens [from, to), after blocks the
     # cost model chose to recompute; once ``num_computed_tokens`` reaches ``from`` it jumps.
     skip: tuple[int, int] | None = None

@@ -3,6 +3,7 @@ with the same tokens either way; the choice reaches the output, stats and the ev
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from cachetier.events import read_events
 from cachetier.store import PrefixHit, TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from engine.llm import LLM
+from engine.llm_engine import RequestOutput
 from engine.model_spec import ModelSpec
 from engine.sampling import SamplingParams
 from tests.support import own_redis_prefix
@@ -334,3 +336,46 @@ def test_a_restarted_engine_weighs_its_first_hit_with_the_kept_disk_speed(
             assert out.cached_tokens_by_source.get("disk", 0) + recomputed == 288
         assert (first_plan.reason == "unmeasured") == (run < 2)
     assert measured_at_start == [False, False, True]
+
+
+def test_the_warm_up_measures_a_realistic_prompt_length(tiny_model_dir: Path) -> None:
+    # The cost model refuses no load whose recompute is longer than a step it measured: the
+    # warm-up's calibration forward is what lets a restarted engine, whose first requests
+    # are hits, judge a prompt of a few hundred tokens.
+    store = build_store(StoreConfig(cpu_bytes=1 << 20))
+    llm = LLM(tiny_model_dir, store=store)
+    prefill = llm.engine.prefill_model
+    assert prefill.measured_range[0] == 512
+    assert prefill.covers(0, 347, llm.engine.config.max_num_batched_tokens)
+    assert not prefill.covers(0, 513, llm.engine.config.max_num_batched_tokens)
+    llm.close()
+    # Never longer than a step may be.
+    small = LLM(tiny_model_dir, store=store, max_num_batched_tokens=384)
+    assert small.engine.prefill_model.measured_range[0] == 384
+    small.close()
+    store.close()
+
+
+def test_a_refusal_is_logged_and_its_prefill_time_fed_back(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    llm = warm_engine(tiny_model_dir, tmp_path)
+    slow_down(llm, 1e-6)
+    error = llm.engine.prefill_model.error
+    before = error.num_outcomes
+    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+        out: RequestOutput | None = None
+        llm.engine.add_request(PROMPT, GREEDY, request_id="slow-1")
+        while llm.engine.has_unfinished_requests():
+            for step in llm.engine.step():
+                out = step
+    assert out is not None and out.num_recomputed_hit_tokens == 288
+    assert error.num_outcomes == before + 1
+    lines = [r.getMessage() for r in caplog.records]
+    refusal, outcome = [line for line in lines if "slow-1" in line]
+    assert "recomputes 18 of 18 hit blocks" in refusal and "to load them all" in refusal
+    # The real time logged is the prompt's forward steps, as the TTFT breakdown has them.
+    assert f"{out.ttft_breakdown['prefill_s']:.4f} s against" in outcome
+    assert llm.store is not None
+    llm.close()
+    llm.store.close()
