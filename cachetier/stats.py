@@ -17,6 +17,7 @@ COUNTERS = (
     "corrupt",
     "evictions",
     "rejected",
+    "skipped_present",
 )
 """The counters of ``TierStats``, in the order reports and metrics list them."""
 
@@ -29,7 +30,10 @@ class TierStats:
 
     Counts are in blocks unless named ``*_bytes``. ``errors`` counts failures of the backing
     service (each one also became a miss); ``corrupt`` counts records that failed a check and
-    were deleted; ``rejected`` counts puts that could not be stored (too large, no room).
+    were deleted; ``rejected`` counts puts that could not be stored (too large, no room);
+    ``skipped_present`` counts puts of a key the tier already held, not written again (a
+    record under a key is the same KV whoever computed it: the key chains the tokens under a
+    namespace of model, layout and tenant).
     """
 
     hits: int = 0
@@ -41,6 +45,7 @@ class TierStats:
     corrupt: int = 0
     evictions: int = 0
     rejected: int = 0
+    skipped_present: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _latency_s: deque[float] = field(
         default_factory=lambda: deque(maxlen=_LATENCY_WINDOW), repr=False

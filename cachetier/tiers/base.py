@@ -88,14 +88,17 @@ class Tier(ABC):
 
     @abstractmethod
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
-        """Store blocks (overwriting any under the same key).
+        """Store blocks; a key the tier already holds keeps its record (counted in
+        ``skipped_present``): a record under a key is the same KV whoever computed it, since
+        the key chains the tokens under a namespace of model, layout and tenant. A record
+        found corrupt was removed, and is written again by the next put.
 
         Args:
             namespace: storage namespace (see ``check_namespace``).
             blocks: the blocks; each is stored under its own ``key``.
 
         Returns:
-            How many were stored.
+            How many the tier holds now of those given (stored, or held already).
         """
 
     @abstractmethod

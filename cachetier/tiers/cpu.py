@@ -73,18 +73,20 @@ class CPUTier(Tier):
         start = time.perf_counter()
         owned = [_owned(block) for block in blocks]
         evicted: list[tuple[str, KVBlock]] = []
-        stored = rejected = nbytes = 0
+        stored = rejected = nbytes = skipped = 0
         with self._lock:
             for block in owned:
                 size = block.nbytes
+                slot = (namespace, block.key)
+                if slot in self._blocks:
+                    # The same key holds the same KV: a put of it again is a use, not a write.
+                    self._policy.touch(slot)
+                    skipped += 1
+                    continue
                 if size > self._config.capacity_bytes:
                     rejected += 1
                     continue
-                slot = (namespace, block.key)
-                old = self._blocks.get(slot)
-                if old is not None:
-                    self._used -= old.nbytes
-                self._pins.place(self._policy, slot, size, replaces=old is not None)
+                self._pins.place(self._policy, slot, size, replaces=False)
                 self._blocks[slot] = block
                 self._used += size
                 stored += 1
@@ -97,13 +99,19 @@ class CPUTier(Tier):
                     gone = self._blocks.pop(victim)  # type: ignore[call-overload]
                     self._used -= gone.nbytes
                     evicted.append((victim[0], gone))  # type: ignore[index]
-        self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, evictions=len(evicted))
+        self._stats.add(
+            puts=stored,
+            bytes_in=nbytes,
+            rejected=rejected,
+            evictions=len(evicted),
+            skipped_present=skipped,
+        )
         self._stats.observe(time.perf_counter() - start)
         if self._on_evict is not None:
             # Outside the lock: the callback may block on a bounded queue.
             for ns, block in evicted:
                 self._on_evict(ns, block)
-        return stored
+        return stored + skipped
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         check_namespace(namespace)

@@ -143,15 +143,15 @@ class DiskTier(Tier):
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         check_namespace(namespace)
         start = time.perf_counter()
-        stored = nbytes = rejected = errors = 0
+        stored = nbytes = rejected = errors = skipped = 0
         todo: list[tuple[Slot, str, list[Buffer], int]] = []
         for block in blocks:
             path = self._file_of(namespace, block.key)
+            if self._refresh_if_present(namespace, block.key, path):
+                skipped += 1  # the folder holds a record of this key: not encoded, not written
+                continue
             parts = encode_parts(block, self._compression)
             size = sum(memoryview(p).nbytes for p in parts)
-            if self._refresh_if_same(namespace, block.key, path, parts[0], size):
-                stored += 1  # the file already holds exactly this record
-                continue
             if size > self._config.capacity_bytes:
                 rejected += 1
                 continue
@@ -170,9 +170,15 @@ class DiskTier(Tier):
                     errors += len(todo) - len(landed)
                     stored += len(landed)
                     nbytes += sum(size for _, _, _, size in landed)
-        self._stats.add(puts=stored, bytes_in=nbytes, rejected=rejected, errors=errors)
+        self._stats.add(
+            puts=stored,
+            bytes_in=nbytes,
+            rejected=rejected,
+            errors=errors,
+            skipped_present=skipped,
+        )
         self._stats.observe(time.perf_counter() - start)
-        return stored
+        return stored + skipped
 
     def _write_batch(
         self, todo: list[tuple[Slot, str, list[Buffer], int]], admission: Admission
@@ -210,21 +216,22 @@ class DiskTier(Tier):
             landed = [landing for landing in landed if os.path.dirname(landing[1]) not in failed]
         return landed
 
-    def _refresh_if_same(
-        self, namespace: str, key: BlockHash, path: str, head: Buffer, size: int
-    ) -> bool:
-        """Mark a block as just used instead of writing it, if its file already holds exactly
-        this record (same size, same head: the head ends with the checksum of the whole
-        record), whichever process wrote it; ``False`` otherwise.
+    def _refresh_if_present(self, namespace: str, key: BlockHash, path: str) -> bool:
+        """Mark a block as just used instead of writing it, if the folder holds a record of
+        its key, whichever process wrote it; ``False`` otherwise.
 
-        Rewriting it would cost a full write (and freeing the old file's pages) for the same
-        bytes: engines put the blocks of a shared prompt again after every request, and pods
-        sharing the folder put each other's. Another record under the key is written as
-        usual (a put replaces). A file damaged since is found by the checksum on its next
-        read, removed, and written again by the next put. Another process may evict the file
-        right after this refresh, as it may any block right after its put.
+        A record under a key is the same KV whoever computed it (the key chains the tokens
+        under a namespace of model, layout and tenant); a recompute of it differs only in
+        rounding, and rewriting it would cost a full write for nothing: engines put the
+        blocks of a shared prompt again after every request, and pods sharing the folder put
+        each other's. A record known to be corrupt was removed when a read found it, so the
+        next put writes it again; one damaged since is found by its checksum on its next read,
+        the same way. Another process may evict the file right after this refresh, as it may
+        any block right after its put.
         """
-        if not _same_record_on_disk(path, head, size):
+        try:
+            size = os.stat(path).st_size
+        except OSError:
             return False
         stamp = time.time_ns()
         stamp_file(path, stamp)  # the mtime carries the LRU order across processes and restarts
@@ -421,20 +428,6 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Release this tier's mark and ledger file; its records stay for the next process."""
         self._folder.close()
-
-
-def _same_record_on_disk(path: str, head: Buffer, size: int) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        want = bytes(head)
-        return os.fstat(fd).st_size == size and os.pread(fd, len(want), 0) == want
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: str | Path) -> None:

@@ -1,5 +1,5 @@
-"""What only the disk tier does: a put of the record it already holds refreshes it instead of
-writing it again (another record under the key still replaces it: the shared tier suite); one
+"""What only the disk tier does: a put of a key it already holds refreshes the record instead
+of writing it again (whatever record the put brings: the shared tier suite); one
 folder shared by several tiers (one capacity, eviction by use across them, orphan temp files
 only removed); private file modes; a damaged or lying ledger rebuilt from the folder."""
 

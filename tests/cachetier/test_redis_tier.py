@@ -222,10 +222,14 @@ def test_capacity_accounting_on_overwrite_delete_and_oversize(
     size = _record_bytes(blocks[0])
     tier = make_tier(capacity_bytes=10 * size)
     tier.put_many(namespace.id, blocks)
-    tier.put_many(namespace.id, blocks[:2])  # overwrite: no double counting
+    tier.put_many(namespace.id, blocks[:2])  # held: skipped, no double counting
     assert tier.used_bytes == 3 * size
     small = KVBlock(blocks[0].key, namespace.fingerprint, "uint8", (10,), 16, bytes(10))
-    tier.put_many(namespace.id, [small])  # the same key, a smaller record
+    tier.put_many(namespace.id, [small])  # the same key is the same KV: not rewritten
+    assert tier.used_bytes == 3 * size
+    assert tier.stats()["skipped_present"] == 3
+    tier.delete(namespace.id, [blocks[0].key])
+    tier.put_many(namespace.id, [small])  # gone: written, and counted at its own size
     assert tier.used_bytes == 2 * size + _record_bytes(small)
     assert tier.delete(namespace.id, _keys(blocks)) == 3
     assert tier.delete(namespace.id, _keys(blocks)) == 0

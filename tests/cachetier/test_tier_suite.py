@@ -1,5 +1,5 @@
-"""One suite, every tier: put, get, miss, overwrite, eviction order, capacity, corrupt data,
-restart, namespaces, bad input."""
+"""One suite, every tier: put, get, miss, a put of a held key, eviction order, capacity,
+corrupt data, restart, namespaces, bad input."""
 
 from __future__ import annotations
 
@@ -120,15 +120,28 @@ def test_contains_prefix_counts_the_leading_run(harness: TierHarness, namespace:
     assert tier.contains_prefix(namespace.id, []) == 0
 
 
-def test_overwrite_replaces_the_block(harness: TierHarness, namespace: Namespace) -> None:
+def test_a_put_of_a_present_key_does_not_rewrite_it(
+    harness: TierHarness, namespace: Namespace
+) -> None:
+    # A record under a key is the same KV whoever computed it (the key chains the tokens under
+    # a namespace of model, layout and tenant); a recompute differs only in rounding. So a put
+    # of a held key is a use, counted, and the record stays as it was.
     tier = harness.open(BIG)
     first = make_blocks(namespace, 1, seed=1)[0]
     second = make_blocks(namespace, 1, seed=2)[0]
-    replaced = KVBlock(first.key, first.fingerprint, first.dtype, first.shape, 16, second.data)
-    tier.put_many(namespace.id, [first])
-    tier.put_many(namespace.id, [replaced])
+    again = KVBlock(first.key, first.fingerprint, first.dtype, first.shape, 16, second.data)
+    assert tier.put_many(namespace.id, [first]) == 1
     _settle(tier)
-    assert _same(tier.get_many(namespace.id, [first.key])[0], replaced)
+    assert harness.count_skipped(tier) == 0
+    assert tier.put_many(namespace.id, [again]) == 1  # held: what a put promises
+    _settle(tier)
+    assert _same(tier.get_many(namespace.id, [first.key])[0], first)
+    assert harness.count_skipped(tier) >= 1
+    # A key that left the tier is written again.
+    assert tier.delete(namespace.id, [first.key]) == 1
+    tier.put_many(namespace.id, [again])
+    _settle(tier)
+    assert _same(tier.get_many(namespace.id, [first.key])[0], again)
 
 
 def test_delete_and_clear(harness: TierHarness, namespace: Namespace) -> None:
@@ -204,6 +217,21 @@ def test_corrupt_data_is_a_miss_and_deleted(
     assert got[0] is None and _same(got[1], blocks[1])
     assert tier.contains_prefix(namespace.id, [blocks[0].key]) == 0  # deleted, not kept
     assert corruptible_harness.count_corrupt(tier) == 1
+
+
+def test_a_put_over_a_corrupt_record_writes_it_again(
+    corruptible_harness: TierHarness, namespace: Namespace
+) -> None:
+    tier = corruptible_harness.open(BIG)
+    block = make_blocks(namespace, 1)[0]
+    tier.put_many(namespace.id, [block])
+    _settle(tier)
+    assert corruptible_harness.corrupt is not None
+    corruptible_harness.corrupt(tier, namespace.id, block.key)
+    assert tier.get_many(namespace.id, [block.key]) == [None]  # found corrupt: removed
+    tier.put_many(namespace.id, [block])
+    _settle(tier)
+    assert _same(tier.get_many(namespace.id, [block.key])[0], block)
 
 
 def test_restart_finds_every_block(persistent_harness: TierHarness, namespace: Namespace) -> None:

@@ -35,13 +35,18 @@ class TierHarness:
         overhead_bytes: bytes a stored block costs beyond its payload (record header).
         count_corrupt: how many corrupt records a tier has detected (default: its stats and
             those of the tiers it stacks); a remote tier's server detects them, not the client.
+        count_skipped: how many puts of a held key a tier skipped (counted like
+            ``count_corrupt``).
         stop: releases what the harness started besides the tiers (a server), or ``None``.
     """
 
     make: Callable[[int], Tier]
     corrupt: Callable[[Tier, str, BlockHash], None] | None
     overhead_bytes: int = 0
-    count_corrupt: Callable[[Tier], int] = field(default=lambda tier: _counted_corrupt(tier))
+    count_corrupt: Callable[[Tier], int] = field(default=lambda tier: _counted(tier, "corrupt"))
+    count_skipped: Callable[[Tier], int] = field(
+        default=lambda tier: _counted(tier, "skipped_present")
+    )
     stop: Callable[[], None] | None = None
     opened: list[Tier] = field(default_factory=list)
 
@@ -57,9 +62,9 @@ class TierHarness:
             self.stop()
 
 
-def _counted_corrupt(tier: Tier) -> int:
+def _counted(tier: Tier, counter: str) -> int:
     stats = tier.stats()
-    return stats["corrupt"] + sum(t["corrupt"] for t in stats.get("tiers", {}).values())
+    return stats.get(counter, 0) + sum(t[counter] for t in stats.get("tiers", {}).values())
 
 
 def _flip_file(path: Path) -> None:
@@ -181,14 +186,15 @@ def remote_harness(tmp: Path, *, transfer: bool = False) -> TierHarness:
         blocks = Path(server.config.data_dir) / "blocks"
         _flip_file(blocks / f"t.alice.{ns}" / name[:2] / f"{name}.ctkv")
 
-    def count_corrupt(tier: Tier) -> int:
+    def count(counter: str) -> int:
         _, _, body = call(server.url, "GET", "/v1/stats", token=TOKENS["ops"])
-        return sum(t["corrupt"] for t in json.loads(body)["tiers"].values())
+        return sum(t[counter] for t in json.loads(body)["tiers"].values())
 
     return TierHarness(
         make=make,
         corrupt=corrupt,
-        count_corrupt=count_corrupt,
+        count_corrupt=lambda tier: count("corrupt"),
+        count_skipped=lambda tier: count("skipped_present"),
         stop=server.stop,
     )
 

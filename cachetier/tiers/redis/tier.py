@@ -78,6 +78,7 @@ from cachetier.tiers.redis.resp import CORRUPT, ErrorReply, Hit, RespAuthError
 from cachetier.tiers.redis.transports import (
     ClusterTransport,
     ExactLruTransport,
+    PutOutcome,
     RespTransport,
     Transport,
 )
@@ -189,15 +190,26 @@ class RedisTier(Tier):
             self._count_skipped()
             return 0
         start = time.perf_counter()
-        put = self._transport.put(skeys, blocks)
+        # A record under a key is the same KV whoever computed it: keys Redis holds are not
+        # written again. On one node they are not even encoded or sent (one pipelined EXISTS
+        # each first); a cluster's SET NX leaves them in the same call.
+        present = self._transport.present(skeys)
+        if present is None:  # Redis not reached (counted): the put would not be either
+            return 0
+        todo = [i for i, held in enumerate(present) if not held]
+        put = PutOutcome()
+        if todo:
+            put = self._transport.put([skeys[i] for i in todo], [blocks[i] for i in todo])
+        skipped = len(skeys) - len(todo) + put.num_present
         self._stats.add(
             puts=put.num_stored,
             bytes_in=put.num_bytes,
             rejected=put.num_rejected,
             evictions=put.num_evicted,
+            skipped_present=skipped,
         )
         self._stats.observe(time.perf_counter() - start)
-        return put.num_stored
+        return put.num_stored + skipped
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         check_namespace(namespace)

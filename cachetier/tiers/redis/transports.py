@@ -64,12 +64,14 @@ class PutOutcome:
         num_bytes: their bytes.
         num_rejected: records refused (larger than the capacity, or by Redis: ``maxmemory``).
         num_evicted: records the exact LRU evicted to make room.
+        num_present: records Redis already held under their key, left as they were.
     """
 
     num_stored: int = 0
     num_bytes: int = 0
     num_rejected: int = 0
     num_evicted: int = 0
+    num_present: int = 0
 
 
 class Transport(ABC):
@@ -110,6 +112,12 @@ class Transport(ABC):
     @abstractmethod
     def leading(self, skeys: list[str]) -> int:
         """How many leading ``skeys`` exist (0 when Redis was not reached)."""
+
+    def present(self, skeys: list[str]) -> list[bool] | None:
+        """Per key, whether a record exists, asked before a put; ``None`` when Redis was not
+        reached. This default asks nothing (all ``False``): a transport whose ``put`` skips
+        held keys itself (``PutOutcome.num_present``) needs no round trip for it."""
+        return [False] * len(skeys)
 
     @abstractmethod
     def remove(self, skeys: Sequence[str | bytes]) -> int:
@@ -194,6 +202,15 @@ class RespTransport(Transport):
     def leading(self, skeys: list[str]) -> int:
         found = self._redis(lambda client: client.eval(LEADING_SCRIPT, len(skeys), *skeys))
         return 0 if found is None else int(found)
+
+    def present(self, skeys: list[str]) -> list[bool] | None:
+        def exists(client: redis.Redis) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for skey in skeys:
+                pipe.exists(skey)
+            return [reply == 1 for reply in pipe.execute()]
+
+        return self._redis(exists)
 
     def remove(self, skeys: Sequence[str | bytes]) -> int:
         return self._redis(lambda client: self._forget(client, skeys)) or 0
@@ -327,15 +344,19 @@ class ClusterTransport(Transport):
     def put(self, skeys: list[str], blocks: Sequence[KVBlock]) -> PutOutcome:
         records = [encode_record(block, self._compression) for block in blocks]
         ttl = () if self._ttl_ms is None else ("PX", self._ttl_ms)
-        replies = self._router.run([("SET", k, r, *ttl) for k, r in zip(skeys, records)])
-        stored = nbytes = rejected = 0
+        # NX: a key a master holds keeps its record. In the same call, not an EXISTS before
+        # it: every call is a pipelined batch per master, behind that master's breaker.
+        replies = self._router.run([("SET", k, r, "NX", *ttl) for k, r in zip(skeys, records)])
+        stored = nbytes = rejected = present = 0
         for record, reply in zip(records, replies, strict=True):
             if reply is True:
                 stored += 1
                 nbytes += len(record)
+            elif reply is None:  # NX: held already
+                present += 1
             elif not isinstance(reply, TierUnavailableError):  # a master was not asked
                 rejected += 1  # refused by Redis (e.g. over maxmemory with noeviction)
-        return PutOutcome(stored, nbytes, rejected)
+        return PutOutcome(stored, nbytes, rejected, num_present=present)
 
     def leading(self, skeys: list[str]) -> int:
         # One EXISTS per key: a script cannot span slots.
