@@ -8,7 +8,9 @@ here: the config is plain data, checked in ``__post_init__``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from cachetier.fingerprint import model_fingerprint
 from cachetier.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.redact import redacted_repr, url_secrets
 from cachetier.store import TieredStore
+
+log = logging.getLogger(__name__)
 
 _STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have live there
 _REDIS_PREFIX_DEFAULT = "cachetier"
@@ -70,6 +74,11 @@ class ConnectorConfig:
         record_tokens: tokens per stored record, the same in every engine that shares the
             cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block size
             must be a multiple of it, and each block is stored as several records.
+        fail_on_start_error: what a plugin that cannot start (a bad key or value, a tier that
+            cannot open, no model fingerprint) does after logging the error at ERROR: stop
+            its engine (``True``), or let the engine serve without cachetier (``False``).
+            LMCache and SGLang plugins only: vLLM cannot serve without a connector its
+            ``kv_transfer_config`` names, so its connector always refuses to start.
     """
 
     cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
@@ -90,6 +99,7 @@ class ConnectorConfig:
     kv_load_policy: str = "cost"
     load_async: str = "network"
     record_tokens: int = DEFAULT_RECORD_TOKENS
+    fail_on_start_error: bool = True
 
     def __post_init__(self) -> None:
         positive_int("record_tokens", self.record_tokens)
@@ -120,25 +130,29 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(
-        cls, extra: Mapping[str, Any] | None, *, source: str = "kv_connector_extra_config"
+        cls,
+        extra: Mapping[str, Any] | None,
+        *,
+        source: str = "kv_connector_extra_config",
+        accepted: Collection[str] | None = None,
     ) -> ConnectorConfig:
         """Build the config from an engine's extra config.
 
         Args:
             extra: the dict given to the engine (``None`` for all defaults).
             source: what the engine calls that dict, for error messages.
+            accepted: the keys that may be given there; ``None`` for vLLM's
+                (``VLLM_KEYS``).
 
         Returns:
             The config.
 
         Raises:
-            ValueError: on an unknown key or a bad value.
+            ValueError: on a key not in ``accepted`` (the message lists only those) or a bad
+                value.
         """
         extra = dict(extra or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"unknown {source} keys {unknown}; known: {sorted(known)}")
+        check_keys(extra, VLLM_KEYS if accepted is None else accepted, source=source)
         for name in (
             "cpu_bytes",
             "disk_bytes",
@@ -151,8 +165,9 @@ class ConnectorConfig:
         for name in ("redis_ttl_s", "redis_timeout_s"):
             if extra.get(name) is not None:
                 extra[name] = float(extra[name])
-        if "fsync" in extra:
-            extra["fsync"] = _as_bool("fsync", extra["fsync"])
+        for name in ("fsync", "fail_on_start_error"):
+            if name in extra:
+                extra[name] = _as_bool(name, extra[name])
         for name in ("disk_path", "redis_url", "remote_url", "remote_token"):
             if extra.get(name) == "":
                 extra[name] = None
@@ -182,6 +197,40 @@ class ConnectorConfig:
         )
 
 
+ALL_KEYS = frozenset(f.name for f in dataclasses.fields(ConnectorConfig))
+# Secrets an engine would log with its plugin's settings (SGLang its server arguments, LMCache
+# its config): a plugin takes them from these environment variables instead (``plugin_config``).
+PLUGIN_SECRETS = {"remote_token": "CACHETIER_REMOTE_TOKEN"}
+PLUGIN_KEYS = ALL_KEYS - set(PLUGIN_SECRETS)
+"""The keys a plugin (LMCache's ``extra_config``, SGLang's extra config) accepts."""
+VLLM_KEYS = ALL_KEYS - {"fail_on_start_error"}
+"""The keys vLLM's ``kv_connector_extra_config`` accepts (vLLM redacts what it logs, and
+cannot serve without its connector: ``fail_on_start_error`` would promise what it cannot do)."""
+
+
+def check_keys(given: Collection[str], accepted: Collection[str], *, source: str) -> None:
+    """Refuse keys not in ``accepted``, naming the closest accepted one.
+
+    Args:
+        given: the keys the user gave.
+        accepted: the keys accepted where they were given.
+        source: where they were given, for the message.
+
+    Raises:
+        ValueError: a key not accepted; the message lists only the accepted keys.
+    """
+    unknown = sorted(set(given) - set(accepted))
+    if not unknown:
+        return
+    hints = [
+        f"{key!r} -> {close[0]!r}"
+        for key in unknown
+        if (close := difflib.get_close_matches(key, sorted(accepted), n=1))
+    ]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    raise ValueError(f"unknown {source} keys {unknown}{hint}; accepted: {sorted(accepted)}")
+
+
 def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
     """Open the tiers ``config`` names, fastest first.
 
@@ -207,7 +256,7 @@ def plugin_config(
     Redis password come from ``CACHETIER_REMOTE_TOKEN`` and ``CACHETIER_REDIS_URL`` instead.
 
     Args:
-        settings: the plugin's keys of the engine's config (``ConnectorConfig`` fields).
+        settings: the plugin's keys of the engine's config (``PLUGIN_KEYS``).
         env: the process environment.
         source: where the settings were given, for error messages.
 
@@ -218,11 +267,13 @@ def plugin_config(
         ValueError: an unknown key, a bad value, or a secret in ``settings``.
     """
     own = dict(settings)
-    if own.get("remote_token"):
-        raise ValueError(
-            f"remote_token in {source} would be logged by the engine: set "
-            "CACHETIER_REMOTE_TOKEN in its environment instead"
-        )
+    for key, variable in PLUGIN_SECRETS.items():
+        if key in own:
+            raise ValueError(
+                f"{key} in {source} would be logged by the engine: set {variable} in its "
+                "environment instead"
+            )
+    check_keys(own, PLUGIN_KEYS, source=source)
     if url_secrets(own.get("redis_url")):
         raise ValueError(
             f"a redis_url with a password in {source} would be logged by the engine: set "
@@ -232,7 +283,52 @@ def plugin_config(
         own["remote_token"] = env["CACHETIER_REMOTE_TOKEN"]
     if not own.get("redis_url") and env.get("CACHETIER_REDIS_URL"):
         own["redis_url"] = env["CACHETIER_REDIS_URL"]
-    return ConnectorConfig.from_extra_config(own, source=source)
+    return ConnectorConfig.from_extra_config(own, source=source, accepted=ALL_KEYS)
+
+
+def fails_on_start_error(settings: Mapping[str, Any]) -> bool:
+    """Whether a plugin with these settings that cannot start stops its engine.
+
+    Read alone, before the rest of the settings are checked (they may be what failed); a
+    value that is not a boolean keeps the default, fatal.
+
+    Args:
+        settings: the plugin's keys of the engine's config.
+
+    Returns:
+        ``ConnectorConfig.fail_on_start_error`` as given, ``True`` by default.
+    """
+    try:
+        return _as_bool("fail_on_start_error", settings.get("fail_on_start_error", True))
+    except ValueError:
+        return True
+
+
+def log_start_failure(error: BaseException, *, engine: str, fatal: bool) -> str:
+    """Log at ERROR that a plugin could not start, and what its engine does now.
+
+    Args:
+        error: why it could not start.
+        engine: the engine's name, for the message.
+        fatal: whether the engine is stopped (``fail_on_start_error``).
+
+    Returns:
+        The message logged (a fatal exit repeats it).
+    """
+    if fatal:
+        message = (
+            f"cachetier could not start in {engine}: {error}. {engine} is not started without "
+            "it (set fail_on_start_error: false to run without cachetier instead)"
+        )
+    else:
+        message = (
+            f"cachetier could not start in {engine}: {error}. {engine} is running WITHOUT "
+            "cachetier (fail_on_start_error is false): nothing is stored or restored"
+        )
+    # A bad setting needs no traceback; anything else (a tier that failed to open) does.
+    trace = None if isinstance(error, (ValueError, TypeError)) else error
+    log.error("%s", message, exc_info=trace)
+    return message
 
 
 def model_folder_fingerprint(model: str, revision: str | None = None, *, key: str) -> str:
@@ -242,7 +338,8 @@ def model_folder_fingerprint(model: str, revision: str | None = None, *, key: st
         model: a local folder, or a Hugging Face model id already in the local cache (nothing
             is downloaded).
         revision: the model's revision, for a model id.
-        key: where the user would pass ``model_fingerprint`` instead, for the error message.
+        key: where the user would pass the fingerprint instead, for the error message (e.g.
+            ``kv_connector_extra_config['model_fingerprint']``).
 
     Returns:
         ``cachetier.fingerprint.model_fingerprint`` of that folder.
@@ -258,8 +355,7 @@ def model_folder_fingerprint(model: str, revision: str | None = None, *, key: st
             folder = Path(snapshot_download(model, revision=revision, local_files_only=True))
         except Exception as exc:  # noqa: BLE001 - any failure means: no local folder to hash
             raise ValueError(
-                f"cannot find a local folder for model {model!r} to fingerprint ({exc}); "
-                f"pass {key}['model_fingerprint']"
+                f"cannot find a local folder for model {model!r} to fingerprint ({exc}); pass {key}"
             ) from None
     return model_fingerprint(folder)
 

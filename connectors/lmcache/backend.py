@@ -14,6 +14,10 @@ LMCache loads it by module path, through its own ``storage_plugins`` mechanism (
 Every ``cachetier.<field>`` key is a ``connectors.config.ConnectorConfig`` field; secrets come
 from the environment (``plugin_config``: LMCache logs its config).
 
+A plugin that cannot start (a bad key or value, a tier that does not open, no model
+fingerprint) logs why at ERROR and stops the process (``SystemExit``); with
+``cachetier.fail_on_start_error: false`` it lets LMCache serve without it instead.
+
 Why a storage plugin and not a remote connector (``remote_storage_plugins``): a plugin is a
 backend LMCache's ``StorageManager`` calls synchronously with its own ``MemoryObj``s, so a get
 reads a record and copies it straight into the object LMCache hands to the engine. A remote
@@ -53,7 +57,13 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from cachetier.errors import CacheTierError
 from cachetier.keys import Namespace, foreign_key
 from cachetier.record import KVBlock
-from connectors.config import model_folder_fingerprint, open_store, plugin_config
+from connectors.config import (
+    fails_on_start_error,
+    log_start_failure,
+    model_folder_fingerprint,
+    open_store,
+    plugin_config,
+)
 from connectors.lmcache.chunks import ChunkFormat, chunk_format
 from connectors.records import check_record, payload_block
 
@@ -83,10 +93,24 @@ class CacheTierBackend(StoragePluginInterface):
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
-        if metadata is None or local_cpu_backend is None:
-            raise ValueError("LMCache passes its metadata and CPU backend to storage plugins")
         extra = dict(getattr(config, "extra_config", None) or {})
         settings = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}
+        try:
+            self._start(settings, metadata, local_cpu_backend)
+        except Exception as exc:
+            fatal = fails_on_start_error(settings)
+            message = log_start_failure(exc, engine="LMCache", fatal=fatal)
+            if not fatal:
+                raise  # LMCache logs it too, and serves without this plugin
+            # LMCache 0.5.6's storage_plugin_launcher catches every Exception a plugin's
+            # constructor raises, logs one line and serves without the plugin. SystemExit is
+            # not an Exception: it passes LMCache (and vLLM's worker, which exits on it), so
+            # the engine stops instead of serving without the tiers its config names.
+            raise SystemExit(message) from exc
+
+    def _start(self, settings: dict[str, Any], metadata: Any, local_cpu_backend: Any) -> None:
+        if metadata is None or local_cpu_backend is None:
+            raise ValueError("LMCache passes its metadata and CPU backend to storage plugins")
         self.settings = plugin_config(settings, os.environ, source=SOURCE)
         fingerprint = self.settings.model_fingerprint or model_folder_fingerprint(
             metadata.model_name, key="extra_config['cachetier.model_fingerprint']"

@@ -11,6 +11,11 @@ SGLang loads it with no patch of its own, through its dynamic backend path::
 Every other key of that JSON is a ``connectors.config.ConnectorConfig`` field (``disk_path``,
 ``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the sidecar's
 token, a Redis password) come from the environment, never that JSON (``plugin_config``).
+
+A backend that cannot start (a bad key or value, a tier that does not open, no model
+fingerprint) logs why at ERROR and raises, which stops SGLang at start; with
+``"fail_on_start_error": false`` it stays as a backend that stores nothing (every lookup a
+miss, every write dropped), so SGLang serves without cachetier.
 ``interface_v1: 1`` makes SGLang call the zero-copy API (``batch_get_v1``/``batch_set_v1``:
 pages move straight between its host pool and the tiers); without it SGLang calls the
 key-based API with flat pages, which works too, with one more copy per page.
@@ -49,7 +54,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from cachetier.errors import CacheTierError
 from cachetier.keys import BlockHash, Namespace, foreign_key
-from connectors.config import model_folder_fingerprint, open_store, plugin_config
+from cachetier.store import TieredStore
+from connectors.config import (
+    fails_on_start_error,
+    log_start_failure,
+    model_folder_fingerprint,
+    open_store,
+    plugin_config,
+)
 from connectors.reads import ThreadScratch, read_each
 from connectors.records import payload_block
 from connectors.sglang.pages import HostPoolPages
@@ -75,26 +87,46 @@ class CacheTierStorage(HiCacheStorage):
         settings = {
             k: v for k, v in (storage_config.extra_config or {}).items() if k not in _SGLANG_KEYS
         }
+        self.store: TieredStore | None = None  # stays None: running without cachetier
+        self.pages: HostPoolPages | None = None
+        self.namespace: Namespace | None = None
+        self._scratch = ThreadScratch()
+        try:
+            self._start(settings, storage_config)
+        except Exception as exc:
+            fatal = fails_on_start_error(settings)
+            log_start_failure(exc, engine="SGLang", fatal=fatal)
+            if fatal:
+                # SGLang's factory logs and re-raises a dynamic backend's error, and its
+                # scheduler exits on it at start (an attach at run time answers it instead).
+                raise
+            self.is_writer = False  # sets are acknowledged and dropped, gets all miss
+
+    def _start(self, settings: dict[str, Any], storage_config: HiCacheStorageConfig) -> None:
         self.config = plugin_config(settings, os.environ, source=EXTRA_CONFIG)
         self.shard = shard_name(storage_config)
         if self.config.model_fingerprint:
             self.model_fingerprint = self.config.model_fingerprint
         elif storage_config.model_name:
             self.model_fingerprint = model_folder_fingerprint(
-                storage_config.model_name, key=EXTRA_CONFIG
+                storage_config.model_name, key=f"{EXTRA_CONFIG} model_fingerprint"
             )
         else:
             raise ValueError(f"SGLang named no model: set model_fingerprint in {EXTRA_CONFIG}")
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.store = open_store(self.config, with_cpu=True)
-        self.pages: HostPoolPages | None = None
-        self.namespace: Namespace | None = None
-        self._scratch = ThreadScratch()
+
+    @property
+    def running(self) -> bool:
+        """Whether cachetier started (``False``: SGLang runs without it, every get a miss)."""
+        return self.store is not None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Read the host pool's layout; the namespace's layout comes from it."""
         super().register_mem_pool_host(mem_pool_host)
+        if self.store is None:
+            return
         self.pages = HostPoolPages.from_pool(mem_pool_host, mla=self.is_mla)
         fingerprint = self.model_fingerprint
         if self.shard:
@@ -114,6 +146,8 @@ class CacheTierStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many of ``keys``, from the first, are stored."""
+        if self.store is None:
+            return 0
         namespace, _ = self._ready()
         return self.store.contains_prefix(namespace.id, self._keys(keys))
 
@@ -126,6 +160,8 @@ class CacheTierStorage(HiCacheStorage):
         """Read pages into the host pool at ``host_indices``; per key, whether it was read.
 
         Only the leading run of stored pages is read (SGLang uses no page after a miss)."""
+        if self.store is None:
+            return [False] * len(keys)
         _, pages = self._ready()
         page_ids = pages.page_ids(host_indices, len(keys))
         found = self._read(keys, lambda at, got: pages.load([page_ids[at]], [got]))
@@ -138,6 +174,8 @@ class CacheTierStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the host pool's pages at ``host_indices``; per key, whether it was taken."""
+        if self.store is None:
+            return [True] * len(keys)  # dropped: a False would have SGLang warn on each write
         _, pages = self._ready()
         page_ids = pages.page_ids(host_indices, len(keys))
         if not self.is_writer:
@@ -160,6 +198,8 @@ class CacheTierStorage(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """Pages into the flat page tensors ``target_locations``; ``None`` from the first miss
         on."""
+        if self.store is None:
+            return [None] * len(keys)
         _, pages = self._ready()
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError("batch_get needs one target flat page per key")
@@ -188,6 +228,8 @@ class CacheTierStorage(HiCacheStorage):
         target_sizes: Any | None = None,
     ) -> bool:
         """Store flat pages; whether every one was taken."""
+        if self.store is None:
+            return True
         _, pages = self._ready()
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set needs one flat page per key")
@@ -201,12 +243,15 @@ class CacheTierStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Delete every page of this namespace from every tier."""
+        if self.store is None:
+            return
         namespace, _ = self._ready()
         self.store.clear(namespace.id)
 
     def close(self) -> None:
         """Flush the writes still queued for lower tiers, then close them."""
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -225,6 +270,7 @@ class CacheTierStorage(HiCacheStorage):
         first, were read. A page after a missing one may be copied too; SGLang uses only the
         leading run."""
         namespace, pages = self._ready()
+        assert self.store is not None, "only called while cachetier runs"
 
         def land(position: int, payload: torch.Tensor) -> bool:
             into(position, payload)
@@ -237,6 +283,7 @@ class CacheTierStorage(HiCacheStorage):
 
     def _put(self, keys: Sequence[str], payloads: Sequence[torch.Tensor]) -> list[bool]:
         namespace, pages = self._ready()
+        assert self.store is not None, "only called while cachetier runs"
         layout = pages.kv_layout
         blocks = [
             payload_block(key, namespace.fingerprint, layout, payload)

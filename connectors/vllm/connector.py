@@ -68,6 +68,28 @@ class CacheTierConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._scheduler: CacheTierScheduler | None = None
+        self._worker: CacheTierWorker | None = None
+        try:
+            self._start(vllm_config, role, kv_cache_config)
+        except Exception as exc:
+            # vLLM fails its start on it (a connector its kv_transfer_config names cannot be
+            # left out, so there is no running without cachetier here); this line says so
+            # where vLLM's own traceback may be far from the cause.
+            logger.error(
+                "cachetier's vLLM connector could not start (%s): %s. vLLM does not start "
+                "without it; fix kv_connector_extra_config",
+                role.name.lower(),
+                exc,
+            )
+            raise
+
+    def _start(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
         if kv_cache_config is None:
             raise ValueError("CacheTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
         config = ConnectorConfig.from_extra_config(
@@ -87,8 +109,6 @@ class CacheTierConnector(KVConnectorBase_V1):
                 "(evicted, corrupt) fails its request; set it to 'recompute' to recompute it",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        self._scheduler: CacheTierScheduler | None = None
-        self._worker: CacheTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             fingerprint = config.model_fingerprint or _model_fingerprint(vllm_config)
             self._scheduler = CacheTierScheduler(
@@ -292,5 +312,7 @@ def _model_fingerprint(vllm_config: VllmConfig) -> str:
     """Fingerprint of the weights vLLM loads (hashed once, then cached in the folder)."""
     model_config = vllm_config.model_config
     return model_folder_fingerprint(
-        model_config.model, model_config.revision, key="kv_connector_extra_config"
+        model_config.model,
+        model_config.revision,
+        key="kv_connector_extra_config['model_fingerprint']",
     )
