@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachetier.backoff import Clock
 from cachetier.errors import PinsUnsupportedError
 from cachetier.keys import BlockHash
 from cachetier.landing import Destination, copy_pairs, flat
@@ -14,6 +17,13 @@ from cachetier.parallel import copy_into
 from cachetier.pins import NO_PINS
 from cachetier.record import KVBlock, byte_view
 from cachetier.stats import TierStats
+from cachetier.throttle import LogThrottle
+
+logger = logging.getLogger("cachetier.tiers")
+
+CORRUPT_LOG_INTERVAL_S = 60.0
+"""Least time between two warnings of corrupt records from one tier: a disk going bad, or a
+tampered folder, can turn every read into one, and a line per record would bury the log."""
 
 MAX_NAMESPACE_CHARS = 128
 # One limit for every namespace, a sidecar client's included: every namespace a tier has stored
@@ -83,8 +93,9 @@ class Tier(ABC):
     the page cache are the cores' own work, and run no faster beside a forward on a CPU
     (``benchmarks/bench_overlap.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = time.monotonic) -> None:
         self._stats = TierStats()
+        self._corrupt_log = LogThrottle(CORRUPT_LOG_INTERVAL_S, clock)
 
     @abstractmethod
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
@@ -226,6 +237,22 @@ class Tier(ABC):
         of the tier's measured speed: a timeout against a Redis that is down says nothing about
         how fast it reads once it is back."""
         return self._stats.errors
+
+    def _log_corrupt(self, key: BlockHash, why: str) -> None:
+        """Say that this tier found the record of ``key`` corrupt (it is a miss, and is
+        dropped): a WARNING, at most one per ``CORRUPT_LOG_INTERVAL_S``, which says how many
+        more were found since the last one. The caller counts it in ``corrupt``."""
+        count = self._corrupt_log.note()
+        if count is None:
+            return
+        more = f"; {count - 1} more since the last such line" if count > 1 else ""
+        logger.warning(
+            "cachetier %s tier: record %s is corrupt (%s): a miss, dropped%s",
+            self.name,
+            bytes(key).hex()[:16],
+            why,
+            more,
+        )
 
     def close(self) -> None:
         """Release resources; the tier must not be used afterwards."""

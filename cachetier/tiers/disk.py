@@ -359,6 +359,7 @@ class DiskTier(Tier):
                 continue
             if isinstance(result, CorruptFile):
                 corrupt += 1
+                self._log_corrupt(key, str(result))
                 try:
                     folder.drop_corrupt(slot, result.inode)
                 except TierUnavailableError:

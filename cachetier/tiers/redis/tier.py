@@ -100,7 +100,7 @@ class RedisTier(Tier):
     over_network = True
 
     def __init__(self, config: RedisTierConfig, *, clock: Clock = time.monotonic) -> None:
-        super().__init__()
+        super().__init__(clock=clock)
         self._config = config
         backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
         # Single node: guards every call. Cluster: guards reading the slot map; each master
@@ -245,6 +245,7 @@ class RedisTier(Tier):
                 nbytes += result.nbytes
             elif result is CORRUPT:
                 corrupt.append(skeys[i])
+                self._log_corrupt(keys[i], "failed its checks")
             elif isinstance(result, ErrorReply):  # e.g. WRONGTYPE: another program's key
                 errors += 1
         if corrupt:

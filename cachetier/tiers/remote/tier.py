@@ -57,6 +57,10 @@ from cachetier.tls import client_context
 
 _T = TypeVar("_T")
 
+# The server checked the record when its tier read it (and drops a record its tier finds
+# corrupt): one that fails here went bad on the way, so the server's copy is not dropped.
+_ON_ARRIVAL = "failed its checks on arrival from the server"
+
 
 class RemoteTier(Tier):
     """Blocks kept by a cachetier server, under the tenant of this tier's token.
@@ -70,7 +74,7 @@ class RemoteTier(Tier):
     over_network = True
 
     def __init__(self, config: RemoteTierConfig, *, clock: Clock = time.monotonic) -> None:
-        super().__init__()
+        super().__init__(clock=clock)
         self._config = config
         backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
         self._breaker = CircuitBreaker(config.failure_threshold, backoff, clock)
@@ -264,7 +268,9 @@ class RemoteTier(Tier):
                     out[first + i] = block
                     hits += 1
             nbytes += got.nbytes
-            corrupt += got.corrupt
+            corrupt += len(got.corrupt)
+            for key in got.corrupt:
+                self._log_corrupt(key, _ON_ARRIVAL)
             first += len(got.blocks)  # the server may answer the leading keys only: ask again
         self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=corrupt)
         self._stats.observe(time.perf_counter() - start)
@@ -288,6 +294,7 @@ class RemoteTier(Tier):
                     out[first + i] = decode_record(record, key=chunk[i])
                 except CorruptBlockError:
                     corrupt += 1
+                    self._log_corrupt(chunk[i], _ON_ARRIVAL)
                     continue
                 hits += 1
                 nbytes += record.nbytes

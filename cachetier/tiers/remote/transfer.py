@@ -120,14 +120,14 @@ class Fetched:
 
     Args:
         blocks: per answered key (the leading ones), its checked block or ``None``; a record
-            that failed its checks is ``None`` too, and counted in ``corrupt``.
+            that failed its checks is ``None`` too, and listed in ``corrupt``.
         nbytes: record bytes of the blocks.
-        corrupt: records that failed their checks.
+        corrupt: the keys of the records that failed their checks.
     """
 
     blocks: list[KVBlock | None]
     nbytes: int
-    corrupt: int
+    corrupt: list[BlockHash]
 
 
 class TransferClient:
@@ -177,7 +177,8 @@ class TransferClient:
             if max(lengths) > self._max_record_bytes:
                 raise TierUnavailableError(f"server sent a record of {max(lengths)} bytes")
             blocks: list[KVBlock | None] = []
-            nbytes = corrupt = 0
+            nbytes = 0
+            corrupt: list[BlockHash] = []
             for i, length in enumerate(lengths):
                 if length == 0:
                     blocks.append(None)
@@ -192,7 +193,7 @@ class TransferClient:
                 except CorruptBlockError:
                     io.skip(body.left)  # stay in step for the records after it
                     blocks.append(None)
-                    corrupt += 1
+                    corrupt.append(keys[i])
             return Fetched(blocks, nbytes, corrupt)
 
     def put(self, namespace: str, records: Sequence[Sequence[Buffer]]) -> int:
