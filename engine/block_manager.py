@@ -20,6 +20,9 @@ class Block:
     ref_count: int = 0
     key: BlockHash | None = None  # set once the block is full and its KV computed
     stored: bool = False  # already handed to the tiers (or restored from them)
+    # The keys of the records the block is stored as, when it holds several (a block of
+    # ``n * record_tokens`` tokens); empty when the block is one record named ``key``.
+    record_keys: tuple[BlockHash, ...] = ()
 
 
 EvictHook = Callable[[list[Block]], None]
@@ -110,6 +113,7 @@ class BlockManager:
                     del self._cached[block.key]
                 self.num_evicted += 1
             block.key, block.stored, block.ref_count = None, False, 1
+            block.record_keys = ()
         if self._on_allocate is not None:
             self._on_allocate(ids)
         return ids
@@ -129,10 +133,19 @@ class BlockManager:
                 if block.key is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def register(self, block_id: int, key: BlockHash, *, stored: bool = False) -> None:
-        """Record that ``block_id`` holds the full, computed block named ``key``."""
+    def register(
+        self,
+        block_id: int,
+        key: BlockHash,
+        *,
+        stored: bool = False,
+        record_keys: tuple[BlockHash, ...] = (),
+    ) -> None:
+        """Record that ``block_id`` holds the full, computed block named ``key`` (stored as
+        the records ``record_keys`` where it holds several)."""
         block = self.blocks[block_id]
         block.key = key
+        block.record_keys = record_keys
         block.stored = block.stored or stored
         # A second block with the same content stays usable by its owner but is not indexed.
         self._cached.setdefault(key, block_id)
@@ -145,6 +158,6 @@ class BlockManager:
             if block.key is not None:
                 if self._cached.get(block.key) == block_id:
                     del self._cached[block.key]
-                block.key, block.stored = None, False
+                block.key, block.stored, block.record_keys = None, False, ()
                 forgotten += 1
         return forgotten

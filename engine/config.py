@@ -48,8 +48,9 @@ class EngineConfig:
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
         record_tokens: tokens per stored record, the same in every engine that shares the
-            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``). With tiers, this engine
-            stores one record per block, so ``block_size`` must equal it.
+            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``). With tiers, ``block_size``
+            must be a multiple of it: a block is stored as ``block_size / record_tokens``
+            records.
     """
 
     model: str

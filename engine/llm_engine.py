@@ -15,7 +15,7 @@ import torch
 from cachetier.costmodel import CopyRate, CostModel, PrefillModel
 from cachetier.events import EventLog
 from cachetier.fingerprint import model_fingerprint
-from cachetier.keys import Namespace, torch_dtype
+from cachetier.keys import Namespace, record_layout, torch_dtype
 from cachetier.store import TieredStore
 from engine.block_manager import Block, BlockManager
 from engine.config import EngineConfig
@@ -118,14 +118,6 @@ class LLMEngine:
             self.spec.max_position_embeddings,
             self.pool.num_blocks * config.block_size,
         )
-        if store is not None and config.block_size != config.record_tokens:
-            # Keys are per record; a pool block of several records would need keys of its
-            # own, so rather than split the cache silently the engine refuses at start.
-            raise ValueError(
-                f"block_size {config.block_size} differs from record_tokens "
-                f"{config.record_tokens}: with tiers the engine stores one record per block, "
-                "so set both to the deployment's record_tokens"
-            )
         # One forward at a realistic prompt length: the cost model refuses no load whose
         # recompute is longer than a step it has measured, and an engine restarted over a full
         # folder may compute nothing but short suffixes for a long while.
@@ -133,7 +125,14 @@ class LLMEngine:
         warm_up = self.model.warm_up(
             self.pool.cache, self.pool.scales, calibration_tokens=calibration
         )
-        self.namespace = Namespace(model_fingerprint(folder), self.pool.layout, config.tenant)
+        # Keys and records are per record_tokens, whatever the pool's block size: a block of
+        # several records is stored as that many (``TierBridge``).
+        self.namespace = Namespace(
+            model_fingerprint(folder),
+            # Without tiers nothing is shared, and a block is its own record.
+            record_layout(self.pool.layout, config.record_tokens if store else config.block_size),
+            config.tenant,
+        )
         # Restores into a GPU pool copy what the tiers read; that copy is timed once here (and
         # the pinned buffers it uses are set up, out of the first restore's way), then at
         # every restore, and weighed by the cost model with the tiers' reads.

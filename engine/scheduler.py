@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from cachetier.costmodel import CostModel, LoadPlan
 from cachetier.events import EventLog, LookupEvent
-from cachetier.keys import BlockHash, Namespace, block_keys
+from cachetier.keys import BlockHash, Namespace, block_keys, records_per_block
 from cachetier.store import PrefixHit
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -44,7 +44,10 @@ class Scheduler:
         self.config = config
         self.cost = cost
         self.namespace = namespace
-        self.block_size = namespace.block_size
+        self.block_size = config.block_size
+        # Records per pool block: keys are per record (``namespace.block_size`` tokens), and a
+        # pool block's key is its last record's.
+        self.records_per_block = records_per_block(config.block_size, namespace.block_size)
         self.blocks = blocks
         self.bridge = bridge
         self.events = events
@@ -77,13 +80,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def extend_keys(self, seq: Sequence) -> None:
-        """Compute keys for blocks that became full since the last call (one hash each)."""
+        """Compute keys for blocks that became full since the last call (one hash a record)."""
         num_full = seq.num_tokens // self.block_size
         have = len(seq.block_keys)
         if num_full > have:
+            n = self.records_per_block
             tokens = seq.token_ids[have * self.block_size : num_full * self.block_size]
-            parent = seq.block_keys[-1] if seq.block_keys else None
-            seq.block_keys.extend(block_keys(self.namespace, tokens, parent=parent))
+            parent = seq.record_keys[-1] if seq.record_keys else None
+            seq.record_keys.extend(block_keys(self.namespace, tokens, parent=parent))
+            seq.block_keys.extend(seq.record_keys[(have + 1) * n - 1 :: n])
+
+    def _records(self, seq: Sequence, start: int, end: int) -> list[BlockHash]:
+        """The record keys of pool blocks ``[start, end)`` of the sequence."""
+        n = self.records_per_block
+        return seq.record_keys[start * n : end * n]
+
+    def _block_records(self, seq: Sequence, index: int) -> tuple[BlockHash, ...]:
+        """What ``BlockManager.register`` keeps of block ``index``'s records: nothing where
+        the block is one record (its key names it)."""
+        if self.records_per_block == 1:
+            return ()
+        return tuple(self._records(seq, index, index + 1))
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
@@ -165,7 +182,7 @@ class Scheduler:
             keys = seq.block_keys[: (seq.num_tokens - 1) // bs]
             pool_ids = self.blocks.match_prefix(keys)
             if self.bridge is not None:
-                hit = self.bridge.lookup(keys[len(pool_ids) :])
+                hit = self.bridge.lookup(self._records(seq, len(pool_ids), len(keys)))
                 plan = self._plan(seq, hit, len(pool_ids) * bs)
                 seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
         # Hit blocks [load_start, load_end) come from the tiers; those before load_start are
@@ -193,29 +210,32 @@ class Scheduler:
         if load_end > load_start and self.bridge is not None:
             base = len(pool_ids)
             tier_keys = keys[base + load_start : base + load_end]
+            tier_records = self._records(seq, base + load_start, base + load_end)
             tier_ids = new_ids[load_start:load_end]
             if load_start and self._reads_in_background(hit, load_start):
                 # The head is recomputed first: the tail is read meanwhile, on the bridge's
                 # thread, into blocks nothing reads before the head is done (``skip``).
                 seq.pending_restore = PendingRestore(
-                    self.bridge.restore_in_background(tier_keys, tier_ids, hit),
+                    self.bridge.restore_in_background(tier_records, tier_ids, hit),
                     list(tier_keys),
                     list(tier_ids),
                     list(keys),
                     len(pool_ids),
                     first,
+                    first_block_index=base + load_start,
                 )
                 pending = True
             else:
                 # Every key asked for is inside the hit just looked up: not looked up again.
-                restored = self.bridge.restore(tier_keys, tier_ids, hit)
+                restored = self.bridge.restore(tier_records, tier_ids, hit)
                 sources = restored.sources
                 restore_s = restored.read_s + restored.copy_s
                 if first:
                     seq.add_time("restore_read_s", restored.read_s)
                     seq.add_time("restore_copy_s", restored.copy_s)
-                for key, block_id in zip(tier_keys, tier_ids[: len(sources)]):
-                    self.blocks.register(block_id, key, stored=True)
+                for i, (key, block_id) in enumerate(zip(tier_keys, tier_ids[: len(sources)])):
+                    records = self._block_records(seq, base + load_start + i)
+                    self.blocks.register(block_id, key, stored=True, record_keys=records)
         if load_start:
             seq.num_computed_tokens = len(pool_ids) * bs
             # While a read is pending the whole tail is expected; ``_finish_restore`` cuts the
@@ -285,8 +305,9 @@ class Scheduler:
         since = pending.waiting_since_s
         waited = 0.0 if since is None else time.perf_counter() - since
         arrived = len(restored.sources)
-        for key, block_id in zip(pending.keys, pending.block_ids[:arrived]):
-            self.blocks.register(block_id, key, stored=True)
+        for i, (key, block_id) in enumerate(zip(pending.keys, pending.block_ids[:arrived])):
+            records = self._block_records(seq, pending.first_block_index + i)
+            self.blocks.register(block_id, key, stored=True, record_keys=records)
         seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
         if pending.first:
             # What the TTFT paid for the restore is the wait from the head's end, not the read
@@ -431,7 +452,10 @@ class Scheduler:
             block_id = seq.block_table[index]
             if self.blocks.blocks[block_id].key is None:
                 self.blocks.register(
-                    block_id, seq.block_keys[index], stored=index < seq.num_stored_blocks
+                    block_id,
+                    seq.block_keys[index],
+                    stored=index < seq.num_stored_blocks,
+                    record_keys=self._block_records(seq, index),
                 )
 
     def finish(self, seq: Sequence, reason: str) -> None:

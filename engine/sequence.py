@@ -35,6 +35,8 @@ class PendingRestore:
         first: whether this is the request's first admission (its lookup is logged once).
         waiting_since_s: when the head was computed with the read not yet in (the request
             has waited for it since); ``None`` while it has not had to wait.
+        first_block_index: the sequence's block index of ``keys[0]`` (where its records are
+            found in ``Sequence.record_keys``).
     """
 
     future: Future[Restored]
@@ -44,6 +46,7 @@ class PendingRestore:
     num_pool_blocks: int
     first: bool
     waiting_since_s: float | None = None
+    first_block_index: int = 0  # the sequence's block index of ``keys[0]``
 
 
 class SequenceStatus(enum.Enum):
@@ -64,7 +67,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Keys of the full blocks of all tokens so far (prompt and output), in order.
+    # Keys of the full records of all tokens so far (prompt and output), in order, and of the
+    # full pool blocks: a block's key is its last record's (the chain covers every token up
+    # to it), so with one record per block the two lists are alike.
+    record_keys: list[BlockHash] = field(default_factory=list)
     block_keys: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)

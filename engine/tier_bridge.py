@@ -1,5 +1,10 @@
 """Moves blocks between the pool and the cachetier store: save on eviction and on finish,
-restore on a prefix hit."""
+restore on a prefix hit.
+
+A pool block of ``n`` records (``block_size = n * record_tokens``) is saved as ``n`` records cut
+from it and restored by joining them (``kernels.records``); with one record per block, tiers
+read straight into the pool where they can.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from cachetier.costmodel import CopyRate
-from cachetier.keys import BlockHash, Namespace
+from cachetier.keys import BlockHash, Namespace, record_layout, records_per_block, torch_dtype
 from cachetier.record import KVBlock
 from cachetier.store import PrefixHit, RestoredPrefix, TieredStore
 from engine.block_manager import Block
 from engine.kv_cache import KVPool
+from kernels.records import join_records, split_block
+from kernels.staging import payload_tensor, payload_view
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,8 @@ class TierBridge:
 
     Args:
         store: the tiers (owned by the caller).
-        namespace: model fingerprint, pool layout and tenant; keys and checks use it.
+        namespace: model fingerprint, record layout (the pool's, at ``record_tokens``) and
+            tenant; keys and checks use it.
         pool: the KV pool blocks are copied from and into.
         copy_rate: where restores' copies into the pool are timed, for the cost model (copies
             happen where a tier cannot read into the pool in place: a GPU pool).
@@ -62,8 +70,9 @@ class TierBridge:
         pool: KVPool,
         copy_rate: CopyRate | None = None,
     ) -> None:
-        if namespace.layout != pool.layout:
+        if record_layout(pool.layout, namespace.block_size) != namespace.layout:
             raise ValueError(f"namespace layout {namespace.layout} is not the pool's {pool.layout}")
+        self.records_per_block = records_per_block(pool.layout.block_size, namespace.block_size)
         self.store = store
         self.namespace = namespace
         self.pool = pool
@@ -84,29 +93,56 @@ class TierBridge:
         block_ids = [b.block_id for b in todo]
         buffers = self.pool.read_blocks(block_ids)
         auxes = self.pool.read_aux(block_ids)  # an fp8 block's scales, b"" otherwise
-        layout = self.namespace.layout
         records = [
-            KVBlock(
-                b.key,
-                self.namespace.fingerprint,
-                layout.dtype,
-                self.pool.block_shape,
-                layout.block_size,
-                buf,
-                aux,
-            )
+            record
             for b, buf, aux in zip(todo, buffers, auxes)
-            if b.key is not None
+            for record in self._records_of(b, buf, aux)
         ]
         self.store.put_many(self.namespace.id, records)
         for b in todo:
             b.stored = True
-        self.stats.saved_blocks += len(records)
+        self.stats.saved_blocks += len(todo)
         self.stats.save_s += time.perf_counter() - start
 
+    def _records_of(self, block: Block, buf: memoryview, aux: bytes) -> list[KVBlock]:
+        """The records one pool block is stored as: itself, or ``n`` records cut from it."""
+        layout = self.namespace.layout
+        assert block.key is not None, "only full, keyed blocks are saved"
+        n = self.records_per_block
+        if n == 1:
+            pieces: list[object] = [buf]
+            keys: tuple[BlockHash, ...] = (block.key,)
+        else:
+            assert len(block.record_keys) == n, f"block {block.block_id} has no record keys"
+            dtype = torch_dtype(layout.dtype)
+            payload = payload_tensor(buf, dtype, self.pool.block_shape)
+            pieces = [payload_view(p) for p in split_block(payload, n)]
+            keys = block.record_keys
+        return [
+            KVBlock(
+                key,
+                self.namespace.fingerprint,
+                layout.dtype,
+                layout.payload_shape,
+                layout.block_size,
+                piece,
+                aux,
+            )
+            for key, piece in zip(keys, pieces, strict=True)
+        ]
+
     def lookup(self, keys: Sequence[BlockHash]) -> PrefixHit:
-        """Which leading ``keys`` the store holds, and in which tier (no data is read)."""
-        return self.store.lookup(self.namespace.id, keys)
+        """Which leading pool blocks the store holds, and in which tier (no data is read).
+
+        Args:
+            keys: the record keys of those blocks, ``records_per_block`` per block.
+
+        Returns:
+            The hit in whole pool blocks (a block counts where every record of it is held),
+            each block in the tier of its first record.
+        """
+        hit = self.store.lookup(self.namespace.id, keys)
+        return _in_blocks(hit, self.records_per_block)
 
     def restore(
         self,
@@ -121,21 +157,31 @@ class TierBridge:
         ends the run.
 
         Args:
-            keys: the blocks to restore, in sequence order.
-            block_ids: pool blocks to put them in, one per key.
-            hit: the ``lookup`` just made for (at least) these keys, so it is not made twice.
+            keys: the record keys of the blocks to restore, in sequence order,
+                ``records_per_block`` per block.
+            block_ids: pool blocks to put them in.
+            hit: the ``lookup`` just made for (at least) these keys, so it is not made twice
+                (blocks of one record only: a lookup in blocks no longer says where each
+                record lies).
 
         Returns:
             The source tier of each restored block (a prefix of ``keys``) and the time taken.
         """
         start = time.perf_counter()
-        restored = self.store.restore_prefix(
-            self.namespace.id,
-            keys,
-            fingerprint=self.namespace.fingerprint,
-            dests=self.pool.block_views(block_ids[: len(keys)]),
-            hit=hit,
-        )
+        if self.records_per_block == 1:
+            restored = self.store.restore_prefix(
+                self.namespace.id,
+                keys,
+                fingerprint=self.namespace.fingerprint,
+                dests=self.pool.block_views(block_ids[: len(keys)]),
+                hit=hit,
+            )
+        else:
+            restored = self._joined(
+                self.store.restore_prefix(
+                    self.namespace.id, keys, fingerprint=self.namespace.fingerprint
+                )
+            )
         with self._lock:
             return self._put_in_place(restored, block_ids, start)
 
@@ -175,6 +221,44 @@ class TierBridge:
         if background is not None:
             background.shutdown(wait=True)
 
+    def _joined(self, restored: RestoredPrefix) -> RestoredPrefix:
+        """Whole pool blocks joined from restored records, up to the first block with a
+        record that is not of this namespace's layout or whose side data differs from its
+        block's other records (an fp8 block has one set of scales)."""
+        layout, n = self.namespace.layout, self.records_per_block
+        dtype = torch_dtype(layout.dtype)
+        blocks: list[KVBlock] = []
+        sources: list[str] = []
+        for b in range(len(restored.blocks) // n):
+            group = restored.blocks[b * n : (b + 1) * n]
+            if any(
+                r.num_tokens != layout.block_size
+                or r.dtype != layout.dtype
+                or tuple(r.shape) != layout.payload_shape
+                or memoryview(r.data).nbytes != layout.block_bytes
+                or bytes(r.aux) != bytes(group[0].aux)
+                for r in group
+            ):
+                self.stats.rejected_blocks += 1
+                log.warning("restored records of block %s do not match", group[-1].key.hex()[:12])
+                break
+            payload = join_records(
+                [payload_tensor(r.data, dtype, layout.payload_shape) for r in group]
+            )
+            blocks.append(
+                KVBlock(
+                    group[-1].key,
+                    self.namespace.fingerprint,
+                    layout.dtype,
+                    self.pool.block_shape,
+                    self.pool.layout.block_size,
+                    payload_view(payload),
+                    group[0].aux,
+                )
+            )
+            sources.append(restored.sources[b * n])
+        return RestoredPrefix(tuple(blocks), tuple(sources))
+
     def _put_in_place(
         self, restored: RestoredPrefix, block_ids: Sequence[int], start: float
     ) -> Restored:
@@ -182,7 +266,7 @@ class TierBridge:
         good: list[KVBlock] = []
         for block in restored.blocks:
             nbytes = memoryview(block.data).nbytes
-            if block.num_tokens != self.namespace.block_size or not self.pool.payload_matches(
+            if block.num_tokens != self.pool.layout.block_size or not self.pool.payload_matches(
                 block.dtype, block.shape, nbytes, len(block.aux)
             ):
                 self.stats.rejected_blocks += 1
@@ -214,3 +298,22 @@ class TierBridge:
         end = time.perf_counter()
         self.stats.restore_s += end - start
         return Restored(sources, read_end - start, end - read_end)
+
+
+def _in_blocks(hit: PrefixHit, per_block: int) -> PrefixHit:
+    """A lookup in records as one in blocks of ``per_block`` records: whole blocks only, each
+    in the tier of its first record."""
+    if per_block == 1:
+        return hit
+    num_blocks = hit.num_blocks // per_block
+    tiers = [0] * hit.num_blocks
+    for tier, start, end in hit.spans:
+        tiers[start:end] = [tier] * (end - start)
+    spans: list[tuple[int, int, int]] = []
+    for b in range(num_blocks):
+        tier = tiers[b * per_block]
+        if spans and spans[-1][0] == tier:
+            spans[-1] = (tier, spans[-1][1], b + 1)
+        else:
+            spans.append((tier, b, b + 1))
+    return PrefixHit(num_blocks, tuple(spans), hit.tier_names)

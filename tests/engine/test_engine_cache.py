@@ -117,15 +117,32 @@ def test_blocks_of_another_model_dtype_or_record_size_are_never_used(
         assert out.num_cached_tokens == 0, (model, kw)
 
 
-def test_a_block_size_other_than_record_tokens_is_refused_with_tiers(
+# The saver stores records of 16 covering the prompt's first 144 tokens (its later blocks
+# hold its own output); the restorer takes whole blocks of its size within them, one token
+# short of the new 153-token prompt.
+@pytest.mark.parametrize(
+    ("saver", "restorer", "cached"), [(16, 32, 128), (32, 16, 144), (32, 64, 128)]
+)
+def test_engines_of_other_block_sizes_share_records(
+    tiny_model_dir: Path, tmp_path: Path, saver: int, restorer: int, cached: int
+) -> None:
+    config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=saver) as llm:
+        llm.generate([PROMPT], GREEDY)
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=restorer) as llm:
+        out = llm.generate([PROMPT + [1, 2, 3]], GREEDY)[0]
+    assert out.cached_tokens_by_source == {"disk": cached}
+    assert out.token_ids == reference(tiny_model_dir, [PROMPT + [1, 2, 3]])[0]
+
+
+def test_a_block_size_that_records_do_not_divide_is_refused_with_tiers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    # Silently keying 32-token blocks would split the cache from every 16-token engine.
     config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
-    with pytest.raises(ValueError, match="block_size 32 differs from record_tokens 16"):
-        LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=32)
+    with pytest.raises(ValueError, match="block size 8 is not a multiple of record_tokens 16"):
+        LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=8)
     # Without tiers nothing is keyed for sharing, and any block size runs.
-    with LLM(tiny_model_dir, kv_cache_bytes=4 << 20, block_size=32) as llm:
+    with LLM(tiny_model_dir, kv_cache_bytes=4 << 20, block_size=8) as llm:
         assert llm.generate([PROMPT], GREEDY)[0].token_ids
 
 
