@@ -105,7 +105,11 @@ class CacheTierBackend(StoragePluginInterface):
             # LMCache 0.5.6's storage_plugin_launcher catches every Exception a plugin's
             # constructor raises, logs one line and serves without the plugin. SystemExit is
             # not an Exception: it passes LMCache (and vLLM's worker, which exits on it), so
-            # the engine stops instead of serving without the tiers its config names.
+            # the engine stops instead of serving without the tiers its config names. The
+            # StorageManager has already started its event loop's thread (not a daemon): it is
+            # stopped first, or the interpreter would wait for it forever on its way out.
+            if loop is not None:
+                loop.call_soon_threadsafe(loop.stop)
             raise SystemExit(message) from exc
 
     def _start(self, settings: dict[str, Any], metadata: Any, local_cpu_backend: Any) -> None:

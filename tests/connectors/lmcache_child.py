@@ -10,6 +10,9 @@ Every store is LMCache's own ``StorageManager`` with our plugin loaded through i
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,79 @@ def corrupt(work: Path) -> dict[str, Any]:
     return {"found": found_identical(store(work, chunks), chunks)}
 
 
+class Lines(logging.Handler):
+    """Keeps the messages of the WARNINGs (and worse) it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def corrupt_logged(work: Path) -> dict[str, Any]:
+    """Two tampered chunks read one get each: what LMCache's lookups and gets say."""
+    chunks = make_chunks("small", 3)
+    writer = store(work, chunks)
+    put_all(writer, chunks)
+    close(writer)
+    records = sorted((work / "kv").rglob("*.ctkv"))
+    for record in records[:2]:
+        raw = bytearray(record.read_bytes())
+        raw[-3] ^= 0xFF  # one payload byte: its checksum no longer matches
+        record.write_bytes(raw)
+    reader = store(work, chunks)
+    before = reader.count_found()
+    catch = Lines()
+    logging.getLogger("cachetier").addHandler(catch)
+    found = found_identical(reader, chunks)
+    logging.getLogger("cachetier").removeHandler(catch)
+    lines = catch.lines
+    return {
+        "before": before,
+        "found": found,
+        "log": lines,
+        "after": reader.count_found(),
+        "tampered": sorted(r.stem[:16] for r in records[:2]),
+    }
+
+
+def start(work: Path, settings: str) -> dict[str, Any]:
+    """Start LMCache with the plugin given ``settings`` (JSON); run as its own process
+    (``starts``), whose logging is set up as an engine's would be."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    try:
+        side = store(work, make_chunks("small", 1), **json.loads(settings))
+    except RuntimeError as exc:  # PeerStore: LMCache started without the plugin
+        return {"lmcache_started": True, "plugin": False, "why": str(exc)}
+    return {"lmcache_started": True, "plugin": side.location in side.manager.storage_backends}
+
+
+def starts(work: Path) -> dict[str, Any]:
+    """Each bad config, in a process of its own: its exit status and its stderr."""
+    cases = {
+        "secret": {"remote_url": "http://127.0.0.1:9", "remote_token": "s3cret-0123456789"},
+        "typo": {"disk_pth": str(work / "typo")},
+        "no_fingerprint": {"model_fingerprint": None},
+        "typo_not_fatal": {"disk_pth": str(work / "typo"), "fail_on_start_error": False},
+        "good": {},
+    }
+    out = {}
+    for name, settings in cases.items():
+        done = subprocess.run(
+            [sys.executable, __file__, "start", str(work / name), json.dumps(settings)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=os.environ,
+            check=False,
+        )
+        last = done.stdout.strip().splitlines()[-1:] or ["null"]
+        out[name] = {"rc": done.returncode, "stderr": done.stderr, "out": json.loads(last[0])}
+    return out
+
+
 def partial(work: Path) -> dict[str, Any]:
     """A chunk shorter than chunk_size (LMCache's last chunk of a prompt) is not stored."""
     import torch
@@ -119,6 +195,15 @@ def main() -> None:
         result = corrupt(work)
     elif scenario == "partial":
         result = partial(work)
+    elif scenario == "corrupt_logged":
+        result = corrupt_logged(work)
+    elif scenario == "start":
+        # A StorageManager that started without the plugin was never handed back (PeerStore
+        # raised), and its event loop's thread would keep this process alive: exit at once.
+        print(json.dumps(start(work, sys.argv[3]), sort_keys=True), flush=True)
+        os._exit(0)
+    elif scenario == "starts":
+        result = starts(work)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     while OPEN:

@@ -45,3 +45,38 @@ def test_a_corrupt_record_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
 
 def test_a_partial_chunk_is_not_stored(tmp_path: Path) -> None:
     assert run_peers(CHILD, "partial", tmp_path) == {"stored": 0, "files": 0}
+
+
+def test_a_bad_config_stops_lmcache_loudly_unless_told_otherwise(tmp_path: Path) -> None:
+    # LMCache's launcher swallows a plugin's exceptions; ours must not be served around.
+    out = run_peers(CHILD, "starts", tmp_path)
+    causes = {
+        "secret": "CACHETIER_REMOTE_TOKEN",
+        "typo": "keys ['disk_pth'] (did you mean 'disk_pth' -> 'disk_path'?)",
+        "no_fingerprint": "extra_config['cachetier.model_fingerprint']",
+    }
+    for name, cause in causes.items():
+        case = out[name]
+        assert case["rc"] == 1 and case["out"] is None, (name, case["stderr"][-2000:])
+        errors = [line for line in case["stderr"].splitlines() if "connectors.config" in line]
+        assert len(errors) == 1, (name, case["stderr"][-2000:])
+        assert errors[0].startswith("ERROR connectors.config: cachetier could not start")
+        assert cause in errors[0] and "LMCache is not started" in errors[0], errors[0]
+    assert "s3cret" not in out["secret"]["stderr"]
+    assert "'remote_token'" not in out["typo"]["stderr"]  # a plugin does not accept it
+    quiet = out["typo_not_fatal"]
+    assert quiet["rc"] == 0 and quiet["out"]["plugin"] is False, quiet["stderr"][-2000:]
+    errors = [line for line in quiet["stderr"].splitlines() if "connectors.config" in line]
+    assert len(errors) == 1 and "LMCache is running WITHOUT cachetier" in errors[0]
+    assert out["good"]["rc"] == 0 and out["good"]["out"]["plugin"] is True
+
+
+def test_a_corrupt_chunk_is_logged_once_and_no_longer_counted(tmp_path: Path) -> None:
+    out = run_peers(CHILD, "corrupt_logged", tmp_path)
+    assert out["before"] == 3  # not known to be corrupt until a read checks it
+    assert sorted(out["found"]) == ["miss", "miss", "same"]
+    assert out["after"] == 1  # LMCache's contains asks per key: the good one is still there
+    lines = [line for line in out["log"] if "is corrupt" in line]
+    assert len(lines) == 1, out["log"]  # the second, within the interval, is only counted
+    assert "cachetier disk tier" in lines[0]
+    assert any(key in lines[0] for key in out["tampered"]), (lines, out["tampered"])

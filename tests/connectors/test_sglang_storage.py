@@ -8,6 +8,7 @@ pool classes themselves cannot be imported here).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -368,3 +369,64 @@ def test_model_fingerprint_comes_from_sglangs_model_folder(
     assert named.model_fingerprint and named.model_fingerprint != FINGERPRINT
     with pytest.raises(ValueError, match="model_fingerprint"):
         make_backend(mha_pool(), extra, model_name=os.fspath(tiny_model_dir / "absent"))
+
+
+def test_a_bad_config_stops_sglang_loudly(
+    make_backend: Callable[..., CacheTierStorage], caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang's factory re-raises a dynamic backend's error, and its scheduler exits on it.
+    with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match="disk_pth"):
+        make_backend(mha_pool(), {"disk_pth": "/tmp/kv"})
+    ours = [r for r in caplog.records if r.name == "connectors.config"]
+    assert len(ours) == 1 and ours[0].levelno == logging.ERROR
+    assert "SGLang is not started" in ours[0].getMessage()
+    assert "disk_pth" in ours[0].getMessage()
+
+
+def test_fail_on_start_error_false_serves_without_cachetier(
+    make_backend: Callable[..., CacheTierStorage],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    pool = mha_pool()
+    fill(pool, 5)
+    extra = {"disk_pth": str(tmp_path / "typo"), "fail_on_start_error": False}
+    with caplog.at_level(logging.ERROR):
+        backend = make_backend(pool, extra)
+    ours = [r for r in caplog.records if r.name == "connectors.config"]
+    assert [r.levelno for r in ours] == [logging.ERROR]
+    assert "SGLang is running WITHOUT cachetier" in ours[0].getMessage()
+    assert not backend.running
+    # Writes are taken and dropped (a refusal would make SGLang warn on each), reads miss.
+    assert backend.batch_set_v1(keys("w1", "w2"), slots([0, 1])) == [True, True]
+    assert backend.batch_set(keys("w3"), [page(pool, 2)])
+    assert backend.batch_exists(keys("w1", "w2")) == 0
+    assert backend.batch_get_v1(keys("w1"), slots([3])) == [False]
+    assert backend.batch_get(keys("w3"), [page(pool, 4)]) == [None]
+    assert not (tmp_path / "kv").exists() and not (tmp_path / "typo").exists()
+
+
+def test_a_corrupt_page_is_logged_once_and_no_longer_counted(
+    make_backend: Callable[..., CacheTierStorage], caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = mha_pool()
+    fill(pool, 11)
+    backend = make_backend(pool)
+    names = keys("c1", "c2", "c3")
+    backend.batch_set_v1(names, slots([0, 1, 2]))
+    for name in names[:2]:
+        record_key = backend._keys([name])[0].hex()
+        (record,) = Path(backend.config.disk_path).rglob(f"{record_key}.ctkv")
+        raw = bytearray(record.read_bytes())
+        raw[-5] ^= 0xFF  # one payload byte: the checksum no longer matches
+        record.write_bytes(raw)
+    assert backend.batch_exists(names) == 3  # not known to be corrupt until a read checks it
+    with caplog.at_level(logging.WARNING):
+        assert backend.batch_get_v1(names[:1], slots([3])) == [False]
+        assert backend.batch_get_v1(names[1:2], slots([4])) == [False]  # within the interval
+    lines = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "cachetier disk tier" in lines[0]
+    assert backend._keys(names[:1])[0].hex()[:16] in lines[0]
+    assert backend.batch_exists(names) == 0
+    assert backend.batch_exists(names[2:]) == 1
