@@ -106,6 +106,21 @@ class ServerConfig:
         idle_timeout_s: an HTTP or transfer connection with no request for this many seconds is
             closed.
         max_head_bytes: largest HTTP request head (request line and headers).
+        max_connections: most HTTP connections open at once; past it a new connection takes
+            the place of the oldest one without a valid token, or is closed at once. ``None``
+            derives it from the descriptor limit (``RLIMIT_NOFILE``, whose soft limit the server
+            raises to the hard one at start): all of it but an eighth (at least 64) and two per
+            transfer connection.
+        max_unauthenticated_connections: most HTTP connections open that have not yet shown a
+            valid token (TLS handshakes included); past it the oldest of them is closed.
+            ``None``: a quarter of ``max_connections``.
+        unauthenticated_timeout_s: an HTTP connection that has shown no valid token this many
+            seconds after its accept is closed, kept alive or not (health checks and limits
+            need none, and get a fresh connection each).
+        tls_handshake_timeout_s: with TLS, an HTTP connection's whole handshake must be done
+            within this many seconds of its accept.
+        max_tls_handshakes: most HTTPS handshakes in progress at once (each holds a few hundred
+            KiB of buffers); past it the oldest is dropped.
         max_inflight_bytes: most bytes of uploads held at once, all requests together (bodies
             and decompressed payloads being checked); over it a request is answered busy (503,
             ``BUSY``). At least ``max_batch_bytes``.
@@ -154,6 +169,11 @@ class ServerConfig:
     body_timeout_s: float = 60.0
     idle_timeout_s: float = 75.0
     max_head_bytes: int = 32 << 10
+    max_connections: int | None = None
+    max_unauthenticated_connections: int | None = None
+    unauthenticated_timeout_s: float = 5.0
+    tls_handshake_timeout_s: float = 5.0
+    max_tls_handshakes: int = 128
     max_inflight_bytes: int = 1 * GiB
     write_queue_bytes: int = 1 * GiB
     tls_cert: str | None = None
@@ -194,13 +214,25 @@ class ServerConfig:
             "max_head_bytes",
             "max_inflight_bytes",
             "write_queue_bytes",
+            "max_tls_handshakes",
         ):
             positive_int(name, getattr(self, name))
+        for name in ("max_connections", "max_unauthenticated_connections"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if (
+            self.max_connections is not None
+            and self.max_unauthenticated_connections is not None
+            and self.max_unauthenticated_connections > self.max_connections
+        ):
+            raise ValueError("max_unauthenticated_connections must be at most max_connections")
         for name in (
             "transfer_hello_timeout_s",
             "head_timeout_s",
             "body_timeout_s",
             "idle_timeout_s",
+            "unauthenticated_timeout_s",
+            "tls_handshake_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -18,7 +18,10 @@ size. ``GuardedHttpProtocol`` adds to uvicorn's protocol:
 - at most ``MAX_PIPELINED`` requests waiting behind the one being answered: uvicorn parses all
   of a read, and 64 KiB of pipelined heads would otherwise become 1,800 queued requests.
 
-``http_server`` builds the uvicorn server the CLI runs and the tests start.
+``http_server`` builds the uvicorn server the CLI runs and the tests start. It accepts its
+connections itself (``listener``) and holds them in a ``ConnectionTable`` (``connections``): caps
+below the descriptor limit, a deadline for a connection without a valid token, TLS handshakes
+under a deadline and a cap of their own.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cachetier.checks import positive_int
 from cachetier.server.config import ServerConfig
+from cachetier.server.connections import ConnectionTable, Entry
+from cachetier.server.listener import METRICS_STATE, GuardedServer
 
 HEAD_READ_BYTES = 64 << 10  # one read, until the app asks for the body
 BODY_READ_BYTES = 256 << 10  # one read while it streams one (what asyncio and uvloop read)
 LINGER_S = 2.0  # reading and dropping the rest of a refused request's body
 MAX_PIPELINED = 8  # requests queued behind the one being answered (clients we know send none)
 _ABORT_AFTER_CLOSE_S = 1.0  # a closed connection whose client reads nothing is reset after it
-GUARD_EVENTS = "metrics"
+GUARD_EVENTS = METRICS_STATE
 """The lifespan state entry told of what the guard does (``note_closed``,
 ``note_refused_body``): the app's ``ServerMetrics``; none, no counting."""
 
@@ -86,12 +91,13 @@ class _TooManyPipelined(Exception):
 class _Request:
     """What the guard tracks of one request."""
 
-    __slots__ = ("body_bytes", "body_asked", "body_done")
+    __slots__ = ("body_bytes", "body_asked", "body_done", "state")
 
     def __init__(self) -> None:
         self.body_bytes = 0  # body bytes read so far
         self.body_asked = False  # its app has asked for its body
         self.body_done = False  # its whole body has been read
+        self.state: dict[str, Any] = {}  # its scope's state: the caller, once authenticated
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -100,12 +106,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     Args:
         limits: the deadlines and the head cap.
+        table: the connection caps the connection holds a place in (``None``: none).
+        entry: its place there.
         args, kwargs: what uvicorn passes to its protocol.
     """
 
-    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        limits: ConnectionLimits,
+        table: ConnectionTable | None = None,
+        entry: Entry | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._limits = limits
+        self._table = table
+        self._entry = entry
         self._plain_app = self.app
         self._request: _Request | None = None  # the request being read
         self._deadline: asyncio.TimerHandle | None = None  # of a head, a body or a linger
@@ -124,11 +141,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self._entry is not None:
+            if self._entry.left:  # shed while its transport was being made
+                transport.abort()
+                return
+            self._entry.drop = self._drop
         # From the start: a connection that never sends a byte is closed like a slow head.
         self._arm(self._limits.head_timeout_s, "head_timeout")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        if self._table is not None and self._entry is not None:
+            self._table.leave(self._entry)
         self._disarm()
         if self._send_deadline is not None:
             self._send_deadline.cancel()
@@ -233,19 +257,51 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         app, events = self._plain_app, self.app_state.get(GUARD_EVENTS)
 
         async def watched(scope: Scope, receive: Receive, send: Send) -> None:
+            request.state = scope.setdefault("state", {})  # AuthEdge puts the caller there
+
             async def receive_watched() -> Message:
                 request.body_asked = True  # reads may be larger from now on
+                self._maybe_promote(request)  # a body is read only after a valid token
                 return await receive()
 
             async def send_watched(message: Message) -> None:
-                if message["type"] == "http.response.start" and message["status"] in (401, 403):
-                    if events is not None:
+                if message["type"] == "http.response.start":
+                    self._maybe_promote(request)
+                    if message["status"] in (401, 403) and events is not None:
                         events.note_refused_body(request.body_bytes)
                 await send(message)
 
             await app(scope, receive_watched, send_watched)
 
         return watched
+
+    def _maybe_promote(self, request: _Request) -> bool:
+        """Make the connection known if ``request`` showed a valid token."""
+        if self._table is None or self._entry is None or request.state.get("caller") is None:
+            return False
+        self._table.promote(self._entry)
+        return True
+
+    def _drop(self, reason: str) -> bool:
+        """Close the connection for the ``ConnectionTable`` (``connections.Drop``)."""
+        if self._lost or self.transport.is_closing():
+            return True
+        if reason == "unauthenticated_timeout":
+            request = self._request
+            if request is not None and self._maybe_promote(request):
+                return False  # its request in progress has a valid token
+            self._note_closed(reason)
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if answering and self.cycle is not None:
+                self.cycle.keep_alive = False  # the answer goes out, then the connection ends
+                return True
+            self.transport.close()
+            self.loop.call_later(_ABORT_AFTER_CLOSE_S, self._abort)
+            return True
+        # A cap or the descriptors: the place is needed now.
+        self._note_closed(reason)
+        self.transport.abort()
+        return True
 
     def _arm(self, seconds: float, reason: str) -> None:
         self._disarm()
@@ -326,7 +382,8 @@ def guarded_protocol(limits: ConnectionLimits) -> Callable[..., asyncio.BaseProt
         limits: the deadlines and head cap of every connection.
 
     Returns:
-        A callable taking uvicorn's protocol arguments.
+        A callable taking uvicorn's protocol arguments (and ``table`` and ``entry``, the
+        connection's place in a ``ConnectionTable``).
     """
     buffer = memoryview(bytearray(BODY_READ_BYTES))
 
@@ -342,15 +399,16 @@ def http_server(
     *,
     ssl_context: ssl.SSLContext | None = None,
     **uvicorn_options: Any,
-) -> uvicorn.Server:
-    """The sidecar's HTTP server: uvicorn with ``GuardedHttpProtocol`` on every connection.
+) -> GuardedServer:
+    """The sidecar's HTTP server: uvicorn with ``GuardedHttpProtocol`` on every connection,
+    accepted by ``HttpAcceptor`` under the caps of a ``ConnectionTable``.
 
-    With TLS, uvicorn calls a protocol once the handshake is done: the handshake itself is
-    bounded by the event loop's own handshake timeout (60 s), not by ``head_timeout_s``.
+    With TLS, the handshake runs before uvicorn's protocol sees the connection, under
+    ``tls_handshake_timeout_s`` and the ``max_tls_handshakes`` cap.
 
     Args:
         app: the ASGI app (``create_app``).
-        config: host, port, log level and the connection limits.
+        config: host, port, log level, the connection limits and caps.
         ssl_context: serve HTTPS with this server context; ``None`` for plain HTTP.
         uvicorn_options: further ``uvicorn.Config`` settings (they win over these).
 
@@ -374,7 +432,5 @@ def http_server(
         timeout_graceful_shutdown=30,
         server_header=False,
     )
-    if ssl_context is not None:
-        settings["ssl_context_factory"] = lambda _config, _default: ssl_context
     settings.update(uvicorn_options)
-    return uvicorn.Server(uvicorn.Config(app, **settings))
+    return GuardedServer(uvicorn.Config(app, **settings), config, ssl_context)

@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachetier.backoff import BreakerState
+from cachetier.server.connections import ConnectionTable
+from cachetier.server.listener import HttpAcceptor
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
 from cachetier.stats import COUNTERS
@@ -38,6 +40,7 @@ class ServerMetrics:
 
     def __init__(self, service: BlockService, transfer: TransferServer | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.transfer = transfer  # its listeners count in readiness (routes_admin)
         self._requests = Counter(
             "cachetier_http_requests",
             "HTTP requests answered, by route and status",
@@ -54,7 +57,9 @@ class ServerMetrics:
         self._closed = Counter(
             "cachetier_http_connections_closed",
             "HTTP connections the server closed on a client: head_timeout, body_timeout, "
-            "send_timeout (an answer not read), head_too_large",
+            "send_timeout (an answer not read), head_too_large, unauthenticated_timeout, "
+            "connection_cap, unauthenticated_cap, tls_handshake_cap, descriptors (shed to "
+            "accept again)",
             ["reason"],
             registry=self.registry,
         )
@@ -74,6 +79,16 @@ class ServerMetrics:
         self.registry.register(_StoreCollector(service))
         if transfer is not None:
             self.registry.register(_TransferCollector(transfer))
+
+    def watch_http(self, table: ConnectionTable, acceptors: list[HttpAcceptor]) -> None:
+        """Report the HTTP port's connections and accept errors (``httpserver.GuardedServer``
+        calls it once it listens).
+
+        Args:
+            table: its connection caps.
+            acceptors: its accept loops.
+        """
+        self.registry.register(_HttpConnectionCollector(table, acceptors))
 
     def note_closed(self, reason: str) -> None:
         """Count a connection the HTTP guard closed (``httpserver.GuardedHttpProtocol``).
@@ -234,11 +249,68 @@ def tier_rate_families(rates: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     yield bandwidth
 
 
+class _HttpConnectionCollector(Collector):
+    def __init__(self, table: ConnectionTable, acceptors: list[HttpAcceptor]) -> None:
+        self._table = table
+        self._acceptors = acceptors
+
+    def collect(self) -> Iterator[Metric]:
+        table = self._table
+        yield GaugeMetricFamily(
+            "cachetier_http_connections", "HTTP connections open", value=table.num_open
+        )
+        yield GaugeMetricFamily(
+            "cachetier_http_unauthenticated_connections",
+            "HTTP connections open that have shown no valid token yet",
+            value=table.num_unauthenticated,
+        )
+        shed = CounterMetricFamily(
+            "cachetier_http_connections_shed",
+            "HTTP connections the caps closed: connection_cap, unauthenticated_cap, "
+            "tls_handshake_cap, unauthenticated_timeout, descriptors",
+            labels=["reason"],
+        )
+        for reason, count in sorted(table.num_shed.items()):
+            shed.add_metric([reason], count)
+        yield shed
+        yield CounterMetricFamily(
+            "cachetier_http_connections_refused",
+            "HTTP connections closed at their accept: every place held by a client with a token",
+            value=table.num_refused,
+        )
+        yield from accept_families([(a.name, a.up, a.num_accept_errors) for a in self._acceptors])
+
+
+def accept_families(listeners: list[tuple[str, bool, int]]) -> Iterator[Metric]:
+    """``cachetier_listener_up`` and ``cachetier_accept_errors`` of each listener.
+
+    Args:
+        listeners: (name, accepting now, failed accepts so far) of each.
+    """
+    up = GaugeMetricFamily(
+        "cachetier_listener_up",
+        "1 while a listener accepts, 0 while it backs off after a failed accept",
+        labels=["listener"],
+    )
+    errors = CounterMetricFamily(
+        "cachetier_accept_errors",
+        "accept() calls that failed (out of descriptors or memory, or any other error)",
+        labels=["listener"],
+    )
+    for name, is_up, num_errors in listeners:
+        up.add_metric([name], float(is_up))
+        errors.add_metric([name], num_errors)
+    yield up
+    yield errors
+
+
 class _TransferCollector(Collector):
     def __init__(self, transfer: TransferServer) -> None:
+        self._transfer = transfer
         self._admission = transfer.admission
 
     def collect(self) -> Iterator[Metric]:
+        yield from accept_families(self._transfer.listener_status())
         yield GaugeMetricFamily(
             "cachetier_transfer_unauthenticated_connections",
             "transfer connections before their hello",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cachetier.server.deps import CallerDep, ServiceDep
+from cachetier.server.listener import LISTENERS
 from cachetier.server.metrics import CONTENT_TYPE, ServerMetrics
 from cachetier.server.schemas import (
     HealthPublic,
@@ -19,9 +21,25 @@ router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz", response_model=HealthPublic)
-async def healthz() -> HealthPublic:
-    """Liveness: the server answers (no token needed, nothing disclosed)."""
+async def healthz(request: Request, ready: bool = False) -> HealthPublic | JSONResponse:
+    """Liveness: the server answers (no token needed, nothing disclosed). With ``?ready=1``,
+    readiness: 503 while a listener (HTTP, transfer port, Unix socket) cannot accept, e.g.
+    out of file descriptors; it accepts again by itself once they come back."""
+    if ready:
+        down = listeners_down(request)
+        if down:
+            return JSONResponse({"status": "not_ready", "listeners_down": down}, status_code=503)
     return HealthPublic(status="ok")
+
+
+def listeners_down(request: Request) -> list[str]:
+    """The names of the listeners that cannot accept now (none known: none)."""
+    state = request.state
+    down = [a.name for a in getattr(state, LISTENERS, []) if not a.up]
+    metrics: ServerMetrics | None = getattr(state, "metrics", None)
+    if metrics is not None and metrics.transfer is not None:
+        down += [name for name, up, _ in metrics.transfer.listener_status() if not up]
+    return down
 
 
 @router.get("/v1/limits", response_model=LimitsPublic)

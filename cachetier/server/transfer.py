@@ -16,7 +16,15 @@ TLS. Given a server context, the TCP port speaks only TLS (``/v1/limits`` says s
 of an https URL never sends its token to a plaintext port); the Unix socket stays plaintext,
 local and guarded by its folder's permissions. The handshake runs on the connection's thread
 under one deadline (``sockets.accept_tls``), so a client that never completes it cannot hold up
-the accept loop.
+the accept loop. ``BUSY`` is sent inside TLS too: a connection refused for want of a slot gets
+its handshake (on a short-lived thread of its own, a few at a time) and then the answer, so its
+client reports that the server is busy, not that the certificate failed.
+
+Accepting. An accept loop survives every error: one that fails for want of descriptors or memory
+(``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``, a ``dup`` included) asks the HTTP port to shed
+its oldest unauthenticated connections (``on_descriptors_exhausted``) and waits a bounded,
+doubling delay before it accepts again; any other error the same without the shedding. A
+listener is *down* while it waits (``listener_status``; readiness says so).
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 
+from cachetier.backoff import ExponentialBackoff
 from cachetier.protocol.sockets import UNIX_SEND_BUFFER_BYTES, BufferedSocket, accept_tls
 from cachetier.protocol.transfer_frames import (
     HELLO,
@@ -52,6 +62,9 @@ from cachetier.server.transfer_requests import Refused, TransferRequests
 from cachetier.server.watchdog import Deadline, Watchdog
 
 logger = logging.getLogger("cachetier.server.transfer")
+
+DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF = ExponentialBackoff(base_s=0.01, cap_s=1.0)
 
 
 class TransferServer:
@@ -112,6 +125,12 @@ class TransferServer:
         self._watchdog = Watchdog("cachetier-transfer-deadlines")
         self._listeners: list[socket.socket] = []
         self._accepting: list[threading.Thread] = []
+        self._status: dict[int, list] = {}  # listener fd -> [name, up, failed accepts]
+        # Refusals over TLS (a handshake, then BUSY) at once; more are closed unanswered.
+        self._refusals = threading.BoundedSemaphore(max_unauthenticated)
+        self.on_descriptors_exhausted: Callable[[], None] | None = None
+        """Called (on an accept thread) when an accept ran out of descriptors: the HTTP port
+        sheds its oldest unauthenticated connections (``httpserver.GuardedServer``)."""
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -131,6 +150,8 @@ class TransferServer:
                 listener.close()
             raise
         for listener in self._listeners:
+            name = "transfer " + str(listener.getsockname() or self.socket_path)
+            self._status[listener.fileno()] = [name, True, 0]
             thread = threading.Thread(
                 target=self._accept_loop,
                 args=(listener,),
@@ -171,23 +192,96 @@ class TransferServer:
             thread.join(timeout_s)
         self._watchdog.stop()
 
+    def listener_status(self) -> list[tuple[str, bool, int]]:
+        """(name, accepting now, failed accepts so far) of each listener."""
+        with self._lock:
+            return [(name, up, errors) for name, up, errors in self._status.values()]
+
     def _accept_loop(self, listener: socket.socket) -> None:
+        status = self._status[listener.fileno()]
+        num_failures = 0
         while not self._stopping.is_set():
             try:
-                sock, _ = listener.accept()
-            except OSError:
-                return  # the listener was closed: stop() was called
-            ticket = self.admission.arrive(sock)
-            if ticket is None:
-                _send_and_close(sock, error_reply(Status.BUSY, "too many connections"))
+                self._accept_one(listener)
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # the listener was closed: stop() was called
+                num_failures += 1
+                with self._lock:
+                    status[1] = False
+                    status[2] += 1
+                if exc.errno in DESCRIPTOR_ERRNOS and self.on_descriptors_exhausted is not None:
+                    self.on_descriptors_exhausted()
+                if num_failures == 1:
+                    logger.warning("%s cannot accept (%s); backing off", status[0], exc)
+                self._stopping.wait(ACCEPT_BACKOFF.delay_s(num_failures - 1))
                 continue
-            thread = threading.Thread(
-                target=self._serve, args=(sock, ticket), name="cachetier-transfer", daemon=True
-            )
-            with self._lock:
-                self._conns.add(sock)
-                self._threads.add(thread)
+            if num_failures:
+                logger.warning("%s accepts again after %d failures", status[0], num_failures)
+                num_failures = 0
+                with self._lock:
+                    status[1] = True
+
+    def _accept_one(self, listener: socket.socket) -> None:
+        """Accept one connection and start its thread; raises what an accept (or the dup of
+        its admission ticket, or a thread's start) raised, the connection closed."""
+        sock, _ = listener.accept()
+        try:
+            ticket = self.admission.arrive(sock)  # dups the socket: may run out of descriptors
+        except BaseException:
+            sock.close()
+            raise
+        if ticket is None:
+            self._refuse_busy(sock)
+            return
+        thread = threading.Thread(
+            target=self._serve, args=(sock, ticket), name="cachetier-transfer", daemon=True
+        )
+        with self._lock:
+            self._conns.add(sock)
+            self._threads.add(thread)
+        try:
             thread.start()
+        except BaseException:  # no thread to be had (RuntimeError): the connection ends
+            with self._lock:
+                self._conns.discard(sock)
+                self._threads.discard(thread)
+            self.admission.leave(ticket)
+            sock.close()
+            raise OSError(errno.ENOMEM, "cannot start a connection thread") from None
+
+    def _refuse_busy(self, sock: socket.socket) -> None:
+        """Answer ``BUSY`` and close: in plaintext, or inside TLS on a TLS port (on a thread
+        of its own, since it waits for the handshake; closed unanswered when too many wait)."""
+        reply = error_reply(Status.BUSY, "too many connections")
+        if self._tls is None or sock.family == socket.AF_UNIX:
+            _send_and_close(sock, reply)
+            return
+        if not self._refusals.acquire(blocking=False):
+            sock.close()
+            return
+        thread = threading.Thread(
+            target=self._refuse_in_tls,
+            args=(sock, reply),
+            name="cachetier-transfer-busy",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except BaseException:
+            self._refusals.release()
+            sock.close()
+            raise
+
+    def _refuse_in_tls(self, sock: socket.socket, reply: bytes) -> None:
+        assert self._tls is not None, "a TLS port"
+        try:
+            tls = accept_tls(sock, self._tls, time.monotonic() + self._hello_timeout_s)
+        except (OSError, ValueError):
+            return  # accept_tls closed it
+        finally:
+            self._refusals.release()
+        _send_and_close(tls, reply, linger_s=1.0)
 
     def _serve(self, sock: socket.socket, ticket: Ticket) -> None:
         def shut() -> None:
@@ -198,12 +292,13 @@ class TransferServer:
         hello_deadline = time.monotonic() + self._hello_timeout_s
         deadline = Deadline(self._watchdog, shut)
         deadline.start(self._hello_timeout_s)
-        if sock.family == socket.AF_UNIX:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
-        else:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         io = BufferedSocket(sock)
         try:
+            # In the try: a client that reset its connection already fails these.
+            if sock.family == socket.AF_UNIX:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+            else:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._io_timeout_s)
             if self._tls is not None and sock.family != socket.AF_UNIX:
                 sock = self._start_tls(sock, hello_deadline)
@@ -304,10 +399,18 @@ def _send_quietly(io: BufferedSocket, reply: bytes) -> None:
         pass  # the client is gone; it cannot be told
 
 
-def _send_and_close(sock: socket.socket, reply: bytes) -> None:
+def _send_and_close(sock: socket.socket, reply: bytes, linger_s: float = 0.0) -> None:
+    """Send a last reply and close; with ``linger_s``, first read (and drop) what the client
+    sends until it closes, for at most that long: closing with its hello unread would reset
+    the connection, and a reset may discard the reply before the client reads it."""
     try:
         sock.settimeout(1.0)
         sock.sendall(reply)
+        if linger_s:
+            sock.settimeout(linger_s)
+            end = time.monotonic() + linger_s
+            while time.monotonic() < end and sock.recv(4096):
+                pass
     except OSError:
         pass  # the client is gone
     finally:
