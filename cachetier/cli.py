@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from cachetier.cli_pins import add_pin, add_pins, add_unpin
 
@@ -31,7 +32,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="a .toml or .json file of ServerConfig settings")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8470)")
+    p.add_argument("--port", type=int, help="port to listen on (0: a free one; default 8470)")
     p.add_argument(
         "--transfer-port",
         type=int,
@@ -42,6 +43,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--transfer-socket",
         help="also serve the block transfer protocol on this Unix socket, for engines on the "
         "same host (default: off)",
+    )
+    p.add_argument(
+        "--ports-file",
+        help="once every listener is bound, write the ports there as JSON, in one rename "
+        '(e.g. {"http": 43121, "transfer": 40123, "unix": null}): with --port 0, a parent '
+        "process waits for this file",
     )
     p.add_argument("--data-dir", help="folder of the disk tier")
     p.add_argument(
@@ -106,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
         The exit status: 0 after a clean stop, 1 if the server did not start, 2 for a bad
         configuration.
     """
+    from cachetier.cli_ports import run_reporting_ports
     from cachetier.redact import install_log_redaction, redact
     from cachetier.server.app import OPEN_MODE_WARNING, create_app
     from cachetier.server.config import load_config, secrets_of
@@ -153,8 +161,29 @@ def run_serve(args: argparse.Namespace) -> int:
     # After uvicorn.Config (it sets up its loggers): every handler masks the tokens and the
     # Redis password, whatever logs them.
     install_log_redaction(secrets_of(config))
-    server.run()
+    run_reporting_ports(server, lambda: serve_ports(server), args.ports_file, "cachetier serve")
     return 0 if server.started else 1
+
+
+def serve_ports(server: Any) -> dict[str, int | str | None]:
+    """Where a started sidecar server listens (what ``--ports-file`` holds).
+
+    Args:
+        server: the ``http_server`` of ``create_app``, started.
+
+    Returns:
+        ``{"http": port, "transfer": port or None, "unix": socket path or None}``: the HTTP
+        port, and the transfer port and Unix socket its lifespan bound (the ``BlockService``
+        it yields knows their address).
+    """
+    from cachetier.cli_ports import bound_port
+
+    transfer = server.lifespan.state["service"].transfer
+    return {
+        "http": bound_port(server),
+        "transfer": None if transfer is None else transfer.port,
+        "unix": None if transfer is None else transfer.socket_path,
+    }
 
 
 def add_report(subparsers: argparse._SubParsersAction) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import numpy as np
 import redis
 import uvicorn
 
+from cachetier.cli_ports import bound_port
 from cachetier.events import EventLog, LookupEvent
 from cachetier.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
@@ -95,11 +98,99 @@ class FakeClock:
         self.now += seconds
 
 
+# Ports a server that cannot listen on port 0 tries (redis-server: its port 0 turns TCP off).
+# Below Linux's ephemeral range (32768-60999), so no outgoing connection holds one; a Redis
+# Cluster node's bus port, its port + 10000, stays below it too.
+PRIVATE_PORTS = range(10_000, 22_000)
+START_TRIES = 30
+
+
+def start_on_a_free_port(
+    start: Callable[[int], subprocess.Popen],
+    log: Path,
+    *,
+    ready: str = "Ready to accept connections",
+    busy: str = "Address already in use",
+    timeout_s: float = 30,
+    ports: Callable[[], int] = lambda: random.choice(PRIVATE_PORTS),
+) -> tuple[int, subprocess.Popen]:
+    """Start a server that cannot report a port-0 bind on a random port, and again on another
+    while it exits because its port is taken. Its own bind decides: nothing is reserved and
+    released, so this does not race with other programs (``free_port`` did).
+
+    Args:
+        start: starts the server on the port it is given; the server logs to ``log``.
+        log: the server's log file (appended to across starts).
+        ready: the log line that says it listens on every port it was given.
+        busy: the log line of a port someone else holds.
+        timeout_s: how long one start may take.
+        ports: picks the next port to try.
+
+    Returns:
+        The port and the running process.
+    """
+    for _ in range(START_TRIES):
+        port = ports()
+        offset = log.stat().st_size if log.exists() else 0
+        proc = start(port)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = _read_from(log, offset)
+            if ready in text and proc.poll() is None:
+                return port, proc
+            if proc.poll() is not None:
+                break
+            if time.monotonic() > deadline:
+                end_process(proc, signal.SIGKILL)
+                raise RuntimeError(f"{start} on port {port} did not start: {text[-2000:]}")
+            time.sleep(0.01)
+        text = _read_from(log, offset)
+        if busy not in text:
+            raise RuntimeError(f"server on port {port} exited ({proc.returncode}): {text[-2000:]}")
+    raise RuntimeError(f"no free port after {START_TRIES} tries")
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A TCP port nobody listens on right now, closed again: racy, since any program may take
+    it before its user binds it. For benchmarks/ only (they import it); tests start servers on
+    port 0 or with ``start_on_a_free_port`` (tests/test_ports_file.py checks)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def wait_ports_file(
+    path: Path, proc: subprocess.Popen | None = None, timeout_s: float = 60
+) -> dict[str, Any]:
+    """The ports a server started with ``--port 0 --ports-file path`` listens on, once it has
+    written them (it writes the file whole, in one rename, after every listener is bound).
+
+    Args:
+        path: the ports file.
+        proc: the server's process; its exit ends the wait with an error.
+        timeout_s: how long to wait.
+
+    Returns:
+        The file's JSON, e.g. ``{"http": 43121, "transfer": 40123, "unix": None}``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            _, err = end_process(proc)
+            raise RuntimeError(f"the server exited ({proc.returncode}): {err[-3000:]!s}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no ports file {path} after {timeout_s} s")
+        time.sleep(0.01)
+    return json.loads(path.read_text())
 
 
 def spawn_serve(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -149,10 +240,11 @@ def opened_redis_tiers(**defaults: object) -> Iterator[Callable[..., Any]]:
 
 
 class PrivateRedis:
-    """A redis-server of this test's own, on a free port, that the test can stop and restart."""
+    """A redis-server of this test's own, on a port of its own, that the test can stop and
+    restart (on the same port)."""
 
     def __init__(self, folder: Path, *, password: str | None = None) -> None:
-        self.port = free_port()
+        self.port = 0  # chosen at the first start
         self.folder = folder
         self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
@@ -166,14 +258,21 @@ class PrivateRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        assert self.proc is None, "already running"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+    def _popen(self, port: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
             + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
             + ["--logfile", str(self.folder / "redis.log")]
             + ["--unixsocket", str(self.socket_path)]
             + ([] if self.password is None else ["--requirepass", self.password]),
+        )
+
+    def start(self) -> None:
+        assert self.proc is None, "already running"
+        # A restart keeps the port: the clients under test hold its URL.
+        same = (lambda: self.port) if self.port else (lambda: random.choice(PRIVATE_PORTS))
+        self.port, self.proc = start_on_a_free_port(
+            self._popen, self.folder / "redis.log", ports=same, timeout_s=10
         )
         client = redis.Redis(
             port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1
@@ -216,7 +315,8 @@ class AppThread:
 
     Args:
         make_app: returns the app to serve.
-        port: the port to listen on.
+        port: the port to listen on; 0 (the default) for one the OS picks at the first start
+            (``port`` says which once started; a restart listens there again).
         log_level: uvicorn's log level.
         name: the thread's name, and what error messages call the server.
         start_timeout_s: how long a start may take (an engine loads its model first).
@@ -225,7 +325,7 @@ class AppThread:
     def __init__(
         self,
         make_app: Callable[[], Any],
-        port: int,
+        port: int = 0,
         *,
         log_level: str = "warning",
         name: str = "test-server",
@@ -264,6 +364,7 @@ class AppThread:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the {self.name} on {self.url} did not start")
             time.sleep(0.005)
+        self.port = bound_port(self._server)
 
     def stop(self) -> None:
         """Ask uvicorn to exit (requests in flight finish, the lifespan ends) and wait."""

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import uvicorn
 
+from cachetier.cli_ports import bound_port, run_reporting_ports
 from cachetier.config import StoreConfig, env_values
 from engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from engine.server.openai_app import create_app
@@ -37,7 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=SMOLLM2, help="HF model folder, or smollm2 (the default)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as model")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a free one (see --ports-file)")
+    p.add_argument(
+        "--ports-file",
+        default=None,
+        help='once listening, write {"http": PORT} there as JSON, in one rename: with --port 0, '
+        "a parent process waits for this file",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -114,7 +121,12 @@ def server_config(
     """The server's config from the command line and the environment (and the graceful
     timeout); exits with a usage message on a bad value."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    return _config_of(parser, parser.parse_args(argv), env)
+
+
+def _config_of(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, env: Mapping[str, str] | None
+) -> tuple[EngineServerConfig, float]:
     engine_args = {
         "dtype": args.dtype,
         "kv_cache_bytes": args.kv_cache_bytes,
@@ -153,7 +165,9 @@ def _exit_after_graceful_stop(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, graceful_timeout = server_config(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config, graceful_timeout = _config_of(parser, args, None)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -169,13 +183,23 @@ def main(argv: list[str] | None = None) -> None:
     # clean exit (status 0), which is what supervisors and `docker compose stop` expect.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_after_graceful_stop)
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=graceful_timeout,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=graceful_timeout,
+        )
     )
+    try:
+        run_reporting_ports(
+            server, lambda: {"http": bound_port(server)}, args.ports_file, "engine server"
+        )
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(1)  # what uvicorn.run does when the model or the port fails at start
 
 
 if __name__ == "__main__":

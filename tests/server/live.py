@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,10 +16,12 @@ from typing import Any
 
 import uvicorn
 
+from cachetier.cli import serve_ports
 from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
 from cachetier.server.httpserver import http_server
-from tests.support import AppThread, end_process, free_port, spawn_serve
+from tests.support import AppThread, end_process, spawn_serve, wait_ports_file
+from tests.support import free_port as free_port  # benchmarks/ import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {
@@ -32,7 +35,7 @@ def test_config(data_dir: Path, **overrides: Any) -> ServerConfig:
     """Tenants alice, bob (and ops, an admin) with the tokens of ``TOKENS``; small limits."""
     values: dict[str, Any] = dict(
         host="127.0.0.1",
-        port=free_port(),
+        port=0,  # the OS picks; ThreadServer.port says which
         data_dir=str(data_dir),
         cpu_bytes=64 << 20,
         disk_bytes=256 << 20,
@@ -66,6 +69,10 @@ class ThreadServer(AppThread):
 
     def start(self) -> ThreadServer:
         self.start_thread()
+        # A restart (and ``with_config``) listens where this start did: pin what port 0 became.
+        ports = serve_ports(self._server)
+        pinned = {"transfer_port": ports["transfer"]} if ports["transfer"] is not None else {}
+        self.config = replace(self.config, port=self.port, **pinned)
         wait_healthy(self.url)
         return self
 
@@ -79,9 +86,10 @@ class ThreadServer(AppThread):
 
 
 class ProcessServer:
-    """``python -m cachetier.cli serve`` in a child process, stopped with SIGTERM."""
+    """``python -m cachetier.cli serve`` in a child process, stopped with SIGTERM; on ``port``,
+    by default 0: the port the server reports in its ports file, which a restart keeps."""
 
-    def __init__(self, args: list[str], env: dict[str, str], port: int) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], port: int = 0) -> None:
         self.args = args
         self.env = env
         self.port = port
@@ -94,12 +102,16 @@ class ProcessServer:
 
     def start(self) -> ProcessServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
-        self.proc = spawn_serve(["--port", str(self.port), *self.args], env)
-        try:
-            wait_healthy(self.url, proc=self.proc)
-        except RuntimeError:
-            self.stop()
-            raise RuntimeError(f"cachetier serve did not start:\n{self.stderr}") from None
+        with tempfile.TemporaryDirectory(prefix="cachetier-ports-") as folder:
+            ports_file = Path(folder) / "ports.json"
+            args = ["--port", str(self.port), "--ports-file", str(ports_file), *self.args]
+            self.proc = spawn_serve(args, env)
+            try:
+                self.port = wait_ports_file(ports_file, self.proc)["http"]
+                wait_healthy(self.url, proc=self.proc)
+            except RuntimeError:
+                self.stop()
+                raise RuntimeError(f"cachetier serve did not start:\n{self.stderr}") from None
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
