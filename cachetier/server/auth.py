@@ -15,6 +15,7 @@ from fastapi import HTTPException
 
 from cachetier.errors import RequestRefusedError
 from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.server.fairness import TenantShares
 from cachetier.server.schemas import api_error
 from cachetier.tiers.base import check_namespace
 
@@ -36,10 +37,13 @@ class Caller:
 
 
 class TokenIndex:
-    """Looks up the tenant of a bearer token in time independent of where a guess differs.
+    """Looks up the tenant of a bearer token in time independent of where a guess differs, and
+    keeps what each tenant may take of the server's shared limits (``shares``): the one object
+    HTTP and the transfer port both ask who a caller is, so both charge the same shares.
 
     Args:
-        config: the tenants, their tokens, the admin tenants and whether open mode is on.
+        config: the tenants, their tokens and weights, the admin tenants and whether open mode
+            is on.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -50,6 +54,7 @@ class TokenIndex:
         ]
         self._admins = frozenset(config.admin_tenants)
         self._open = config.open_mode
+        self.shares = TenantShares(config)
 
     def tenant_of(self, token: str) -> str | None:
         """The tenant of a token.

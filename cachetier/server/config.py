@@ -82,6 +82,14 @@ class ServerConfig:
             of at least 16 characters).
         admin_tenants: tenants that may see every tenant's stats and ``/metrics``.
         open_mode: accept requests without a token as tenant ``open`` (local development only).
+        tenant_weights: tenant -> weight (> 0; 1 for a tenant not named): each tenant's
+            guaranteed share of the transfer port's connections, the upload bytes in flight
+            and ``max_request_rate`` is in proportion to its weight, and it may borrow what
+            the others leave idle (``server.fairness``). Also given in the tenants table as
+            ``alice = {tokens = ["..."], weight = 2}``.
+        max_request_rate: requests per second of all tenants together, HTTP and the transfer
+            port alike, shared by ``tenant_weights``; past its share a tenant is answered 429
+            with ``Retry-After`` (``BUSY`` on the transfer port). ``None`` for no limit.
         max_block_bytes: largest record accepted.
         max_batch_bytes: largest batch body accepted.
         max_batch_blocks: most records in a batch put and most keys in a batch get.
@@ -156,6 +164,8 @@ class ServerConfig:
     tenants: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
     admin_tenants: tuple[str, ...] = ()
     open_mode: bool = False
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    max_request_rate: float | None = 5000.0
     max_block_bytes: int = 64 * MiB
     max_batch_bytes: int = 512 * MiB
     max_batch_blocks: int = 1024
@@ -253,7 +263,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a file path or None, got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both for TLS, or neither")
-        object.__setattr__(self, "tenants", _frozen_tenants(self.tenants))
+        tenants, weights = _split_weights(self.tenants, self.tenant_weights)
+        object.__setattr__(self, "tenants", _frozen_tenants(tenants))
+        object.__setattr__(self, "tenant_weights", _checked_weights(weights, self.tenants))
+        rate = self.max_request_rate
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0
+        ):
+            raise ValueError(f"max_request_rate must be a positive number or None, got {rate!r}")
         object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
         for tenant in self.admin_tenants:
             if tenant not in self.tenants:
@@ -312,6 +329,7 @@ class ServerConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tenants"}
         out["redis_url"] = self.redis_url and redact_url(self.redis_url)
         out["admin_tenants"] = list(self.admin_tenants)
+        out["tenant_weights"] = dict(self.tenant_weights)
         out["tenants"] = {name: f"{len(tokens)} token(s)" for name, tokens in self.tenants.items()}
         return out
 
@@ -327,6 +345,42 @@ def secrets_of(config: ServerConfig) -> list[str]:
     """
     tokens = [token for tokens in config.tenants.values() for token in tokens]
     return tokens + url_secrets(config.redis_url)
+
+
+def _split_weights(
+    tenants: Mapping[str, Any], weights: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """Tokens and weights apart, from a tenants table whose entries may be tables
+    (``{tokens = [...], weight = 2}``) beside ``tenant_weights``."""
+    if not isinstance(tenants, Mapping) or not isinstance(weights, Mapping):
+        return tenants, dict(weights)  # _frozen_tenants and _checked_weights say what is wrong
+    out_weights = dict(weights)
+    out: dict[str, Any] = {}
+    for tenant, entry in tenants.items():
+        if isinstance(entry, Mapping):
+            unknown = sorted(set(entry) - {"tokens", "weight"})
+            if unknown:
+                raise ValueError(
+                    f"tenant {tenant!r} has unknown keys {unknown}; known: tokens, weight"
+                )
+            if "weight" in entry:
+                out_weights[tenant] = entry["weight"]
+            entry = entry.get("tokens", ())
+        out[tenant] = entry
+    return out, out_weights
+
+
+def _checked_weights(weights: Mapping[str, Any], tenants: Mapping[str, Any]) -> Mapping[str, float]:
+    out: dict[str, float] = {}
+    for tenant, weight in weights.items():
+        if tenant not in tenants and tenant != OPEN_TENANT:
+            raise ValueError(f"tenant_weights names {tenant!r}, which is not a configured tenant")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(
+                f"the weight of tenant {tenant!r} must be a positive number, got {weight!r}"
+            )
+        out[tenant] = float(weight)
+    return MappingProxyType(out)
 
 
 def _frozen_tenants(tenants: Mapping[str, Any]) -> Mapping[str, tuple[str, ...]]:
@@ -422,7 +476,8 @@ def load_config(
     Args:
         path: a ``.toml`` or ``.json`` file, or ``None``.
         env: the environment (default ``os.environ``); ``CACHETIER_<FIELD>`` sets a field,
-            ``CACHETIER_TENANTS`` and ``CACHETIER_ADMIN_TENANTS`` take comma-separated lists.
+            ``CACHETIER_TENANTS`` and ``CACHETIER_ADMIN_TENANTS`` take comma-separated lists,
+            ``CACHETIER_TENANT_WEIGHTS`` ``tenant:weight`` pairs.
         overrides: field values that win over both (``None`` values are ignored).
 
     Returns:
@@ -430,7 +485,15 @@ def load_config(
     """
     env = os.environ if env is None else env
     values: dict[str, Any] = read_config_file(path) if path else {}
-    values.update(env_values(ServerConfig, env, skip=("tenants", "admin_tenants")))
+    values.update(
+        env_values(ServerConfig, env, skip=("tenants", "admin_tenants", "tenant_weights"))
+    )
+    if env.get(ENV_PREFIX + "TENANT_WEIGHTS"):
+        pairs = (p.partition(":") for p in env[ENV_PREFIX + "TENANT_WEIGHTS"].split(","))
+        try:
+            values["tenant_weights"] = {t.strip(): float(w) for t, _, w in pairs if t.strip()}
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}TENANT_WEIGHTS must be 'tenant:weight,...'") from None
     if env.get(ENV_PREFIX + "TENANTS"):
         values["tenants"] = parse_tenants(env[ENV_PREFIX + "TENANTS"])
     if env.get(ENV_PREFIX + "ADMIN_TENANTS") is not None:

@@ -1,6 +1,7 @@
-"""What every HTTP request passes before a handler sees it: its token (``AuthEdge``), then its
-body's size and the server's bytes in flight (``body_limit.BodyLimit``, with this server's
-limits and error format from here).
+"""What every HTTP request passes before a handler sees it: its token and its tenant's shares
+(``AuthEdge``: request rate and upload bytes, ``fairness``; past them 429 with
+``Retry-After``), then its body's size and the server's bytes in flight
+(``body_limit.BodyLimit``, with this server's limits and error format from here).
 
 Both are plain ASGI middlewares that decide on the request's head alone, before anything
 calls ``receive()``: FastAPI reads a JSON body whole before it resolves a route's
@@ -20,6 +21,7 @@ from cachetier.server.auth import TENANT_HEADER, AuthFailure, auth_error
 from cachetier.server.body_limit import BodyRefused
 from cachetier.server.budget import ByteBudget
 from cachetier.server.config import ServerConfig
+from cachetier.server.fairness import UPLOAD_RETRY_S, busy_message, retry_after_header
 from cachetier.server.schemas import api_error
 from cachetier.server.service import BlockService
 
@@ -96,10 +98,19 @@ def refused_answer(refused: BodyRefused) -> JSONResponse:
     return error_answer(error)
 
 
+def over_share(message: str, wait_s: float) -> HTTPException:
+    """The answer to a tenant past its share: 429 with ``Retry-After`` (whole seconds; the
+    message ends with the exact wait, ``fairness.busy_message``)."""
+    headers = {"Retry-After": retry_after_header(wait_s)}
+    return api_error(429, "over_share", busy_message(message, wait_s), headers=headers)
+
+
 class AuthEdge:
     """Refuses a request without a valid token (401, or 403 for a wrong tenant claim) on its
     head, before anything reads its body, and leaves the caller in its state for the routes
-    (``deps.require_caller``).
+    (``deps.require_caller``). Then charges the tenant's shares: one request of its rate, and
+    the upload bytes its Content-Length declares (held until the request is done); past either
+    it answers 429.
 
     Args:
         app: the app to wrap.
@@ -120,4 +131,30 @@ class AuthEdge:
             await error_answer(auth_error(exc))(scope, receive, send)
             return
         scope["state"]["caller"] = caller
-        await self.app(scope, receive, send)
+        shares = service.tokens.shares
+        tenant = caller.tenant
+        wait_s = shares.admit(tenant)
+        if wait_s is not None:
+            message = f"tenant {tenant} is past its share of the server's request rate"
+            await error_answer(over_share(message, wait_s))(scope, receive, send)
+            return
+        nbytes = _declared_upload(scope)
+        if not shares.uploads.try_take(tenant, nbytes):
+            message = f"tenant {tenant} holds its share of the server's uploads"
+            await error_answer(over_share(message, UPLOAD_RETRY_S))(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            shares.uploads.give(tenant, nbytes)
+
+
+def _declared_upload(scope: Scope) -> int:
+    """The bytes a request's Content-Length declares, if its route takes them (0 otherwise:
+    ``BodyLimit`` refuses a bad or oversized one; a body without a length is held there, in the
+    server's budget only)."""
+    length = header_of(scope, b"content-length")
+    if length is None or not length.isdigit():
+        return 0
+    nbytes = int(length)
+    return nbytes if nbytes <= route_limit(scope) else 0

@@ -120,7 +120,9 @@ class TransferServer:
         self._hello_timeout_s = hello_timeout_s
         self._head_timeout_s = head_timeout_s
         self._requests = TransferRequests(service, body_timeout_s)
-        self.admission = Admission(max_connections, max_unauthenticated)
+        self.admission = Admission(
+            max_connections, max_unauthenticated, service.tokens.shares.weights
+        )
         # Deadlines for whole hellos and requests (a socket timeout bounds one read only).
         self._watchdog = Watchdog("cachetier-transfer-deadlines")
         self._listeners: list[socket.socket] = []
@@ -362,8 +364,8 @@ class TransferServer:
         except AuthFailure as exc:
             status = Status.UNAUTHORIZED if exc.status == 401 else Status.FORBIDDEN
             raise Refused(status, exc.message) from None
-        if not self.admission.promote(ticket):
-            raise Refused(Status.BUSY, "too many connections")
+        if not self.admission.promote(ticket, tenant):
+            raise Refused(Status.BUSY, f"too many connections for tenant {tenant}")
         io.send([REPLY.pack(Status.OK, self.server_id)])
         return tenant
 

@@ -3,10 +3,12 @@
 Limits are the server's own (``max_block_bytes``, ``max_batch_bytes``, ``max_batch_blocks``),
 checked from the lengths before any record is read, and a record's decompressed size from its
 head before it is decompressed; what a put holds counts against the service's ``inflight``
-budget (``BUSY`` when it does not fit). A put's records are read with ``recv_into`` straight
-into the buffers the CPU tier then keeps, checksummed chunk by chunk as they arrive; a get's
-records are sent from the tier's buffers with vectored writes. ``transfer`` owns the sockets,
-the hello and the deadlines around each request.
+budget (``BUSY`` when it does not fit). Each request also counts against its tenant's shares
+(``fairness``: its request rate, its upload bytes); past them it is answered ``BUSY`` with the
+wait, its body read so the connection stays in step. A put's records are read with
+``recv_into`` straight into the buffers the CPU tier then keeps, checksummed chunk by chunk as
+they arrive; a get's records are sent from the tier's buffers with vectored writes.
+``transfer`` owns the sockets, the hello and the deadlines around each request.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cachetier.protocol.transfer_frames import KEY_BYTES, LENGTH, REPLY, Op, Sta
 from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record
 from cachetier.server.auth import Scope
 from cachetier.server.budget import Hold
+from cachetier.server.fairness import UPLOAD_RETRY_S, busy_message
 from cachetier.server.service import BlockService
 from cachetier.server.watchdog import Deadline
 
@@ -91,15 +94,18 @@ class TransferRequests:
             raise Refused(
                 Status.TOO_LARGE, f"{count} blocks, at most {config.max_batch_blocks} per request"
             )
+        wait_s = self._service.tokens.shares.admit(tenant)
         if op == Op.GET:
             raw = io.read_exactly(count * KEY_BYTES)
             deadline.start(self._body_timeout_s)  # the head is in: the answer's time
+            if wait_s is not None:
+                raise _over_rate(tenant, wait_s)
             keys = [BlockHash(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
             return self._get(scope, keys)
         if op == Op.PUT:
             lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
             deadline.start(self._body_timeout_s)  # the head is in: the records' time
-            return self._put(io, scope, lengths)
+            return self._put(io, scope, lengths, wait_s)
         raise Refused(Status.BAD_REQUEST, f"unknown operation {op}")
 
     def _get(self, scope: Scope, keys: Sequence[BlockHash]) -> list[Buffer]:
@@ -115,7 +121,9 @@ class TransferRequests:
                 out.extend(parts)
         return out
 
-    def _put(self, io: BufferedSocket, scope: Scope, lengths: Sequence[int]) -> list[Buffer]:
+    def _put(
+        self, io: BufferedSocket, scope: Scope, lengths: Sequence[int], wait_s: float | None
+    ) -> list[Buffer]:
         config = self._service.config
         for i, length in enumerate(lengths):
             if not 0 < length <= config.max_block_bytes:
@@ -131,6 +139,14 @@ class TransferRequests:
                 Status.TOO_LARGE,
                 f"batch of {total} bytes, at most {config.max_batch_bytes} per request",
             )
+        if wait_s is not None:
+            io.skip(total)  # the connection stays in step; the client retries later
+            raise _over_rate(scope.tenant, wait_s)
+        uploads = self._service.tokens.shares.uploads
+        if not uploads.try_take(scope.tenant, total):
+            io.skip(total)
+            what = f"tenant {scope.tenant} holds its share of the server's uploads"
+            raise Refused(Status.BUSY, busy_message(what, UPLOAD_RETRY_S), close=False)
         held = Hold(self._service.inflight)
         try:
             if not held.take(total):
@@ -140,6 +156,7 @@ class TransferRequests:
             stored = self._service.put(scope, blocks)
         finally:
             held.release()
+            uploads.give(scope.tenant, total)
         return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
 
     def _read_records(
@@ -172,6 +189,11 @@ class TransferRequests:
             raw_so_far += memoryview(block.data).nbytes
             blocks.append(block)
         return blocks
+
+
+def _over_rate(tenant: str, wait_s: float) -> Refused:
+    what = f"tenant {tenant} is past its share of the server's request rate"
+    return Refused(Status.BUSY, busy_message(what, wait_s), close=False)
 
 
 def _no_room(nbytes: int, held: Hold) -> str:

@@ -2,7 +2,8 @@
 
 Each method is one request; it returns what the server answered or raises:
 ``TierUnavailableError`` / aiohttp and OS errors when the server is down, slow or answers
-garbage (worth a retry), ``RequestRefusedError`` on a 4xx (it is not).
+garbage (worth a retry), ``ServerBusyError`` on a 429 or 503 with ``Retry-After`` (back off),
+``RequestRefusedError`` on another 4xx (it is not).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cachetier.protocol.http_batch import (
 )
 from cachetier.protocol.transfer_frames import TransferAddress
 from cachetier.record import Buffer
+from cachetier.tiers.remote.busy import ServerBusyError, retry_after_s, wait_in
 from cachetier.tiers.remote.config import RemoteTierConfig
 
 _JSON = {"Content-Type": "application/json"}
@@ -243,6 +245,10 @@ async def _check(resp: aiohttp.ClientResponse) -> None:
     except (ValueError, KeyError, TypeError, aiohttp.ClientError):
         message = resp.reason or ""
     what = f"server answered {resp.status}: {message}"
+    if resp.status in (429, 503) and "Retry-After" in resp.headers:
+        # Up and busy: the exact wait its message ends with, else the header's whole seconds.
+        wait_s = wait_in(str(message)) or retry_after_s(resp.headers["Retry-After"])
+        raise ServerBusyError(what, wait_s)
     if resp.status >= 500 or resp.status == 429:
         raise TierUnavailableError(what)
     raise RequestRefusedError(what)

@@ -3,7 +3,8 @@
 A refused or reset connection, a 5xx or an answer that is not one may succeed on a retry. A
 timeout is not retried (a server too slow once is likely to be again, and the caller is
 waiting), nor is a certificate that does not verify; a 4xx (``RequestRefusedError``) says the
-server is up and said no. A failed TLS handshake is counted (``tls_failures``) and warned about
+server is up and said no, and a busy answer (``busy``) that it is up and asks to wait: neither
+counts against the breaker. A failed TLS handshake is counted (``tls_failures``) and warned about
 at most once per ``TLS_LOG_INTERVAL_S``. Log lines never show the token (``cachetier.redact``).
 """
 
@@ -21,6 +22,7 @@ from cachetier.errors import RequestRefusedError, TierUnavailableError
 from cachetier.redact import redact
 from cachetier.stats import TierStats
 from cachetier.throttle import LogThrottle
+from cachetier.tiers.remote.busy import BusyHold, ServerBusyError
 from cachetier.tiers.remote.config import RemoteTierConfig
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ def request_fault(exc: BaseException) -> Fault | None:
         ``ANSWERED`` for a refusal, ``DOWN`` for a timeout or an untrusted certificate,
         ``TRANSIENT`` for the rest of ``TRANSIENT``; ``None`` for a cancellation or a bug.
     """
-    if isinstance(exc, RequestRefusedError):
-        return Fault.ANSWERED
+    if isinstance(exc, (RequestRefusedError, ServerBusyError)):
+        return Fault.ANSWERED  # busy is an answer too: the server is up (``busy``)
     if isinstance(exc, (TimeoutError, *_UNTRUSTED)):
         return Fault.DOWN
     if isinstance(exc, TRANSIENT):
@@ -82,6 +84,8 @@ class RequestFailures:
         self._stats = stats
         self._on_refused = on_refused
         self._tls_log = LogThrottle(TLS_LOG_INTERVAL_S, clock)
+        backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
+        self.busy = BusyHold(backoff, clock)  # holds calls after a busy answer
         self._lock = threading.Lock()
         self._num_skipped = 0
         self._num_retries = 0
@@ -103,7 +107,7 @@ class RequestFailures:
             on_skipped=self.skipped,
             backoff=backoff,
             retries=self._config.retries,
-            on_retry=self._retrying,
+            on_retry=self.retrying,
         )
 
     def skipped(self) -> None:
@@ -124,13 +128,21 @@ class RequestFailures:
         return redact(repr(exc), [self._config.token])
 
     def snapshot(self) -> dict[str, int]:
-        """``skipped``, ``retries`` and ``tls_failures`` (failed handshakes, also errors)."""
+        """``skipped``, ``retries``, ``tls_failures`` (failed handshakes, also errors),
+        ``busy`` (busy answers, not errors) and ``deferred`` (calls not made after one)."""
         with self._lock:
             out = {"skipped": self._num_skipped, "retries": self._num_retries}
         out["tls_failures"] = self._tls_log.total
+        out.update(self.busy.snapshot())
         return out
 
-    def _retrying(self, exc: BaseException) -> None:
+    def answered(self, exc: BaseException) -> None:
+        """Account for a call the server answered with a refusal or busy (a transfer made
+        outside the guard): as the guard's ``ANSWERED`` failure."""
+        self._failed(exc, Fault.ANSWERED)
+
+    def retrying(self, exc: BaseException) -> None:
+        """Count a failed attempt that is tried again (``retries``)."""
         if isinstance(exc, _TLS_ERRORS):
             self._tls_failed(exc)
         with self._lock:
@@ -138,6 +150,10 @@ class RequestFailures:
 
     def _failed(self, exc: BaseException, fault: Fault) -> None:
         """Count a call that failed for good (the guard told the breaker)."""
+        if isinstance(exc, ServerBusyError):  # not an error: hold calls for a while
+            self.busy.note(exc)
+            logger.debug("cachetier server is busy: %s", self.describe(exc))
+            return
         self._stats.add(errors=1)
         if fault is Fault.ANSWERED:  # the server is up; it said no
             self._on_refused()

@@ -20,6 +20,12 @@ certificate that does not verify is a miss and a counted error (``tls_failures``
 not retried, and logged at most once per ``failures.TLS_LOG_INTERVAL_S``. Log lines and errors
 never show the token (``cachetier.redact``).
 
+A transfer port that refuses or dies is not an outage: the call is done over HTTP, the port
+is probed again after a backoff and used again once it answers (``fallback``; ``fallbacks`` in
+stats). A server that answers busy (429 or 503 with ``Retry-After``, ``BUSY``: past this
+tenant's share) is not one either: the call is a miss, the breaker is not told, and calls until
+the hinted time are misses made without calling (``busy``).
+
 A server that is down, slow or restarting turns into misses and counted errors: each request
 goes through a ``Guard`` (``cachetier.backoff``; what each failure means is ``failures``), is
 retried with exponential backoff, and a circuit breaker stops calling after
@@ -47,9 +53,11 @@ from cachetier.record import (
 from cachetier.store import PrefixHit
 from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.remote.batching import RequestLimits
+from cachetier.tiers.remote.busy import ServerBusyError
 from cachetier.tiers.remote.client import RemoteClient
 from cachetier.tiers.remote.config import RemoteTierConfig
 from cachetier.tiers.remote.failures import TRANSIENT, RequestFailures
+from cachetier.tiers.remote.fallback import TransferFallback
 from cachetier.tiers.remote.loop import LoopThread
 from cachetier.tiers.remote.route import pick_transfer, transfer_label
 from cachetier.tiers.remote.transfer import TransferClient
@@ -88,6 +96,7 @@ class RemoteTier(Tier):
         self._limits_known = False
         self._loop = LoopThread("cachetier-remote")
         self._transfer: TransferClient | None = None  # set once the server names its port
+        self._fallback = TransferFallback(config.backoff_base_s, clock)
 
     @property
     def config(self) -> RemoteTierConfig:
@@ -109,6 +118,9 @@ class RemoteTier(Tier):
         _check_blocks(namespace, blocks)
         if self._transfer_client() is not None:
             return self._put_transfer(namespace, blocks)
+        return self._put_http(namespace, blocks)
+
+    def _put_http(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         num_requests = self._limits.num_put_requests(blocks)
         return self._wait(self._put_many(namespace, blocks), 0, num_requests)
 
@@ -116,6 +128,9 @@ class RemoteTier(Tier):
         _check_keys(namespace, keys)
         if self._transfer_client() is not None:
             return self._get_transfer(namespace, keys, None)
+        return self._get_http(namespace, keys)
+
+    def _get_http(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         misses: list[KVBlock | None] = [None] * len(keys)
         num_requests = self._limits.num_requests(len(keys), self._limits.max_batch_blocks)
         return self._wait(self._get_many(namespace, keys), misses, num_requests)
@@ -221,9 +236,14 @@ class RemoteTier(Tier):
         sizes = [plain_record_nbytes(b) for b in blocks]
         groups, too_large = self._limits.put_groups(sizes)
         stored: list[int] = []
-        for group in groups:
+        for n, group in enumerate(groups):
             chunk = [blocks[i] for i in group]
             got = self._call_blocking(lambda t, c=chunk: t.put_blocks(namespace, c), None)
+            if got is _FALL_BACK:  # the port failed: this group and the rest over HTTP
+                self._fallback.fell_back()
+                rest = [blocks[i] for g in groups[n:] for i in g]
+                done = self._count_put(groups[:n], sizes, stored, too_large, start)
+                return done + self._put_http(namespace, rest)
             if got is None:
                 break
             stored.append(got)
@@ -256,11 +276,17 @@ class RemoteTier(Tier):
         hits = nbytes = corrupt = 0
         step = self._limits.max_batch_blocks
         first = 0
+        handled = len(keys)  # the keys this transfer counts (HTTP counts those it takes over)
         while first < len(keys):
             chunk, into = keys[first : first + step], dests and dests[first : first + step]
             got = self._call_blocking(
                 lambda t, c=chunk, d=into: t.get(namespace, c, d or None), None
             )
+            if got is _FALL_BACK:  # the port failed: the rest over HTTP (landed by get_into)
+                self._fallback.fell_back()
+                out[first:] = self._get_http(namespace, keys[first:])
+                handled = first
+                break
             if got is None:
                 break
             for i, block in enumerate(got.blocks):
@@ -272,7 +298,7 @@ class RemoteTier(Tier):
             for key in got.corrupt:
                 self._log_corrupt(key, _ON_ARRIVAL)
             first += len(got.blocks)  # the server may answer the leading keys only: ask again
-        self._stats.add(hits=hits, misses=len(keys) - hits, bytes_out=nbytes, corrupt=corrupt)
+        self._stats.add(hits=hits, misses=handled - hits, bytes_out=nbytes, corrupt=corrupt)
         self._stats.observe(time.perf_counter() - start)
         return out
 
@@ -349,9 +375,10 @@ class RemoteTier(Tier):
             except (*TRANSIENT, RequestRefusedError):
                 return self._limits  # the call that follows counts the failure
             self._limits = self._config.limits.narrowed(server)
-            self._transfer = pick_transfer(
-                self._config, self._tls, server.get("transfer"), self._transfer
-            )
+            old = self._transfer
+            self._transfer = pick_transfer(self._config, self._tls, server.get("transfer"), old)
+            if self._transfer is not old:  # a new endpoint (restarted server): try it at once
+                self._fallback.reset()
             self._limits_known = True
         return self._limits
 
@@ -364,25 +391,49 @@ class RemoteTier(Tier):
         return self._transfer
 
     async def _call(self, op: Callable[[], Awaitable[_T]], failed: Any) -> Any:
-        """Run one request with retries, unless the breaker is open; ``failed`` if it fails."""
+        """Run one request with retries, unless the breaker is open or the server asked to
+        wait (``busy``); ``failed`` if it fails or is not made."""
+        if self._failures.busy.holding():
+            return failed
         return await self._guard.acall(op, failed)
 
     def _call_blocking(self, op: Callable[[TransferClient], _T], failed: Any) -> Any:
-        """``_call`` for a transfer on the calling thread. A failed attempt makes the next
-        one read the server's limits again first: a restarted server has a new id and maybe a
-        new port, and the retry then reaches it."""
-
-        def attempt() -> _T:
+        """One transfer on the calling thread, unless the breaker is open or the server asked
+        to wait (``failed`` then, and when the server refuses or is busy). A failure of the
+        port (refused, reset, timed out, garbage) is not the server's: it returns
+        ``_FALL_BACK`` for the caller to go over HTTP, whose guard then retries and counts, and
+        makes the next call read the server's limits first (a restarted server has a new id
+        and maybe a new port)."""
+        if self._failures.busy.holding():
+            return failed
+        if self._breaker.is_open:
+            self._failures.skipped()
+            return failed
+        tried: TransferClient | None = None
+        while True:
             transfer = self._transfer_client()
-            if transfer is None:
-                raise TierUnavailableError("the server no longer names a transfer endpoint")
+            if transfer is not None and transfer is tried:  # the same endpoint failed
+                self._fallback.failed()
+                return _FALL_BACK
+            if transfer is None or not self._fallback.usable():
+                return _FALL_BACK
             try:
-                return op(transfer)
-            except BaseException:
+                result = op(transfer)
+            except (RequestRefusedError, ServerBusyError) as exc:
+                self._failures.answered(exc)
+                return failed
+            except TRANSIENT as exc:
+                if tried is not None:
+                    self._fallback.failed()
+                    return _FALL_BACK
+                # Once more if the server's limits now name another endpoint (restarted).
                 self._limits_known = False
-                raise
-
-        return self._guard.call(attempt, failed)
+                self._failures.retrying(exc)
+                tried = transfer
+                continue
+            self._fallback.answered()
+            self._breaker.record_success()
+            return result
 
     def _forget_limits(self) -> None:
         """Ask the server for its limits again before the next call (they may have changed)."""
@@ -402,12 +453,14 @@ class RemoteTier(Tier):
     def stats(self) -> dict[str, Any]:
         """``Tier.stats`` plus ``skipped`` (calls not made: breaker open), ``retries``,
         ``tls_failures`` (failed TLS handshakes, also in ``errors``), ``breaker``
-        (``CircuitBreaker.snapshot``) and ``transfer`` (where block transfers go:
+        (``CircuitBreaker.snapshot``), ``transfer`` (where block transfers go:
         ``"unix:<path>"``, ``"tcp:<host>:<port>"``, ``"tls:<host>:<port>"``, or ``None`` for
-        HTTP)."""
+        HTTP), ``busy`` and ``deferred`` (``busy.BusyHold``), and ``fallbacks``,
+        ``transfer_failures`` and ``transfer_down`` (``fallback.TransferFallback``)."""
         out = super().stats()
         out["transfer"] = transfer_label(self._transfer)
         out.update(self._failures.snapshot())
+        out.update(self._fallback.snapshot())
         out["breaker"] = self._breaker.snapshot()
         return out
 
@@ -418,6 +471,7 @@ class RemoteTier(Tier):
 
 
 _NO_HIT = PrefixHit(0, (), ())
+_FALL_BACK: Any = object()  # a transfer's answer when the port failed: go over HTTP
 
 
 def _check_keys(namespace: str, keys: Sequence[BlockHash]) -> None:

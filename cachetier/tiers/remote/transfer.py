@@ -3,8 +3,9 @@
 
 A get reads each record straight into the caller's buffer (a KV pool block) or a fresh one,
 checksummed chunk by chunk as it arrives; a put sends each record's parts with vectored writes.
-Errors: ``OSError`` (refused, reset, timed out) and ``TierUnavailableError`` (garbage, busy)
-are worth a retry; ``RequestRefusedError`` is not.
+Errors: ``OSError`` (refused, reset, timed out) and ``TierUnavailableError`` (garbage) are
+worth a retry; ``ServerBusyError`` (``BUSY``) asks the client to back off; ``RequestRefusedError``
+is not worth a retry.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cachetier.record import (
     read_record,
     record_nbytes,
 )
+from cachetier.tiers.remote.busy import ServerBusyError, wait_in
 
 # Bytes of records a put sends per write at least (see ``TransferClient._put``).
 _SEND_RUN_BYTES = 1 << 20
@@ -111,6 +113,8 @@ def read_reply(io: BufferedSocket) -> int:
     if status == Status.OK:
         return int(value)
     message = io.read_exactly(min(value, MAX_MESSAGE_BYTES)).decode("utf-8", "replace")
+    if status == Status.BUSY:
+        raise ServerBusyError(f"transfer server answered busy: {message}", wait_in(message))
     raise failure(status, message)
 
 
