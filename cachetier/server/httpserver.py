@@ -129,6 +129,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._send_deadline: asyncio.TimerHandle | None = None
         self._in_head = True  # reading a head, or waiting for the first byte of one
         self._head_bytes = 0
+        self._head_tail = b""  # the last bytes of the head read so far (its end may straddle)
         self._dropping = False  # reading and dropping all that comes, closing soon
         self._lost = False
 
@@ -167,15 +168,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 # The first byte of a later request (a request still being answered has its
                 # app's time: on_response_complete arms this then).
                 self._arm(self._limits.head_timeout_s, "head_timeout")
-            self._head_bytes += len(data)
+            if self._head_too_large(data):
+                # Checked before parsing: a head that arrives in one read (with its body behind
+                # it) is counted as surely as one that trickles in.
+                self._note_closed("head_too_large")
+                self._dropping = True
+                self.send_400_response(f"request head over {self._limits.max_head_bytes} bytes")
+                return
         super().data_received(data)
-        if (
-            self._in_head
-            and self._head_bytes > self._limits.max_head_bytes
-            and not self.transport.is_closing()
-        ):
-            self._note_closed("head_too_large")
-            self.send_400_response(f"request head over {self._limits.max_head_bytes} bytes")
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the head being read passes ``max_head_bytes`` with ``data``: it does unless
+        its blank line ends within the bytes it may still take."""
+        allowed = self._limits.max_head_bytes - self._head_bytes
+        seen = self._head_tail + bytes(data[: max(allowed, 0) + 4])
+        self._head_bytes += len(data)
+        if self._head_bytes <= self._limits.max_head_bytes:
+            self._head_tail = seen[-3:]
+            return False
+        # The end of the head may straddle reads: look from the last 3 bytes of the one before.
+        end = seen.find(b"\r\n\r\n")
+        return end < 0 or end + 4 - len(self._head_tail) > allowed
 
     def on_headers_complete(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
@@ -190,6 +203,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._in_head = False
         self._head_bytes = 0
+        self._head_tail = b""
         # Nothing more is read until the app asks for the body (uvicorn's receive() resumes
         # reading): a request refused on its head has had at most one read of its body.
         self.flow.pause_reading()
@@ -207,6 +221,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm()  # the body is in: what remains is the app's time
         self._in_head = True
         self._head_bytes = 0
+        self._head_tail = b""
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
