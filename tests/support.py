@@ -159,6 +159,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses every connection (a server that is down), held for
+    the ``with`` block: the socket is bound and never listens, so no other program can take
+    the port meanwhile."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
 def _read_from(path: Path, offset: int) -> str:
     try:
         with open(path, "rb") as f:

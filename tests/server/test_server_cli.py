@@ -12,7 +12,7 @@ from pathlib import Path
 from cachetier.keys import Namespace
 from cachetier.tiers.remote import RemoteTier
 from tests.server.live import ROOT, TOKENS, ProcessServer, call
-from tests.support import free_port, make_blocks
+from tests.support import make_blocks
 
 
 def test_serve_reads_file_and_env_and_survives_a_restart(
@@ -29,7 +29,7 @@ def test_serve_reads_file_and_env_and_survives_a_restart(
     )
     # The environment wins over the file: bob's token comes from there.
     env = {"CACHETIER_TENANTS": f"bob:{TOKENS['bob']}", "CACHETIER_MAX_BATCH_BLOCKS": "8"}
-    server = ProcessServer(["--config", str(config)], env, free_port()).start()
+    server = ProcessServer(["--config", str(config)], env).start()
     tier = make_remote(server.url, token_of="bob")
     blocks = make_blocks(namespace, 12)
     assert tier.put_many(namespace.id, blocks) == 12  # in batches of 8: the server says so
@@ -52,7 +52,7 @@ def test_serve_reads_file_and_env_and_survives_a_restart(
 
 
 def test_open_mode_is_announced_loudly(tmp_path: Path) -> None:
-    server = ProcessServer(["--open", "--data-dir", str(tmp_path)], {}, free_port()).start()
+    server = ProcessServer(["--open", "--data-dir", str(tmp_path)], {}).start()
     try:
         assert call(server.url, "GET", "/v1/stats")[0] == 200
     finally:

@@ -23,7 +23,7 @@ from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import FORMAT_VERSION, KVBlock, encode_record, reseal
 from tests.server.batches import batch_body, get_batch
 from tests.server.live import TOKENS, ThreadServer, call, call_json, test_config
-from tests.support import SMALL_LAYOUT, free_port, make_blocks
+from tests.support import SMALL_LAYOUT, make_blocks
 
 ALICE = TOKENS["alice"]
 
@@ -359,14 +359,14 @@ def _transfer_reply(sock: socket.socket) -> tuple[int, int]:
 
 def test_uploads_past_the_bytes_in_flight_are_answered_busy(tmp_path: Path) -> None:
     config = test_config(
-        tmp_path, transfer_port=free_port(), max_batch_bytes=4 << 20, max_inflight_bytes=4 << 20
+        tmp_path, transfer_port=0, max_batch_bytes=4 << 20, max_inflight_bytes=4 << 20
     )
     server = ThreadServer(config).start()
     ns = Namespace("busy-model", SMALL_LAYOUT)
     block = make_blocks(ns, 1)[0]
     body = batch_body([block])
     path = f"/v1/namespaces/{ns.id}/batch/put"
-    held = socket.create_connection(("127.0.0.1", config.port), timeout=10)
+    held = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
         # An upload of 3 MiB whose body is still coming holds its 3 MiB.
         held.sendall(
@@ -385,7 +385,9 @@ def test_uploads_past_the_bytes_in_flight_are_answered_busy(tmp_path: Path) -> N
         )
         assert status == 503 and headers["retry-after"] == "1" and b"busy" in answer
         # The transfer port shares the budget; its connection stays usable after BUSY.
-        with socket.create_connection(("127.0.0.1", config.transfer_port), timeout=10) as sock:
+        with socket.create_connection(
+            ("127.0.0.1", server.config.transfer_port), timeout=10
+        ) as sock:
             sock.sendall(hello(ALICE, None))
             assert _transfer_reply(sock)[0] == Status.OK
             lengths = struct.pack("<2Q", 1 << 20, 1 << 20)
@@ -430,12 +432,12 @@ def test_connections_that_never_say_hello_have_a_small_budget_of_their_own(
 ) -> None:
     config = test_config(
         tmp_path,
-        transfer_port=free_port(),
+        transfer_port=0,
         transfer_connections=2,
         transfer_unauthenticated_connections=2,
     )
     server = ThreadServer(config).start()
-    port = config.transfer_port
+    port = server.config.transfer_port
     try:
         silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
         # The third took the place of the first, which the server dropped.

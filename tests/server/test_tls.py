@@ -30,7 +30,7 @@ from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tls import client_context, server_context
 from tests.certs import TLSFiles
 from tests.server.live import ROOT, TOKENS, ThreadServer, test_config
-from tests.support import end_process, free_port, make_blocks, spawn_serve
+from tests.support import end_process, make_blocks, spawn_serve, wait_ports_file
 
 # 2 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 64 KiB per block.
 LAYOUT = KVLayout("float16", block_size=64, num_layers=2, num_kv_heads=2, head_dim=64)
@@ -39,14 +39,15 @@ TENANTS = ",".join(f"{name}:{token}" for name, token in TOKENS.items())
 
 
 class TLSServer:
-    """``cachetier serve`` with TLS in a child process, on free ports, stopped with SIGTERM."""
+    """``cachetier serve`` with TLS in a child process, on ports the OS picks (``port`` and
+    ``transfer_port`` say which once started), stopped with SIGTERM."""
 
     def __init__(self, folder: Path, cert: str, key: str, ca: str) -> None:
-        self.port = free_port()
-        self.transfer_port = free_port()
+        self.port = self.transfer_port = 0  # known once started
+        self.ports_file = folder / "ports.json"
         self.socket_path = str(folder / "transfer.sock")
         self.ca = ca
-        args = ["--port", str(self.port), "--transfer-port", str(self.transfer_port)]
+        args = ["--port", "0", "--transfer-port", "0", "--ports-file", str(self.ports_file)]
         args += ["--transfer-socket", self.socket_path, "--data-dir", str(folder / "data")]
         args += ["--tls-cert", cert, "--tls-key", key, "--log-level", "warning"]
         env = {
@@ -82,6 +83,11 @@ class TLSServer:
         must start too)."""
         unverified = client_context(verify=False)
         deadline = time.monotonic() + timeout_s
+        try:
+            ports = wait_ports_file(self.ports_file, timeout_s=timeout_s, proc=self.proc)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cachetier serve with TLS did not start: {exc}") from None
+        self.port, self.transfer_port = ports["http"], ports["transfer"]
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"cachetier serve exited:\n{self.stop()}")
@@ -299,7 +305,7 @@ def test_tls_settings_are_checked(tls_files: TLSFiles) -> None:
 
 def test_serve_refuses_a_certificate_it_cannot_load(tmp_path: Path, tls_files: TLSFiles) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", "serve", "--open", "--port", str(free_port())]
+        [sys.executable, "-m", "cachetier.cli", "serve", "--open", "--port", "0"]
         + ["--data-dir", str(tmp_path), "--tls-cert", str(tmp_path / "missing.pem")]
         + ["--tls-key", tls_files.key],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -361,7 +367,7 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 def test_an_https_tier_never_sends_its_token_to_a_plaintext_port(
     tmp_path: Path, tls_files: TLSFiles, make_tier: MakeTier
 ) -> None:
-    server = ThreadServer(test_config(tmp_path / "plain", transfer_port=free_port())).start()
+    server = ThreadServer(test_config(tmp_path / "plain", transfer_port=0)).start()
     front = TLSFront(server.config.port, tls_files)
     try:
         url = f"https://127.0.0.1:{front.port}"

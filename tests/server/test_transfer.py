@@ -26,7 +26,7 @@ from cachetier.server.transfer import TransferServer
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tiers.remote.transfer import TransferClient, TransferPeer
 from tests.server.live import TOKENS, ThreadServer, call, test_config
-from tests.support import free_port, make_blocks
+from tests.support import make_blocks
 
 # 4 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 128 KiB per block.
 LAYOUT = KVLayout("float16", block_size=64, num_layers=4, num_kv_heads=2, head_dim=64)
@@ -35,7 +35,7 @@ NS = Namespace("transfer-model", LAYOUT)
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ThreadServer]:
-    srv = ThreadServer(test_config(tmp_path / "srv", transfer_port=free_port())).start()
+    srv = ThreadServer(test_config(tmp_path / "srv", transfer_port=0)).start()
     yield srv
     srv.stop()
 
@@ -88,7 +88,7 @@ def test_a_get_larger_than_the_server_budget_comes_in_several_answers(
 ) -> None:
     # 40 blocks of 128 KiB against a 1 MiB batch budget: the server answers the leading ~8,
     # the tier asks again for the rest.
-    config = test_config(tmp_path, transfer_port=free_port(), max_batch_bytes=1 << 20)
+    config = test_config(tmp_path, transfer_port=0, max_batch_bytes=1 << 20)
     server = ThreadServer(config).start()
     blocks = make_blocks(NS, 40, seed=1)
     tier = tier_for(server)
@@ -222,9 +222,9 @@ def test_stalled_and_idle_clients_are_dropped_and_stop_is_prompt(tmp_path: Path)
 
 
 def test_connections_beyond_the_limit_are_told_busy(tmp_path: Path) -> None:
-    port = free_port()
-    server = ThreadServer(test_config(tmp_path, transfer_port=port, transfer_connections=1))
+    server = ThreadServer(test_config(tmp_path, transfer_port=0, transfer_connections=1))
     server.start()
+    port = server.config.transfer_port
     try:
         with _raw(port):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as second:
@@ -243,7 +243,10 @@ def test_a_server_restarted_on_another_port_is_found_again(tmp_path: Path) -> No
     tier = tier_for(server)
     try:
         assert tier.put_many(NS.id, blocks) == 2
-        server.restart()  # a new id and a new free port; the blocks are on the server's disk
+        # A new id and a new free port (a restart would keep the port port 0 became); the
+        # blocks are on the server's disk.
+        server.stop()
+        server = server.with_config(transfer_port=0).start()
         # The first attempt fails on the old port; the retry reads /v1/limits again.
         got = tier.get_many(NS.id, [b.key for b in blocks])
         assert [g and bytes(g.data) for g in got] == [b.data for b in blocks]
