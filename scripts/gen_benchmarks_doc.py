@@ -1,0 +1,178 @@
+"""Write docs/benchmarks.md from the benchmark results kept in docs/results/.
+
+Each ``docs/results/<benchmark>.json`` holds one run's ``--json`` output plus three keys of
+where it came from: ``machine``, ``commit`` and ``command`` (how to rerun it). The page has one
+table per benchmark, the current run only: a new run replaces the file, and the old figures
+stay in git. ``tests/test_docs.py`` fails when the page differs from what this prints.
+
+Usage: ``python scripts/gen_benchmarks_doc.py`` (writes the page) or ``--check``.
+To record a run: ``python benchmarks/bench_x.py --json > out.json`` (the JSON is its last
+line), then ``python scripts/gen_benchmarks_doc.py --add bench_x out.json --machine "..."
+--command "python benchmarks/bench_x.py --json"``, which stores it with this checkout's HEAD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+OUT = ROOT / "docs" / "benchmarks.md"
+PROVENANCE = ("machine", "commit", "command")
+
+# What each benchmark measures, in a sentence; a benchmark not named here still gets a table.
+ABOUT = {
+    "bench_cost_model": (
+        "Load or recompute: SmolLM2 fp32, a 2,066-token prompt whose only tier is Redis behind "
+        "`tests/throttled_link.py`'s proxy at each link speed (MB/s; `null`: no limit). Cold, "
+        "load-everything and the cost model run interleaved; `regret` is the cost model's TTFT "
+        "over the better of the other two (1.0: it chose the better)."
+    ),
+    "bench_peers": (
+        "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "
+        "ratio is LMCache's median time over ours (> 1: we are faster). Only the headline "
+        "figures of this run were kept."
+    ),
+    "bench_portable": (
+        "Portable blocks: each engine layout's copy into the canonical block against a plain "
+        "copy of the same bytes, records of several sizes, and blocks saved by one engine "
+        "restored by another (`cross_engine_pairs_identical` of `cross_engine_pairs`)."
+    ),
+    "bench_restart": (
+        "Our engine restarted over its tiers: SmolLM2 fp32, a 4,111-token prompt (`at_8000`: "
+        "8,101), cold TTFT against the TTFT of a fresh process that restores the prefix."
+    ),
+    "bench_vllm_restart": (
+        "vLLM-CPU with the connector: SmolLM2 fp32, 2,048-token prompts, cold and warm each a "
+        "fresh vLLM process; `speedup` is cold TTFT over warm TTFT from the disk tier."
+    ),
+}
+
+
+def flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, value) for every scalar or list of scalars in ``value``; lists of
+    objects are left to ``list_tables``."""
+    if isinstance(value, dict):
+        out = []
+        for key in sorted(value):
+            out.extend(flatten(value[key], f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return []
+    return [(prefix, value)]
+
+
+def list_tables(value: Any, prefix: str = "") -> list[tuple[str, list[dict]]]:
+    """Every list of objects in ``value`` (a sweep, a set of runs), by dotted name."""
+    if isinstance(value, dict):
+        out = []
+        for key in sorted(value):
+            out.extend(list_tables(value[key], f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [(prefix, value)]
+    return []
+
+
+def cell(value: Any) -> str:
+    """A value as a table cell: floats to 4 significant digits, lists inline."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, list):
+        return ", ".join(cell(v) for v in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_one(name: str, data: dict[str, Any]) -> str:
+    """One benchmark's section."""
+    missing = [k for k in PROVENANCE if k not in data]
+    if missing:
+        raise ValueError(f"docs/results/{name}.json lacks {missing}: add them (see --add)")
+    figures = {k: v for k, v in data.items() if k not in PROVENANCE}
+    lines = [f"## {name}", ""]
+    if name in ABOUT:
+        lines += [ABOUT[name], ""]
+    lines += [
+        f"Rerun: `{data['command']}`",
+        "",
+        f"Ran on {data['machine']}, at commit `{str(data['commit'])[:12]}`.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+    ]
+    lines += [f"| `{key}` | {cell(value)} |" for key, value in flatten(figures)]
+    for key, rows in list_tables(figures):
+        columns: list[str] = []
+        for row in rows:
+            columns += [c for c in row if c not in columns and not isinstance(row[c], dict)]
+        lines += ["", f"`{key}`:", "", "| " + " | ".join(columns) + " |"]
+        lines.append("|" + "---|" * len(columns))
+        lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render(results: Path = RESULTS) -> str:
+    """The whole page, from every JSON file in ``results``."""
+    header = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by scripts/gen_benchmarks_doc.py from docs/results/*.json; do not edit.",
+        "     tests/test_docs.py fails when this page is stale. -->",
+        "",
+        "The current figures of each benchmark, one run each, with the machine and commit it",
+        "ran on and the command that reruns it. Every benchmark prints ratios against a",
+        "baseline measured in the same run; compare ratios across machines, not seconds.",
+        "A new run replaces its file in `docs/results/`; earlier runs are in git's history.",
+        "Benchmarks that time a disk refuse a folder on `tmpfs`: pass `--data-dir` (for",
+        "`bench_restart`, `--work-dir`) a folder on a disk.",
+        "",
+    ]
+    files = sorted(results.glob("*.json"))
+    sections = [render_one(f.stem, json.loads(f.read_text())) for f in files]
+    return "\n".join(header) + "\n" + "\n".join(sections)
+
+
+def add(name: str, json_file: Path, machine: str, command: str) -> Path:
+    """Store one run's JSON with its provenance as ``docs/results/<name>.json``."""
+    data = json.loads(json_file.read_text().strip().splitlines()[-1])
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    data.update(machine=machine, commit=head, command=command)
+    out = RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    parser.add_argument("--add", nargs=2, metavar=("BENCHMARK", "JSON_FILE"))
+    parser.add_argument("--machine", help="with --add: the machine it ran on, in words")
+    parser.add_argument("--command", help="with --add: the command that reruns it")
+    args = parser.parse_args(argv)
+    if args.add:
+        if not (args.machine and args.command):
+            parser.error("--add needs --machine and --command")
+        add(args.add[0], Path(args.add[1]), args.machine, args.command)
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python scripts/gen_benchmarks_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
