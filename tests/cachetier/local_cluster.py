@@ -1,11 +1,13 @@
 """A Redis Cluster of this test session's own: three local masters, no replicas.
 
-``redis-server --cluster-enabled yes`` x3 on free ports and ``redis-cli --cluster create``;
+``redis-server --cluster-enabled yes`` x3 on ports of their own (``start_on_a_free_port``: each
+node's own bind decides, its bus port included) and ``redis-cli --cluster create``;
 it keeps nothing on disk. The ``redis_cluster`` fixture (conftest.py) starts one per session.
 """
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import time
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from tests.support import free_port
+from tests.support import PRIVATE_PORTS, start_on_a_free_port
 
 NUM_MASTERS = 3
 NODE_TIMEOUT_MS = 2000  # how long a silent master takes to be flagged as failed
@@ -22,7 +24,7 @@ STARTUP_S = 30.0  # longest wait for the cluster (or one node) to come up
 
 
 class LocalCluster:
-    """Redis Cluster masters on free local ports, in a folder of their own.
+    """Redis Cluster masters on local ports of their own, in a folder of their own.
 
     Args:
         folder: where the nodes keep their cluster config files and logs.
@@ -31,12 +33,9 @@ class LocalCluster:
 
     def __init__(self, folder: Path, num_masters: int = NUM_MASTERS) -> None:
         self.folder = folder
-        ports: set[int] = set()
-        while len(ports) < 2 * num_masters:  # a client port and a cluster bus port each
-            ports.add(free_port())
-        listed = sorted(ports)
-        self.ports = listed[:num_masters]
-        self._bus_ports = dict(zip(self.ports, listed[num_masters:], strict=True))
+        self.num_masters = num_masters
+        self.ports: list[int] = []  # chosen by start()
+        self._logs: dict[int, Path] = {}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -47,8 +46,8 @@ class LocalCluster:
         return redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
 
     def start(self) -> None:
-        for port in self.ports:
-            self.start_node(port)
+        for _ in range(self.num_masters):
+            self.ports.append(self.start_node())
         subprocess.run(
             ["redis-cli", "--cluster", "create"]
             + [f"127.0.0.1:{port}" for port in self.ports]
@@ -59,19 +58,32 @@ class LocalCluster:
         )
         self.wait_healthy()
 
-    def start_node(self, port: int) -> None:
-        assert port not in self.procs, f"node {port} is already running"
-        self.procs[port] = subprocess.Popen(
+    def start_node(self, port: int | None = None) -> int:
+        """Start a new node on a port of its own, or a stopped one again on its ``port``;
+        returns the port."""
+        assert port is None or port not in self.procs, f"node {port} is already running"
+        log = self._logs[port] if port else self.folder / f"redis-node{len(self._logs)}.log"
+        # Its bus port is port + 10000: a node exits when either is taken, and another try
+        # moves both.
+        pick = (lambda: port) if port else (lambda: random.choice(PRIVATE_PORTS))
+        port, proc = start_on_a_free_port(
+            lambda p: self._popen(p, log), log, ports=pick, timeout_s=STARTUP_S
+        )
+        self.procs[port], self._logs[port] = proc, log
+        self._wait(lambda: self._answers(port), f"node {port} to answer")
+        return port
+
+    def _popen(self, port: int, log: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
-            + ["--cluster-enabled", "yes", "--cluster-port", str(self._bus_ports[port])]
+            + ["--cluster-enabled", "yes", "--cluster-port", str(port + 10000)]
             + ["--cluster-config-file", f"nodes-{port}.conf"]
             + ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
             # Keep serving the other masters' slots when one is lost (the default refuses all).
             + ["--cluster-require-full-coverage", "no"]
             + ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
-            + ["--logfile", str(self.folder / f"redis-{port}.log")],
+            + ["--logfile", str(log)],
         )
-        self._wait(lambda: self._answers(port), f"node {port} to answer")
 
     def stop_node(self, port: int, sig: signal.Signals = signal.SIGKILL) -> None:
         proc = self.procs.pop(port)

@@ -24,9 +24,9 @@ from tests.support import (
     FAST_FAIL,
     TIMEOUT_S,
     FakeClock,
-    free_port,
     make_blocks,
     opened_redis_tiers,
+    refusing_port,
 )
 
 MakeTier = Callable[..., RedisTier]
@@ -97,25 +97,26 @@ def test_config_rejects_bad_cluster_settings(settings: dict[str, object], messag
 def test_unreachable_cluster_gives_bounded_misses_then_opens_the_breaker(
     namespace: Namespace,
 ) -> None:
-    clock = FakeClock()
-    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    config = RedisTierConfig(url=url, failure_threshold=2, **FAST_FAIL)  # type: ignore[arg-type]
-    blocks = make_blocks(namespace, 3)
-    with RedisTier(config, clock=clock) as tier:  # no I/O yet: nothing raises
-        for _ in range(2):
+    with refusing_port() as port_a, refusing_port() as port_b:
+        clock = FakeClock()
+        url = f"redis+cluster://127.0.0.1:{port_a},127.0.0.1:{port_b}"
+        config = RedisTierConfig(url=url, failure_threshold=2, **FAST_FAIL)  # type: ignore[arg-type]
+        blocks = make_blocks(namespace, 3)
+        with RedisTier(config, clock=clock) as tier:  # no I/O yet: nothing raises
+            for _ in range(2):
+                start = time.monotonic()
+                assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
+                assert time.monotonic() - start < 10 * TIMEOUT_S
+            stats = tier.stats()
+            assert (stats["errors"], stats["breaker"]["state"]) == (2, "open")
             start = time.monotonic()
-            assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-            assert time.monotonic() - start < 10 * TIMEOUT_S
-        stats = tier.stats()
-        assert (stats["errors"], stats["breaker"]["state"]) == (2, "open")
-        start = time.monotonic()
-        assert tier.put_many(namespace.id, blocks) == 0
-        assert tier.contains_prefix(namespace.id, _keys(blocks)) == 0
-        assert tier.delete(namespace.id, _keys(blocks)) == 0
-        assert tier.clear(namespace.id) == 0
-        assert time.monotonic() - start < TIMEOUT_S  # skipped: no connection attempts
-        stats = tier.stats()
-        assert (stats["errors"], stats["skipped"], stats["node_breakers"]) == (2, 4, {})
+            assert tier.put_many(namespace.id, blocks) == 0
+            assert tier.contains_prefix(namespace.id, _keys(blocks)) == 0
+            assert tier.delete(namespace.id, _keys(blocks)) == 0
+            assert tier.clear(namespace.id) == 0
+            assert time.monotonic() - start < TIMEOUT_S  # skipped: no connection attempts
+            stats = tier.stats()
+            assert (stats["errors"], stats["skipped"], stats["node_breakers"]) == (2, 4, {})
 
 
 # On the cluster

@@ -22,8 +22,8 @@ from tests.support import (
     TIMEOUT_S,
     FakeClock,
     PrivateRedis,
-    free_port,
     make_blocks,
+    refusing_port,
 )
 
 MakeTier = Callable[..., RedisTier]
@@ -121,12 +121,13 @@ def test_batches_keep_positions_and_prefix_runs(make_tier: MakeTier, namespace: 
 
 
 def test_empty_batches_do_no_io(make_tier: MakeTier, namespace: Namespace) -> None:
-    tier = make_tier(url=f"redis://127.0.0.1:{free_port()}/0", **FAST_FAIL)
-    assert tier.put_many(namespace.id, []) == 0
-    assert tier.get_many(namespace.id, []) == []
-    assert tier.contains_prefix(namespace.id, []) == 0
-    assert tier.delete(namespace.id, []) == 0
-    assert tier.stats()["errors"] == 0
+    with refusing_port() as port:
+        tier = make_tier(url=f"redis://127.0.0.1:{port}/0", **FAST_FAIL)
+        assert tier.put_many(namespace.id, []) == 0
+        assert tier.get_many(namespace.id, []) == []
+        assert tier.contains_prefix(namespace.id, []) == 0
+        assert tier.delete(namespace.id, []) == 0
+        assert tier.stats()["errors"] == 0
 
 
 def test_ttl_expires_records(make_tier: MakeTier, raw: redis.Redis, namespace: Namespace) -> None:
@@ -317,20 +318,21 @@ def test_accounting_stays_exact_under_concurrent_tiers(
 
 
 def test_bad_arguments_raise_even_when_redis_is_down(namespace: Namespace) -> None:
-    config = RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", **FAST_FAIL)
-    with RedisTier(config) as tier:
-        [block] = make_blocks(namespace, 1)
-        with pytest.raises(ValueError, match="namespace"):
-            tier.get_many("bad/namespace", [block.key])
-        with pytest.raises(ValueError, match="32 bytes"):
-            tier.get_many(namespace.id, [BlockHash(b"short")])
-        with pytest.raises(ValueError, match="32 bytes"):
-            tier.contains_prefix(namespace.id, [block.key, BlockHash(bytes(33))])
-        with pytest.raises(TypeError, match="KVBlock"):
-            tier.put_many(namespace.id, [b"raw bytes"])  # type: ignore[list-item]
-        with pytest.raises(ValueError, match="namespace"):
-            tier.clear("_hidden")
-        assert tier.stats()["errors"] == 0
+    with refusing_port() as port:
+        config = RedisTierConfig(url=f"redis://127.0.0.1:{port}/0", **FAST_FAIL)
+        with RedisTier(config) as tier:
+            [block] = make_blocks(namespace, 1)
+            with pytest.raises(ValueError, match="namespace"):
+                tier.get_many("bad/namespace", [block.key])
+            with pytest.raises(ValueError, match="32 bytes"):
+                tier.get_many(namespace.id, [BlockHash(b"short")])
+            with pytest.raises(ValueError, match="32 bytes"):
+                tier.contains_prefix(namespace.id, [block.key, BlockHash(bytes(33))])
+            with pytest.raises(TypeError, match="KVBlock"):
+                tier.put_many(namespace.id, [b"raw bytes"])  # type: ignore[list-item]
+            with pytest.raises(ValueError, match="namespace"):
+                tier.clear("_hidden")
+            assert tier.stats()["errors"] == 0
 
 
 @pytest.mark.parametrize(
@@ -364,31 +366,32 @@ def test_config_rejects_bad_settings(settings: dict[str, object], message: str) 
 def test_closed_port_gives_bounded_misses_then_opens_the_breaker(
     make_tier: MakeTier, namespace: Namespace
 ) -> None:
-    clock = FakeClock()
-    tier = make_tier(
-        url=f"redis://127.0.0.1:{free_port()}/0",
-        capacity_bytes=1 << 20,
-        failure_threshold=2,
-        clock=clock,
-        **FAST_FAIL,
-    )
-    blocks = make_blocks(namespace, 3)
-    for _ in range(2):
-        start = time.monotonic()
+    with refusing_port() as port:
+        clock = FakeClock()
+        tier = make_tier(
+            url=f"redis://127.0.0.1:{port}/0",
+            capacity_bytes=1 << 20,
+            failure_threshold=2,
+            clock=clock,
+            **FAST_FAIL,
+        )
+        blocks = make_blocks(namespace, 3)
+        for _ in range(2):
+            start = time.monotonic()
+            assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
+            assert time.monotonic() - start < 5 * TIMEOUT_S
+        stats = tier.stats()
+        assert stats["breaker"]["state"] == "open" and stats["errors"] == 2
+        skipped = stats["skipped"]  # stats() itself skipped its used_bytes read
+        # Open: nothing reaches Redis, nothing raises, every answer is an empty one.
+        assert tier.put_many(namespace.id, blocks) == 0
         assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-        assert time.monotonic() - start < 5 * TIMEOUT_S
-    stats = tier.stats()
-    assert stats["breaker"]["state"] == "open" and stats["errors"] == 2
-    skipped = stats["skipped"]  # stats() itself skipped its used_bytes read
-    # Open: nothing reaches Redis, nothing raises, every answer is an empty one.
-    assert tier.put_many(namespace.id, blocks) == 0
-    assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-    assert tier.contains_prefix(namespace.id, _keys(blocks)) == 0
-    assert tier.delete(namespace.id, _keys(blocks)) == 0
-    assert tier.clear(namespace.id) == 0
-    stats = tier.stats()
-    assert stats["errors"] == 2 and stats["skipped"] == skipped + 6
-    assert stats["misses"] == 9 and stats["puts"] == 0
+        assert tier.contains_prefix(namespace.id, _keys(blocks)) == 0
+        assert tier.delete(namespace.id, _keys(blocks)) == 0
+        assert tier.clear(namespace.id) == 0
+        stats = tier.stats()
+        assert stats["errors"] == 2 and stats["skipped"] == skipped + 6
+        assert stats["misses"] == 9 and stats["puts"] == 0
 
 
 def test_unanswering_server_gives_bounded_misses_then_immediate_ones(

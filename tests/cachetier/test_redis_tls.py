@@ -28,9 +28,9 @@ from tests.support import (
     FakeClock,
     PrivateRedis,
     end_process,
-    free_port,
     make_blocks,
     opened_redis_tiers,
+    start_on_a_free_port,
 )
 
 PASSWORD = "tls-redis-pw-7f3a9c"
@@ -41,7 +41,8 @@ BIG = KVLayout("float16", block_size=64, num_layers=2, num_kv_heads=2, head_dim=
 
 
 class TLSRedis:
-    """A redis-server of the test's own that speaks only TLS (``--port 0``) and asks clients
+    """A redis-server of the test's own that speaks only TLS (``--port 0``; its TLS port is
+    one of its own, ``start_on_a_free_port``) and asks clients
     for a certificate (``tls-auth-clients yes``, Redis's default).
 
     Args:
@@ -58,7 +59,7 @@ class TLSRedis:
         self.tls = tls
         self.password = password
         self.cluster = cluster
-        self.port = free_port()
+        self.port = 0  # chosen by start()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, *, password: str | None = None, scheme: str = "rediss") -> str:
@@ -79,17 +80,8 @@ class TLSRedis:
         )
 
     def start(self) -> TLSRedis:
-        args = ["redis-server", "--port", "0", "--tls-port", str(self.port)]
-        args += ["--bind", "127.0.0.1", "--tls-cert-file", self.tls.cert]
-        args += ["--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca]
-        args += ["--tls-auth-clients", "yes", "--save", "", "--appendonly", "no"]
-        args += ["--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]
-        if self.password is not None:
-            args += ["--requirepass", self.password]
-        if self.cluster:
-            args += ["--cluster-enabled", "yes", "--tls-cluster", "yes"]
-            args += ["--cluster-port", str(free_port()), "--cluster-config-file", "nodes.conf"]
-        self.proc = subprocess.Popen(args)
+        log = self.folder / "redis.log"
+        self.port, self.proc = start_on_a_free_port(self._popen, log, timeout_s=STARTUP_S)
         client = self.client()
         try:
             self._wait(lambda: bool(client.ping()), client)
@@ -101,6 +93,20 @@ class TLSRedis:
         finally:
             client.close()
         return self
+
+    def _popen(self, port: int) -> subprocess.Popen[bytes]:
+        args = ["redis-server", "--port", "0", "--tls-port", str(port)]
+        args += ["--bind", "127.0.0.1", "--tls-cert-file", self.tls.cert]
+        args += ["--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca]
+        args += ["--tls-auth-clients", "yes", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--tls-cluster", "yes"]
+            # Its bus port moves with its port: a try where either is taken is tried again.
+            args += ["--cluster-port", str(port + 10000), "--cluster-config-file", "nodes.conf"]
+        return subprocess.Popen(args)
 
     def _wait(self, ready: Callable[[], bool], client: redis.Redis) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -241,12 +247,16 @@ def test_a_wrong_host_name_fails_verification(
         }
     )
     server = TLSRedis(tmp_path, wrong)
-    server.proc = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(server.port), "--bind", "127.0.0.1"]
-        + ["--tls-cert-file", wrong.cert, "--tls-key-file", wrong.key]
-        + ["--tls-ca-cert-file", wrong.ca, "--tls-auth-clients", "no", "--save", ""]
-        + ["--appendonly", "no", "--dir", str(tmp_path)]
-        + ["--logfile", str(tmp_path / "redis.log")]
+    server.port, server.proc = start_on_a_free_port(
+        lambda port: subprocess.Popen(
+            ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1"]
+            + ["--tls-cert-file", wrong.cert, "--tls-key-file", wrong.key]
+            + ["--tls-ca-cert-file", wrong.ca, "--tls-auth-clients", "no", "--save", ""]
+            + ["--appendonly", "no", "--dir", str(tmp_path)]
+            + ["--logfile", str(tmp_path / "redis.log")]
+        ),
+        tmp_path / "redis.log",
+        timeout_s=STARTUP_S,
     )
     try:
         tier = make_tier(url=server.url(), ssl_ca_certs=tls_files.ca, failure_threshold=100)

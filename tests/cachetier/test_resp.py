@@ -26,7 +26,7 @@ from cachetier.tiers.redis.resp import (
     command,
 )
 from cachetier.tls import client_context
-from tests.support import PrivateRedis, free_port, make_blocks
+from tests.support import PrivateRedis, make_blocks
 
 # 4 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 128 KiB, above the connection's
 # 64 KiB buffer, so payloads take the direct read into the destination.
@@ -203,9 +203,9 @@ class Liar:
     """A TCP listener that answers every connection with fixed bytes, then idles."""
 
     def __init__(self, answer: bytes) -> None:
-        self.port = free_port()
         self._answer = answer
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -290,9 +290,9 @@ class PatientServer:
     for a moment, and records how many GETs were waiting then (the client's pipeline depth)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
         self.most_waiting = 0
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:

@@ -163,9 +163,9 @@ def remote_harness(tmp: Path, *, transfer: bool = False) -> TierHarness:
     """
     from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
     from tests.server.live import TOKENS, ThreadServer, call, test_config
-    from tests.support import free_port
 
-    port = free_port() if transfer else None
+    # Port 0 for both: the first start picks them, restarts keep them.
+    port = 0 if transfer else None
     server = ThreadServer(test_config(tmp / "remote-server", transfer_port=port))
     running: list[bool] = []
 

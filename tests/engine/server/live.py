@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from engine.server.openai_app import create_app
 from engine.server.openai_config import EngineServerConfig
 from tests.server.live import wait_healthy
-from tests.support import AppThread, free_port
+from tests.support import AppThread
 
 # Byte-level: token id b is byte b, so every text encodes and multi-byte characters span
 # several tokens (what incremental decoding must not split).
@@ -54,12 +54,12 @@ def chat_model(tiny_model_dir: Path, dest: Path) -> Path:
 
 
 def server_config(model: Path, **overrides: Any) -> EngineServerConfig:
-    """A config for the tiny model: a 4 MiB pool, a free port, quiet logs."""
+    """A config for the tiny model: a 4 MiB pool, port 0 (the OS picks), quiet logs."""
     engine_args = {"kv_cache_bytes": 4 << 20, **overrides.pop("engine_args", {})}
     values: dict[str, Any] = dict(
         model=str(model),
         served_model_name="tiny",
-        port=free_port(),
+        port=0,  # EngineServer.port says which once started
         log_level="warning",
         engine_args=engine_args,
     )
@@ -82,6 +82,8 @@ class EngineServer(AppThread):
 
     def start(self) -> EngineServer:
         self.start_thread()
+        # A restart (and ``with_config``) listens where this start did.
+        self.config = replace(self.config, port=self.port)
         wait_healthy(self.url)
         return self
 

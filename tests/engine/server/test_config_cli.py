@@ -17,7 +17,7 @@ from engine.server.__main__ import server_config
 from engine.server.openai_config import EngineServerConfig
 from tests.engine.server.live import post
 from tests.server.live import ROOT, wait_healthy
-from tests.support import free_port
+from tests.support import wait_ports_file
 
 
 def test_config_checks_its_values() -> None:
@@ -60,13 +60,15 @@ def test_tiers_come_from_the_environment_and_flags_win() -> None:
 
 
 def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
     disk, log = tmp_path / "disk", tmp_path / "lookups.jsonl"
+    ports_file = tmp_path / "ports.json"
     args = [
         "--model",
         str(chat_model_dir),
         "--port",
-        str(port),
+        "0",
+        "--ports-file",
+        str(ports_file),
         "--served-model-name",
         "tiny",
         "--kv-cache-bytes",
@@ -87,6 +89,7 @@ def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_pa
         text=True,
     )
     try:
+        port = wait_ports_file(ports_file, proc, timeout_s=120)["http"]
         wait_healthy(f"http://127.0.0.1:{port}", timeout_s=120, proc=proc)
         body = {"prompt": [(i * 3) % 250 for i in range(40)], "max_tokens": 4}
         status, answer = post(f"http://127.0.0.1:{port}", "/v1/completions", body)
@@ -100,6 +103,7 @@ def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_pa
     assert proc.returncode == 0, err[-3000:]
     assert "Application shutdown complete" in err
     assert "engine server config: EngineServerConfig(" in err
+    assert f"engine server: listening on http {port}" in err
     assert "KV pool of" in err and "tiers ['disk']" in err
     assert "store flushed and closed" in err
     assert len([p for p in disk.rglob("*") if p.is_file()]) >= 2  # 2 full blocks of 40 tokens
