@@ -14,14 +14,15 @@ a new connection drops the oldest unknown one rather than being refused:
   thread at once.
 
 Known slots are shared by tenant (``fairness.TenantWeights``): each tenant is guaranteed
-``max_known`` times its weight's part of all weights (at least one), and may borrow slots no one
+``max_known`` times its weight's part of all weights (rounded down), and may borrow slots no one
 holds. A tenant under its guarantee that finds every slot taken reclaims one from the tenant
 furthest past its own (that tenant's oldest connection is shut; its client reconnects and is
 answered ``BUSY`` while it is past its share). So a tenant holding every slot it can never
 keeps another out, and past its share a tenant is answered ``BUSY``, never another tenant.
 
-A connection is refused at once (``BUSY``) only when every known slot is taken and no tenant is
-past its guarantee: then no hello could get it one.
+A connection is refused at once (``BUSY``) only when every known slot is taken and no tenant
+could get one back (none is under its guarantee while another is past its own): then no hello
+could get it one.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Admission:
             Its ticket; ``None`` when every known slot is taken (answer ``BUSY`` and close).
         """
         with self._lock:
-            if self._num_known >= self._max_known and self._over_share_locked() is None:
+            if self._num_known >= self._max_known and not self._may_reclaim_locked():
                 return None
             oldest = None
             if len(self._unknown) >= self._max_unknown:
@@ -129,10 +130,21 @@ class Admission:
         return True
 
     def guaranteed(self, tenant: str) -> int:
-        """Known slots ``tenant`` can always get: its weight's part of them, at least one."""
+        """Known slots ``tenant`` can always get: its weight's part of them, rounded down (none
+        when there are fewer slots than such parts)."""
         if self._weights is None:
             return self._max_known
-        return max(1, int(self._weights.share(tenant, self._max_known)))
+        return int(self._weights.share(tenant, self._max_known))
+
+    def _may_reclaim_locked(self) -> bool:
+        """Whether a hello could get a slot back: a tenant is under its guarantee and another
+        past its own."""
+        if self._weights is None or self._over_share_locked() is None:
+            return False
+        return any(
+            len(self._known.get(tenant, ())) < self.guaranteed(tenant)
+            for tenant in self._weights.weights
+        )
 
     def num_known_of(self, tenant: str) -> int:
         """Known slots ``tenant`` holds now."""

@@ -164,12 +164,16 @@ class UploadShares:
             if held + nbytes > self._weights.share(tenant, self.limit_bytes):
                 # Borrowing: what the others hold, plus the unused share of each active one,
                 # must stay free.
-                reserved = sum(self._held.values()) - held
+                all_held = sum(self._held.values())
+                reserved = all_held - held
                 for other, seen in self._seen.items():
                     if other != tenant and now - seen <= ACTIVE_WINDOW_S:
                         unused = self._weights.share(other, self.limit_bytes)
                         reserved += max(0.0, unused - self._held.get(other, 0))
-                if held + nbytes + reserved > self.limit_bytes:
+                # Refused here only when the shares are why; a server full whatever the shares
+                # is the ByteBudget's to answer (503, BUSY: busy for everyone).
+                fits_server = all_held + nbytes <= self.limit_bytes
+                if held + nbytes + reserved > self.limit_bytes and fits_server:
                     return False
             self._held[tenant] = held + nbytes
             return True
