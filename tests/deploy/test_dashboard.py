@@ -1,5 +1,6 @@
-"""The Grafana dashboard: well formed, provisioned by compose, and every query of it and of the
-README returns data from a real Prometheus scraping a live sidecar and engine server."""
+"""The Grafana dashboard: well formed, provisioned by compose, and every query of it and of
+docs/operations.md returns data from a real Prometheus scraping a live sidecar and engine
+server."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from tests.deploy.dashboard_stack import LiveStack, check_queries, running_stack
 from tests.deploy.local_stack import ROOT, load_compose
 from tests.deploy.promql import (
     DATASOURCE_UID,
-    README,
+    PROMQL_DOC,
     check_dashboard,
     dashboard_queries,
+    doc_queries,
     load_dashboards,
     prometheus_binary,
-    readme_queries,
     substitute,
 )
 
@@ -105,14 +106,15 @@ def test_readme_queries_come_from_promql_blocks_and_inline_code() -> None:
             "```",
         ]
     )
-    found = readme_queries(text)
+    found = doc_queries(text)
     assert [q.expr for q in found] == [
         "sum(rate(cachetier_tenant_hits_total[5m])) / sum(rate(cachetier_tenant_misses_total[5m]))",
         "cachetier_tier_used_bytes",
         "sum(rate(cachetier_tier_hits_total[5m]))",
     ]
-    assert [q.where for q in found] == ["README.md:5", "README.md:8", "README.md:2"]
-    assert readme_queries(README.read_text()), "the README has no PromQL to check"
+    where = "docs/operations.md"
+    assert [q.where for q in found] == [f"{where}:5", f"{where}:8", f"{where}:2"]
+    assert doc_queries(PROMQL_DOC.read_text()), "docs/operations.md has no PromQL to check"
 
 
 def test_grafana_variables_are_replaced_and_unknown_ones_refused() -> None:
@@ -134,7 +136,7 @@ def test_every_dashboard_and_readme_query_returns_data(
     live: LiveStack, dashboards: dict[str, dict]
 ) -> None:
     assert live.load["load_requests_ok"] == live.load["load_requests"], live.load
-    report = check_queries(live.prometheus, dashboards, README.read_text(), live.load)
+    report = check_queries(live.prometheus, dashboards, PROMQL_DOC.read_text(), live.load)
     assert report.failures() == []
     assert report.dashboard_answers and report.readme_answers
     # The load did what the panels show: restores from the tiers, evictions, a tier error.
