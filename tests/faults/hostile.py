@@ -25,7 +25,6 @@ from cachetier.server.config import ServerConfig
 from tests.faults.conftest import FaultFigures
 from tests.faults.fuzzing import FUZZ_NS, reseal
 from tests.server.live import TOKENS, ThreadServer, call, test_config
-from tests.support import free_port
 
 ALICE = TOKENS["alice"]
 DEADLINE_S = 2.0  # every deadline of the hostile server: head, body, idle, hello
@@ -36,7 +35,7 @@ WAIT_S = DEADLINE_S + 5.0  # longest a test waits for the server to act
 def hostile_config(folder: Path, **overrides: Any) -> ServerConfig:
     """``test_config`` with the transfer port on and every deadline ``DEADLINE_S``."""
     values: dict[str, Any] = dict(
-        transfer_port=free_port(),
+        transfer_port=0,  # the OS picks; server.config.transfer_port says which
         head_timeout_s=DEADLINE_S,
         body_timeout_s=DEADLINE_S,
         idle_timeout_s=DEADLINE_S,

@@ -24,7 +24,7 @@ from cachetier.tiers.disk import SUFFIX, DiskTier, DiskTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.faults.writer import CRASH_NAMESPACE, crash_blocks
 from tests.server.live import TOKENS, ProcessServer
-from tests.support import free_port, make_blocks
+from tests.support import make_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 DISK_ROUNDS = 24
@@ -129,7 +129,6 @@ def test_killed_disk_writer_loses_no_acknowledged_block(tmp_path: Path, fault_fi
 
 
 def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures) -> None:
-    port = free_port()
     env = {
         "CACHETIER_TENANTS": f"alice:{TOKENS['alice']}",
         "CACHETIER_FSYNC": "true",
@@ -139,7 +138,7 @@ def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures
     rng = random.Random(11)
     tally = KillTally(fault_figures)
     for seed in range(SERVER_ROUNDS):
-        server = ProcessServer(args, env, port).start()
+        server = ProcessServer(args, env).start()
         writer = KilledWriter(
             "remote",
             server.url,
@@ -150,7 +149,7 @@ def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures
         time.sleep(rng.uniform(0.3, 1.5))
         server.stop(signal.SIGKILL)
         acked = writer.kill()
-        server = ProcessServer(args, env, port).start()
+        server = ProcessServer(args, env).start()
         client = RemoteTier(RemoteTierConfig(url=server.url, token=TOKENS["alice"]))
         blocks = crash_blocks(seed, BLOCKS_PER_ROUND)
         got = client.get_many(CRASH_NAMESPACE.id, [b.key for b in blocks])

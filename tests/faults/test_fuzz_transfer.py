@@ -32,7 +32,6 @@ from tests.faults.fuzzing import (
 )
 from tests.faults.hostile import read_exactly, transfer_reply
 from tests.server.live import ThreadServer, test_config
-from tests.support import free_port
 
 TIMEOUT_S = 5.0
 
@@ -40,7 +39,7 @@ TIMEOUT_S = 5.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadServer]:
     folder = tmp_path_factory.mktemp("fuzz-transfer")
-    running = ThreadServer(test_config(folder, transfer_port=free_port())).start()
+    running = ThreadServer(test_config(folder, transfer_port=0)).start()
     yield running
     running.stop()
 

@@ -31,7 +31,14 @@ from cachetier.tiers.redis.resp import Endpoint, RespConnection
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from connectors.config import ConnectorConfig
 from tests.server.live import ROOT, call, wait_healthy
-from tests.support import PrivateRedis, end_process, free_port, make_blocks, spawn_serve
+from tests.support import (
+    PrivateRedis,
+    end_process,
+    make_blocks,
+    refusing_port,
+    spawn_serve,
+    wait_ports_file,
+)
 
 REDIS_PASSWORD = "redis-pass-Qx81Zr"
 WRONG_PASSWORD = "wrong-pass-Lm27Vt"
@@ -49,9 +56,8 @@ class Sidecar:
     goes through it), at log level debug."""
 
     def __init__(self, folder: Path, redis_url: str, *, url_in_env: bool) -> None:
-        self.port = free_port()
-        self.transfer_port = free_port()
-        args = ["--port", str(self.port), "--transfer-port", str(self.transfer_port)]
+        ports_file = folder.parent / f"{folder.name}-ports.json"
+        args = ["--port", "0", "--transfer-port", "0", "--ports-file", str(ports_file)]
         args += ["--data-dir", str(folder), "--log-level", "debug"]
         env = {
             **os.environ,
@@ -69,6 +75,8 @@ class Sidecar:
         self.proc = spawn_serve(args, env)
         self.output = ""
         try:
+            ports = wait_ports_file(ports_file, self.proc)
+            self.port, self.transfer_port = ports["http"], ports["transfer"]
             wait_healthy(self.url, proc=self.proc)
         except RuntimeError:
             raise RuntimeError(f"cachetier serve did not start:\n{self.stop()}") from None
@@ -120,81 +128,82 @@ def _exercise(server: Sidecar, printed: dict[str, str], label: str) -> None:
 
 
 def _configs_and_errors(redis: PrivateRedis, printed: dict[str, str]) -> None:
-    """The repr of every config object, and the messages of errors about URLs and connects."""
-    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis.port}/0"
-    env = {"CACHETIER_TENANTS": f"alice:{ALICE_TOKEN},ops:{OPS_TOKEN}"}
-    server_config = load_config(env=env, redis_url=url, data_dir="/tmp/x", disk_bytes=0)
-    redis_config = RedisTierConfig(url=url)
-    remote_config = RemoteTierConfig(url="http://127.0.0.1:1", token=ALICE_TOKEN)
-    cluster = parse_cluster_url(f"rediss+cluster://me:{REDIS_PASSWORD}@10.0.0.1:7000,10.0.0.2")
-    endpoint = Endpoint.from_url(url, 0.2, 0.2)
-    objects = {
-        "ServerConfig": server_config,
-        "ServerConfig.describe": server_config.describe(),
-        "StoreConfig": server_config.store_config(),
-        "StoreConfig.from_env": StoreConfig.from_env(
-            {"CACHETIER_REMOTE_URL": "http://h:1", "CACHETIER_REMOTE_TOKEN": ALICE_TOKEN},
-            redis_url=url,
-        ),
-        "RedisTierConfig": redis_config,
-        "RemoteTierConfig": remote_config,
-        "ClusterAddress": cluster,
-        "Endpoint": endpoint,
-        # vLLM logs its kv_transfer_config, and so the connector's config with it.
-        "ConnectorConfig": ConnectorConfig(
-            redis_url=url, remote_url="http://127.0.0.1:1", remote_token=ALICE_TOKEN
-        ),
-    }
-    for name, obj in objects.items():
-        printed[f"repr {name}"] = f"{obj!r} {obj!s}"
-    bad_urls = [
-        lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:99999/0"),
-        lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:6379/x"),
-        lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:6379/0?ssl=true"),
-        lambda: RedisTierConfig(url=f"rediss+cluster://u:{URL_PASSWORD}@h:1/3"),
-        lambda: RemoteTierConfig(url=f"https://user:{URL_PASSWORD}@127.0.0.1:1"),
-        lambda: RemoteTierConfig(url=f"ftp://user:{URL_PASSWORD}@127.0.0.1:1"),
-        lambda: StoreConfig(cpu_bytes=0, redis_url=None, remote_url=None),
-    ]
-    bad_urls.append(lambda: load_config(env={"CACHETIER_TENANTS": f"alice={ALICE_TOKEN}"}))
-    for i, make in enumerate(bad_urls):
-        with pytest.raises(ValueError) as caught:
-            make()
-        printed[f"bad url {i}"] = f"{caught.value} {caught.value!r}"
-    # Failed connects: a closed port, with the password in the URL.
-    closed = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{free_port()}/0"
-    with pytest.raises(OSError) as refused:
-        RespConnection(Endpoint.from_url(closed, 0.2, 0.2))
-    printed["RespConnection refused"] = f"{refused.value} {refused.value!r}"
-    client = make_client(RedisTierConfig(url=closed, connect_timeout_s=0.2))
-    with pytest.raises(redis_exceptions.ConnectionError) as refused_py:
-        client.ping()
-    client.close()
-    printed["redis-py refused"] = f"{refused_py.value} {refused_py.value!r}"
-    tier = RedisTier(RedisTierConfig(url=closed, key_prefix="secrets", failure_threshold=100))
-    try:
-        tier.get_many(NS.id, [b.key for b in make_blocks(NS, 2)])
-        tier.contains_prefix(NS.id, [b.key for b in make_blocks(NS, 2)])
-        printed["RedisTier unreachable stats"] = repr(tier.stats())
-    finally:
-        tier.close()
-    remote = RemoteTier(RemoteTierConfig(url=f"http://127.0.0.1:{free_port()}", token=OPS_TOKEN))
-    try:
-        remote.get_many(NS.id, [b.key for b in make_blocks(NS, 2)])
-        printed["RemoteTier unreachable stats"] = repr(remote.stats())
-    finally:
-        remote.close()
-    # A server answering garbage: aiohttp's error then carries the request's headers, the
-    # Authorization one included, and the tier logs it (debug).
-    with socket.create_server(("127.0.0.1", 0)) as liar:
-        threading.Thread(target=_answer_garbage, args=(liar,), daemon=True).start()
-        url = f"http://127.0.0.1:{liar.getsockname()[1]}"
-        remote = RemoteTier(RemoteTierConfig(url=url, token=ALICE_TOKEN, retries=0))
+    with refusing_port() as closed_port, refusing_port() as down_port:
+        """The repr of every config object, and the messages of errors about URLs and connects."""
+        url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis.port}/0"
+        env = {"CACHETIER_TENANTS": f"alice:{ALICE_TOKEN},ops:{OPS_TOKEN}"}
+        server_config = load_config(env=env, redis_url=url, data_dir="/tmp/x", disk_bytes=0)
+        redis_config = RedisTierConfig(url=url)
+        remote_config = RemoteTierConfig(url="http://127.0.0.1:1", token=ALICE_TOKEN)
+        cluster = parse_cluster_url(f"rediss+cluster://me:{REDIS_PASSWORD}@10.0.0.1:7000,10.0.0.2")
+        endpoint = Endpoint.from_url(url, 0.2, 0.2)
+        objects = {
+            "ServerConfig": server_config,
+            "ServerConfig.describe": server_config.describe(),
+            "StoreConfig": server_config.store_config(),
+            "StoreConfig.from_env": StoreConfig.from_env(
+                {"CACHETIER_REMOTE_URL": "http://h:1", "CACHETIER_REMOTE_TOKEN": ALICE_TOKEN},
+                redis_url=url,
+            ),
+            "RedisTierConfig": redis_config,
+            "RemoteTierConfig": remote_config,
+            "ClusterAddress": cluster,
+            "Endpoint": endpoint,
+            # vLLM logs its kv_transfer_config, and so the connector's config with it.
+            "ConnectorConfig": ConnectorConfig(
+                redis_url=url, remote_url="http://127.0.0.1:1", remote_token=ALICE_TOKEN
+            ),
+        }
+        for name, obj in objects.items():
+            printed[f"repr {name}"] = f"{obj!r} {obj!s}"
+        bad_urls = [
+            lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:99999/0"),
+            lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:6379/x"),
+            lambda: RedisTierConfig(url=f"redis://:{URL_PASSWORD}@127.0.0.1:6379/0?ssl=true"),
+            lambda: RedisTierConfig(url=f"rediss+cluster://u:{URL_PASSWORD}@h:1/3"),
+            lambda: RemoteTierConfig(url=f"https://user:{URL_PASSWORD}@127.0.0.1:1"),
+            lambda: RemoteTierConfig(url=f"ftp://user:{URL_PASSWORD}@127.0.0.1:1"),
+            lambda: StoreConfig(cpu_bytes=0, redis_url=None, remote_url=None),
+        ]
+        bad_urls.append(lambda: load_config(env={"CACHETIER_TENANTS": f"alice={ALICE_TOKEN}"}))
+        for i, make in enumerate(bad_urls):
+            with pytest.raises(ValueError) as caught:
+                make()
+            printed[f"bad url {i}"] = f"{caught.value} {caught.value!r}"
+        # Failed connects: a closed port, with the password in the URL.
+        closed = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{closed_port}/0"
+        with pytest.raises(OSError) as refused:
+            RespConnection(Endpoint.from_url(closed, 0.2, 0.2))
+        printed["RespConnection refused"] = f"{refused.value} {refused.value!r}"
+        client = make_client(RedisTierConfig(url=closed, connect_timeout_s=0.2))
+        with pytest.raises(redis_exceptions.ConnectionError) as refused_py:
+            client.ping()
+        client.close()
+        printed["redis-py refused"] = f"{refused_py.value} {refused_py.value!r}"
+        tier = RedisTier(RedisTierConfig(url=closed, key_prefix="secrets", failure_threshold=100))
+        try:
+            tier.get_many(NS.id, [b.key for b in make_blocks(NS, 2)])
+            tier.contains_prefix(NS.id, [b.key for b in make_blocks(NS, 2)])
+            printed["RedisTier unreachable stats"] = repr(tier.stats())
+        finally:
+            tier.close()
+        remote = RemoteTier(RemoteTierConfig(url=f"http://127.0.0.1:{down_port}", token=OPS_TOKEN))
         try:
             remote.get_many(NS.id, [b.key for b in make_blocks(NS, 2)])
-            printed["RemoteTier garbage stats"] = repr(remote.stats())
+            printed["RemoteTier unreachable stats"] = repr(remote.stats())
         finally:
             remote.close()
+        # A server answering garbage: aiohttp's error then carries the request's headers, the
+        # Authorization one included, and the tier logs it (debug).
+        with socket.create_server(("127.0.0.1", 0)) as liar:
+            threading.Thread(target=_answer_garbage, args=(liar,), daemon=True).start()
+            url = f"http://127.0.0.1:{liar.getsockname()[1]}"
+            remote = RemoteTier(RemoteTierConfig(url=url, token=ALICE_TOKEN, retries=0))
+            try:
+                remote.get_many(NS.id, [b.key for b in make_blocks(NS, 2)])
+                printed["RemoteTier garbage stats"] = repr(remote.stats())
+            finally:
+                remote.close()
 
 
 def _answer_garbage(listener: socket.socket) -> None:
@@ -223,7 +232,7 @@ def _bad_configs(printed: dict[str, str]) -> None:
     }
     for name, (env, args) in bad.items():
         done = subprocess.run(
-            [sys.executable, "-m", "cachetier.cli", "serve", "--port", str(free_port()), *args],
+            [sys.executable, "-m", "cachetier.cli", "serve", "--port", "0", *args],
             env={**os.environ, "PYTHONPATH": str(ROOT), **env},
             capture_output=True,
             text=True,
