@@ -1,5 +1,4 @@
-"""The dashboard and docs/operations.md's PromQL against a real Prometheus scraping a live
-stack.
+"""The dashboard and the README's PromQL against a real Prometheus scraping a live stack.
 
 ``run_dashboard_check`` starts what docker-compose.yml runs, as local processes with small
 capacities: a redis-server of its own, the sidecar (``python -m cachetier.cli serve``: CPU and
@@ -8,7 +7,7 @@ tiny random-weight Llama; a CPU tier in the pod, then the sidecar). Prometheus s
 the jobs and credentials of ``deploy/prometheus.yml``. A little load follows: chats that share
 system prompts (pool hits, then restores from the tiers once the small pool and tiers have
 evicted them), a request with a wrong token (an error), and a lookup while Redis is paused (a
-tier error). Then every query of the dashboard and of docs/operations.md is evaluated.
+tier error). Then every query of the dashboard and of the README is evaluated.
 
 Both ``tests/deploy/test_dashboard.py`` and ``benchmarks/ops_dashboard.py`` call it.
 """
@@ -26,23 +25,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.local_stack import LocalService, base_environment
+from tests.deploy.local_stack import PORT_SLOT, LocalService, base_environment
 from tests.deploy.promql import (
-    PROMQL_DOC,
+    README,
     Answer,
     Prometheus,
     check_dashboard,
     dashboard_queries,
-    doc_queries,
     evaluate_all,
     load_dashboards,
     prometheus_binary,
+    readme_queries,
     scrape_config,
     variable_values,
 )
 from tests.engine.server.live import add_byte_tokenizer
 from tests.models import make_tiny_llama
-from tests.support import PrivateRedis, free_port
+from tests.support import PrivateRedis
 
 ENGINE_TOKEN = "dashboard-engine-token-01"
 OPS_TOKEN = "dashboard-ops-token-00001"
@@ -92,7 +91,7 @@ class DashboardReport:
         }
 
 
-def _healthcheck(port: int) -> list[str]:
+def _healthcheck(port: int | str) -> list[str]:
     # The compose services' own healthcheck, against this run's port.
     url = f"http://127.0.0.1:{port}/healthz"
     return [sys.executable, "-c", f"import urllib.request; urllib.request.urlopen({url!r})"]
@@ -105,11 +104,12 @@ def _base_env() -> dict[str, str]:
 
 def sidecar_service(folder: Path, redis_url: str) -> LocalService:
     """The compose sidecar's command with this run's folder, Redis and small capacities."""
-    port = free_port()
     data = folder / "sidecar-data"
     data.mkdir(parents=True, exist_ok=True)
+    ports_file = folder / "sidecar-ports.json"
     argv = [sys.executable, "-m", "cachetier.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--transfer-port", "0", "--data-dir", str(data)]
+    argv += ["--port", "0", "--ports-file", str(ports_file)]
+    argv += ["--transfer-port", "0", "--data-dir", str(data)]
     argv += ["--redis-url", redis_url, "--log-level", "warning"]
     env = {
         **_base_env(),
@@ -119,14 +119,17 @@ def sidecar_service(folder: Path, redis_url: str) -> LocalService:
         "CACHETIER_DISK_BYTES": str(64 << 20),
         "CACHETIER_FSYNC": "false",
     }
-    return LocalService("sidecar", argv, env, _healthcheck(port), port, folder / "sidecar.log")
+    check = _healthcheck(PORT_SLOT)
+    log = folder / "sidecar.log"
+    return LocalService("sidecar", argv, env, check, 0, log, ports_file=ports_file)
 
 
 def engine_service(folder: Path, model: Path, sidecar_port: int) -> LocalService:
     """The compose engine's command with the tiny model, a small pool and small CPU tier."""
-    port = free_port()
+    ports_file = folder / "engine-ports.json"
     argv = [sys.executable, "-m", "engine.server", "--model", str(model)]
-    argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--ports-file", str(ports_file)]
     argv += ["--kv-cache-bytes", str(POOL_BYTES), "--num-threads", "1", "--log-level", "warning"]
     env = {
         **_base_env(),
@@ -134,7 +137,9 @@ def engine_service(folder: Path, model: Path, sidecar_port: int) -> LocalService
         "CACHETIER_REMOTE_URL": f"http://127.0.0.1:{sidecar_port}",
         "CACHETIER_REMOTE_TOKEN": ENGINE_TOKEN,
     }
-    return LocalService("engine", argv, env, _healthcheck(port), port, folder / "engine.log")
+    check = _healthcheck(PORT_SLOT)
+    log = folder / "engine.log"
+    return LocalService("engine", argv, env, check, 0, log, ports_file=ports_file)
 
 
 def _request(port: int, path: str, body: dict | None = None, token: str | None = None) -> int:
@@ -250,17 +255,17 @@ def check_queries(
             problems.append(f"{name}: {exc}")
             continue
         dashboard_answers += evaluate_all(prometheus, dashboard_queries(dashboard), values)
-    queries = doc_queries(readme_text)
+    queries = readme_queries(readme_text)
     readme_answers = evaluate_all(prometheus, queries, variable_values(prometheus, {}))
     return DashboardReport(dashboard_answers, readme_answers, problems, dict(load or {}))
 
 
-def run_dashboard_check(folder: Path, readme: Path = PROMQL_DOC) -> DashboardReport:
+def run_dashboard_check(folder: Path, readme: Path = README) -> DashboardReport:
     """Start the stack and Prometheus in ``folder``, drive load, evaluate every query, stop.
 
     Args:
         folder: an empty folder for data, logs and the model (removed by the caller).
-        readme: the docs page whose PromQL is checked.
+        readme: the README whose PromQL is checked.
 
     Returns:
         Each query's answer, the dashboards' structural problems, and the load's figures.

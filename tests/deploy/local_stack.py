@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from tests.support import free_port
+from tests.support import free_port, wait_ports_file
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -36,6 +36,7 @@ CONTAINER_PORTS = {
     "prometheus": 9090,
     "grafana": 3000,
 }
+PORT_SLOT = "{port}"  # in a healthcheck of a service with a ports file: its port
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -58,7 +59,9 @@ def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None
 
 @dataclass
 class LocalService:
-    """One compose service as a local process."""
+    """One compose service as a local process. With ``ports_file``, it listens on port 0 and
+    says where in that file: ``wait_healthy`` reads ``port`` there, and puts it in place of
+    ``PORT_SLOT`` in the healthcheck."""
 
     name: str
     argv: list[str]
@@ -67,8 +70,11 @@ class LocalService:
     port: int
     log_path: Path
     process: subprocess.Popen | None = field(default=None, repr=False)
+    ports_file: Path | None = None
 
     def start(self) -> None:
+        if self.ports_file is not None:
+            self.ports_file.unlink(missing_ok=True)  # a restart's file is a new one
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it while it runs
         self.process = subprocess.Popen(
             self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
@@ -78,15 +84,20 @@ class LocalService:
     def wait_healthy(self, timeout_s: float) -> None:
         """Run the service's own healthcheck until it passes (or the process dies)."""
         deadline = time.monotonic() + timeout_s
+        check = self.healthcheck
+        if self.ports_file is not None:
+            try:
+                self.port = wait_ports_file(self.ports_file, self.process, timeout_s)["http"]
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self.name}: {exc}: {self.log()}") from None
+            check = check and [a.replace(PORT_SLOT, str(self.port)) for a in check]
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 code = self.process.returncode
                 raise RuntimeError(f"{self.name} exited with {code}: {self.log()}")
             if (
-                self.healthcheck is None
-                or subprocess.run(
-                    self.healthcheck, env=self.env, capture_output=True, timeout=10
-                ).returncode
+                check is None
+                or subprocess.run(check, env=self.env, capture_output=True, timeout=10).returncode
                 == 0
             ):
                 return
@@ -160,7 +171,7 @@ def local_services(
             if argv[i + 1] == str(CONTAINER_PORTS[name]):
                 argv[i + 1] = str(ports[name])
         for i in [i for i, a in enumerate(argv) if a == "--transfer-port"]:
-            argv[i + 1] = str(free_port())  # internal to the container network: any port
+            argv[i + 1] = "0"  # internal to the container network: any port; /v1/limits names it
         argv[0] = _executable(argv[0])
         env = dict(base_env)
         env.update({k: translate(str(v), mounts) for k, v in spec.get("environment", {}).items()})

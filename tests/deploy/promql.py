@@ -1,7 +1,6 @@
-"""The PromQL of the Grafana dashboard and of docs/operations.md, and a real Prometheus to run
-it on.
+"""The PromQL of the Grafana dashboard and of the README, and a real Prometheus to run it on.
 
-- ``dashboard_queries`` / ``doc_queries`` collect every query, with where it came from;
+- ``dashboard_queries`` / ``readme_queries`` collect every query, with where it came from;
   ``check_dashboard`` checks the dashboard JSON's shape (datasource, targets, unique ids).
 - ``Prometheus`` runs Debian's ``prometheus`` binary on a free port with a config derived from
   ``deploy/prometheus.yml`` (same jobs, credentials and paths; local targets; 1 s scrapes).
@@ -27,16 +26,18 @@ from typing import Any
 
 import yaml
 
-from tests.support import end_process, free_port
+from tests.support import end_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "deploy" / "grafana" / "dashboards"
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
-PROMQL_DOC = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
 DATASOURCE_UID = "cachetier-prometheus"
 # Grafana's built-in interval variables, as a Prometheus range.
 BUILTIN_VARIABLES = {"__rate_interval": "5m", "__interval": "1m", "__range": "5m"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+# Prometheus's log line of the port its --web.listen-address=...:0 became.
+_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
 _FENCE = re.compile(r"^```promql[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 _INLINE = re.compile(r"`([^`\n]+)`")
 _LABEL_VALUES = re.compile(r"^label_values\((?:(.+),\s*)?(\w+)\)$")
@@ -44,7 +45,7 @@ _LABEL_VALUES = re.compile(r"^label_values\((?:(.+),\s*)?(\w+)\)$")
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One PromQL query and where it is (``panel 3 "TTFT" B``, ``docs/operations.md:51``)."""
+    """One PromQL query and where it is written (``panel 3 "TTFT" B``, ``README.md:501``)."""
 
     where: str
     expr: str
@@ -129,10 +130,10 @@ def dashboard_variables(dashboard: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def doc_queries(text: str, name: str = "docs/operations.md") -> list[Query]:
-    """The PromQL of a docs page: each query of a fenced ``promql`` block (queries are separated
-    by blank lines; ``#`` lines are comments), and each inline code span that calls a function
-    on a ``cachetier_`` metric."""
+def readme_queries(text: str, name: str = "README.md") -> list[Query]:
+    """The README's PromQL: each query of a fenced ``promql`` block (queries are separated by
+    blank lines; ``#`` lines are comments), and each inline code span that calls a function on
+    a ``cachetier_`` metric."""
     out = []
     for block in _FENCE.finditer(text):
         first_line = text.count("\n", 0, block.start(1)) + 1
@@ -209,7 +210,7 @@ class Prometheus:
     def __init__(self, folder: Path, config: dict) -> None:
         self.folder = folder
         self.config = config
-        self.port = free_port()
+        self.port = 0  # Prometheus logs the port 127.0.0.1:0 became; start() reads it
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -224,10 +225,11 @@ class Prometheus:
             self.proc = subprocess.Popen(
                 [binary, f"--config.file={config_file}"]
                 + [f"--storage.tsdb.path={self.folder / 'tsdb'}"]
-                + [f"--web.listen-address=127.0.0.1:{self.port}"],
+                + ["--web.listen-address=127.0.0.1:0"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        self._wait(self._read_port, timeout_s, "listening")
         self._wait(lambda: self._get("/-/ready") is not None, timeout_s, "ready")
         return self
 
@@ -267,8 +269,19 @@ class Prometheus:
             end_process(self.proc, timeout_s=20)
             self.proc = None
 
+    def _read_port(self) -> bool:
+        """Whether its log says where it listens (``msg="Listening on" address=...``)."""
+        found = _LISTENING.search(self.log_path.read_text(errors="replace"))
+        if found:
+            self.port = int(found[1])
+        return found is not None
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "prometheus.log"
+
     def log(self) -> str:
-        path = self.folder / "prometheus.log"
+        path = self.log_path
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
     def _get(self, path: str) -> bytes | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.server.live import wait_healthy
-from tests.support import end_process, free_port
+from tests.support import end_process, wait_ports_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup_server.sh"
@@ -157,8 +157,9 @@ def serving(
         redis_url: a Redis behind the server, or ``None``.
         redis_prefix: the server's Redis key prefix (a test's own).
     """
-    port = free_port()
-    argv = [str(env.cachetier), "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    ports_file = data_dir.with_name(f"{data_dir.name}-ports.json")
+    argv = [str(env.cachetier), "serve", "--port", "0", "--ports-file", str(ports_file)]
+    argv += ["--data-dir", str(data_dir)]
     if redis_url:
         argv += ["--redis-url", redis_url]
     settings = {
@@ -176,8 +177,8 @@ def serving(
         stderr=subprocess.PIPE,
         text=True,
     )
-    served = Served(f"http://127.0.0.1:{port}")
     try:
+        served = Served(f"http://127.0.0.1:{wait_ports_file(ports_file, proc)['http']}")
         wait_healthy(served.url, timeout_s=60, proc=proc)
     except RuntimeError as exc:
         raise RuntimeError(f"{exc}:\n{end_process(proc)[1][-4000:]}") from None
