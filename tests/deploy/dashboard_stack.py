@@ -1,4 +1,5 @@
-"""The dashboard and the README's PromQL against a real Prometheus scraping a live stack.
+"""The dashboard and docs/operations.md's PromQL against a real Prometheus scraping a live
+stack.
 
 ``run_dashboard_check`` starts what docker-compose.yml runs, as local processes with small
 capacities: a redis-server of its own, the sidecar (``python -m cachetier.cli serve``: CPU and
@@ -7,7 +8,7 @@ tiny random-weight Llama; a CPU tier in the pod, then the sidecar). Prometheus s
 the jobs and credentials of ``deploy/prometheus.yml``. A little load follows: chats that share
 system prompts (pool hits, then restores from the tiers once the small pool and tiers have
 evicted them), a request with a wrong token (an error), and a lookup while Redis is paused (a
-tier error). Then every query of the dashboard and of the README is evaluated.
+tier error). Then every query of the dashboard and of docs/operations.md is evaluated.
 
 Both ``tests/deploy/test_dashboard.py`` and ``benchmarks/ops_dashboard.py`` call it.
 """
@@ -27,15 +28,15 @@ from typing import Any
 
 from tests.deploy.local_stack import PORT_SLOT, LocalService, base_environment
 from tests.deploy.promql import (
-    README,
+    PROMQL_DOC,
     Answer,
     Prometheus,
     check_dashboard,
     dashboard_queries,
+    doc_queries,
     evaluate_all,
     load_dashboards,
     prometheus_binary,
-    readme_queries,
     scrape_config,
     variable_values,
 )
@@ -255,17 +256,17 @@ def check_queries(
             problems.append(f"{name}: {exc}")
             continue
         dashboard_answers += evaluate_all(prometheus, dashboard_queries(dashboard), values)
-    queries = readme_queries(readme_text)
+    queries = doc_queries(readme_text)
     readme_answers = evaluate_all(prometheus, queries, variable_values(prometheus, {}))
     return DashboardReport(dashboard_answers, readme_answers, problems, dict(load or {}))
 
 
-def run_dashboard_check(folder: Path, readme: Path = README) -> DashboardReport:
+def run_dashboard_check(folder: Path, readme: Path = PROMQL_DOC) -> DashboardReport:
     """Start the stack and Prometheus in ``folder``, drive load, evaluate every query, stop.
 
     Args:
         folder: an empty folder for data, logs and the model (removed by the caller).
-        readme: the README whose PromQL is checked.
+        readme: the docs page whose PromQL is checked.
 
     Returns:
         Each query's answer, the dashboards' structural problems, and the load's figures.

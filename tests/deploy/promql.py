@@ -1,6 +1,7 @@
-"""The PromQL of the Grafana dashboard and of the README, and a real Prometheus to run it on.
+"""The PromQL of the Grafana dashboard and of docs/operations.md, and a real Prometheus to run
+it on.
 
-- ``dashboard_queries`` / ``readme_queries`` collect every query, with where it came from;
+- ``dashboard_queries`` / ``doc_queries`` collect every query, with where it came from;
   ``check_dashboard`` checks the dashboard JSON's shape (datasource, targets, unique ids).
 - ``Prometheus`` runs Debian's ``prometheus`` binary on a free port with a config derived from
   ``deploy/prometheus.yml`` (same jobs, credentials and paths; local targets; 1 s scrapes).
@@ -31,7 +32,7 @@ from tests.support import end_process
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "deploy" / "grafana" / "dashboards"
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
-README = ROOT / "README.md"
+PROMQL_DOC = ROOT / "docs" / "operations.md"
 DATASOURCE_UID = "cachetier-prometheus"
 # Grafana's built-in interval variables, as a Prometheus range.
 BUILTIN_VARIABLES = {"__rate_interval": "5m", "__interval": "1m", "__range": "5m"}
@@ -45,7 +46,7 @@ _LABEL_VALUES = re.compile(r"^label_values\((?:(.+),\s*)?(\w+)\)$")
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One PromQL query and where it is written (``panel 3 "TTFT" B``, ``README.md:501``)."""
+    """One PromQL query and where it is (``panel 3 "TTFT" B``, ``docs/operations.md:51``)."""
 
     where: str
     expr: str
@@ -130,10 +131,10 @@ def dashboard_variables(dashboard: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def readme_queries(text: str, name: str = "README.md") -> list[Query]:
-    """The README's PromQL: each query of a fenced ``promql`` block (queries are separated by
-    blank lines; ``#`` lines are comments), and each inline code span that calls a function on
-    a ``cachetier_`` metric."""
+def doc_queries(text: str, name: str = "docs/operations.md") -> list[Query]:
+    """The PromQL of a docs page: each query of a fenced ``promql`` block (queries are separated
+    by blank lines; ``#`` lines are comments), and each inline code span that calls a function
+    on a ``cachetier_`` metric."""
     out = []
     for block in _FENCE.finditer(text):
         first_line = text.count("\n", 0, block.start(1)) + 1
