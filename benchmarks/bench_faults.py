@@ -15,7 +15,17 @@ Last line: ``kill_rounds``, ``acknowledged_lost`` (must be 0), ``corrupt_served`
 (at most 65,536), ``slow_client_max_open_s`` (at most ``slow_client_deadline_s`` + 1),
 ``shared_folder_writes_failed`` and ``shared_folder_blocks_lost`` (4 writers and 2 re-openers
 on one disk folder; must be 0), ``shared_folder_peak_bytes_over_capacity`` (at most
-``shared_folder_batch_bytes``), and ``tests_passed``.
+``shared_folder_batch_bytes``); from connection floods without a token against a real
+``cachetier serve`` (``tests/faults/test_floods.py``, with and without TLS):
+``fd_flood_listeners_dead`` (listeners, HTTP and transfer, not serving a real request within
+5 s of a flood to the descriptor limit ``fd_flood_nofile`` ending; must be 0),
+``fd_flood_legit_success_after`` (a real client's gets and puts after it, over the transfer
+port and HTTP; must be 1.0), ``fd_flood_peak_fds``, and for ``https_handshake_flood_rounds``
+rounds of ``https_handshake_flood_connections`` unfinished TLS handshakes:
+``https_handshake_flood_rss_growth_mib`` (at most 256), ``https_handshake_flood_rss_retained_mib``
+(``https_handshake_flood_retain_wait_s`` after; at most 32) and
+``legit_https_success_during_handshake_flood`` (at least 0.99); ``bounds_held`` says whether
+every such bound held; and ``tests_passed``.
 """
 
 from __future__ import annotations
@@ -46,7 +56,16 @@ MUST_BE_ZERO = (
     "authenticated_clients_refused_during_flood",
     "shared_folder_writes_failed",
     "shared_folder_blocks_lost",
+    "fd_flood_listeners_dead",
 )
+AT_LEAST = {  # figure -> its floor, checked when the suite reported it
+    "fd_flood_legit_success_after": 1.0,
+    "legit_https_success_during_handshake_flood": 0.99,
+}
+AT_MOST = {  # figure -> its ceiling, checked when the suite reported it
+    "https_handshake_flood_rss_growth_mib": 256,
+    "https_handshake_flood_rss_retained_mib": 32,
+}
 REPORTED = (
     "kill_rounds",
     *MUST_BE_ZERO,
@@ -58,6 +77,13 @@ REPORTED = (
     "slow_client_deadline_s",
     "shared_folder_peak_bytes_over_capacity",
     "shared_folder_batch_bytes",
+    "fd_flood_nofile",
+    "fd_flood_peak_fds",
+    *AT_LEAST,
+    "https_handshake_flood_connections",
+    "https_handshake_flood_rounds",
+    "https_handshake_flood_retain_wait_s",
+    *AT_MOST,
 )
 
 
@@ -84,8 +110,13 @@ def main() -> None:
     result["tests_passed"] = done.returncode == 0
     result["suite_s"] = round(elapsed, 1)
     result["zeros_held"] = all(result[name] == 0 for name in MUST_BE_ZERO)
+    # A figure a run left out (``-k``) is not checked: 0 would fail a floor for no reason.
+    result["bounds_held"] = all(
+        figures[name] >= floor for name, floor in AT_LEAST.items() if name in figures
+    ) and all(figures[name] <= ceiling for name, ceiling in AT_MOST.items() if name in figures)
     emit(result, args.json)
-    sys.exit(0 if done.returncode == 0 and result["zeros_held"] else 1)
+    held = result["zeros_held"] and result["bounds_held"]
+    sys.exit(0 if done.returncode == 0 and held else 1)
 
 
 if __name__ == "__main__":
