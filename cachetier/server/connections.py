@@ -72,6 +72,11 @@ class ConnectionTable:
         return self.num_known + len(self._unknown)
 
     @property
+    def num_handshakes(self) -> int:
+        """TLS handshakes in progress."""
+        return len(self._handshakes)
+
+    @property
     def num_unauthenticated(self) -> int:
         """Connections without a valid token yet."""
         return len(self._unknown)

@@ -30,6 +30,7 @@ from cachetier.backoff import ExponentialBackoff
 from cachetier.server.config import ServerConfig
 from cachetier.server.connections import ConnectionTable, Entry
 from cachetier.server.fdlimits import ConnectionCaps, raise_nofile_limit
+from cachetier.server.heap import HeapTrimmer
 
 logger = logging.getLogger("cachetier.server.listener")
 _uvicorn_logger = logging.getLogger("uvicorn.error")  # where uvicorn says where it listens
@@ -41,7 +42,10 @@ LISTENERS = "listeners"
 DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_BACKOFF = ExponentialBackoff(base_s=0.01, cap_s=1.0)
 SHED_ON_EXHAUSTION = 16  # unauthenticated connections closed per accept out of descriptors
-_ACCEPTS_PER_WAKEUP = 128  # then the loop serves the connections it has
+# Then the loop serves the connections it has. Small, so that connections shed to make room
+# are closed before many more are accepted: a place freed in the table is a descriptor freed
+# only once the connection's transport closes, a loop turn later.
+_ACCEPTS_PER_WAKEUP = 16
 
 
 class HttpAcceptor:
@@ -72,6 +76,8 @@ class HttpAcceptor:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._retry: asyncio.TimerHandle | None = None
+        self._heap = HeapTrimmer()
+        self._heap_timer: asyncio.TimerHandle | None = None
         self._num_failures = 0  # in a row
         self._closed = False
         self.up = True
@@ -87,8 +93,9 @@ class HttpAcceptor:
         if self._closed:
             return
         self._closed = True
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._heap_timer):
+            if timer is not None:
+                timer.cancel()
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
 
@@ -140,6 +147,17 @@ class HttpAcceptor:
         self._loop.add_reader(self.sock.fileno(), self._accept_some)
         self._accept_some()  # nothing pending says it works again, as much as a connection
 
+    def _after_handshake(self) -> None:
+        """Once a burst of handshakes is over, give the memory it freed back (``heap``): a
+        second later, when the closed connections' transports and SSL objects are gone."""
+        if self._heap.note_ended(self._table.num_handshakes) and self._heap_timer is None:
+            self._heap_timer = self._loop.call_later(1.0, self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        self._heap_timer = None
+        if not self._table.num_handshakes:
+            self._heap.trim()
+
     def _admit(self, conn: socket.socket) -> None:
         entry = self._table.arrive()
         if entry is None:
@@ -150,7 +168,19 @@ class HttpAcceptor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+        def drop_unstarted(_reason: str) -> bool:
+            # Shed before its task ran: nothing but this socket holds the connection, so its
+            # descriptor goes back now (a flood's accepts would otherwise outrun the shedding).
+            task.cancel()
+            conn.close()
+            return True
+
+        entry.drop = drop_unstarted
+
     async def _connect(self, conn: socket.socket, entry: Entry) -> None:
+        # Started: from here the socket is the transport's, which the handshake's drop or the
+        # protocol's closes; a shed meanwhile leaves the entry, which the protocol checks.
+        entry.drop = None
         protocol = self._make_protocol(entry)
         try:
             if self._ssl is None:
@@ -176,6 +206,7 @@ class HttpAcceptor:
                 )
             finally:
                 self._table.end_handshake(entry)
+                self._after_handshake()
         except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError):
             # A failed or late handshake, a client gone, a shed connection: not an error of
             # the server's.
