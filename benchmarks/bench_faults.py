@@ -25,7 +25,12 @@ rounds of ``https_handshake_flood_connections`` unfinished TLS handshakes:
 ``https_handshake_flood_rss_growth_mib`` (at most 256), ``https_handshake_flood_rss_retained_mib``
 (``https_handshake_flood_retain_wait_s`` after; at most 32) and
 ``legit_https_success_during_handshake_flood`` (at least 0.99); ``bounds_held`` says whether
-every such bound held; and ``tests_passed``.
+every such bound held; ``oversized_heads_accepted`` (heads from just over ``max_head_bytes``
+to 256 KiB, in one read, random chunks and 64-byte pieces; must be 0); from tenants sharing
+the sidecar (``tests/faults/test_tenant_fairness.py``): ``tenant_slot_starvation`` (a fresh
+client's failed gets and puts while another tenant holds every connection it may; must be 0)
+and ``noisy_tenant_victim_p99_ratio`` (a tenant's p99 latency while another floods, over its
+p99 alone; at most 2.0); and ``tests_passed``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ MUST_BE_ZERO = (
     "shared_folder_writes_failed",
     "shared_folder_blocks_lost",
     "fd_flood_listeners_dead",
+    "oversized_heads_accepted",
+    "tenant_slot_starvation",
 )
 AT_LEAST = {  # figure -> its floor, checked when the suite reported it
     "fd_flood_legit_success_after": 1.0,
@@ -65,6 +72,7 @@ AT_LEAST = {  # figure -> its floor, checked when the suite reported it
 AT_MOST = {  # figure -> its ceiling, checked when the suite reported it
     "https_handshake_flood_rss_growth_mib": 256,
     "https_handshake_flood_rss_retained_mib": 32,
+    "noisy_tenant_victim_p99_ratio": 2.0,
 }
 REPORTED = (
     "kill_rounds",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import socket
 import threading
 import time
@@ -256,3 +257,43 @@ def zeros_block(num_bytes: int, seed_block: KVBlock) -> KVBlock:
         seed_block.num_tokens,
         bytes(num_bytes),
     )
+
+
+def oversized_head(token: str, size: int) -> bytes:
+    """A GET head of ``size`` bytes with a valid token, padded with one long header."""
+    start = b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+    filler = b"\r\nX-Pad: " + b"a" * max(0, size - len(start) - 13) + b"\r\n\r\n"
+    return start + filler
+
+
+def status_after(port: int, data: bytes, chunks: list[int]) -> int | None:
+    """Send ``data`` to an HTTP port in ``chunks`` and read the status of the answer
+    (``None`` if the connection closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        at = 0
+        try:
+            for size in chunks:
+                sock.sendall(data[at : at + size])
+                at += size
+        except OSError:
+            pass  # refused and closed while sending: read the answer
+        got = b""
+        try:
+            while b"\r\n" not in got:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return None
+                got += chunk
+        except (ConnectionResetError, TimeoutError):
+            return None
+        return int(got.split(b" ", 2)[1])
+
+
+def head_chunkings(n: int, rng: random.Random) -> dict[str, list[int]]:
+    """Ways to send ``n`` bytes: in one read, in random chunks, and 64 bytes at a time."""
+    randoms = []
+    left = n
+    while left:
+        randoms.append(min(left, rng.randint(1, 9000)))
+        left -= randoms[-1]
+    return {"one_read": [n], "random": randoms, "small": [64] * (n // 64) + [n % 64]}

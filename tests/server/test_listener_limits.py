@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.hostile import head_chunkings, oversized_head, status_after
 from tests.server.live import TOKENS, ThreadServer, call, test_config
 
 MAX_HEAD = 32 << 10
@@ -30,62 +31,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadServer]:
     running.stop()
 
 
-def _head(size: int) -> bytes:
-    start = (
-        b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKENS["alice"].encode()
-    )
-    filler = b"\r\nX-Pad: " + b"a" * max(0, size - len(start) - 13) + b"\r\n\r\n"
-    return start + filler
-
-
-def _status_after(port: int, data: bytes, chunks: list[int]) -> int | None:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        at = 0
-        try:
-            for size in chunks:
-                sock.sendall(data[at : at + size])
-                at += size
-        except OSError:
-            pass  # refused and closed while sending: read the answer
-        got = b""
-        try:
-            while b"\r\n" not in got:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    return None
-                got += chunk
-        except (ConnectionResetError, TimeoutError):
-            return None
-        return int(got.split(b" ", 2)[1])
-
-
-def _chunkings(n: int, rng: random.Random) -> dict[str, list[int]]:
-    randoms = []
-    left = n
-    while left:
-        randoms.append(min(left, rng.randint(1, 9000)))
-        left -= randoms[-1]
-    return {"one_read": [n], "random": randoms, "small": [64] * (n // 64) + [n % 64]}
-
-
 @pytest.mark.parametrize("size", [MAX_HEAD + 1, 40_800, 62_900, 128 << 10, 256 << 10])
 def test_a_head_over_the_cap_is_refused_in_any_chunking(server: ThreadServer, size: int) -> None:
     rng = random.Random(size)
-    data = _head(size)
+    data = oversized_head(TOKENS["alice"], size)
     assert len(data) >= size
-    for name, chunks in _chunkings(len(data), rng).items():
-        status = _status_after(server.port, data, chunks)
+    for name, chunks in head_chunkings(len(data), rng).items():
+        status = status_after(server.port, data, chunks)
         assert status in (400, None), f"{size} bytes, {name}: answered {status}"
 
 
 def test_a_head_over_the_cap_is_refused_byte_by_byte(server: ThreadServer) -> None:
-    data = _head(MAX_HEAD + 100)
-    assert _status_after(server.port, data, [1] * len(data)) in (400, None)
+    data = oversized_head(TOKENS["alice"], MAX_HEAD + 100)
+    assert status_after(server.port, data, [1] * len(data)) in (400, None)
 
 
 def test_a_head_under_the_cap_with_its_body_in_one_read_is_served(server: ThreadServer) -> None:
-    data = _head(MAX_HEAD - 200)
-    assert _status_after(server.port, data, [len(data)]) == 200
+    data = oversized_head(TOKENS["alice"], MAX_HEAD - 200)
+    assert status_after(server.port, data, [len(data)]) == 200
 
 
 def test_a_keep_alive_connection_without_a_token_is_closed_after_its_deadline(
