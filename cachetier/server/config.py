@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from cachetier.checks import positive_int
@@ -34,16 +32,11 @@ from cachetier.config import (
     env_values,
 )
 from cachetier.redact import redact_url, redacted_repr, url_secrets
+from cachetier.server.tenants_config import OPEN_TENANT, check_tenants, parse_tenants
 from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 
 MiB = 1 << 20
-OPEN_TENANT = "open"
-"""The tenant every request without a token acts as, in open mode only."""
-
-_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
-# RFC 6750 b64token characters; ':' and ',' stay free to separate the CACHETIER_TENANTS list.
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/-]+=*$")
-MIN_TOKEN_CHARS = 16
+__all__ = ["OPEN_TENANT", "ServerConfig", "load_config", "parse_tenants", "secrets_of"]
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -195,91 +188,17 @@ class ServerConfig:
         return redacted_repr(self)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0-65535, got {self.port!r}")
-        if self.transfer_port is not None and (
-            isinstance(self.transfer_port, bool)
-            or not isinstance(self.transfer_port, int)
-            or not 0 <= self.transfer_port <= 65535
-        ):
-            raise ValueError(f"transfer_port must be 0-65535 or None, got {self.transfer_port!r}")
-        if self.transfer_port is not None and self.transfer_port == self.port != 0:
-            raise ValueError(f"transfer_port and port are both {self.port}")
-        if self.transfer_socket is not None and not (
-            isinstance(self.transfer_socket, str) and 0 < len(self.transfer_socket.encode()) < 108
-        ):
-            raise ValueError(  # 108: sun_path's size on Linux, terminator included
-                f"transfer_socket must be a path of 1-107 bytes or None, "
-                f"got {self.transfer_socket!r}"
-            )
-        if not self.host:
-            raise ValueError("host must name an address, e.g. 127.0.0.1")
-        for name in (
-            "max_block_bytes",
-            "max_batch_bytes",
-            "max_batch_blocks",
-            "max_keys",
-            "transfer_connections",
-            "transfer_unauthenticated_connections",
-            "max_head_bytes",
-            "max_inflight_bytes",
-            "write_queue_bytes",
-            "max_tls_handshakes",
-        ):
-            positive_int(name, getattr(self, name))
-        for name in ("max_connections", "max_unauthenticated_connections"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        if (
-            self.max_connections is not None
-            and self.max_unauthenticated_connections is not None
-            and self.max_unauthenticated_connections > self.max_connections
-        ):
-            raise ValueError("max_unauthenticated_connections must be at most max_connections")
-        for name in (
-            "transfer_hello_timeout_s",
-            "head_timeout_s",
-            "body_timeout_s",
-            "idle_timeout_s",
-            "unauthenticated_timeout_s",
-            "tls_handshake_timeout_s",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.max_inflight_bytes < self.max_batch_bytes:
-            raise ValueError("max_inflight_bytes must be at least max_batch_bytes")
-        if self.disk_bytes < 0:
-            raise ValueError(
-                f"disk_bytes must be >= 0 (0 leaves the disk tier out), got {self.disk_bytes}"
-            )
-        if self.max_batch_bytes < self.max_block_bytes:
-            raise ValueError("max_batch_bytes must be at least max_block_bytes")
-        if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        _check_listeners(self)
+        _check_limits(self)
         for name in ("tls_cert", "tls_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a file path or None, got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both for TLS, or neither")
-        tenants, weights = _split_weights(self.tenants, self.tenant_weights)
-        object.__setattr__(self, "tenants", _frozen_tenants(tenants))
-        object.__setattr__(self, "tenant_weights", _checked_weights(weights, self.tenants))
-        rate = self.max_request_rate
-        if rate is not None and (
-            isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0
-        ):
-            raise ValueError(f"max_request_rate must be a positive number or None, got {rate!r}")
-        object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
-        for tenant in self.admin_tenants:
-            if tenant not in self.tenants:
-                raise ValueError(f"admin tenant {tenant!r} is not one of the configured tenants")
-        if not self.tenants and not self.open_mode:
-            raise ValueError(
-                "no tenants are configured: give tenants and their tokens (CACHETIER_TENANTS="
-                "'name:token,...' or a [tenants] table), or set open_mode for local development"
-            )
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        check_tenants(self)
         self.store_config()  # raises ValueError on bad sizes, compression or no tier at all
         if self.redis_url:
             from cachetier.tiers.redis import RedisTierConfig
@@ -345,93 +264,6 @@ def secrets_of(config: ServerConfig) -> list[str]:
     """
     tokens = [token for tokens in config.tenants.values() for token in tokens]
     return tokens + url_secrets(config.redis_url)
-
-
-def _split_weights(
-    tenants: Mapping[str, Any], weights: Mapping[str, Any]
-) -> tuple[Mapping[str, Any], dict[str, Any]]:
-    """Tokens and weights apart, from a tenants table whose entries may be tables
-    (``{tokens = [...], weight = 2}``) beside ``tenant_weights``."""
-    if not isinstance(tenants, Mapping) or not isinstance(weights, Mapping):
-        return tenants, dict(weights)  # _frozen_tenants and _checked_weights say what is wrong
-    out_weights = dict(weights)
-    out: dict[str, Any] = {}
-    for tenant, entry in tenants.items():
-        if isinstance(entry, Mapping):
-            unknown = sorted(set(entry) - {"tokens", "weight"})
-            if unknown:
-                raise ValueError(
-                    f"tenant {tenant!r} has unknown keys {unknown}; known: tokens, weight"
-                )
-            if "weight" in entry:
-                out_weights[tenant] = entry["weight"]
-            entry = entry.get("tokens", ())
-        out[tenant] = entry
-    return out, out_weights
-
-
-def _checked_weights(weights: Mapping[str, Any], tenants: Mapping[str, Any]) -> Mapping[str, float]:
-    out: dict[str, float] = {}
-    for tenant, weight in weights.items():
-        if tenant not in tenants and tenant != OPEN_TENANT:
-            raise ValueError(f"tenant_weights names {tenant!r}, which is not a configured tenant")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(
-                f"the weight of tenant {tenant!r} must be a positive number, got {weight!r}"
-            )
-        out[tenant] = float(weight)
-    return MappingProxyType(out)
-
-
-def _frozen_tenants(tenants: Mapping[str, Any]) -> Mapping[str, tuple[str, ...]]:
-    if not isinstance(tenants, Mapping):
-        raise TypeError(f"tenants must map tenant names to tokens, got {type(tenants).__name__}")
-    owner: dict[str, str] = {}
-    out: dict[str, tuple[str, ...]] = {}
-    for tenant, tokens in tenants.items():
-        if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
-            raise ValueError(
-                f"tenant name {tenant!r} must be 1-32 characters of [A-Za-z0-9_-] starting with "
-                "a letter or digit"
-            )
-        if tenant == OPEN_TENANT:
-            raise ValueError(f"tenant name {OPEN_TENANT!r} is reserved for open mode")
-        tokens = (tokens,) if isinstance(tokens, str) else tuple(tokens)
-        if not tokens:
-            raise ValueError(f"tenant {tenant!r} has no token")
-        for token in tokens:
-            if not isinstance(token, str) or not _TOKEN_RE.match(token):
-                raise ValueError(
-                    f"a token of tenant {tenant!r} has characters a bearer token cannot have"
-                )
-            if len(token) < MIN_TOKEN_CHARS:
-                raise ValueError(
-                    f"a token of tenant {tenant!r} has {len(token)} characters; use at least"
-                    f" {MIN_TOKEN_CHARS} (python -c 'import secrets; print(secrets.token_hex())')"
-                )
-            if owner.setdefault(token, tenant) != tenant:
-                raise ValueError(f"one token is given to tenants {owner[token]!r} and {tenant!r}")
-        out[tenant] = tokens
-    return MappingProxyType(out)
-
-
-def parse_tenants(text: str) -> dict[str, list[str]]:
-    """Parse ``"alice:<token>,bob:<token>,alice:<second token>"``.
-
-    Args:
-        text: comma-separated ``tenant:token`` pairs.
-
-    Returns:
-        tenant -> tokens.
-    """
-    out: dict[str, list[str]] = {}
-    for n, item in enumerate(filter(None, (part.strip() for part in text.split(","))), 1):
-        tenant, sep, token = item.partition(":")
-        if not sep or not tenant or not token:
-            # Not the entry itself: without its ':' it may be a whole token.
-            raise ValueError(f"{ENV_PREFIX}TENANTS entry {n} is not 'tenant:token'")
-        out.setdefault(tenant.strip(), []).append(token.strip())
-    return out
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -503,3 +335,77 @@ def load_config(
     if "admin_tenants" in values:
         values["admin_tenants"] = tuple(values["admin_tenants"])
     return ServerConfig(**values)
+
+
+def _check_listeners(config: ServerConfig) -> None:
+    """The addresses: ports, the transfer socket's path, the host."""
+    if not isinstance(config.port, int) or not 0 <= config.port <= 65535:
+        raise ValueError(f"port must be 0-65535, got {config.port!r}")
+    port = config.transfer_port
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
+    ):
+        raise ValueError(f"transfer_port must be 0-65535 or None, got {port!r}")
+    if port is not None and port == config.port != 0:
+        raise ValueError(f"transfer_port and port are both {config.port}")
+    path = config.transfer_socket
+    if path is not None and not (isinstance(path, str) and 0 < len(path.encode()) < 108):
+        raise ValueError(  # 108: sun_path's size on Linux, terminator included
+            f"transfer_socket must be a path of 1-107 bytes or None, got {path!r}"
+        )
+    if not config.host:
+        raise ValueError("host must name an address, e.g. 127.0.0.1")
+
+
+_POSITIVE_INTS = (
+    "max_block_bytes",
+    "max_batch_bytes",
+    "max_batch_blocks",
+    "max_keys",
+    "transfer_connections",
+    "transfer_unauthenticated_connections",
+    "max_head_bytes",
+    "max_inflight_bytes",
+    "write_queue_bytes",
+    "max_tls_handshakes",
+)
+_POSITIVE_SECONDS = (
+    "transfer_hello_timeout_s",
+    "head_timeout_s",
+    "body_timeout_s",
+    "idle_timeout_s",
+    "unauthenticated_timeout_s",
+    "tls_handshake_timeout_s",
+)
+
+
+def _check_limits(config: ServerConfig) -> None:
+    """Sizes, counts, caps and deadlines, and how they must relate."""
+    for name in _POSITIVE_INTS:
+        positive_int(name, getattr(config, name))
+    for name in ("max_connections", "max_unauthenticated_connections"):
+        if getattr(config, name) is not None:
+            positive_int(name, getattr(config, name))
+    if (
+        config.max_connections is not None
+        and config.max_unauthenticated_connections is not None
+        and config.max_unauthenticated_connections > config.max_connections
+    ):
+        raise ValueError("max_unauthenticated_connections must be at most max_connections")
+    for name in _POSITIVE_SECONDS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if config.max_inflight_bytes < config.max_batch_bytes:
+        raise ValueError("max_inflight_bytes must be at least max_batch_bytes")
+    if config.disk_bytes < 0:
+        raise ValueError(
+            f"disk_bytes must be >= 0 (0 leaves the disk tier out), got {config.disk_bytes}"
+        )
+    if config.max_batch_bytes < config.max_block_bytes:
+        raise ValueError("max_batch_bytes must be at least max_block_bytes")
+    rate = config.max_request_rate
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0
+    ):
+        raise ValueError(f"max_request_rate must be a positive number or None, got {rate!r}")
