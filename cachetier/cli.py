@@ -67,6 +67,20 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="PEM certificate chain: serve HTTPS, and TLS on the transfer port (default: off)",
     )
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    _add_deadline_flags(p)
+    p.add_argument(
+        "--open",
+        action="store_true",
+        default=None,
+        dest="open_mode",
+        help="accept requests without a token (local development only)",
+    )
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=run_serve)
+
+
+def _add_deadline_flags(p: argparse.ArgumentParser) -> None:
+    """``cachetier serve``'s deadlines and the transfer port's budget before a hello."""
     p.add_argument(
         "--head-timeout-s",
         type=float,
@@ -92,15 +106,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="transfer connections held before their hello; a new one drops the oldest (default 8)",
     )
-    p.add_argument(
-        "--open",
-        action="store_true",
-        default=None,
-        dest="open_mode",
-        help="accept requests without a token (local development only)",
-    )
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -152,23 +152,7 @@ class LLMEngine:
         )
         # Owned here (the config names a file, not an object): close() closes it.
         self.events = EventLog(config.event_log) if config.event_log is not None else None
-        # The engine's measured prefill speed, weighed against the store's measured tier speeds
-        # for every tier hit (``kv_load_policy="always"`` loads without asking).
-        self.prefill_model = PrefillModel()
-        for num_tokens, seconds in warm_up:
-            self.prefill_model.observe(
-                num_tokens, PrefillModel.attention_work(num_tokens, 0), seconds
-            )
-        self.cost_model = (
-            CostModel(
-                store.rates,
-                self.prefill_model,
-                copy=self.copy_rate,
-                enabled=config.kv_load_policy == "cost",
-            )
-            if store is not None
-            else None
-        )
+        self.prefill_model, self.cost_model = _cost_model(config, store, warm_up, self.copy_rate)
         self.scheduler = Scheduler(
             config, self.namespace, self.blocks, self.bridge, self.events, self.cost_model
         )
@@ -377,3 +361,21 @@ class LLMEngine:
                 "copy": self.copy_rate.snapshot(),
             }
         return out
+
+
+def _cost_model(
+    config: EngineConfig,
+    store: TieredStore | None,
+    warm_up: list[tuple[int, float]],
+    copy_rate: CopyRate,
+) -> tuple[PrefillModel, CostModel | None]:
+    """The engine's measured prefill speed (seeded by the warm-up's forwards), weighed against
+    the store's measured tier speeds for every tier hit (``kv_load_policy="always"`` loads
+    without asking); no cost model without tiers."""
+    prefill = PrefillModel()
+    for num_tokens, seconds in warm_up:
+        prefill.observe(num_tokens, PrefillModel.attention_work(num_tokens, 0), seconds)
+    if store is None:
+        return prefill, None
+    cost = CostModel(store.rates, prefill, copy=copy_rate, enabled=config.kv_load_policy == "cost")
+    return prefill, cost

@@ -64,10 +64,8 @@ class Scheduler:
         # the same cores as the forward: both at once took longer than one after the other in
         # benchmarks/bench_overlap.py), on a GPU every tier (the reads are the host's work, the
         # forward the device's). The plan counts such a read as hidden behind the head only
-        # where it is slower than computing the same tokens (``CostModel.plan``). Measured on an
-        # H200 with SmolLM2-135M, a GPU gained nothing either (both at once 82 ms, apart 43 +
-        # 37): so small a model's forward is host work, launches from Python. A forward that
-        # keeps the device busy leaves the host free for the reads; not measured yet.
+        # where it is slower than computing the same tokens (``CostModel.plan``). A small
+        # model's GPU forward is host work too (launches from Python); see docs/engines.md.
         on_cpu = bridge is None or bridge.pool.cache.device.type == "cpu"
         tiers = bridge.store.tiers if bridge is not None else ()
         self.background_tiers = frozenset(t.name for t in tiers if t.over_network or not on_cpu)
@@ -172,19 +170,7 @@ class Scheduler:
         first = seq.num_preemptions == 0
         if first:
             seq.add_time("queue_s", start - seq.arrival_s)
-        pool_ids: list[int] = []
-        keys = []
-        hit: PrefixHit | None = None
-        plan: LoadPlan | None = None
-        if self.config.enable_prefix_caching:
-            # At least one token must be computed to get logits, so a prompt that is all full
-            # blocks leaves its last block to be recomputed.
-            keys = seq.block_keys[: (seq.num_tokens - 1) // bs]
-            pool_ids = self.blocks.match_prefix(keys)
-            if self.bridge is not None:
-                hit = self.bridge.lookup(self._records(seq, len(pool_ids), len(keys)))
-                plan = self._plan(seq, hit, len(pool_ids) * bs)
-                seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
+        keys, pool_ids, hit, plan = self._look_up(seq)
         # Hit blocks [load_start, load_end) come from the tiers; those before load_start are
         # recomputed first (the plan found that cheaper), then the sequence skips over the
         # loaded ones.
@@ -226,16 +212,9 @@ class Scheduler:
                 )
                 pending = True
             else:
-                # Every key asked for is inside the hit just looked up: not looked up again.
-                restored = self.bridge.restore(tier_records, tier_ids, hit)
-                sources = restored.sources
-                restore_s = restored.read_s + restored.copy_s
-                if first:
-                    seq.add_time("restore_read_s", restored.read_s)
-                    seq.add_time("restore_copy_s", restored.copy_s)
-                for i, (key, block_id) in enumerate(zip(tier_keys, tier_ids[: len(sources)])):
-                    records = self._block_records(seq, base + load_start + i)
-                    self.blocks.register(block_id, key, stored=True, record_keys=records)
+                sources, restore_s = self._restore_now(
+                    seq, tier_keys, tier_ids, hit, base + load_start, first
+                )
         if load_start:
             seq.num_computed_tokens = len(pool_ids) * bs
             # While a read is pending the whole tail is expected; ``_finish_restore`` cuts the
@@ -252,16 +231,63 @@ class Scheduler:
                 cached = seq.num_computed_tokens
                 num_new = min(seq.num_tokens - cached, budget, len(seq.block_table) * bs - cached)
         if first:
-            if plan is not None:
-                if plan.num_hit_blocks:
-                    self.num_plans_by_choice[plan.choice] += 1
-                seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * bs
-                self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
-                seq.est_saved_s = plan.est_saved_s
-                seq.load_plan = plan
+            self._note_plan(seq, plan)
             if not pending:
                 self._account_hit(seq, keys, len(pool_ids), sources, restore_s)
         return num_new
+
+    def _look_up(
+        self, seq: Sequence
+    ) -> tuple[list[BlockHash], list[int], PrefixHit | None, LoadPlan | None]:
+        """The sequence's full-block keys, the pool's blocks of its leading ones, the tiers'
+        hit after them and the plan of what to load of it."""
+        if not self.config.enable_prefix_caching:
+            return [], [], None, None
+        # At least one token must be computed to get logits, so a prompt that is all full
+        # blocks leaves its last block to be recomputed.
+        keys = seq.block_keys[: (seq.num_tokens - 1) // self.block_size]
+        pool_ids = self.blocks.match_prefix(keys)
+        if self.bridge is None:
+            return keys, pool_ids, None, None
+        hit = self.bridge.lookup(self._records(seq, len(pool_ids), len(keys)))
+        plan = self._plan(seq, hit, len(pool_ids) * self.block_size)
+        seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
+        return keys, pool_ids, hit, plan
+
+    def _restore_now(
+        self,
+        seq: Sequence,
+        keys: list[BlockHash],
+        block_ids: list[int],
+        hit: PrefixHit | None,
+        first_index: int,
+        first: bool,
+    ) -> tuple[list[str], float]:
+        """Read hit blocks into ``block_ids`` now and index the ones that arrived; their
+        source tiers and the seconds it took."""
+        assert self.bridge is not None, "a restore without tiers"
+        records = self._records(seq, first_index, first_index + len(keys))
+        # Every key asked for is inside the hit just looked up: not looked up again.
+        restored = self.bridge.restore(records, block_ids, hit)
+        sources = restored.sources
+        if first:
+            seq.add_time("restore_read_s", restored.read_s)
+            seq.add_time("restore_copy_s", restored.copy_s)
+        for i, (key, block_id) in enumerate(zip(keys, block_ids[: len(sources)])):
+            record_keys = self._block_records(seq, first_index + i)
+            self.blocks.register(block_id, key, stored=True, record_keys=record_keys)
+        return sources, restored.read_s + restored.copy_s
+
+    def _note_plan(self, seq: Sequence, plan: LoadPlan | None) -> None:
+        """Count a request's load plan, at its first admission."""
+        if plan is None:
+            return
+        if plan.num_hit_blocks:
+            self.num_plans_by_choice[plan.choice] += 1
+        seq.num_recomputed_hit_tokens = plan.num_recompute_blocks * self.block_size
+        self.num_recomputed_hit_tokens += seq.num_recomputed_hit_tokens
+        seq.est_saved_s = plan.est_saved_s
+        seq.load_plan = plan
 
     def _reads_in_background(self, hit: PrefixHit | None, first: int) -> bool:
         """Whether every tier holding the hit's blocks from ``first`` on (an index into the
