@@ -65,7 +65,7 @@ class Scheduler:
         # benchmarks/bench_overlap.py), on a GPU every tier (the reads are the host's work, the
         # forward the device's). The plan counts such a read as hidden behind the head only
         # where it is slower than computing the same tokens (``CostModel.plan``). A small
-        # model's GPU forward is host work too (launches from Python); see docs/engines.md.
+        # model's GPU forward is host work too (launches from Python), so it gains less.
         on_cpu = bridge is None or bridge.pool.cache.device.type == "cpu"
         tiers = bridge.store.tiers if bridge is not None else ()
         self.background_tiers = frozenset(t.name for t in tiers if t.over_network or not on_cpu)
