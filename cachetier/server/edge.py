@@ -11,6 +11,7 @@ guarded HTTP protocol (``httpserver``) reads nothing of a body until the app ask
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from fastapi import HTTPException
@@ -21,7 +22,7 @@ from cachetier.server.auth import TENANT_HEADER, AuthFailure, auth_error
 from cachetier.server.body_limit import BodyRefused
 from cachetier.server.budget import ByteBudget
 from cachetier.server.config import ServerConfig
-from cachetier.server.fairness import UPLOAD_RETRY_S, busy_message, retry_after_header
+from cachetier.server.fairness import MAX_HOLD_S, UPLOAD_RETRY_S, busy_message, retry_after_header
 from cachetier.server.schemas import api_error
 from cachetier.server.service import BlockService
 
@@ -136,6 +137,9 @@ class AuthEdge:
         wait_s = shares.admit(tenant)
         if wait_s is not None:
             message = f"tenant {tenant} is past its share of the server's request rate"
+            # Answered once its wait is (mostly) over: a client past its rate that asks again
+            # at once would otherwise spend the CPU the other tenants need on 429s.
+            await asyncio.sleep(min(wait_s, MAX_HOLD_S))
             await error_answer(over_share(message, wait_s))(scope, receive, send)
             return
         nbytes = _declared_upload(scope)

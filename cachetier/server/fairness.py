@@ -31,6 +31,10 @@ from cachetier.server.config import OPEN_TENANT, ServerConfig
 BURST_S = 1.0  # a full bucket holds this many seconds of its tenant's rate
 ACTIVE_WINDOW_S = 30.0  # a tenant that held upload bytes this recently keeps its share free
 UPLOAD_RETRY_S = 1.0  # the wait a refused upload is told (uploads end at no known time)
+MAX_HOLD_S = 1.0
+"""Longest a request past its tenant's rate is held before its answer (HTTP) or before its
+connection is read again (transfer port): a client that asks again at once would otherwise
+make the server spend on refusals the CPU the other tenants need."""
 
 
 @dataclass(frozen=True, slots=True)

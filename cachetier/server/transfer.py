@@ -319,6 +319,8 @@ class TransferServer:
                     io.send([error_reply(refused.status, refused.message)])
                     if refused.close:
                         return
+                    if refused.hold_s > 0 and self._stopping.wait(refused.hold_s):
+                        return
                 deadline.stop()
         except Refused as refused:  # at hello
             _send_quietly(io, error_reply(refused.status, refused.message))

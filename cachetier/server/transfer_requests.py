@@ -23,7 +23,7 @@ from cachetier.protocol.transfer_frames import KEY_BYTES, LENGTH, REPLY, Op, Sta
 from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record
 from cachetier.server.auth import Scope
 from cachetier.server.budget import Hold
-from cachetier.server.fairness import UPLOAD_RETRY_S, busy_message
+from cachetier.server.fairness import MAX_HOLD_S, UPLOAD_RETRY_S, busy_message
 from cachetier.server.service import BlockService
 from cachetier.server.watchdog import Deadline
 
@@ -35,13 +35,20 @@ class Refused(Exception):
         status: the reply's status.
         message: the reply's message.
         close: whether the server closes the connection after the reply.
+        hold_s: how long the connection is not read again after the reply: a tenant past its
+            request rate waits out its turn on the connection's thread instead of making the
+            server answer ``BUSY`` as fast as it can ask (each answer is the server's CPU,
+            which the other tenants need).
     """
 
-    def __init__(self, status: Status, message: str, *, close: bool = True) -> None:
+    def __init__(
+        self, status: Status, message: str, *, close: bool = True, hold_s: float = 0.0
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.close = close
+        self.hold_s = hold_s
 
 
 class TransferRequests:
@@ -193,7 +200,9 @@ class TransferRequests:
 
 def _over_rate(tenant: str, wait_s: float) -> Refused:
     what = f"tenant {tenant} is past its share of the server's request rate"
-    return Refused(Status.BUSY, busy_message(what, wait_s), close=False)
+    return Refused(
+        Status.BUSY, busy_message(what, wait_s), close=False, hold_s=min(wait_s, MAX_HOLD_S)
+    )
 
 
 def _no_room(nbytes: int, held: Hold) -> str:

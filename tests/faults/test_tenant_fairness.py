@@ -6,7 +6,8 @@ backs off without opening its breaker. Real servers, real sockets.
 Figures: ``tenant_slot_starvation`` (gets and puts of a fresh client of one tenant that failed
 while another held every transfer connection it could; any one also fails its test) and
 ``noisy_tenant_victim_p99_ratio`` (a tenant's p99 latency while another floods requests, over
-its p99 alone; recorded, not asserted: it is a timing on a shared machine).
+its p99 alone, against a ``cachetier serve`` process of its own; recorded, not asserted: it is
+a timing on a shared machine; ``benchmarks/bench_faults.py`` checks it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from cachetier.keys import Namespace
 from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from tests.faults.flood_server import FloodServer
 from tests.server.live import TOKENS, ThreadServer, call, test_config
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -42,7 +44,7 @@ def transfer_port(server: ThreadServer) -> int:
     return port
 
 
-def http_port(server: ThreadServer) -> int:
+def http_port(server: ThreadServer | FloodServer) -> int:
     return int(server.url.rsplit(":", 1)[1])
 
 
@@ -120,7 +122,7 @@ class Flood:
     """Alice sends requests as fast as she can, over HTTP and the transfer port, for a while;
     counts what she is answered."""
 
-    def __init__(self, server: ThreadServer, port: int) -> None:
+    def __init__(self, server: ThreadServer | FloodServer, port: int) -> None:
         self.server = server
         self.port = port
         self.stop = threading.Event()
@@ -189,7 +191,7 @@ def _read(sock: socket.socket, nbytes: int) -> bytes:
     return out
 
 
-def victim_latencies(server: ThreadServer, port: int) -> tuple[list[float], int]:
+def victim_latencies(server: ThreadServer | FloodServer, port: int) -> tuple[list[float], int]:
     """Bob's lookups, one at a time at about his share's pace: their latencies (s) and how
     many were not answered 200."""
     body = json.dumps({"keys": ["11" * 32]}).encode()
@@ -213,11 +215,11 @@ def victim_latencies(server: ThreadServer, port: int) -> tuple[list[float], int]
 def test_a_flooding_tenant_is_refused_while_the_other_is_served(
     tmp_path: Path, fault_figures
 ) -> None:
-    # 300 requests/s shared by alice, bob and ops: 100/s guaranteed to each.
-    config = test_config(tmp_path / "srv", transfer_port=0, max_request_rate=300.0)
-    server = ThreadServer(config).start()
+    # 300 requests/s shared by alice, bob and ops: 100/s guaranteed to each. The server is a
+    # process of its own: alice's flood and bob's requests are real clients on loopback.
+    server = FloodServer(tmp_path, settings={"max_request_rate": 300.0}).start()
     try:
-        port = transfer_port(server)
+        port = server.transfer_port
         alone, failed_alone = victim_latencies(server, port)
         with Flood(server, port) as flood:
             time.sleep(0.3)  # the flood has spent alice's burst and the spare tokens
