@@ -2,10 +2,15 @@
 
 No Docker engine runs here, so each service's own command, environment and healthcheck are
 taken from the file and translated the way a container network would resolve them: a service
-name and container port (``sidecar:8470``) become ``127.0.0.1:<free port>``, ``0.0.0.0``
+name and container port (``sidecar:8470``) become ``127.0.0.1:<its port>``, ``0.0.0.0``
 becomes ``127.0.0.1``, a named volume's mount point becomes a temporary folder, and the
 executables (``python``, ``cachetier``, ``redis-server``) are this machine's. Nothing else is
 changed, so a wrong flag, variable or path in the compose file fails here.
+
+No port is reserved ahead: services start in order, each on a port of its own bind (ours on
+``--port 0`` with a ports file, Redis on a random port tried again while its bind finds it
+taken), and a service's references to the others are translated when it starts. A restarted
+service asks for the port it had.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from tests.support import free_port, wait_ports_file
+from tests.support import start_on_a_free_port, wait_ports_file
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -37,6 +42,9 @@ CONTAINER_PORTS = {
     "grafana": 3000,
 }
 PORT_SLOT = "{port}"  # in a healthcheck of a service with a ports file: its port
+# Services that write a ports file (``--port 0 --ports-file``) and the one that logs its bind.
+_PORTS_FILE_SERVICES = ("sidecar", "engine")
+_REDIS = "redis"
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -71,15 +79,33 @@ class LocalService:
     log_path: Path
     process: subprocess.Popen | None = field(default=None, repr=False)
     ports_file: Path | None = None
+    # Of a compose stack: every started service's port by name, shared by the stack's services
+    # (their argv, environment and healthcheck name the others as ``name:container port``);
+    # ``None`` for a service built by hand.
+    stack_ports: dict[str, int] | None = None
 
     def start(self) -> None:
         if self.ports_file is not None:
             self.ports_file.unlink(missing_ok=True)  # a restart's file is a new one
+        argv, env = self.argv, self.env
+        if self.stack_ports is not None:
+            argv = [_resolve(a, self.stack_ports) for a in argv]
+            env = {k: _resolve(v, self.stack_ports) for k, v in env.items()}
+        if self.stack_ports is not None and self.name == _REDIS and not self.port:
+            # Redis cannot say which port a bind to 0 got: its own bind decides, retried.
+            self.port, self.process = start_on_a_free_port(
+                lambda port: self._popen(_with_port(argv, port), env), self.log_path
+            )
+            self.stack_ports[self.name] = self.port
+            return
+        self.process = self._popen(_with_port(argv, self.port), env)
+
+    def _popen(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it while it runs
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-        )
-        log.close()
+        try:
+            return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        finally:
+            log.close()
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Run the service's own healthcheck until it passes (or the process dies)."""
@@ -90,7 +116,9 @@ class LocalService:
                 self.port = wait_ports_file(self.ports_file, self.process, timeout_s)["http"]
             except RuntimeError as exc:
                 raise RuntimeError(f"{self.name}: {exc}: {self.log()}") from None
-            check = check and [a.replace(PORT_SLOT, str(self.port)) for a in check]
+            if self.stack_ports is not None:
+                self.stack_ports[self.name] = self.port
+        check = check and [a.replace(PORT_SLOT, str(self.port)) for a in check]
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 code = self.process.returncode
@@ -144,12 +172,10 @@ def local_services(
         base_env: the environment every process starts from (a container's is nearly empty;
             ours keeps PATH and HOME so that Python and the venv work).
     """
-    ports = {name: free_port() for name in CONTAINER_PORTS}
+    ports: dict[str, int] = {}  # filled as the services start
     volume_dirs = {name: work_dir / "volumes" / name for name in compose.get("volumes", {})}
 
     def translate(text: str, mounts: dict[str, Path]) -> str:
-        for name, port in CONTAINER_PORTS.items():
-            text = text.replace(f"{name}:{port}", f"127.0.0.1:{ports[name]}")
         text = text.replace("0.0.0.0", "127.0.0.1")
         for target, local in mounts.items():
             if text == target or text.startswith(target + "/"):
@@ -166,12 +192,18 @@ def local_services(
             local.mkdir(parents=True, exist_ok=True) if source in volume_dirs else None
             mounts[target] = local
         argv = [translate(str(a), mounts) for a in spec["command"]]
-        port_flag = [i for i, a in enumerate(argv) if a == "--port"]
-        for i in port_flag:
+        if name not in (*_PORTS_FILE_SERVICES, _REDIS):
+            raise ValueError(f"{name}: no way to learn the port it binds here")
+        for i in [i for i, a in enumerate(argv) if a == "--port"]:
             if argv[i + 1] == str(CONTAINER_PORTS[name]):
-                argv[i + 1] = str(ports[name])
+                # Ours: 0 on a first start (the ports file says which), then the one it had;
+                # Redis: the port tried, then the one it had.
+                argv[i + 1] = PORT_SLOT
         for i in [i for i, a in enumerate(argv) if a == "--transfer-port"]:
             argv[i + 1] = "0"  # internal to the container network: any port; /v1/limits names it
+        ports_file = work_dir / f"{name}.ports.json" if name in _PORTS_FILE_SERVICES else None
+        if ports_file is not None:
+            argv += ["--ports-file", str(ports_file)]
         argv[0] = _executable(argv[0])
         env = dict(base_env)
         env.update({k: translate(str(v), mounts) for k, v in spec.get("environment", {}).items()})
@@ -180,14 +212,28 @@ def local_services(
         if check:
             assert check[0] == "CMD", f"{name}: healthcheck must be an exec-form CMD"
             health = [translate(str(a), mounts) for a in check[1:]]
-            health = [str(ports[name]) if a == str(CONTAINER_PORTS[name]) else a for a in health]
+            health = [PORT_SLOT if a == str(CONTAINER_PORTS[name]) else a for a in health]
             health = [
-                a.replace(f"127.0.0.1:{CONTAINER_PORTS[name]}", f"127.0.0.1:{ports[name]}")
+                a.replace(f"127.0.0.1:{CONTAINER_PORTS[name]}", f"127.0.0.1:{PORT_SLOT}")
                 for a in health
             ]
             health[0] = _executable(health[0])
-        out[name] = LocalService(name, argv, env, health, ports[name], work_dir / f"{name}.log")
+        log = work_dir / f"{name}.log"
+        out[name] = LocalService(
+            name, argv, env, health, 0, log, ports_file=ports_file, stack_ports=ports
+        )
     return out
+
+
+def _with_port(argv: list[str], port: int) -> list[str]:
+    return [str(port) if a == PORT_SLOT else a for a in argv]
+
+
+def _resolve(text: str, ports: Mapping[str, int]) -> str:
+    """``name:container port`` of every started service as ``127.0.0.1:<its port>``."""
+    for name, port in ports.items():
+        text = text.replace(f"{name}:{CONTAINER_PORTS[name]}", f"127.0.0.1:{port}")
+    return text
 
 
 def base_environment() -> dict[str, str]:

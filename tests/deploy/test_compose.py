@@ -185,11 +185,12 @@ def test_the_stack_serves_cached_tokens_after_an_engine_restart(
         "max_tokens": 8,
         "temperature": 0,
     }
-    url = f"http://127.0.0.1:{engine.port}/v1/chat/completions"
     try:
         for name in ("redis", "sidecar", "engine"):
             services[name].start()
             services[name].wait_healthy(timeout_s=300 if name == "engine" else 60)
+        # Known once it started: its own bind chose it (a restart asks for it again).
+        url = f"http://127.0.0.1:{engine.port}/v1/chat/completions"
         cold = _post(url, question)
         assert engine.stop() == 0, engine.log()  # SIGTERM: flushes its tiers to the sidecar
         engine.start()

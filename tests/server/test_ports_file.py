@@ -97,11 +97,6 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [path]
 
 
-# The compose stack translates each service's container port to a local one before any starts
-# (the engine's environment names the sidecar's); it still reserves them (issue 51, item 6).
-STILL_RESERVING = ["tests/deploy/local_stack.py"]
-
-
 def test_no_test_reserves_a_port_by_binding_and_closing_it() -> None:
     # tests.support.free_port stays for benchmarks/ only: a port closed again is anyone's to take.
     callers = [
@@ -109,4 +104,4 @@ def test_no_test_reserves_a_port_by_binding_and_closing_it() -> None:
         for path in sorted((ROOT / "tests").rglob("*.py"))
         if path.name != "support.py" and re.search(r"\bfree_port\(", path.read_text())
     ]
-    assert callers == STILL_RESERVING
+    assert callers == []
