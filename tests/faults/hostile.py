@@ -53,6 +53,11 @@ def max_figure(figures: FaultFigures, name: str, value: float) -> None:
     figures.set(name, max(figures.values.get(name, 0), value))
 
 
+def min_figure(figures: FaultFigures, name: str, value: float) -> None:
+    """Keep the smallest value any test reported under ``name``."""
+    figures.set(name, min(figures.values.get(name, value), value))
+
+
 def metric(server: ThreadServer, name: str) -> float:
     """One sample of the server's Prometheus metrics (read as the admin tenant), 0 if absent."""
     status, _, body = call(server.url, "GET", "/metrics", token=TOKENS["ops"])

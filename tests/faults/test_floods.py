@@ -41,6 +41,7 @@ from tests.faults.flood_server import (
     transfer_serves,
     wait_until,
 )
+from tests.faults.hostile import max_figure, min_figure
 from tests.server.live import TOKENS
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -63,16 +64,6 @@ HANDSHAKE_ROUNDS = 2
 RETAIN_WAIT_S = 60.0  # after the last round, before the retained memory is read
 RSS_GROWTH_MAX_MIB = 256
 RSS_RETAINED_MAX_MIB = 32
-
-
-def min_figure(figures: FaultFigures, name: str, value: float) -> None:
-    """Keep the smallest value any test reported under ``name``."""
-    figures.set(name, min(figures.values.get(name, value), value))
-
-
-def max_figure(figures: FaultFigures, name: str, value: float) -> None:
-    """Keep the largest value any test reported under ``name``."""
-    figures.set(name, max(figures.values.get(name, value), value))
 
 
 @pytest.fixture
