@@ -22,6 +22,7 @@ Figures (``tests/faults/conftest.py``): ``fd_flood_listeners_dead`` (summed over
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -59,7 +60,10 @@ CAPS_OVER_LIMIT = {
     "max_unauthenticated_connections": 4 * NOFILE,
     "max_tls_handshakes": 4 * NOFILE,
 }
-HANDSHAKE_FLOOD = 3000  # unfinished TLS handshakes opened per round
+# Unfinished TLS handshakes opened per round: 3,000 in the suite (about a minute);
+# CACHETIER_HANDSHAKE_FLOOD sets another count for a one-off measurement (the 20,000
+# needs this process's own RLIMIT_NOFILE above it).
+HANDSHAKE_FLOOD = int(os.environ.get("CACHETIER_HANDSHAKE_FLOOD", "3000"))
 HANDSHAKE_ROUNDS = 2
 RETAIN_WAIT_S = 60.0  # after the last round, before the retained memory is read
 RSS_GROWTH_MAX_MIB = 256
