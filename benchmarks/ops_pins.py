@@ -74,7 +74,7 @@ def _num_restored(tier: RemoteTier, namespace: Namespace, blocks: list[KVBlock])
 
 def flood_pinned_chain(
     url: str,
-    restart: Callable[[], None] | None,
+    restart: Callable[[], str | None] | None,
     *,
     capacity_bytes: int,
     chain_blocks: int = 8,
@@ -85,7 +85,8 @@ def flood_pinned_chain(
 
     Args:
         url: the sidecar's base URL (tenants and tokens of ``tests.server.live.TOKENS``).
-        restart: restarts the sidecar on the same data folder, or ``None`` for no restart.
+        restart: restarts the sidecar on the same data folder, or ``None`` for no restart; it
+            returns the restarted sidecar's URL where that changed (``None``: the same).
         capacity_bytes: the sidecar's CPU and disk capacity together.
         chain_blocks: blocks of the pinned chain (and of the unpinned baseline).
         flood_factor: the flood is this many times ``capacity_bytes``.
@@ -122,7 +123,7 @@ def flood_pinned_chain(
     finally:
         tier.close()
     if restart is not None:
-        restart()
+        url = restart() or url
     tier = RemoteTier(RemoteTierConfig(url=url, token=token, timeout_s=60))
     try:
         restored = _num_restored(tier, namespace, pinned)
@@ -168,8 +169,8 @@ def measure_pins() -> dict[str, Any]:
 
 def flood_then_switch_pods(config: ServerConfig, other_data_dir: Path) -> dict[str, Any]:
     """``flood_pinned_chain`` on a sidecar with CPU, disk and Redis tiers; then, in place of a
-    restart, another sidecar on the same port and Redis but with ``other_data_dir`` (its CPU and
-    disk tiers empty, no pin file) serves the read back.
+    restart, another sidecar on the same Redis but with ``other_data_dir`` (its CPU and disk
+    tiers empty, no pin file) serves the read back, on a port of its own.
 
     Args:
         config: the first sidecar's settings (``redis_url`` and ``redis_bytes`` set).
@@ -182,9 +183,9 @@ def flood_then_switch_pods(config: ServerConfig, other_data_dir: Path) -> dict[s
     first = ThreadServer(config).start()
     second = ThreadServer(replace(config, data_dir=str(other_data_dir)))
 
-    def switch_pods() -> None:
+    def switch_pods() -> str:
         first.stop()
-        second.start()
+        return second.start().url
 
     try:
         capacity = config.cpu_bytes + config.disk_bytes + config.redis_bytes

@@ -201,6 +201,10 @@ def test_raw_bodies_to_the_binary_endpoints(tally: Tally, server: ThreadServer) 
     pool = make_blocks(FUZZ_NS, 4, seed=4)
     pool.append(forged(pool[0], OTHER_NS.fingerprint))
     right_type = {"one": RECORD_MEDIA_TYPE, "batch": BATCH_MEDIA_TYPE}
+    # Every record accepted under a key, across examples: a tier keeps the first it holds and
+    # skips later puts of the key (a key names its tokens' KV), so a forged but well-formed
+    # record put after another under the same key is not what comes back.
+    accepted: dict[tuple[str, bytes], set[bytes]] = {}
 
     @fuzz_settings(800)
     @given(
@@ -256,18 +260,16 @@ def test_raw_bodies_to_the_binary_endpoints(tally: Tally, server: ThreadServer) 
         else:
             assert status == expected, answer
         if status == 200:
-            # What was accepted is served back exactly as it decodes, under its own key (the
-            # last record of a key, when a batch holds two).
-            last = {decode_record(record).key: record for record in records}
-            for record in last.values():
+            # What was accepted is served back exactly as it decodes, under its own key: one
+            # of the records accepted under that key.
+            for record in records:
                 sent = decode_record(record)
+                accepted.setdefault((namespace, sent.key), set()).add(encode_record(sent))
+            for key in {decode_record(record).key for record in records}:
                 got = call(
-                    server.url,
-                    "GET",
-                    f"/v1/namespaces/{namespace}/blocks/{sent.key.hex()}",
-                    token=ALICE,
+                    server.url, "GET", f"/v1/namespaces/{namespace}/blocks/{key.hex()}", token=ALICE
                 )
-                assert got[0] == 200 and got[2] == encode_record(sent)
+                assert got[0] == 200 and got[2] in accepted[(namespace, key)]
 
     run()
 
