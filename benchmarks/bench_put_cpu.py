@@ -36,13 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_server import TOKEN, Server  # noqa: E402
-from benchmarks.common import cpu_ns, emit  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cpu_ns,
+    emit,
+    free_port,  # noqa: E402
+)
 from benchmarks.peers_common import SHAPES, ChunkSet, Timed, interleaved_checked, make_chunks  # noqa: E402
 from benchmarks.peers_lmcache import LMServer, PeerStore, release  # noqa: E402
 from benchmarks.peers_sections import ours_put_run  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
-from tests.server.live import free_port  # noqa: E402
 
 
 def summary(ops: dict[str, Any], name: str, cores: int) -> dict[str, float]:

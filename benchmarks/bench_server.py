@@ -40,13 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_tiers import make_blocks  # noqa: E402
-from benchmarks.common import emit, interleaved_medians  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    emit,
+    free_port,  # noqa: E402
+    interleaved_medians,
+)
 from benchmarks.server_load import run_load, verify_all  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.keys import Namespace  # noqa: E402
 from cachetier.record import KVBlock, encode_record  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
-from tests.server.live import free_port, wait_healthy  # noqa: E402
+from tests.server.live import wait_healthy  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef"
 

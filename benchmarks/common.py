@@ -7,6 +7,7 @@ import gc
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -180,3 +181,12 @@ def run_vllm_child(
     if proc.returncode != 0:
         sys.exit(f"{name} process failed ({proc.returncode}):\n{text[-4000:]}")
     return json.loads(out_path.read_text()), text
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, closed again: racy (any program may take it
+    before the benchmark's server binds it), so benchmarks only; tests start their servers on
+    port 0 (``tests/server/test_ports_file.py`` checks)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

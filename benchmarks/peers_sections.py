@@ -41,6 +41,7 @@ import numpy as np
 import redis
 
 from benchmarks.bench_server import TOKEN, Server
+from benchmarks.common import free_port
 from benchmarks.peers_common import (
     ChunkSet,
     Destination,
@@ -61,7 +62,6 @@ from cachetier.tiers.disk import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from cachetier.tiers.redis.resp import Endpoint, command
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from tests.server.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -150,15 +150,6 @@ def start_on_a_free_port(
     raise RuntimeError(f"no free port after {START_TRIES} tries")
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now, closed again: racy, since any program may take
-    it before its user binds it. For benchmarks/ only (they import it); tests start servers on
-    port 0 or with ``start_on_a_free_port`` (tests/test_ports_file.py checks)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def refusing_port() -> Iterator[int]:
     """A port on 127.0.0.1 that refuses every connection (a server that is down), held for
@@ -166,6 +157,16 @@ def refusing_port() -> Iterator[int]:
     the port meanwhile."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@contextmanager
+def silent_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that accepts connections (into the kernel's backlog) and never
+    answers (a hung server), held for the ``with`` block."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
         yield sock.getsockname()[1]
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from tests.support import refusing_port
 from tests.throttled_link import SlowLink
 
 
@@ -124,9 +125,7 @@ def test_exit_does_not_wait_for_idle_clients(echo: tuple[str, int]) -> None:
 
 
 def test_a_target_that_refuses_closes_the_client() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]  # bound, never listening: connections are refused
+    with refusing_port() as dead_port:
         with SlowLink(("127.0.0.1", dead_port)) as link:
             with socket.create_connection(("127.0.0.1", link.port)) as sock:
                 sock.settimeout(5)

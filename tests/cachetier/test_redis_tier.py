@@ -5,7 +5,6 @@ The shared tier suite covers what every tier does; this file covers what only Re
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from tests.support import (
     PrivateRedis,
     make_blocks,
     refusing_port,
+    silent_port,
 )
 
 MakeTier = Callable[..., RedisTier]
@@ -32,10 +32,8 @@ MakeTier = Callable[..., RedisTier]
 @pytest.fixture
 def hung_url() -> Iterator[str]:
     """A port that accepts TCP connections (the kernel's backlog) but never answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        yield f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    with silent_port() as port:
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 def _keys(blocks: list[KVBlock]) -> list[BlockHash]:

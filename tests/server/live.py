@@ -21,7 +21,6 @@ from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
 from cachetier.server.httpserver import http_server
 from tests.support import AppThread, end_process, spawn_serve, wait_ports_file
-from tests.support import free_port as free_port  # benchmarks/ import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import http.server
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from connectors.config import ConnectorConfig
 from tests.server.batches import read_batch
 from tests.server.live import TOKENS, ThreadServer, call
 from tests.support import make_blocks
+from tests.support import silent_port as hung_port
 
 MakeRemote = Callable[..., RemoteTier]
 
@@ -131,11 +131,8 @@ def get_batch_records(url: str, ns: str, keys: list[bytes]) -> list[memoryview |
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """A port that accepts connections and never answers (a hung server)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    yield sock.getsockname()[1]
-    sock.close()
+    with hung_port() as port:
+        yield port
 
 
 def test_a_slow_server_gives_misses_within_the_timeout(
