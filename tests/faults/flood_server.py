@@ -22,10 +22,9 @@ from pathlib import Path
 from cachetier.protocol.transfer_frames import KEY_BYTES, REPLY, Op, Status, hello, request
 from cachetier.tls import client_context
 from tests.certs import TLSFiles
-from tests.server.live import ROOT, TOKENS
+from tests.server.live import TOKENS, serve_env
 from tests.support import end_process, wait_ports_file
 
-TENANTS = ",".join(f"{name}:{token}" for name, token in TOKENS.items())
 PROBE_TIMEOUT_S = 2.0  # one probe's connect, handshake, request and answer
 
 
@@ -79,16 +78,7 @@ class FloodServer:
         args += ["--data-dir", str(self.folder / "data"), "--log-level", "warning"]
         if self.tls is not None:
             args += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key]
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "CACHETIER_TENANTS": TENANTS,
-            "CACHETIER_ADMIN_TENANTS": "ops",
-            "CACHETIER_CPU_BYTES": str(64 << 20),
-            "CACHETIER_DISK_BYTES": str(256 << 20),
-            "CACHETIER_FSYNC": "false",
-            **{f"CACHETIER_{name.upper()}": str(value) for name, value in self.settings.items()},
-        }
+        env = serve_env(**self.settings)
         limit = self.nofile
 
         def set_limit() -> None:  # in the child, before exec

@@ -170,3 +170,19 @@ def call_json(url: str, method: str, path: str, payload: Any = None, **kw: Any) 
     ctype = None if payload is None else "application/json"
     status, _, data = call(url, method, path, body, content_type=ctype, **kw)
     return status, json.loads(data) if data else None
+
+
+def serve_env(**settings: object) -> dict[str, str]:
+    """The environment of a ``cachetier serve`` child of a test: this one's, the three tenants
+    of ``TOKENS`` (``ops`` the admin), 64 MiB of CPU tier, 256 MiB of disk without fsync, and
+    ``settings`` as ``CACHETIER_<FIELD>`` variables."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CACHETIER_TENANTS": ",".join(f"{name}:{token}" for name, token in TOKENS.items()),
+        "CACHETIER_ADMIN_TENANTS": "ops",
+        "CACHETIER_CPU_BYTES": str(64 << 20),
+        "CACHETIER_DISK_BYTES": str(256 << 20),
+        "CACHETIER_FSYNC": "false",
+        **{f"CACHETIER_{name.upper()}": str(value) for name, value in settings.items()},
+    }

@@ -29,13 +29,12 @@ from cachetier.protocol.transfer_frames import Status, hello
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tls import client_context, server_context
 from tests.certs import TLSFiles
-from tests.server.live import ROOT, TOKENS, ThreadServer, test_config
+from tests.server.live import ROOT, TOKENS, ThreadServer, serve_env, test_config
 from tests.support import end_process, make_blocks, spawn_serve, wait_ports_file
 
 # 2 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 64 KiB per block.
 LAYOUT = KVLayout("float16", block_size=64, num_layers=2, num_kv_heads=2, head_dim=64)
 NS = Namespace("tls-model", LAYOUT)
-TENANTS = ",".join(f"{name}:{token}" for name, token in TOKENS.items())
 
 
 class TLSServer:
@@ -50,15 +49,7 @@ class TLSServer:
         args = ["--port", "0", "--transfer-port", "0", "--ports-file", str(self.ports_file)]
         args += ["--transfer-socket", self.socket_path, "--data-dir", str(folder / "data")]
         args += ["--tls-cert", cert, "--tls-key", key, "--log-level", "warning"]
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "CACHETIER_TENANTS": TENANTS,
-            "CACHETIER_ADMIN_TENANTS": "ops",
-            "CACHETIER_CPU_BYTES": str(64 << 20),
-            "CACHETIER_DISK_BYTES": str(256 << 20),
-            "CACHETIER_FSYNC": "false",
-        }
+        env = serve_env()
         self.proc = spawn_serve(args, env)
         self.stderr = ""
 
