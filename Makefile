@@ -19,7 +19,7 @@ setup-peers:
 	bash scripts/setup_peers.sh .venv-peers
 
 demo: setup
-	$(PY) -m engine.demo
+	$(PY) -m cachetier.engine.demo
 
 test: setup setup-peers
 	$(PY) -m pytest -q

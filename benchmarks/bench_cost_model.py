@@ -43,7 +43,7 @@ LATENCY_S = 0.002  # one way: a link inside a region
 
 
 def ttft(llm: Any, prompt: list[int]) -> Any:
-    from engine.sampling import SamplingParams
+    from cachetier.engine.sampling import SamplingParams
 
     # The pool forgets the prompt: every run finds its blocks in the tier only.
     llm.engine.blocks.clear_cache()
@@ -52,12 +52,12 @@ def ttft(llm: Any, prompt: list[int]) -> Any:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import redis
+    from cachetier.engine.demo import build_prompt
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.smollm2 import smollm2_path
 
-    from cachetier.store import TieredStore
+    from cachetier.store.tiered import TieredStore
     from cachetier.tiers.redis import RedisTier, RedisTierConfig
-    from engine.demo import build_prompt
-    from engine.llm import LLM
-    from engine.smollm2 import smollm2_path
 
     host, port = REDIS.rsplit(":", 1)
     prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"

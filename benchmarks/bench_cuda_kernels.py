@@ -25,11 +25,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cachetier.connectors.vllm.layouts import CUDA_KV, VllmArrangement  # noqa: E402
+from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
+from cachetier.kernels import gather_blocks, paged_attention_decode, scatter_blocks  # noqa: E402
+
 from benchmarks.common import emit, interleaved_medians  # noqa: E402
-from cachetier.keys import KVLayout  # noqa: E402
-from connectors.vllm.layouts import CUDA_KV, VllmArrangement  # noqa: E402
-from connectors.vllm.paged import PagedKV  # noqa: E402
-from kernels import gather_blocks, paged_attention_decode, scatter_blocks  # noqa: E402
+from cachetier.primitives.keys import KVLayout  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
 

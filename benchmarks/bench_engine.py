@@ -32,10 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cachetier.engine.llm import LLM  # noqa: E402
+from cachetier.engine.sampling import SamplingParams  # noqa: E402
+from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
+
 from benchmarks.common import emit  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.smollm2 import smollm2_path  # noqa: E402
 
 OUTPUT_TOKENS = 64
 

@@ -28,16 +28,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cachetier.engine.config import FP8_KV_DTYPES  # noqa: E402
+from cachetier.engine.demo import STORY  # noqa: E402
+from cachetier.engine.kv_cache import KVPool  # noqa: E402
+from cachetier.engine.llm import LLM  # noqa: E402
+from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice  # noqa: E402
+from cachetier.engine.model_spec import ModelSpec  # noqa: E402
+from cachetier.engine.sampling import SamplingParams  # noqa: E402
+from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
+from cachetier.engine.weights import load_weights  # noqa: E402
+
 from benchmarks.common import emit, settle  # noqa: E402
-from engine.config import FP8_KV_DTYPES  # noqa: E402
-from engine.demo import STORY  # noqa: E402
-from engine.kv_cache import KVPool  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.model import ForwardBatch, LlamaModel, SeqSlice  # noqa: E402
-from engine.model_spec import ModelSpec  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.smollm2 import smollm2_path  # noqa: E402
-from engine.weights import load_weights  # noqa: E402
 
 BLOCK_SIZE = 16
 QUESTIONS = (

@@ -39,12 +39,13 @@ from benchmarks.workdir import disk_work_dir  # noqa: E402
 
 
 def measure(args: argparse.Namespace, folder: str) -> dict[str, Any]:
-    from cachetier.config import StoreConfig
-    from cachetier.keys import block_keys
-    from engine.demo import build_prompt
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-    from engine.smollm2 import smollm2_path
+    from cachetier.engine.demo import build_prompt
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.sampling import SamplingParams
+    from cachetier.engine.smollm2 import smollm2_path
+
+    from cachetier.primitives.keys import block_keys
+    from cachetier.store.config import StoreConfig
 
     store = StoreConfig(cpu_bytes=0, disk_path=folder, disk_bytes=16 << 30)
     one_token = SamplingParams(temperature=0, max_tokens=1)

@@ -1,9 +1,9 @@
 """Eviction policies on the Mooncake conversation trace, replayed through a real ``CPUTier``.
 
 Block hit ratio (leading hit blocks / all block references) of every policy in
-``cachetier.eviction.POLICIES`` at each capacity, beside Belady's offline policy and an infinite
-cache. The baseline is LRU replayed in the same run: ``vs_lru`` is policy / LRU, > 1 is better.
-``default`` is the policy ``StoreConfig`` uses.
+``cachetier.tiers.eviction.POLICIES`` at each capacity, beside Belady's offline policy and an
+infinite cache. The baseline is LRU replayed in the same run: ``vs_lru`` is policy / LRU, > 1 is
+better. ``default`` is the policy ``StoreConfig`` uses.
 
     python benchmarks/bench_policies.py --json
 """
@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit  # noqa: E402
-from cachetier.config import StoreConfig  # noqa: E402
-from cachetier.eviction import POLICIES  # noqa: E402
-from cachetier.replay import (  # noqa: E402
+from cachetier.report.replay import (  # noqa: E402
     ReplayResult,
     ReplayTrace,
     replay_belady,
     replay_infinite,
     replay_tier,
 )
+from cachetier.store.config import StoreConfig  # noqa: E402
+from cachetier.tiers.eviction import POLICIES  # noqa: E402
 
 TRACE = str(ROOT / "workloads" / "mooncake_conversation_trace.jsonl.gz")
 CAPACITIES = (2_000, 5_000, 10_000, 20_000, 50_000, 100_000)

@@ -42,12 +42,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cachetier.connectors.sglang.layouts import host_pool_parts  # noqa: E402
+from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, VllmArrangement  # noqa: E402
+from cachetier.kernels import gather_blocks  # noqa: E402
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view  # noqa: E402
+
 from benchmarks.common import emit, interleaved_medians  # noqa: E402
-from cachetier.keys import KVLayout  # noqa: E402
-from connectors.sglang.layouts import host_pool_parts  # noqa: E402
-from connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, VllmArrangement  # noqa: E402
-from kernels import gather_blocks  # noqa: E402
-from kernels.paged_layouts import PagedBlocks, axes_view  # noqa: E402
+from cachetier.primitives.keys import KVLayout  # noqa: E402
 
 L, H, D, BS, LATENT = 30, 3, 64, 32, 576
 NUM_BLOCKS, NUM_GATHERED = 256, 16
@@ -203,9 +204,9 @@ def record_size_costs(repeats: int) -> dict[str, object]:
     """Disk put + get of 256 tokens of SmolLM2 KV as records of several sizes (docstring)."""
     import tempfile
 
-    from cachetier.config import StoreConfig, build_store
-    from cachetier.keys import Namespace, block_keys
+    from cachetier.primitives.keys import Namespace, block_keys
     from cachetier.record import KVBlock
+    from cachetier.store.config import StoreConfig, build_store
 
     tokens = list(range(1000, 1256))
     sizes = (1, 4, 16, 64)

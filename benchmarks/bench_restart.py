@@ -16,7 +16,7 @@ Ratios:
 - ``warm_vs_bound_disk`` = warm-from-disk TTFT / (TTFT of the same prompt with every block in
   the pool, in the same restarted process + bytes restored / raw-read GB/s) (target <= 1.5):
   how close a restart comes to "read the bytes, then compute the suffix".
-- ``ttft_breakdown``: where each run's TTFT went (``engine.sequence.TTFT_PARTS``).
+- ``ttft_breakdown``: where each run's TTFT went (``cachetier.engine.sequence.TTFT_PARTS``).
 
 Every mode runs ``--repeats`` times (default 3), each in a fresh process, interleaved round by
 round; the figures are those of each mode's median run, and ``ttft_runs_s`` lists every run.
@@ -51,11 +51,12 @@ REDIS_URL = os.environ.get("CACHETIER_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 def child(args: argparse.Namespace) -> None:
     """One engine process: run the prompt (twice for ``cpu``), report TTFT and restore figures."""
-    from cachetier.config import StoreConfig
-    from engine.demo import build_prompt
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-    from engine.smollm2 import smollm2_path
+    from cachetier.engine.demo import build_prompt
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.sampling import SamplingParams
+    from cachetier.engine.smollm2 import smollm2_path
+
+    from cachetier.store.config import StoreConfig
 
     tiers = args.tiers.split(",")
     model = args.model or smollm2_path()

@@ -47,7 +47,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.server_load import run_load, verify_all  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
-from cachetier.keys import Namespace  # noqa: E402
+from cachetier.primitives.keys import Namespace  # noqa: E402
 from cachetier.record import KVBlock, encode_record  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
 from tests.server.live import wait_healthy  # noqa: E402
@@ -75,7 +75,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "cachetier.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "cachetier.cli.main", "serve", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             [*cmd, "--data-dir", self.data_dir], env=self.env, stderr=subprocess.DEVNULL
         )

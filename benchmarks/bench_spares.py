@@ -1,5 +1,5 @@
 """Puts into a full disk tier, written over the records it evicts (spare files) or into new
-files, in one process (``cachetier.tiers.disk_spares``).
+files, in one process (``cachetier.tiers.disk.spares``).
 
     python benchmarks/bench_spares.py --json
 
@@ -28,7 +28,7 @@ from benchmarks.common import emit, interleaved_medians  # noqa: E402
 from benchmarks.peers_common import SHAPES, make_chunks  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
 from cachetier.record import encode_record  # noqa: E402
-from cachetier.tiers.disk import DiskTier, DiskTierConfig  # noqa: E402
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig  # noqa: E402
 
 
 def full_tier_puts(

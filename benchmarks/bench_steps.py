@@ -1,6 +1,6 @@
 """What one forward step costs, by new tokens and cached context: what the cost model fits.
 
-The cost model (``cachetier.costmodel.PrefillModel``) prices a step as ``c0 + c1 x tokens +
+The cost model (``cachetier.store.costmodel.PrefillModel``) prices a step as ``c0 + c1 x tokens +
 c2 x attention``. Where that shape is wrong, its plans are too: on an H200 every step of the
 135M-parameter SmolLM2 cost 30-50 ms of host time whatever its size, so the warm-up fit saw
 tokens as almost free. This times single forwards of the engine's model (no scheduler, no
@@ -89,11 +89,11 @@ def attention_ms(
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.model import ForwardBatch, SeqSlice
+    from cachetier.engine.smollm2 import smollm2_path
 
-    from cachetier.costmodel import PrefillModel
-    from engine.llm import LLM
-    from engine.model import ForwardBatch, SeqSlice
-    from engine.smollm2 import smollm2_path
+    from cachetier.store.costmodel import PrefillModel
 
     shapes = [tuple(int(x) for x in s.split("@")) for s in args.shapes] if args.shapes else SHAPES
     longest = max(n + c for n, c in shapes)

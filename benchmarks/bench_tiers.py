@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit, interleaved_medians, settle  # noqa: E402
 from benchmarks.workdir import disk_work_dir  # noqa: E402
-from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig  # noqa: E402
-from cachetier.tiers.disk import DiskTier, DiskTierConfig  # noqa: E402
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig  # noqa: E402
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 

@@ -18,7 +18,8 @@ sequences), one untimed warm-up request first, then all 32 requests in one ``gen
 Figures (last line):
 - ``connector_overhead_no_hits`` = median(with) / median(without) - 1 (target <= 0.05);
 - ``connector_overhead_breakdown``: seconds per connector hook in the median ``with`` run
-  (``connectors.vllm.timing``), and the disk tier's own write time on its background thread;
+  (``cachetier.connectors.vllm.timing``), and the disk tier's own write time on its background
+  thread;
 - ``with_hits_speedup`` = median(without) / with_hits;
 - ``outputs_identical``: every run's greedy tokens equal the first ``without`` run's.
 """
@@ -59,10 +60,9 @@ def machine_cpu() -> dict[str, float]:
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One vLLM process: warm up, then time the requests in one ``generate``."""
+    from cachetier.connectors.vllm import timing
+    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
-
-    from connectors.vllm import timing
-    from connectors.vllm.launch import kv_transfer_config
 
     extra = spec["kv_extra"]
     llm = LLM(
@@ -149,8 +149,9 @@ def main() -> None:
         out_path.write_text(json.dumps(child(json.loads(spec_path.read_text()))))
         return
 
+    from cachetier.engine.smollm2 import smollm2_path
+
     from benchmarks.bench_engine import make_requests
-    from engine.smollm2 import smollm2_path
 
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     requests = make_requests(args.num_requests, 49152, 0)

@@ -58,9 +58,8 @@ def make_prompts(num_prompts: int, prompt_len: int, seed: int) -> list[list[int]
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine process: warm up, time each prompt's first token, then the greedy check."""
+    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
-
-    from connectors.vllm.launch import kv_transfer_config
 
     start = time.perf_counter()
     llm = LLM(
@@ -165,7 +164,7 @@ def main() -> None:
         out_path.write_text(json.dumps(child(json.loads(spec_path.read_text()))))
         return
 
-    from engine.smollm2 import smollm2_path
+    from cachetier.engine.smollm2 import smollm2_path
 
     disk_work_dir(args.data_dir, "--data-dir")  # the disk tier: that folder, or one in the temp
     with tempfile.TemporaryDirectory(prefix="bench-vllm-restart-") as tmp:

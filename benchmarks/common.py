@@ -161,7 +161,7 @@ def run_vllm_child(
     Returns:
         The child's result and its log. A child that fails ends the benchmark with its log.
     """
-    from connectors.vllm.launch import vllm_cpu_env
+    from cachetier.connectors.vllm.launch import vllm_cpu_env
 
     root = Path(__file__).resolve().parents[1]
     spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec", "out", "log"))

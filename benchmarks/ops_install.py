@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit  # noqa: E402
-from cachetier.keys import Namespace  # noqa: E402
+from cachetier.primitives.keys import Namespace  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402
 from tests.deploy.server_env import (  # noqa: E402
     ServerEnv,

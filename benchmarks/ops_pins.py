@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cachetier.keys import KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.server.config import ServerConfig  # noqa: E402
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig  # noqa: E402

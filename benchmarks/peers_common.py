@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cachetier.keys import KVLayout, Namespace, block_keys
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
 
 CHUNK_TOKENS = 256  # LMCache's chunk_size; one of our blocks holds one chunk

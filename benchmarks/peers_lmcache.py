@@ -7,7 +7,8 @@ get can only be served by the tier under test:
 - ``cpu``: ``LocalCPUBackend`` (``local_cpu: true``);
 - ``disk``: ``LocalDiskBackend`` under a folder (the CPU backend is only its staging pool);
 - ``redis`` / ``server``: ``RemoteBackend`` with ``remote_url`` ``redis://...`` / ``lm://...``;
-- ``cachetier``: our storage plugin (``connectors.lmcache.backend``), loaded by LMCache's own
+- ``cachetier``: our storage plugin (``cachetier.connectors.lmcache.backend``), loaded by LMCache's
+own
   ``storage_plugins`` mechanism, with the cachetier settings given as ``plugin``.
 
 A chunk enters LMCache as a ``MemoryObj`` from its allocator (``[2, layers, tokens, heads x dim]``
@@ -47,7 +48,7 @@ BACKENDS = {
     "cachetier": "cachetier",
 }
 PLUGIN = {
-    "storage_plugin.cachetier.module_path": "connectors.lmcache.backend",
+    "storage_plugin.cachetier.module_path": "cachetier.connectors.lmcache.backend",
     "storage_plugin.cachetier.class_name": "CacheTierBackend",
 }
 

@@ -18,7 +18,7 @@ from benchmarks.common import free_port
 from benchmarks.peers_common import ChunkSet, check_buffers
 from benchmarks.peers_lmcache import LMServer, PeerStore, byte_view, release
 from cachetier.tiers.base import Tier
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 
 MODEL_NAME = "peers-restart"  # LMCache's key prefix; the same in the writing and reading process

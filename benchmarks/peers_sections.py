@@ -58,7 +58,7 @@ from cachetier.protocol.sockets import BufferedSocket
 from cachetier.record import encode_parts, encode_record
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from cachetier.tiers.redis.resp import Endpoint, command
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys
+from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 

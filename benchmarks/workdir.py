@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
+from cachetier.util.mounts import MEMORY_FILESYSTEMS, mount_fstype
 
 
 def disk_work_dir(folder: str | None, option: str) -> str | None:

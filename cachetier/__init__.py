@@ -4,14 +4,22 @@ The core stores bytes and tensors under block keys; it imports nothing of ``engi
 ``connectors`` or ``kernels``.
 """
 
-from cachetier.config import StoreConfig, build_store
 from cachetier.errors import CacheTierError, CapacityError, CorruptBlockError, TierUnavailableError
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, hash_block, num_leading_hits
+from cachetier.primitives.keys import (
+    BlockHash,
+    KVLayout,
+    Namespace,
+    block_keys,
+    hash_block,
+    num_leading_hits,
+)
 from cachetier.record import Compression, KVBlock, decode_record, encode_record
-from cachetier.store import PrefixHit, RestoredPrefix, TieredStore
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import RestoredPrefix, TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from cachetier.tiers.prefix import PrefixHit
 
 __all__ = [
     "BlockHash",

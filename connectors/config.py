@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachetier.checks import positive_int
-from cachetier.config import StoreConfig, build_store
-from cachetier.fingerprint import model_fingerprint
-from cachetier.kv_format import DEFAULT_RECORD_TOKENS
-from cachetier.redact import redacted_repr, url_secrets
-from cachetier.store import TieredStore
+from cachetier.primitives.fingerprint import model_fingerprint
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
+from cachetier.util.checks import positive_int
+from cachetier.util.redact import redacted_repr, url_secrets
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,15 @@ class ConnectorConfig:
         writer_nice: CPU priority of those background writes, 0 (the engine's) to 19 (the
             lowest, the default: they use the cores the engine leaves idle).
         kv_load_policy: ``cost`` reports (and loads) only the part of a hit that the measured
-            tier speeds load faster than the engine recomputes it (``cachetier.costmodel``);
+            tier speeds load faster than the engine recomputes it (``cachetier.store.costmodel``);
             ``always`` loads every hit.
         load_async: which of vLLM's loads run beside its forwards (vLLM keeps scheduling other
             requests while a request waits for its KV): ``network`` (those whose every block
             comes over a network, Redis or a sidecar: their reads wait on a link, not on the
             cores the forward uses), ``always`` or ``never``. Other engines ignore it.
         record_tokens: tokens per stored record, the same in every engine that shares the
-            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block size
-            must be a multiple of it, and each block is stored as several records.
+            cache (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block
+            size must be a multiple of it, and each block is stored as several records.
         fail_on_start_error: what a plugin that cannot start (a bad key or value, a tier that
             cannot open, no model fingerprint) does after logging the error at ERROR: stop
             its engine (``True``), or let the engine serve without cachetier (``False``).
@@ -342,7 +342,7 @@ def model_folder_fingerprint(model: str, revision: str | None = None, *, key: st
             ``kv_connector_extra_config['model_fingerprint']``).
 
     Returns:
-        ``cachetier.fingerprint.model_fingerprint`` of that folder.
+        ``cachetier.primitives.fingerprint.model_fingerprint`` of that folder.
 
     Raises:
         ValueError: no local folder holds the model.

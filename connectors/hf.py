@@ -23,14 +23,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
+from cachetier.kernels.staging import HostStaging, payload_view
 
-from cachetier.fingerprint import model_fingerprint
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys, dtype_name, torch_dtype
-from cachetier.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.primitives.fingerprint import model_fingerprint
+from cachetier.primitives.keys import (
+    BlockHash,
+    KVLayout,
+    Namespace,
+    block_keys,
+    dtype_name,
+    torch_dtype,
+)
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
-from kernels.paged_layouts import PagedBlocks, axes_view
-from kernels.staging import HostStaging, payload_view
+from cachetier.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -88,7 +95,7 @@ class HFCacheConnector:
             the model in every key. Give this or ``fingerprint``.
         fingerprint: a ready model fingerprint instead of ``model_folder``.
         record_tokens: tokens per record, the same in every engine that shares the cache
-            (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``).
+            (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``).
         tenant: tenant name or cache salt; different tenants never share blocks.
         save_generated_tokens: also store the full blocks of generated tokens (their KV was
             computed one token at a time, so it may differ from a prefill in the last bits).
@@ -184,7 +191,8 @@ class HFCacheConnector:
             return _Restored(None, 0, ())
         cache = self._new_cache()
         # Each layer's K and V as DynamicLayer holds them, [1, num_kv_heads, tokens, head_dim],
-        # filled block by block straight from the tiers' bytes (``kernels.paged_layouts``).
+        # filled block by block straight from the tiers' bytes
+        # (``cachetier.kernels.paged_layouts``).
         layout = self.namespace.layout
         shape = (1, layout.num_kv_heads, len(blocks) * self.block_size, layout.head_dim)
         dtype, device = torch_dtype(layout.dtype), self.model.device

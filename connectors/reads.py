@@ -7,7 +7,7 @@ checked, and copied on by the thread that read it while its bytes are still in t
 cache (measured: ~1.4x the speed of reading a batch, then copying it). One reused buffer per
 thread also keeps memory bounded and spares reads the page faults of fresh buffers (a cold
 94 MiB buffer cost 10x its copy here). A plugin whose engine keeps a block as equal runs in
-one buffer reads it there with no copy at all (``cachetier.landing.Runs``: the LMCache plugin).
+one buffer reads it there with no copy at all (``cachetier.util.landing.Runs``: the LMCache plugin).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
+from cachetier.connectors.records import check_record
+from cachetier.kernels.staging import payload_tensor
 
 from cachetier.errors import CacheTierError
-from cachetier.keys import BlockHash, KVLayout, Namespace, torch_dtype
-from cachetier.parallel import map_in_threads
-from cachetier.store import TieredStore
-from connectors.records import check_record
-from kernels.staging import payload_tensor
+from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, torch_dtype
+from cachetier.store.tiered import TieredStore
+from cachetier.util.parallel import map_in_threads
 
 log = logging.getLogger(__name__)
 

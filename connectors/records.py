@@ -4,10 +4,10 @@ its bytes enter an engine's memory."""
 from __future__ import annotations
 
 import torch
+from cachetier.kernels.staging import payload_view
 
-from cachetier.keys import KVLayout
+from cachetier.primitives.keys import KVLayout
 from cachetier.record import KVBlock
-from kernels.staging import payload_view
 
 
 def payload_block(

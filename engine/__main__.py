@@ -13,11 +13,12 @@ import argparse
 import json
 import sys
 
-from cachetier.config import StoreConfig
-from engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
-from engine.llm import LLM
-from engine.sampling import SamplingParams
-from engine.smollm2 import smollm2_path
+from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.smollm2 import smollm2_path
+
+from cachetier.store.config import StoreConfig
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cachetier.keys import BlockHash
+from cachetier.primitives.keys import BlockHash
 
 
 @dataclass(slots=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cachetier.checks import positive_int
-from cachetier.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.util.checks import positive_int
 
 GiB = 1 << 30
 
-# Dtypes the engine computes in, by their ``cachetier.keys.DTYPE_BYTES`` names.
+# Dtypes the engine computes in, by their ``cachetier.primitives.keys.DTYPE_BYTES`` names.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 # vLLM's fp8 ``kv_cache_dtype`` names -> the pool's element type.
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -38,19 +38,20 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
         enable_prefix_caching: reuse pool blocks and tier blocks on prefix hits.
         tenant: tenant / cache salt folded into every key.
-        kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``kernels.backend``).
+        kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``cachetier.kernels.backend``).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
-        event_log: a JSON-lines file that gets one ``cachetier.events.LookupEvent`` per admitted
+        event_log: a JSON-lines file that gets one ``cachetier.report.events.LookupEvent`` per
+        admitted
             request (for ``cachetier report``); ``None`` for none.
         kv_load_policy: ``cost`` loads a tier hit only where the measured tier speed beats the
-            measured prefill speed (``cachetier.costmodel``); ``always`` loads every hit.
+            measured prefill speed (``cachetier.store.costmodel``); ``always`` loads every hit.
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
         record_tokens: tokens per stored record, the same in every engine that shares the
-            cache (``cachetier.kv_format.DEFAULT_RECORD_TOKENS``). With tiers, ``block_size``
-            must be a multiple of it: a block is stored as ``block_size / record_tokens``
-            records.
+            cache (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``). With tiers,
+            ``block_size`` must be a multiple of it: a block is stored as ``block_size /
+            record_tokens`` records.
     """
 
     model: str

@@ -1,7 +1,7 @@
 """The main job: a long prompt on SmolLM2, cold; the engine process restarts; the same prompt
 again, warm from the disk tier. Prints TTFT cold vs warm, tokens restored per tier, hit rate.
 
-    python -m engine.demo [--tokens 2048] [--data-dir DIR]
+    python -m cachetier.engine.demo [--tokens 2048] [--data-dir DIR]
 
 Each run is a separate Python process (a real restart); the store is the embedded default,
 CPU + disk, no Redis needed.
@@ -36,10 +36,11 @@ def build_prompt(llm: object, num_tokens: int) -> list[int]:
 
 
 def child(args: argparse.Namespace) -> None:
-    from cachetier.config import StoreConfig
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-    from engine.smollm2 import smollm2_path
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.sampling import SamplingParams
+    from cachetier.engine.smollm2 import smollm2_path
+
+    from cachetier.store.config import StoreConfig
 
     started = time.perf_counter()
     store = StoreConfig(cpu_bytes=1 << 30, disk_path=args.data_dir, disk_bytes=8 << 30)
@@ -71,7 +72,7 @@ def run_child(data_dir: str, tokens: int, max_tokens: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "engine.demo",
+        "cachetier.engine.demo",
         "--child",
         "--data-dir",
         data_dir,

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from cachetier.engine.config import FP8_KV_DTYPES, POOL_DTYPES
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.kernels import gather_blocks, scatter_blocks
 
-from cachetier.keys import KVLayout, torch_dtype
-from engine.config import FP8_KV_DTYPES, POOL_DTYPES
-from engine.model_spec import ModelSpec
-from kernels import gather_blocks, scatter_blocks
+from cachetier.primitives.keys import KVLayout, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class KVPool:
         spec: the model (layers, KV heads, head dim).
         block_size: tokens per block.
         budget_bytes: memory for the pool; the number of blocks follows from it.
-        dtype: element type name of the pool (``engine.config.POOL_DTYPES``).
+        dtype: element type name of the pool (``cachetier.engine.config.POOL_DTYPES``).
         kernel_backend: backend for the gather kernel.
         device: where the pool lives: the CPU, or a CUDA device (there the block copies run
             as the Triton kernels, saves reach the host in one copy per batch, and restores

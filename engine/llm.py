@@ -8,12 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.store import TieredStore
-from cachetier.store_pins import PinResult
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
+from cachetier.engine.config import EngineConfig
+from cachetier.engine.llm_engine import LLMEngine, RequestOutput
+from cachetier.engine.sampling import SamplingParams
+
+from cachetier.pins.store import PinResult
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
 
 
 class LLM:

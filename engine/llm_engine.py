@@ -11,23 +11,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cachetier.engine.block_manager import Block, BlockManager
+from cachetier.engine.config import EngineConfig
+from cachetier.engine.host_memory import keep_freed_memory
+from cachetier.engine.kv_cache import KVPool
+from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.sampling import SamplingParams, sample
+from cachetier.engine.scheduler import Scheduler
+from cachetier.engine.sequence import Sequence
+from cachetier.engine.tier_bridge import TierBridge
+from cachetier.engine.weights import load_weights
 
-from cachetier.costmodel import CopyRate, CostModel, PrefillModel
-from cachetier.events import EventLog
-from cachetier.fingerprint import model_fingerprint
-from cachetier.keys import Namespace, record_layout, torch_dtype
-from cachetier.store import TieredStore
-from engine.block_manager import Block, BlockManager
-from engine.config import EngineConfig
-from engine.host_memory import keep_freed_memory
-from engine.kv_cache import KVPool
-from engine.model import ForwardBatch, LlamaModel, SeqSlice
-from engine.model_spec import ModelSpec
-from engine.sampling import SamplingParams, sample
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.tier_bridge import TierBridge
-from engine.weights import load_weights
+from cachetier.primitives.fingerprint import model_fingerprint
+from cachetier.primitives.keys import Namespace, record_layout, torch_dtype
+from cachetier.report.events import EventLog
+from cachetier.store.costmodel import CopyRate, CostModel, PrefillModel
+from cachetier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RequestOutput:
 
     ``cached_tokens_by_source`` says where its cached prompt tokens came from: ``pool`` (the
     engine's own blocks) or a tier name (``cpu``, ``disk``, ``redis``, ``remote``).
-    ``ttft_breakdown`` says where ``ttft_s`` went (``engine.sequence.TTFT_PARTS`` and
+    ``ttft_breakdown`` says where ``ttft_s`` went (``cachetier.engine.sequence.TTFT_PARTS`` and
     ``other_s``); ``num_recomputed_hit_tokens`` are tokens the tiers held that the cost model
     chose to recompute.
     """

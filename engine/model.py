@@ -13,20 +13,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
-from engine.kv_cache import dequantize_blocks, store_kv_fp8
-from engine.model_spec import ModelSpec
-from kernels import common_prefix_blocks, merge_attention, paged_attention_decode
-from kernels.cpu_linear import linear, prepack
-from kernels.fused_ops import rms_norm, rope_angles, rope_store, silu_mul
-from kernels.native_prefill_attention import (
+from cachetier.engine.kv_cache import dequantize_blocks, store_kv_fp8
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.kernels import common_prefix_blocks, merge_attention, paged_attention_decode
+from cachetier.kernels.cpu_linear import linear, prepack
+from cachetier.kernels.fused_ops import rms_norm, rope_angles, rope_store, silu_mul
+from cachetier.kernels.native_prefill_attention import (
     PrefillChunk,
     PrefillPlan,
     paged_prefill_attention,
     plan_prefill,
 )
-from kernels.torch_paged_attention import CPU_FLASH_WITH_LSE, attend_unmasked, gather_layer_kv
+from cachetier.kernels.torch_paged_attention import (
+    CPU_FLASH_WITH_LSE,
+    attend_unmasked,
+    gather_layer_kv,
+)
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +191,8 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        # Projection weights are packed once for oneDNN where it runs them (kernels.cpu_linear).
+        # Projection weights are packed once for oneDNN where it runs them
+        # (cachetier.kernels.cpu_linear).
         self.lm_head = prepack(w("lm_head.weight"))
         self.layers = []
         for i in range(spec.num_layers):
@@ -290,7 +294,7 @@ class LlamaModel:
         # The prefill chunks' block tables on the pool's device, once for all layers.
         prefill_tables = [s.block_table.to(kv_cache.device, non_blocking=True) for s in others]
         # Each sublayer's output joins the residual stream inside the next RMSNorm (one pass
-        # for add and norm, kernels.fused_ops), so it is carried as ``delta`` until then.
+        # for add and norm, cachetier.kernels.fused_ops), so it is carried as ``delta`` until then.
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer["in_norm"], eps, delta, backend=backend)

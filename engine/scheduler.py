@@ -15,14 +15,15 @@ from concurrent.futures import FIRST_COMPLETED as FIRST
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
-from cachetier.costmodel import CostModel, LoadPlan
-from cachetier.events import EventLog, LookupEvent
-from cachetier.keys import BlockHash, Namespace, block_keys, records_per_block
-from cachetier.store import PrefixHit
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import PendingRestore, Sequence, SequenceStatus
-from engine.tier_bridge import Restored, TierBridge
+from cachetier.engine.block_manager import BlockManager
+from cachetier.engine.config import EngineConfig
+from cachetier.engine.sequence import PendingRestore, Sequence, SequenceStatus
+from cachetier.engine.tier_bridge import Restored, TierBridge
+
+from cachetier.primitives.keys import BlockHash, Namespace, block_keys, records_per_block
+from cachetier.report.events import EventLog, LookupEvent
+from cachetier.store.costmodel import CostModel, LoadPlan
+from cachetier.tiers.prefix import PrefixHit
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.tier_bridge import Restored
 
-from cachetier.costmodel import LoadPlan
-from cachetier.keys import BlockHash
-from engine.sampling import SamplingParams
-from engine.tier_bridge import Restored
+from cachetier.primitives.keys import BlockHash
+from cachetier.store.costmodel import LoadPlan
 
 TTFT_PARTS = ("queue_s", "lookup_s", "restore_read_s", "restore_copy_s", "prefill_s", "sample_s")
 """The parts of a request's TTFT the engine times: waiting to be admitted, the prefix lookup

@@ -2,8 +2,8 @@
 restore on a prefix hit.
 
 A pool block of ``n`` records (``block_size = n * record_tokens``) is saved as ``n`` records cut
-from it and restored by joining them (``kernels.records``); with one record per block, tiers
-read straight into the pool where they can.
+from it and restored by joining them (``cachetier.kernels.records``); with one record per block,
+tiers read straight into the pool where they can.
 """
 
 from __future__ import annotations
@@ -16,15 +16,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from cachetier.engine.block_manager import Block
+from cachetier.engine.kv_cache import KVPool
+from cachetier.kernels.records import join_records, split_block
+from cachetier.kernels.staging import payload_tensor, payload_view
 
-from cachetier.costmodel import CopyRate
-from cachetier.keys import BlockHash, Namespace, record_layout, records_per_block, torch_dtype
+from cachetier.primitives.keys import (
+    BlockHash,
+    Namespace,
+    record_layout,
+    records_per_block,
+    torch_dtype,
+)
 from cachetier.record import KVBlock
-from cachetier.store import PrefixHit, RestoredPrefix, TieredStore
-from engine.block_manager import Block
-from engine.kv_cache import KVPool
-from kernels.records import join_records, split_block
-from kernels.staging import payload_tensor, payload_view
+from cachetier.store.costmodel import CopyRate
+from cachetier.store.tiered import RestoredPrefix, TieredStore
+from cachetier.tiers.prefix import PrefixHit
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from engine.model_spec import ModelSpec
+from cachetier.engine.model_spec import ModelSpec
 
 
 def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:

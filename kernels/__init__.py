@@ -1,13 +1,13 @@
 """KV-cache kernels for the paged engine: plain-torch references and Triton kernels.
 
 The pool layout is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (see
-``kernels.pool_shape``). Every public function takes ``backend="auto" | "torch" | "triton"``;
-``"auto"`` runs Triton on GPU tensors and plain torch otherwise. Importing this package never
-imports Triton: the Triton modules load on the first call that needs them.
+``cachetier.kernels.pool_shape``). Every public function takes ``backend="auto" | "torch" |
+"triton"``; ``"auto"`` runs Triton on GPU tensors and plain torch otherwise. Importing this package
+never imports Triton: the Triton modules load on the first call that needs them.
 """
 
-from kernels.backend import BACKENDS, resolve_backend
-from kernels.cache_ops import (
+from cachetier.kernels.backend import BACKENDS, resolve_backend
+from cachetier.kernels.cache_ops import (
     gather_blocks,
     gather_blocks_ref,
     scatter_blocks,
@@ -15,9 +15,9 @@ from kernels.cache_ops import (
     store_kvcache,
     store_kvcache_ref,
 )
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.pool_shape import DecodeInputs, PoolShape
-from kernels.torch_paged_attention import common_prefix_blocks, merge_attention
+from cachetier.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from cachetier.kernels.pool_shape import DecodeInputs, PoolShape
+from cachetier.kernels.torch_paged_attention import common_prefix_blocks, merge_attention
 
 __all__ = [
     "BACKENDS",

@@ -1,15 +1,15 @@
 """Writing tokens into the paged KV pool, and copying whole blocks out of it and back.
 
 Each operation has a plain-torch ``*_ref`` (the CPU path and the tests' oracle) and a Triton
-kernel in ``kernels.triton_cache_ops``; the public function checks its inputs and dispatches.
+kernel in ``cachetier.kernels.triton_cache_ops``; the public function checks its inputs and
+dispatches.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import resolve_backend
-from kernels.pool_shape import (
+from cachetier.kernels.backend import resolve_backend
+from cachetier.kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
     PoolShape,
@@ -37,7 +37,7 @@ def store_kvcache(
         layer: which layer's K/V to write.
         slot_mapping: ``[num_tokens]`` int64 (or int32); slot = ``block_id * block_size +
             offset``, and ``-1`` skips the token (padding). Slots must be distinct.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``cachetier.kernels.backend``).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not match, or a slot out of range.
@@ -61,7 +61,7 @@ def store_kvcache(
     check_index_range("slot_mapping", slot_mapping, -1, pool.num_slots)
 
     if resolve_backend(backend, key, value, kv_cache, slot_mapping) == "triton":
-        from kernels.triton_cache_ops import store_kvcache_triton
+        from cachetier.kernels.triton_cache_ops import store_kvcache_triton
 
         store_kvcache_triton(key, value, kv_cache, layer, slot_mapping, pool)
     else:
@@ -111,7 +111,7 @@ def gather_blocks(
         block_ids: ``[n]`` int32/int64 pool block ids; repeats are allowed.
         out: optional contiguous buffer ``[n, num_layers, 2, block_size, num_kv_heads,
             head_dim]`` of the pool's dtype and device to write into.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``cachetier.kernels.backend``).
 
     Returns:
         ``out`` (or a new contiguous tensor of that shape) with ``out[i] = kv_cache[block_ids[i]]``.
@@ -127,7 +127,7 @@ def gather_blocks(
         _check_staging("out", out, shape, kv_cache, contiguous=True)
 
     if resolve_backend(backend, kv_cache, block_ids, out) == "triton":
-        from kernels.triton_cache_ops import copy_blocks_triton
+        from cachetier.kernels.triton_cache_ops import copy_blocks_triton
 
         copy_blocks_triton(kv_cache, out, block_ids, pool, gather=True)
     else:
@@ -156,7 +156,7 @@ def scatter_blocks(
         kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
         block_ids: ``[n]`` int32/int64 distinct pool block ids; ``kv_cache[block_ids[i]] =
             staging[i]``.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``cachetier.kernels.backend``).
 
     Raises:
         ValueError: a bad shape, dtype or device, a block id out of range, or a repeated id
@@ -169,7 +169,7 @@ def scatter_blocks(
         raise ValueError("block_ids passed to scatter_blocks must be distinct")
 
     if resolve_backend(backend, staging, kv_cache, block_ids) == "triton":
-        from kernels.triton_cache_ops import copy_blocks_triton
+        from cachetier.kernels.triton_cache_ops import copy_blocks_triton
 
         # The kernel reads each staged block as one flat row.
         copy_blocks_triton(staging.contiguous(), kv_cache, block_ids, pool, gather=False)

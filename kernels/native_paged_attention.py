@@ -1,13 +1,13 @@
 """Decode attention on CPU through a small C++ extension that reads the paged pool in place.
 
-The torch path (``kernels.torch_paged_attention``) copies every sequence's blocks out of the
-pool and runs two matmuls per sequence and layer from Python; with 64 sequences and 30 layers
+The torch path (``cachetier.kernels.torch_paged_attention``) copies every sequence's blocks out of
+the pool and runs two matmuls per sequence and layer from Python; with 64 sequences and 30 layers
 that is ~2,000 Python-level calls per decode step. ``csrc/paged_attention_cpu.cpp`` runs one
 task per (sequence, KV head) over torch's intra-op threads instead, folding each block into an
 online softmax where it lies.
 
-The extension is built on first use by ``kernels.native_build``; where it cannot be, callers
-take the torch path.
+The extension is built on first use by ``cachetier.kernels.native_build``; where it cannot be,
+callers take the torch path.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-
-from kernels.native_build import load_cpu_extension
-from kernels.pool_shape import DecodeInputs
-from kernels.torch_paged_attention import merge_attention, shared_prefix_attention
+from cachetier.kernels.native_build import load_cpu_extension
+from cachetier.kernels.pool_shape import DecodeInputs
+from cachetier.kernels.torch_paged_attention import merge_attention, shared_prefix_attention
 
 
 def native_decode_kernel() -> ModuleType | None:
     """The compiled extension (its ``paged_attention_decode``), or ``None`` where it is off or
-    cannot be built (see ``kernels.native_build``)."""
+    cannot be built (see ``cachetier.kernels.native_build``)."""
     return load_cpu_extension("cachetier_paged_attention_cpu", "paged_attention_cpu.cpp")
 
 
@@ -33,7 +32,7 @@ def paged_attention_decode_native(
     """``paged_attention_decode`` on CPU tensors through the extension.
 
     Args:
-        inputs: the step's inputs, already checked by ``kernels.paged_attention``.
+        inputs: the step's inputs, already checked by ``cachetier.kernels.paged_attention``.
         num_shared_blocks: leading block-table columns every row shares (see there). Those
             are read once for the batch as one matmul (``shared_prefix_attention``), each row's
             own blocks by the extension, and the two parts merged by log-sum-exp: without

@@ -12,8 +12,8 @@ packed up front), merged by log-sum-exp.
 A step's plan (which units, which chunk reads which) is the same for every layer, so it is
 built once per forward by ``plan_prefill`` and passed to each layer's call.
 
-The extension is built on first use by ``kernels.native_build``; where it cannot be, or for
-shapes it does not cover, ``paged_prefill_attention`` returns ``False`` and the caller takes
+The extension is built on first use by ``cachetier.kernels.native_build``; where it cannot be, or
+for shapes it does not cover, ``paged_prefill_attention`` returns ``False`` and the caller takes
 the torch path. ``paged_prefill_attention_ref`` is the plain torch reference.
 """
 
@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-
-from kernels.native_build import load_cpu_extension
+from cachetier.kernels.native_build import load_cpu_extension
 
 UNIT = 16  # tokens per packed unit: the kernel's block sizes are multiples of it
 

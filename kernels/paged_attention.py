@@ -1,10 +1,10 @@
 """Decode attention over the paged KV pool: one new query token per sequence.
 
 ``paged_attention_decode_ref`` is the plain-torch oracle of the tests. On CPU, ``"auto"`` runs
-the compiled kernel of ``kernels.native_paged_attention`` (reads the pool in place) where it
-builds, and ``kernels.torch_paged_attention`` (per sequence, with shared-prefix reuse)
+the compiled kernel of ``cachetier.kernels.native_paged_attention`` (reads the pool in place) where
+it builds, and ``cachetier.kernels.torch_paged_attention`` (per sequence, with shared-prefix reuse)
 otherwise or when ``backend="torch"`` is asked for; the Triton kernel lives in
-``kernels.triton_paged_attention``.
+``cachetier.kernels.triton_paged_attention``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-from kernels.backend import resolve_backend
-from kernels.native_paged_attention import paged_attention_decode_native
-from kernels.pool_shape import (
+from cachetier.kernels.backend import resolve_backend
+from cachetier.kernels.native_paged_attention import paged_attention_decode_native
+from cachetier.kernels.pool_shape import (
     INDEX_DTYPES,
     KV_DTYPES,
     DecodeInputs,
@@ -24,7 +23,10 @@ from kernels.pool_shape import (
     check_same_dtype,
     check_tensor,
 )
-from kernels.torch_paged_attention import common_prefix_blocks, paged_attention_decode_torch
+from cachetier.kernels.torch_paged_attention import (
+    common_prefix_blocks,
+    paged_attention_decode_torch,
+)
 
 
 def paged_attention_decode(
@@ -56,7 +58,7 @@ def paged_attention_decode(
         num_shared_blocks: leading block-table columns that every row has in common and that
             lie inside every row's context (``common_prefix_blocks``); the CPU paths read
             them once for the whole batch. It never changes the result, only the work.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``kernels.backend``). On CPU
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``cachetier.kernels.backend``). On CPU
             tensors ``"auto"`` takes the compiled kernel where it is available and ``"torch"``
             always the plain-torch code.
 
@@ -72,7 +74,7 @@ def paged_attention_decode(
     inputs = dataclasses.replace(inputs, scale=float(scale))
     resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
     if resolved == "triton":
-        from kernels.triton_paged_attention import paged_attention_decode_triton
+        from cachetier.kernels.triton_paged_attention import paged_attention_decode_triton
 
         return paged_attention_decode_triton(inputs, pool)
     if backend == "auto":

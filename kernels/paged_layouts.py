@@ -1,7 +1,8 @@
 """Every engine's paged KV memory as views of canonical blocks, and the copies between them.
 
-An engine keeps KV in its own arrangement (``cachetier.kv_format`` has the one a record holds).
-``PagedBlocks`` sees any of them as strided views, per layer one or more *parts*, each covering
+An engine keeps KV in its own arrangement (``cachetier.primitives.kv_format`` has the one a record
+holds). ``PagedBlocks`` sees any of them as strided views, per layer one or more *parts*, each
+covering
 consecutive planes (K then V, or the one MLA latent) of every block:
 
     part: [num_blocks, planes_in_part, block_size, num_kv_heads, head_dim]
@@ -13,7 +14,7 @@ payloads back, is one strided copy per block and part, straight between the engi
 the payload: no intermediate buffer. On CPU the copies run through numpy (a strided copy costs
 a microsecond to start there, against ten for a torch op, and blocks are small); on CUDA as one
 Triton launch per group of alike parts, usually one for all layers
-(``kernels.triton_layout_copy``); elsewhere as torch ``index_select`` / ``index_copy_``.
+(``cachetier.kernels.triton_layout_copy``); elsewhere as torch ``index_select`` / ``index_copy_``.
 
 Axis names: ``block``, ``token``, ``slot`` (``block * block_size + token``, for pools indexed
 by token), ``layer``, ``kv`` (K then V), ``head``, ``dim``, and ``kv_dim`` (K's ``dim``
@@ -28,9 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from kernels.backend import resolve_backend
-from kernels.pool_shape import check_index_range, check_tensor
+from cachetier.kernels.backend import resolve_backend
+from cachetier.kernels.pool_shape import check_index_range, check_tensor
 
 AXES = ("block", "token", "slot", "layer", "kv", "head", "dim", "kv_dim")
 _PART_AXES = ("block", "kv", "token", "head", "dim")
@@ -166,7 +166,7 @@ class PagedBlocks:
         Args:
             block_ids: ``[n]`` int32/int64 block ids (repeats allowed).
             out: ``[n, *payload_shape]`` contiguous, this dtype and device.
-            backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``kernels.backend``).
+            backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``cachetier.kernels.backend``).
 
         Returns:
             ``out``.
@@ -213,7 +213,7 @@ class PagedBlocks:
                         part.index_copy_(0, ids, dst)
 
     def _copy_triton(self, ids: torch.Tensor, payloads: torch.Tensor, *, gather: bool) -> None:
-        from kernels.triton_layout_copy import copy_parts
+        from cachetier.kernels.triton_layout_copy import copy_parts
 
         for group in self._triton_groups():
             copy_parts(group.parts, group.offsets, group.starts, payloads, ids, gather=gather)
@@ -222,7 +222,7 @@ class PagedBlocks:
         """The parts by per-block shape and strides, one Triton launch each, with where each
         part lies and where its planes go in a payload (pages never move: made once)."""
         if self._launch is None:
-            from kernels.triton_layout_copy import part_offsets
+            from cachetier.kernels.triton_layout_copy import part_offsets
 
             g = self.geometry
             plane_numel = g.block_size * g.num_kv_heads * g.head_dim

@@ -1,5 +1,6 @@
 """``PoolShape``, the sizes of the paged KV pool tensor, and the checks every kernel wrapper runs
-on its inputs. (``cachetier.keys.KVLayout`` is another thing: how one stored block is laid out.)
+on its inputs. (``cachetier.primitives.keys.KVLayout`` is another thing: how one stored block is
+laid out.)
 
 The pool is block-major so that one block (all layers, K and V) is one contiguous run of
 memory, and offloading or restoring a block is a single whole-block copy:

@@ -1,7 +1,7 @@
 """Cutting an engine block's canonical payload into records, and joining records into one.
 
-A record holds ``record_tokens`` tokens (``cachetier.kv_format``), an engine block ``n`` times
-as many. In the canonical order ``[num_layers, planes, block_size, num_kv_heads, head_dim]``
+A record holds ``record_tokens`` tokens (``cachetier.primitives.kv_format``), an engine block ``n``
+times as many. In the canonical order ``[num_layers, planes, block_size, num_kv_heads, head_dim]``
 the tokens are the third dimension, so a record is a strided slice of its block: one copy
 each way, into a batch whose records are each contiguous (what a tier stores and a record's
 bytes are). With ``n == 1`` nothing is copied.

@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels.paged_layouts import PagedBlocks
+from cachetier.kernels.paged_layouts import PagedBlocks
 
 
 @dataclass(slots=True)

@@ -8,14 +8,14 @@ of whole blocks) and runs two small matmuls on them.
 Cascade: when the sequences of a batch start with the same pool blocks (a shared system
 prompt held once by the prefix cache), the shared part is read once for all of their queries,
 and each sequence's own suffix separately; the two partial softmaxes are merged exactly with
-their log-sum-exps. The launcher trusts its inputs: ``kernels.paged_attention`` checks them.
+their log-sum-exps. The launcher trusts its inputs: ``cachetier.kernels.paged_attention`` checks
+them.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels.pool_shape import DecodeInputs
+from cachetier.kernels.pool_shape import DecodeInputs
 
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp (None where
 # this torch has no such op): softmax and weighting fused, at about sgemm's speed here.

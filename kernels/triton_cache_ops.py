@@ -1,7 +1,8 @@
 """Triton kernels that write tokens into the paged KV pool and copy whole blocks in and out.
 
-Imported lazily by ``kernels.cache_ops`` (``@triton.jit`` decides at import time whether to
-compile or interpret). The launchers here trust their inputs: ``kernels.cache_ops`` checks them.
+Imported lazily by ``cachetier.kernels.cache_ops`` (``@triton.jit`` decides at import time whether
+to compile or interpret). The launchers here trust their inputs: ``cachetier.kernels.cache_ops``
+checks them.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.pool_shape import PoolShape
+from cachetier.kernels.pool_shape import PoolShape
 
 # Elements per program when copying a flat row; a block is tiled by this many.
 COPY_BLOCK = 1024
@@ -91,7 +91,7 @@ def store_kvcache_triton(
     slot_mapping: torch.Tensor,
     pool: PoolShape,
 ) -> None:
-    """Launches ``store_kvcache_kernel``; see ``kernels.cache_ops.store_kvcache``."""
+    """Launches ``store_kvcache_kernel``; see ``cachetier.kernels.cache_ops.store_kvcache``."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return

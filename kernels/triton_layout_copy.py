@@ -1,5 +1,5 @@
 """Triton kernel that copies blocks between an engine's strided paged views and canonical
-payloads: the CUDA path of ``kernels.paged_layouts.PagedBlocks``.
+payloads: the CUDA path of ``cachetier.kernels.paged_layouts.PagedBlocks``.
 
 One launch moves a group of parts that share their per-block shape and strides, wherever each
 lies: usually every layer's parts at once (one tensor per layer, all alike), or two groups where

@@ -1,7 +1,8 @@
 """Triton decode attention over the paged KV pool.
 
-Imported lazily by ``kernels.paged_attention`` (``@triton.jit`` decides at import time whether
-to compile or interpret). The launcher trusts its inputs: ``kernels.paged_attention`` checks them.
+Imported lazily by ``cachetier.kernels.paged_attention`` (``@triton.jit`` decides at import time
+whether to compile or interpret). The launcher trusts its inputs:
+``cachetier.kernels.paged_attention`` checks them.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.pool_shape import DecodeInputs, PoolShape
+from cachetier.kernels.pool_shape import DecodeInputs, PoolShape
 
 LOG2E = 1.4426950408889634
 

@@ -23,13 +23,13 @@ OUT = ROOT / "docs" / "configuration.md"
 # (module, class, where its values come from), in the order the page shows them.
 CLASSES = [
     (
-        "cachetier.config",
+        "cachetier.store.config",
         "StoreConfig",
         "The store under our engine and the engine server: `StoreConfig(...)` in Python, "
         "`StoreConfig.from_env()` reads `CACHETIER_<FIELD>` (upper case) for every field.",
     ),
     (
-        "connectors.config",
+        "cachetier.connectors.config",
         "ConnectorConfig",
         "The engine plugins: vLLM's `kv_connector_extra_config`, SGLang's "
         "`--hicache-storage-backend-extra-config`, LMCache's `extra_config` as "
@@ -44,10 +44,10 @@ CLASSES = [
         "variables and command-line flags (`--<field-with-dashes>`), later ones winning.",
     ),
     (
-        "engine.config",
+        "cachetier.engine.config",
         "EngineConfig",
         "Our engine: `LLM(path, ...)` keyword arguments, and the flags of `python -m engine` "
-        "and `python -m engine.server`.",
+        "and `python -m cachetier.engine.server`.",
     ),
 ]
 

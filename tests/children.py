@@ -77,7 +77,7 @@ def run_spec_module(
     Returns:
         What it wrote to ``OUT`` (JSON), and its log.
     """
-    from connectors.vllm.launch import vllm_cpu_env
+    from cachetier.connectors.vllm.launch import vllm_cpu_env
 
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"

@@ -12,9 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import redis  # noqa: E402
+from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
 
-from cachetier.keys import Namespace  # noqa: E402
-from engine.smollm2 import smollm2_path  # noqa: E402
+from cachetier.primitives.keys import Namespace  # noqa: E402
 from tests.certs import TLSFiles, make_tls_files  # noqa: E402
 from tests.models import make_tiny_llama  # noqa: E402
 from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402

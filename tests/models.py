@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from engine.model_spec import ModelSpec
+from cachetier.engine.model_spec import ModelSpec
 
 
 def make_tiny_llama(

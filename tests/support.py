@@ -20,10 +20,10 @@ import numpy as np
 import redis
 import uvicorn
 
-from cachetier.cli_ports import bound_port
-from cachetier.events import EventLog, LookupEvent
-from cachetier.keys import KVLayout, Namespace, block_keys
+from cachetier.cli.ports import bound_port
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
+from cachetier.report.events import EventLog, LookupEvent
 
 # The Mooncake conversation trace the repository ships (workloads/README.md says whence).
 CONVERSATION_TRACE = (
@@ -207,7 +207,7 @@ def wait_ports_file(
 def spawn_serve(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """``cachetier serve *args`` in a child process with ``env``, its output piped (text)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "cachetier.cli", "serve", *args],
+        [sys.executable, "-m", "cachetier.cli.main", "serve", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -5,6 +5,11 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest
@@ -19,17 +24,30 @@ HTTP_LIBS = {"fastapi", "uvicorn", "aiohttp", "starlette", "prometheus_client"}
 # The one place that turns a StoreConfig into tiers may name the remote tier, inside a function
 # only: importing the core still never imports the edge
 # (test_the_core_imports_without_http_libraries).
-LAZY_EDGE_IMPORTS = {"cachetier.config": {"cachetier.tiers.remote"}}
+LAZY_EDGE_IMPORTS = {"cachetier.store.config": {"cachetier.tiers.remote"}}
 
 
-def _modules(package: str) -> list[tuple[str, Path]]:
+# Each folder of the design card and the name it installs under: only ``cachetier`` is a
+# top-level import name (pyproject's package-dir maps the other three beneath it).
+IMPORT_NAMES = {
+    "cachetier": "cachetier",
+    "engine": "cachetier.engine",
+    "kernels": "cachetier.kernels",
+    "connectors": "cachetier.connectors",
+}
+PRODUCT = ("cachetier", "engine", "kernels", "connectors")
+
+
+def _modules(folder: str) -> list[tuple[str, Path]]:
+    """The modules under ``folder`` (``"engine"``, ``"cachetier/tiers"``), by import name."""
+    top, _, rest = folder.partition("/")
+    prefix = IMPORT_NAMES.get(top, top)
     out = []
-    for path in sorted((ROOT / package).rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
-        out.append((".".join(parts), path))
+        out.append((".".join([prefix, *parts]), path))
     return out
 
 
@@ -76,14 +94,18 @@ def _is_edge(module: str) -> bool:
 def test_kernels_import_torch_and_triton_only(module: str, path: Path) -> None:
     # numpy too: the CPU path of the layout copies runs through it (a strided numpy copy
     # starts ten times faster than a torch op), and the core depends on it already.
-    allowed = STDLIB | {"torch", "triton", "numpy", "kernels"}
-    bad = [n for n in _imports(path) if _top(n) not in allowed]
+    allowed = STDLIB | {"torch", "triton", "numpy"}
+    bad = [
+        n
+        for n in _imports(path)
+        if _top(n) not in allowed and not _is_under(n, "cachetier.kernels")
+    ]
     assert not bad, f"{module} imports {bad}"
 
 
 @pytest.mark.parametrize("module,path", _modules("cachetier"))
 def test_cachetier_imports_nothing_of_engine_connectors_or_kernels(module: str, path: Path) -> None:
-    bad = [n for n in _imports(path) if _top(n) in {"engine", "connectors", "kernels"}]
+    bad = [n for n in _imports(path) if any(_is_under(n, IMPORT_NAMES[f]) for f in PRODUCT[1:])]
     assert not bad, f"{module} imports {bad}"
 
 
@@ -130,16 +152,20 @@ def test_the_core_imports_without_http_libraries() -> None:
 
 @pytest.mark.parametrize("module,path", _modules("engine"))
 def test_engine_does_not_import_connectors(module: str, path: Path) -> None:
-    bad = [n for n in _imports(path) if _top(n) == "connectors" or _top(n) == "vllm"]
+    bad = [n for n in _imports(path) if _is_under(n, "cachetier.connectors") or _top(n) == "vllm"]
     assert not bad, f"{module} imports {bad}"
 
 
 @pytest.mark.parametrize(
-    "module,path", [m for m in _modules("engine") if not m[0].startswith("engine.server")]
+    "module,path",
+    [m for m in _modules("engine") if not _is_under(m[0], "cachetier.engine.server")],
 )
 def test_the_engine_core_does_not_import_its_server(module: str, path: Path) -> None:
-    """``engine.server`` is the engine's HTTP edge, as ``cachetier.server`` is the core's."""
-    bad = [n for n in _imports(path) if n.startswith("engine.server") or _top(n) in HTTP_LIBS]
+    """``cachetier.engine.server`` is the engine's HTTP edge, as ``cachetier.server`` is the
+    store's."""
+    bad = [
+        n for n in _imports(path) if _is_under(n, "cachetier.engine.server") or _top(n) in HTTP_LIBS
+    ]
     assert not bad, f"{module} imports {bad}"
 
 
@@ -149,15 +175,15 @@ def test_connectors_import_nothing_of_our_engine(module: str, path: Path) -> Non
     our engine, the block key, the model fingerprint and the dtype names, is cachetier's, so
     none of them needs ``engine``: importing it would load our model code and kernels (Triton)
     into vLLM's processes for nothing. Our own engine reaches the tiers through its
-    ``engine.tier_bridge``, not through a connector, so not even ``engine.llm`` is allowed."""
-    bad = [n for n in _imports(path) if _top(n) == "engine"]
+    ``tier_bridge``, not through a connector, so not even ``cachetier.engine.llm`` is allowed."""
+    bad = [n for n in _imports(path) if _is_under(n, "cachetier.engine")]
     assert not bad, f"{module} imports {bad}"
 
 
 def test_cachetier_imports_without_torch() -> None:
     """Every cachetier module, the sidecar included, imports where torch cannot: an operator
     installs ``cachetier[server]`` without it (``keys.torch_dtype`` imports it when called)."""
-    modules = [m for m, _ in _modules("cachetier")]
+    modules = [m for m, _ in _modules("cachetier") if not m.endswith("__main__")]
     code = (
         "import importlib, sys; sys.modules['torch'] = None; "
         f"[importlib.import_module(m) for m in {modules!r}]"
@@ -169,7 +195,8 @@ def test_cachetier_imports_without_torch() -> None:
 
 
 @pytest.mark.parametrize(
-    "module,path", [m for m in _modules("connectors") if not m[0].startswith("connectors.vllm")]
+    "module,path",
+    [m for m in _modules("connectors") if not _is_under(m[0], "cachetier.connectors.vllm")],
 )
 def test_only_the_vllm_plugin_imports_vllm(module: str, path: Path) -> None:
     bad = [n for n in _imports(path) if _top(n) == "vllm"]
@@ -177,19 +204,19 @@ def test_only_the_vllm_plugin_imports_vllm(module: str, path: Path) -> None:
 
 
 def test_one_hash_function() -> None:
-    """Only cachetier.keys computes block hashes (a second routine would drift)."""
+    """Only cachetier.primitives.keys computes block hashes (a second routine would drift)."""
     # The report page's Content-Security-Policy names its one script by a SHA-256 digest, which
     # CSP defines: a digest of page text, no block hash.
-    not_block_hashes = {"cachetier.keys", "cachetier.report.page_script"}
+    not_block_hashes = {"cachetier.primitives.keys", "cachetier.report.page_script"}
     offenders = []
-    for package in ("cachetier", "engine", "connectors"):
-        for module, path in _modules(package):
+    for folder in ("cachetier", "engine", "connectors"):
+        for module, path in _modules(folder):
             if module in not_block_hashes:
                 continue
             text = path.read_text()
             if "sha256(" in text and "fingerprint" not in module:
                 offenders.append(module)
-    assert not offenders, f"hashing outside cachetier.keys: {offenders}"
+    assert not offenders, f"hashing outside cachetier.primitives.keys: {offenders}"
 
 
 def test_nothing_reads_a_path_only_our_machines_have() -> None:
@@ -243,3 +270,88 @@ def test_no_test_module_imports_another(module: str, path: Path) -> None:
     tests = [n for n in names if n.startswith("tests.") and n.split(".")[-1].startswith("test_")]
     bad = [n for n in tests if (ROOT / (n.replace(".", "/") + ".py")).is_file()]
     assert not bad, f"{module} imports {bad}"
+
+
+# cachetier's layers, lowest first: a module imports its own layer and the ones below, never
+# one above (a tier never reaches into the store, the store never into the server).
+LAYERS = (
+    ("cachetier.errors", "cachetier.util"),
+    ("cachetier.primitives",),
+    ("cachetier.record",),
+    ("cachetier.protocol",),
+    ("cachetier.pins", "cachetier.tiers"),
+    ("cachetier.store",),
+    ("cachetier.report",),
+    ("cachetier.server",),
+    ("cachetier.cli",),
+)
+
+
+def _layer(module: str) -> int | None:
+    for rank, packages in enumerate(LAYERS):
+        if any(_is_under(module, p) for p in packages):
+            return rank
+    return None
+
+
+def test_every_cachetier_module_is_in_a_layer() -> None:
+    loose = [m for m, _ in _modules("cachetier") if m != "cachetier" and _layer(m) is None]
+    assert not loose, f"modules outside LAYERS: {loose}"
+
+
+@pytest.mark.parametrize("module,path", [m for m in _modules("cachetier") if m[0] != "cachetier"])
+def test_cachetier_imports_run_down_its_layers(module: str, path: Path) -> None:
+    own = _layer(module)
+    assert own is not None
+    lazy_ok = LAZY_EDGE_IMPORTS.get(module, set()) - _module_level_imports(path)
+    up = [n for n in _imports(path) if (_layer(n) or 0) > own and n not in lazy_ok]
+    assert not up, f"{module} (layer {own}) imports {up} from a layer above"
+
+
+def test_only_cachetier_is_a_top_level_import_name() -> None:
+    """The folders of the design card install under ``cachetier``: nothing imports them bare
+    (a bare ``kernels`` is Hugging Face's kernel hub)."""
+    bare = []
+    for folder in (*PRODUCT, "tests", "benchmarks", "scripts"):
+        for module, path in _modules(folder):
+            bare += [f"{module}: {n}" for n in _imports(path) if _top(n) in PRODUCT[1:]]
+    assert not bare, bare
+
+
+def test_pyproject_installs_every_package_under_cachetier() -> None:
+    """``packages`` in pyproject.toml lists each package folder by its import name, so a new
+    one cannot be left out of the wheel."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {name: folder for folder, name in IMPORT_NAMES.items()}
+    found = sorted(
+        module
+        for folder in PRODUCT
+        for module, path in _modules(folder)
+        if path.name == "__init__.py"
+    )
+    assert sorted(config["packages"]) == found
+
+
+# The shape targets (STYLE.md): a function past 80 lines does two things, a file past 500
+# holds two concerns. Docstrings count: they are read with the code.
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500
+SHAPED = (*PRODUCT, "tests", "benchmarks", "scripts")
+
+
+def _shaped_files() -> list[tuple[str, Path]]:
+    return [(m, p) for folder in SHAPED for m, p in _modules(folder)]
+
+
+@pytest.mark.parametrize("module,path", _shaped_files())
+def test_modules_and_functions_keep_their_shape(module: str, path: Path) -> None:
+    text = path.read_text()
+    num_lines = text.count("\n")
+    assert num_lines <= MAX_MODULE_LINES, f"{module}: {num_lines} lines"
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(text, str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{module}: {long}"

@@ -31,7 +31,7 @@ def test_configuration_page_is_generated_from_the_config_classes() -> None:
 def test_configuration_page_lists_every_field_with_its_description() -> None:
     gen = load_script("gen_config_doc")
     page = gen.render()
-    from connectors.config import ConnectorConfig
+    from cachetier.connectors.config import ConnectorConfig
 
     for name in ConnectorConfig.__dataclass_fields__:
         assert f"| `{name}` |" in page

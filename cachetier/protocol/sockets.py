@@ -242,7 +242,7 @@ def accept_tls(sock: socket.socket, context: ssl.SSLContext, deadline: float) ->
 
     Args:
         sock: the accepted connection (detached by this call: use the returned socket).
-        context: the server context (``cachetier.tls.server_context``).
+        context: the server context (``cachetier.util.tls.server_context``).
         deadline: ``time.monotonic()`` by which the handshake must be done.
 
     Returns:

@@ -7,7 +7,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
+from cachetier.primitives.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
 
 MAX_NDIM = 8  # dimensions a block (and a record's shape field) may have
 
@@ -20,7 +20,7 @@ class KVBlock:
     """One full block of KV as the tiers see it: raw bytes plus what they claim to be.
 
     Args:
-        key: the block's key (``cachetier.keys``).
+        key: the block's key (``cachetier.primitives.keys``).
         fingerprint: the namespace fingerprint the key was computed under.
         dtype: element type name of ``data``.
         shape: shape of ``data`` in elements; its product times the dtype size is its length.

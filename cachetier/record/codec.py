@@ -14,7 +14,7 @@ import lz4.block
 import xxhash
 
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
+from cachetier.primitives.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
 from cachetier.record.block import MAX_NDIM, Buffer, KVBlock, checked_block
 
 MAGIC = b"CTKV"

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cachetier import buffers, parallel
 from cachetier.errors import CorruptBlockError
-from cachetier.landing import Destination, flat, parts
 from cachetier.record.block import KVBlock
 from cachetier.record.codec import (
     _FIXED,
@@ -23,6 +21,8 @@ from cachetier.record.codec import (
     _segment_digests,
     _whole_checksum,
 )
+from cachetier.util import buffers, parallel
+from cachetier.util.landing import Destination, flat, parts
 
 # The first read of a record read whole: its head (and whatever follows) up to a page boundary.
 _PAGE = 4096

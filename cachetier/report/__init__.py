@@ -4,7 +4,7 @@
 - ``inputs``: reading the event log, the stats and the trace, with one-line errors.
 - ``hierarchy_replay`` / ``workers``: a trace replayed through a two-tier ``TieredStore``
   (the per-tier figures), plus the capacity curve's single-cache replays from
-  ``cachetier.replay``, shared with a forked helper.
+  ``cachetier.report.replay``, shared with a forked helper.
 - ``figures`` / ``curve`` / ``counters``: every figure as a plain dict (what the JSON holds
   and the plots draw): lookup figures, the trace-only ones, the tier counters table.
 - ``plots`` / ``html`` / ``summary``: the PNGs, the self-contained page, the terminal text.

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachetier.config import StoreConfig
-from cachetier.eviction import POLICIES
+from cachetier.store.config import StoreConfig
+from cachetier.tiers.eviction import POLICIES
 
 # SmolLM2-135M-Instruct, fp32, on this shared 2-core CPU: benchmarks/bench_restart.py prefilled
 # a 4,111-token prompt in 36.1 s cold (README, "Figures measured here"), 113.9 tokens/s.
@@ -77,7 +77,7 @@ class ReportConfig:
 
     Args:
         trace: a Mooncake-format ``.jsonl`` trace to replay through real tiers; or
-        events: an event log (``cachetier.events``) of a running engine or server.
+        events: an event log (``cachetier.report.events``) of a running engine or server.
         stats: tier counters: a file holding ``GET /v1/stats`` JSON (or ``TieredStore.stats()``),
             or the server's ``http(s)://host:port`` (``/v1/stats`` is added).
         cpu_blocks: trace replay: blocks of the fast tier of the modelled store.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cachetier.stats import COUNTERS
+from cachetier.tiers.stats import COUNTERS
 
 COLUMNS = (*COUNTERS, "hit_rate", "latency_p50_ms", "latency_p99_ms", "used_bytes")
 """Columns of the table: every ``TierStats`` counter, then derived figures (blank if absent)."""

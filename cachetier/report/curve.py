@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from cachetier.replay import ReplayResult, ReplayTrace
 from cachetier.report.config import ReportConfig
 from cachetier.report.figures import ratio, time_bins
 from cachetier.report.hierarchy_replay import TIER_NAMES, TraceReplays
+from cachetier.report.replay import ReplayResult, ReplayTrace
 
 
 def capacity_curve(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cachetier.events import SOURCES, LookupEvent
+from cachetier.report.events import SOURCES, LookupEvent
 
 MAX_TENANTS_PLOTTED = 20  # the rest are drawn as one "other" bar; the JSON keeps all
 _NICE_BIN_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)

@@ -1,6 +1,6 @@
 """Everything a report replays from one trace: the tier hierarchy, the ceiling and the curve.
 
-``cachetier.replay`` replays a trace through *one* cache (a ``CPUTier`` under one policy,
+``cachetier.report.replay`` replays a trace through *one* cache (a ``CPUTier`` under one policy,
 Belady's offline policy, an infinite cache). This module builds on it for ``cachetier report``:
 ``replay_hierarchy`` runs the trace through a ``TieredStore`` of two tiers, as an engine's
 lookups would see them (which tier served which part of a prefix), and ``replay_for_report``
@@ -19,21 +19,21 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from cachetier.events import LookupEvent
-from cachetier.replay import (
+from cachetier.report.config import ReportConfig
+from cachetier.report.events import LookupEvent
+from cachetier.report.replay import (
     ReplayResult,
     ReplayTrace,
     TraceRequest,
     replay_infinite,
     usable_hit,
 )
-from cachetier.report.config import ReportConfig
 from cachetier.report.workers import CurveRunner, Job
-from cachetier.store import TieredStore
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 
 TIER_NAMES = ("cpu", "disk")
-"""Sources the two modelled tiers report hits under (``cachetier.events.SOURCES``)."""
+"""Sources the two modelled tiers report hits under (``cachetier.report.events.SOURCES``)."""
 
 
 @dataclass(frozen=True, slots=True)

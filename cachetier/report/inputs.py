@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cachetier.events import LookupEvent, read_events
-from cachetier.replay import ReplayTrace
-from cachetier.sidecar_http import call_sidecar
+from cachetier.report.events import LookupEvent, read_events
+from cachetier.report.replay import ReplayTrace
+from cachetier.util.sidecar_http import call_sidecar
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def load_events(path: str) -> list[LookupEvent]:
     """Read an event log, forgiving a last line a crash cut short.
 
     Args:
-        path: a file written by ``cachetier.events.EventLog``.
+        path: a file written by ``cachetier.report.events.EventLog``.
 
     Returns:
         The events, in file order.

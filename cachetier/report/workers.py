@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from cachetier.replay import ReplayResult, ReplayTrace, replay_belady, replay_tier
+from cachetier.report.replay import ReplayResult, ReplayTrace, replay_belady, replay_tier
 
 Job = tuple[str, int]
 """One replay of the curve: an eviction policy name (or ``"belady"``) and a capacity in blocks."""

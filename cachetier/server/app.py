@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachetier.config import build_store
 from cachetier.server import routes_admin, routes_blocks, routes_pins
 from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
@@ -22,7 +21,8 @@ from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, rou
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
-from cachetier.tls import server_context
+from cachetier.store.config import build_store
+from cachetier.util.tls import server_context
 
 logger = logging.getLogger("cachetier.server")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from cachetier.checks import positive_int
-from cachetier.config import (
+from cachetier.server.tenants_config import OPEN_TENANT, check_tenants, parse_tenants
+from cachetier.store.config import (
     ENV_PREFIX,
     REDIS_TIMEOUT_S,
     GiB,
@@ -31,9 +31,9 @@ from cachetier.config import (
     default_data_dir,
     env_values,
 )
-from cachetier.redact import redact_url, redacted_repr, url_secrets
-from cachetier.server.tenants_config import OPEN_TENANT, check_tenants, parse_tenants
-from cachetier.tiers.disk_config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from cachetier.tiers.disk.config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from cachetier.util.checks import positive_int
+from cachetier.util.redact import redact_url, redacted_repr, url_secrets
 
 MiB = 1 << 20
 __all__ = ["OPEN_TENANT", "ServerConfig", "load_config", "parse_tenants", "secrets_of"]
@@ -260,7 +260,7 @@ def secrets_of(config: ServerConfig) -> list[str]:
         config: the server's settings.
 
     Returns:
-        The secrets (for ``cachetier.redact``).
+        The secrets (for ``cachetier.util.redact``).
     """
     tokens = [token for tokens in config.tenants.values() for token in tokens]
     return tokens + url_secrets(config.redis_url)

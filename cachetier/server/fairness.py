@@ -25,8 +25,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cachetier.backoff import Clock
 from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.util.backoff import Clock
 
 BURST_S = 1.0  # a full bucket holds this many seconds of its tenant's rate
 ACTIVE_WINDOW_S = 30.0  # a tenant that held upload bytes this recently keeps its share free

@@ -12,8 +12,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from cachetier.checks import positive_int
 from cachetier.server.config import ServerConfig
+from cachetier.util.checks import positive_int
 
 MIN_RESERVED_FDS = 64  # disk records, Redis, listeners, logs: never given to connections
 

@@ -36,10 +36,10 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cachetier.checks import positive_int
 from cachetier.server.config import ServerConfig
 from cachetier.server.connections import ConnectionTable, Entry
 from cachetier.server.listener import METRICS_STATE, GuardedServer
+from cachetier.util.checks import positive_int
 
 HEAD_READ_BYTES = 64 << 10  # one read, until the app asks for the body
 BODY_READ_BYTES = 256 << 10  # one read while it streams one (what asyncio and uvloop read)

@@ -26,11 +26,11 @@ from collections.abc import Callable
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from cachetier.backoff import ExponentialBackoff
 from cachetier.server.config import ServerConfig
 from cachetier.server.connections import ConnectionTable, Entry
 from cachetier.server.fdlimits import ConnectionCaps, raise_nofile_limit
 from cachetier.server.heap import HeapTrimmer
+from cachetier.util.backoff import ExponentialBackoff
 
 logger = logging.getLogger("cachetier.server.listener")
 _uvicorn_logger = logging.getLogger("uvicorn.error")  # where uvicorn says where it listens

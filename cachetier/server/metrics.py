@@ -16,12 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachetier.backoff import BreakerState
 from cachetier.server.connections import ConnectionTable
 from cachetier.server.listener import HttpAcceptor
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
-from cachetier.stats import COUNTERS
+from cachetier.tiers.stats import COUNTERS
+from cachetier.util.backoff import BreakerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TIER_COUNTERS = COUNTERS

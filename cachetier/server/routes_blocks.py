@@ -15,7 +15,7 @@ from fastapi import APIRouter, HTTPException, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from cachetier.errors import CorruptBlockError, OverloadedError
-from cachetier.keys import BlockHash, parse_key
+from cachetier.primitives.keys import BlockHash, parse_key
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, RECORD_MEDIA_TYPE, batch_parts
 from cachetier.record import Buffer
 from cachetier.server.auth import Scope

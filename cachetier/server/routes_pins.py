@@ -14,8 +14,8 @@ from fastapi import APIRouter, HTTPException, Query
 from starlette.concurrency import run_in_threadpool
 
 from cachetier.errors import PinLimitError, TierUnavailableError
-from cachetier.keys import BlockHash, chain_keys, parse_key
-from cachetier.pin_registry import PinRegistryError
+from cachetier.pins.registry import PinRegistryError
+from cachetier.primitives.keys import BlockHash, chain_keys, parse_key
 from cachetier.server.auth import Caller, Scope
 from cachetier.server.deps import CallerDep, ServiceDep
 from cachetier.server.schemas import (

@@ -12,15 +12,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import BlockHash
+from cachetier.pins.store import PinResult
+from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.transfer_frames import TransferAddress
 from cachetier.record import Buffer, KVBlock, decode_record, encode_parts, peek_inflated_nbytes
 from cachetier.server.auth import Scope, TokenIndex
 from cachetier.server.budget import ByteBudget
 from cachetier.server.config import OPEN_TENANT, ServerConfig
-from cachetier.stats import TierStats
-from cachetier.store import PrefixHit, TieredStore
-from cachetier.store_pins import PinResult
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.prefix import PrefixHit
+from cachetier.tiers.stats import TierStats
 
 # Keys read per step of a get with a byte budget: the budget is checked between steps, so it
 # may be overshot by at most this many blocks.

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from cachetier.config import ENV_PREFIX
+from cachetier.store.config import ENV_PREFIX
 
 if TYPE_CHECKING:
     from cachetier.server.config import ServerConfig

@@ -42,7 +42,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from cachetier.backoff import ExponentialBackoff
 from cachetier.protocol.sockets import UNIX_SEND_BUFFER_BYTES, BufferedSocket, accept_tls
 from cachetier.protocol.transfer_frames import (
     HELLO,
@@ -60,6 +59,7 @@ from cachetier.server.auth import AuthFailure
 from cachetier.server.service import BlockService
 from cachetier.server.transfer_requests import Refused, TransferRequests
 from cachetier.server.watchdog import Deadline, Watchdog
+from cachetier.util.backoff import ExponentialBackoff
 
 logger = logging.getLogger("cachetier.server.transfer")
 
@@ -87,7 +87,7 @@ class TransferServer:
             seconds of its head.
         idle_timeout_s: longest wait for the next request on a connection, in seconds.
         io_timeout_s: longest wait for one read or write inside a request, in seconds.
-        tls: server context of the TCP port (``cachetier.tls.server_context``); ``None`` for
+        tls: server context of the TCP port (``cachetier.util.tls.server_context``); ``None`` for
             plain TCP. The Unix socket is plaintext either way.
     """
 

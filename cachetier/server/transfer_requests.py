@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Sequence
 
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import BlockHash
+from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.sockets import BoundedReader, BufferedSocket
 from cachetier.protocol.transfer_frames import KEY_BYTES, LENGTH, REPLY, Op, Status
 from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record

@@ -9,15 +9,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachetier.backoff import Clock
 from cachetier.errors import PinsUnsupportedError
-from cachetier.keys import BlockHash
-from cachetier.landing import Destination, copy_pairs, flat
-from cachetier.parallel import copy_into
-from cachetier.pins import NO_PINS
+from cachetier.pins.pinset import NO_PINS
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import KVBlock, byte_view
-from cachetier.stats import TierStats
-from cachetier.throttle import LogThrottle
+from cachetier.tiers.stats import TierStats
+from cachetier.util.backoff import Clock
+from cachetier.util.landing import Destination, copy_pairs, flat
+from cachetier.util.parallel import copy_into
+from cachetier.util.throttle import LogThrottle
 
 logger = logging.getLogger("cachetier.tiers")
 
@@ -187,7 +187,8 @@ class Tier(ABC):
         """Bytes this tier accounts for now."""
 
     def pin(self, namespace: str, keys: Sequence[BlockHash]) -> int:
-        """Keep blocks from this tier's eviction, now or once they arrive (``cachetier.pins``).
+        """Keep blocks from this tier's eviction, now or once they arrive
+        (``cachetier.pins.pinset``).
 
         Args:
             namespace: storage namespace.

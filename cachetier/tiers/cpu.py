@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachetier.checks import fraction, positive_int
-from cachetier.eviction import make_policy
-from cachetier.keys import BlockHash
-from cachetier.pins import PinSet
+from cachetier.pins.pinset import PinSet
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import KVBlock
 from cachetier.tiers.base import EvictCallback, Tier, check_namespace
+from cachetier.tiers.eviction import make_policy
+from cachetier.util.checks import fraction, positive_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class CPUTierConfig:
 
     Args:
         capacity_bytes: most payload bytes held at once.
-        policy: eviction policy name (``cachetier.eviction.POLICIES``).
+        policy: eviction policy name (``cachetier.tiers.eviction.POLICIES``).
         max_pinned_fraction: share of ``capacity_bytes`` pinned blocks may hold, in [0, 1)
             (0: nothing can be pinned); the rest is what eviction works in.
     """

@@ -1,2 +1,2 @@
-"""cachetier for LMCache: a storage plugin (``connectors.lmcache.backend``, which imports
-LMCache) and its chunk formats (``connectors.lmcache.chunks``, which does not)."""
+"""cachetier for LMCache: a storage plugin (``cachetier.connectors.lmcache.backend``, which imports
+LMCache) and its chunk formats (``cachetier.connectors.lmcache.chunks``, which does not)."""

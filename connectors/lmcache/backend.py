@@ -6,13 +6,13 @@ LMCache loads it by module path, through its own ``storage_plugins`` mechanism (
     chunk_size: 256
     storage_plugins: ["cachetier"]
     extra_config:
-      storage_plugin.cachetier.module_path: connectors.lmcache.backend
+      storage_plugin.cachetier.module_path: cachetier.connectors.lmcache.backend
       storage_plugin.cachetier.class_name: CacheTierBackend
       cachetier.disk_path: /var/cache/cachetier/kv
       cachetier.cpu_bytes: 0
 
-Every ``cachetier.<field>`` key is a ``connectors.config.ConnectorConfig`` field; secrets come
-from the environment (``plugin_config``: LMCache logs its config).
+Every ``cachetier.<field>`` key is a ``cachetier.connectors.config.ConnectorConfig`` field; secrets
+come from the environment (``plugin_config``: LMCache logs its config).
 
 A plugin that cannot start (a bad key or value, a tier that does not open, no model
 fingerprint) logs why at ERROR and stops the process (``SystemExit``); with
@@ -26,9 +26,9 @@ copies.
 
 - **Keys.** LMCache names a chunk by a ``CacheEngineKey`` (model, world size, worker, chunk
   hash, dtype, request tags). Its string form is filed under a cachetier ``Namespace``
-  (``cachetier.keys.foreign_key``) of the model's fingerprint (``cachetier.model_fingerprint``,
-  or the hash of LMCache's model folder), the worker's shard (``tp<worker>of<world>``), the
-  chunk layout and ``cachetier.tenant``.
+  (``cachetier.primitives.keys.foreign_key``) of the model's fingerprint
+  (``cachetier.model_fingerprint``, or the hash of LMCache's model folder), the worker's shard
+  (``tp<worker>of<world>``), the chunk layout and ``cachetier.tenant``.
 - **Chunks** are stored in the canonical arrangement (LMCache's ``KV_2LTD``
   ``[2, layers, tokens, heads * dim]`` becomes ``[layers, 2, tokens, heads, dim]``; MLA's
   ``KV_MLA_FMT`` ``[1, layers, tokens, latent]`` becomes ``[layers, 1, tokens, 1, latent]``);
@@ -50,22 +50,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
-
-from cachetier.errors import CacheTierError
-from cachetier.keys import Namespace, foreign_key
-from cachetier.record import KVBlock
-from connectors.config import (
+from cachetier.connectors.config import (
     fails_on_start_error,
     log_start_failure,
     model_folder_fingerprint,
     open_store,
     plugin_config,
 )
-from connectors.lmcache.chunks import ChunkFormat, chunk_format
-from connectors.records import check_record, payload_block
+from cachetier.connectors.lmcache.chunks import ChunkFormat, chunk_format
+from cachetier.connectors.records import check_record, payload_block
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from cachetier.errors import CacheTierError
+from cachetier.primitives.keys import Namespace, foreign_key
+from cachetier.record import KVBlock
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from cachetier.keys import KVLayout, dtype_name
-from cachetier.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
-from cachetier.landing import Runs
+from cachetier.primitives.keys import KVLayout, dtype_name
+from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
+from cachetier.util.landing import Runs
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ChunkFormat:
 
     def runs(self, obj: Any) -> Runs:
         """Where each run of a canonical payload goes in a full chunk's object of LMCache's
-        allocator, for a tier to read it there directly (``cachetier.landing``).
+        allocator, for a tier to read it there directly (``cachetier.util.landing``).
 
         Canonical run ``layer * planes + plane`` (``tokens x heads x dim`` elements) is the
         object's ``[plane, layer]`` row.

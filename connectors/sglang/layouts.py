@@ -1,4 +1,4 @@
-"""SGLang's host (HiCache) KV pool layouts as ``kernels.paged_layouts`` parts.
+"""SGLang's host (HiCache) KV pool layouts as ``cachetier.kernels.paged_layouts`` parts.
 
 SGLang's host pools keep every layer's KV in one buffer indexed by token slot, in one of these
 layouts (``mem_cache/pool_host/mha.py`` and ``mla.py``, ``init_kv_buffer``; SGLang 0.5.23):
@@ -19,8 +19,7 @@ pool's own layout with one page in it, so ``page_shape`` and the same axes read 
 from __future__ import annotations
 
 import torch
-
-from kernels.paged_layouts import axes_view
+from cachetier.kernels.paged_layouts import axes_view
 
 HOST_POOL_AXES: dict[str, tuple[str, ...]] = {
     "layer_first": ("kv", "layer", "slot", "head", "dim"),
@@ -43,7 +42,7 @@ def pool_axes(layout: str, *, mla: bool) -> tuple[str, ...]:
         mla: whether the pool is an MLA pool (one latent per token).
 
     Returns:
-        One ``kernels.paged_layouts.AXES`` name per buffer dimension.
+        One ``cachetier.kernels.paged_layouts.AXES`` name per buffer dimension.
 
     Raises:
         ValueError: a layout cachetier does not read (e.g. ``page_unified``).
@@ -67,7 +66,7 @@ def host_pool_parts(
         mla: whether the pool is an MLA pool.
 
     Returns:
-        Per layer, ``[[part]]`` for ``kernels.paged_layouts.PagedBlocks``.
+        Per layer, ``[[part]]`` for ``cachetier.kernels.paged_layouts.PagedBlocks``.
     """
     axes = pool_axes(layout, mla=mla)
     num_layers = buffer.shape[axes.index("layer")]

@@ -2,7 +2,7 @@
 
 ``HostPoolPages`` reads what it needs of a registered host pool (its ``kv_buffer``, layout,
 page size and geometry) and copies pages to and from canonical payloads with
-``kernels.paged_layouts``: by host slot index for SGLang's zero-copy calls
+``cachetier.kernels.paged_layouts``: by host slot index for SGLang's zero-copy calls
 (``batch_get_v1``/``batch_set_v1``), or one flat page at a time for its key-based calls, whose
 pages (``get_data_page``) are in the pool's own layout.
 """
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cachetier.connectors.sglang.layouts import host_pool_parts, page_shape, pool_axes
+from cachetier.kernels.paged_layouts import PagedBlocks
 
-from cachetier.keys import KVLayout, dtype_name
-from cachetier.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
-from connectors.sglang.layouts import host_pool_parts, page_shape, pool_axes
-from kernels.paged_layouts import PagedBlocks
+from cachetier.primitives.keys import KVLayout, dtype_name
+from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class HostPoolPages:
     """One SGLang host pool, page by page.
 
     Args:
-        layout: the pool's layout (``connectors.sglang.layouts``).
+        layout: the pool's layout (``cachetier.connectors.sglang.layouts``).
         mla: whether it is an MLA pool.
         page_size: tokens per page: the records' block size.
         kv_layout: the records' KV layout.

@@ -5,12 +5,12 @@ SGLang loads it with no patch of its own, through its dynamic backend path::
     python -m sglang.launch_server --model-path /models/llama --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "cachetier",
-            "module_path": "connectors.sglang.storage", "class_name": "CacheTierStorage",
+            "module_path": "cachetier.connectors.sglang.storage", "class_name": "CacheTierStorage",
             "interface_v1": 1, "disk_path": "/var/cache/kv"}'
 
-Every other key of that JSON is a ``connectors.config.ConnectorConfig`` field (``disk_path``,
-``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the sidecar's
-token, a Redis password) come from the environment, never that JSON (``plugin_config``).
+Every other key of that JSON is a ``cachetier.connectors.config.ConnectorConfig`` field
+(``disk_path``, ``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the
+sidecar's token, a Redis password) come from the environment, never that JSON (``plugin_config``).
 
 A backend that cannot start (a bad key or value, a tier that does not open, no model
 fingerprint) logs why at ERROR and raises, which stops SGLang at start; with
@@ -21,11 +21,12 @@ pages move straight between its host pool and the tiers); without it SGLang call
 key-based API with flat pages, which works too, with one more copy per page.
 
 - **Keys.** SGLang names a page by its own chained hash of the tokens up to it. Each name is
-  filed under a cachetier ``Namespace`` (``cachetier.keys.foreign_key``): the model's
+  filed under a cachetier ``Namespace`` (``cachetier.primitives.keys.foreign_key``): the model's
   fingerprint (``model_fingerprint``, or the hash of SGLang's model folder), the shard this
   rank holds (TP rank for MHA, PP stage, context-parallel rank), the page layout and the
   tenant. Two models, shards or tenants never read each other's pages.
-- **Pages.** A record holds one page in the canonical arrangement (``cachetier.kv_format``), the
+- **Pages.** A record holds one page in the canonical arrangement
+(``cachetier.primitives.kv_format``), the
   format every cachetier connector writes, whatever SGLang's host layout (``layer_first``,
   ``page_first``, ``page_first_direct``, ``page_head``; MLA pools as one latent).
 - **Writes** are acknowledged once the first tier holds them; lower tiers (disk, Redis, the
@@ -46,6 +47,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from cachetier.connectors.config import (
+    fails_on_start_error,
+    log_start_failure,
+    model_folder_fingerprint,
+    open_store,
+    plugin_config,
+)
+from cachetier.connectors.reads import ThreadScratch, read_each
+from cachetier.connectors.records import payload_block
+from cachetier.connectors.sglang.pages import HostPoolPages
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -53,18 +64,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from cachetier.errors import CacheTierError
-from cachetier.keys import BlockHash, Namespace, foreign_key
-from cachetier.store import TieredStore
-from connectors.config import (
-    fails_on_start_error,
-    log_start_failure,
-    model_folder_fingerprint,
-    open_store,
-    plugin_config,
-)
-from connectors.reads import ThreadScratch, read_each
-from connectors.records import payload_block
-from connectors.sglang.pages import HostPoolPages
+from cachetier.primitives.keys import BlockHash, Namespace, foreign_key
+from cachetier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +266,8 @@ class CacheTierStorage(HiCacheStorage):
         return [foreign_key(namespace, "sglang", key) for key in keys]
 
     def _read(self, keys: Sequence[str], into: Callable[[int, torch.Tensor], None]) -> int:
-        """Read the pages of ``keys`` (``connectors.reads.read_each``), handing each checked
-        canonical payload to ``into(position, payload)``. Returns how many pages, from the
+        """Read the pages of ``keys`` (``cachetier.connectors.reads.read_each``), handing each
+        checked canonical payload to ``into(position, payload)``. Returns how many pages, from the
         first, were read. A page after a missing one may be copied too; SGLang uses only the
         leading run."""
         namespace, pages = self._ready()

@@ -4,15 +4,15 @@ Turn it on with::
 
     kv_transfer_config={
         "kv_connector": "CacheTierConnector",
-        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_connector_module_path": "cachetier.connectors.vllm.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"disk_path": "/var/cache/kv", "cpu_bytes": 2 << 30},
     }
 
-(keys of the extra config: ``connectors.vllm.config.ConnectorConfig``). vLLM builds one instance
-per role: the scheduler's plans loads and saves (``connectors.vllm.scheduler``), the worker's
-copies whole blocks (``connectors.vllm.worker``); the metadata between them is plain data, so
-they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or two.
+(keys of the extra config: ``cachetier.connectors.vllm.config.ConnectorConfig``). vLLM builds one
+instance per role: the scheduler's plans loads and saves (``cachetier.connectors.vllm.scheduler``),
+the worker's copies whole blocks (``cachetier.connectors.vllm.worker``); the metadata between them
+is plain data, so they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or two.
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from cachetier.connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
+from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
+from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
+from cachetier.connectors.vllm.scheduler import CacheTierScheduler
+from cachetier.connectors.vllm.stats import CacheTierConnectorStats
+from cachetier.connectors.vllm.timing import timed
+from cachetier.connectors.vllm.worker import CacheTierWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -27,14 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-from connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
-from connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
-from connectors.vllm.metadata import CacheTierConnectorMetadata
-from connectors.vllm.scheduler import CacheTierScheduler
-from connectors.vllm.stats import CacheTierConnectorStats
-from connectors.vllm.timing import timed
-from connectors.vllm.worker import CacheTierWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from cachetier.keys import BlockHash, num_leading_hits
-from connectors.vllm.metadata import StoredBlocks
+from cachetier.connectors.vllm.metadata import StoredBlocks
+
+from cachetier.primitives.keys import BlockHash, num_leading_hits
 
 
 class WorkerCPUIndex:

@@ -10,10 +10,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from connectors.config import ConnectorConfig
+from cachetier.connectors.config import ConnectorConfig
 
 CONNECTOR_NAME = "CacheTierConnector"
-CONNECTOR_MODULE = "connectors.vllm.connector"
+CONNECTOR_MODULE = "cachetier.connectors.vllm.connector"
 
 
 def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""vLLM's paged KV tensors as canonical-block views (``kernels.paged_layouts``), per backend.
+"""vLLM's paged KV tensors as canonical-block views (``cachetier.kernels.paged_layouts``), per
+backend.
 
 vLLM hands the connector one tensor per attention layer, the logical page ``[num_blocks,
 num_kv_heads, block_size, C]`` of ``vllm.v1.kv_cache_interface.create_kv_cache_views``, whose
@@ -29,16 +30,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from cachetier.kernels.paged_layouts import axes_view
 
-from cachetier.keys import KVLayout, dtype_name
-from cachetier.kv_format import (
+from cachetier.primitives.keys import KVLayout, dtype_name
+from cachetier.primitives.kv_format import (
     CANONICAL_ARRANGEMENT,
     MLA_ARRANGEMENT,
     NATIVE_PREFIX,
     SCALE_DTYPE,
     planes,
 )
-from kernels.paged_layouts import axes_view
 
 CUDA_KV = "cuda-kv"
 MLA = "mla"
@@ -59,8 +60,8 @@ class VllmArrangement:
     layout: KVLayout
 
     def parts(self, kv: torch.Tensor) -> list[torch.Tensor]:
-        """One layer as ``kernels.paged_layouts`` parts sharing ``kv``'s memory: K and V in one
-        part, or (vLLM-CPU, K and V laid out differently) one part each.
+        """One layer as ``cachetier.kernels.paged_layouts`` parts sharing ``kv``'s memory: K and V
+        in one part, or (vLLM-CPU, K and V laid out differently) one part each.
 
         Args:
             kv: vLLM's tensor for the layer, ``[num_blocks, heads, block_size, C]`` (MLA:
@@ -153,8 +154,8 @@ def fp8_scales(vllm_config: Any, layer_names: Sequence[str], layout: KVLayout) -
     """Every record's ``aux`` for this run: the layers' fp8 scales, ``b""`` for unscaled KV.
 
     vLLM keeps one K and one V scale per layer (``_k_scale_float``, ``_v_scale_float``); a
-    canonical fp8 block carries its scales (``cachetier.kv_format``), so this run writes them
-    into every record and refuses records with others (they would decode to other values).
+    canonical fp8 block carries its scales (``cachetier.primitives.kv_format``), so this run writes
+    them into every record and refuses records with others (they would decode to other values).
 
     Args:
         vllm_config: the engine's config (its forward context holds the attention layers).

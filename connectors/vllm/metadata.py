@@ -13,8 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from cachetier.costmodel import TierRate
-from cachetier.keys import BlockHash
+from cachetier.primitives.keys import BlockHash
+from cachetier.store.costmodel import TierRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class CacheTierConnectorMetadata(KVConnectorMetadata):
             the worker reports them loaded (``get_finished``).
         saves: blocks whose every token was computed by this step's forward, to store after it.
         step_tokens: tokens this step computes, if it computes prompt tokens (else 0).
-        step_attention: their attention work (``cachetier.costmodel.PrefillModel``).
+        step_attention: their attention work (``cachetier.store.costmodel.PrefillModel``).
     """
 
     loads: list[BlockTransfer] = field(default_factory=list)

@@ -1,9 +1,9 @@
 """vLLM's paged KV buffers as cachetier sees them: one record is one vLLM block, all layers.
 
-A record's payload is the canonical block of ``cachetier.kv_format`` (``[num_layers, 2,
+A record's payload is the canonical block of ``cachetier.primitives.kv_format`` (``[num_layers, 2,
 block_size, num_kv_heads, head_size]``, or one MLA latent plane), whatever vLLM backend and
-device hold it: ``connectors.vllm.layouts`` reads each backend's cells as views, and
-``kernels.staging`` moves blocks between those views and host memory (pinned and on a side
+device hold it: ``cachetier.connectors.vllm.layouts`` reads each backend's cells as views, and
+``cachetier.kernels.staging`` moves blocks between those views and host memory (pinned and on a side
 stream on CUDA; straight into per-block host tensors on CPU). So a block saved by vLLM restores
 into our engine or HF, and back.
 """
@@ -14,11 +14,11 @@ import time
 from collections.abc import Mapping, Sequence
 
 import torch
+from cachetier.connectors.vllm.layouts import VllmArrangement
+from cachetier.kernels.paged_layouts import PagedBlocks
+from cachetier.kernels.staging import HostStaging, PendingSave
 
 from cachetier.record import Buffer
-from connectors.vllm.layouts import VllmArrangement
-from kernels.paged_layouts import PagedBlocks
-from kernels.staging import HostStaging, PendingSave
 
 
 class PagedKV:

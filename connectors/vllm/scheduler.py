@@ -1,7 +1,7 @@
 """Scheduler side of the connector: which leading blocks of a request are stored, and the plan
 of whole-block loads and saves the worker carries out each step.
 
-A request's records are keyed with ``cachetier.keys.block_keys`` over its token ids in a
+A request's records are keyed with ``cachetier.primitives.keys.block_keys`` over its token ids in a
 ``Namespace(model fingerprint, canonical record layout, tenant + cache salt)``. A record holds
 ``record_tokens`` tokens, the same in every engine of a deployment, and a vLLM block of
 ``block_size`` tokens holds ``block_size / record_tokens`` of them: block ``i`` of the request
@@ -29,12 +29,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cachetier.connectors.config import check_load_async
+from cachetier.connectors.vllm.cpu_index import WorkerCPUIndex
+from cachetier.connectors.vllm.metadata import (
+    BlockTransfer,
+    CacheTierConnectorMetadata,
+    StoredBlocks,
+)
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from cachetier.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
 from cachetier.errors import CacheTierError
-from cachetier.keys import (
+from cachetier.primitives.keys import (
     BlockHash,
     KVLayout,
     Namespace,
@@ -42,11 +48,9 @@ from cachetier.keys import (
     record_layout,
     records_per_block,
 )
-from cachetier.kv_format import DEFAULT_RECORD_TOKENS
-from cachetier.store import TieredStore
-from connectors.config import check_load_async
-from connectors.vllm.cpu_index import WorkerCPUIndex
-from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.store.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
+from cachetier.store.tiered import TieredStore
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -10,8 +10,8 @@ stream and reaches the store at a later call, when its event has fired (``PagedK
 CPU it is stored at once.
 
 A vLLM block of ``n`` records is saved as ``n`` records cut from its canonical payload and
-restored by joining them (``kernels.records``), so vLLM shares records with engines of other
-block sizes. A block that cannot be restored (missing, corrupt, failed checksum, another
+restored by joining them (``cachetier.kernels.records``), so vLLM shares records with engines of
+other block sizes. A block that cannot be restored (missing, corrupt, failed checksum, another
 layout) is reported through ``take_failed_block_ids`` so vLLM recomputes it instead of reading
 stale KV; the blocks after it in the same request are reported too, since a prefix is only
 usable up to its first gap.
@@ -25,21 +25,25 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from cachetier.connectors.records import check_record
+from cachetier.connectors.vllm import timing
+from cachetier.connectors.vllm.layouts import VllmArrangement
+from cachetier.connectors.vllm.metadata import (
+    BlockTransfer,
+    CacheTierConnectorMetadata,
+    StoredBlocks,
+)
+from cachetier.connectors.vllm.paged import PagedKV
+from cachetier.connectors.vllm.stats import CacheTierConnectorStats
+from cachetier.kernels.records import join_records, split_block
+from cachetier.kernels.staging import PendingSave, payload_tensor, payload_view
 from vllm.logger import init_logger
 
 from cachetier.errors import CacheTierError
-from cachetier.keys import record_layout, torch_dtype
-from cachetier.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.primitives.keys import record_layout, torch_dtype
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import Buffer, KVBlock
-from cachetier.store import TieredStore
-from connectors.records import check_record
-from connectors.vllm import timing
-from connectors.vllm.layouts import VllmArrangement
-from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata, StoredBlocks
-from connectors.vllm.paged import PagedKV
-from connectors.vllm.stats import CacheTierConnectorStats
-from kernels.records import join_records, split_block
-from kernels.staging import PendingSave, payload_tensor, payload_view
+from cachetier.store.tiered import TieredStore
 
 logger = init_logger("vllm.cachetier.worker")
 

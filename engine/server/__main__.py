@@ -1,7 +1,7 @@
-"""Command line: ``python -m engine.server`` serves a model over the OpenAI API.
+"""Command line: ``python -m cachetier.engine.server`` serves a model over the OpenAI API.
 
-    python -m engine.server --port 8000 --disk-path ./kv
-    python -m engine.server --model ./my-llama --served-model-name llama --api-key secret
+    python -m cachetier.engine.server --port 8000 --disk-path ./kv
+    python -m cachetier.engine.server --model ./my-llama --served-model-name llama --api-key secret
 
 Tiers come from ``CACHETIER_*`` variables (``CACHETIER_CPU_BYTES``, ``CACHETIER_DISK_PATH``,
 ``CACHETIER_REDIS_URL``, ``CACHETIER_REMOTE_URL``, ``CACHETIER_REMOTE_TOKEN``...), and the
@@ -19,19 +19,19 @@ import sys
 from collections.abc import Mapping
 
 import uvicorn
+from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
+from cachetier.engine.server.app import create_app
+from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
 
-from cachetier.cli_ports import bound_port, run_reporting_ports
-from cachetier.config import StoreConfig, env_values
-from engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
-from engine.server.openai_app import create_app
-from engine.server.openai_config import SMOLLM2, EngineServerConfig
+from cachetier.cli.ports import bound_port, run_reporting_ports
+from cachetier.store.config import StoreConfig, env_values
 
 API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m engine.server",
+        prog="python -m cachetier.engine.server",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"engine server config: {config}", file=sys.stderr, flush=True)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("engine.server").warning(
+        logging.getLogger("cachetier.engine.server").warning(
             "no API key and listening on %s: anyone who reaches the port can use the model",
             config.host,
         )

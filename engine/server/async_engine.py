@@ -17,9 +17,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cachetier.engine.llm_engine import LLMEngine, RequestOutput
+from cachetier.engine.sampling import SamplingParams
+
 from cachetier.errors import CacheTierError
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

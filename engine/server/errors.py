@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from cachetier.engine.server.schemas import ErrorDetail, ErrorResponse
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -12,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachetier.errors import RequestRefusedError
 from cachetier.server.body_limit import BodyRefused
-from engine.server.openai_schemas import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,10 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-
-from engine.server.async_engine import EngineDeadError
-from engine.server.errors import APIError
-from engine.server.openai_metrics import CONTENT_TYPE
-from engine.server.openai_schemas import (
+from cachetier.engine.server.async_engine import EngineDeadError
+from cachetier.engine.server.errors import APIError
+from cachetier.engine.server.metrics import CONTENT_TYPE
+from cachetier.engine.server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -29,7 +26,7 @@ from engine.server.openai_schemas import (
     ModelCard,
     ModelList,
 )
-from engine.server.serving import (
+from cachetier.engine.server.serving import (
     OpenAIServing,
     Piece,
     cache_info_of,
@@ -38,6 +35,8 @@ from engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 
 
 def usage_event(

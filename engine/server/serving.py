@@ -11,24 +11,23 @@ from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
-
-from engine.llm_engine import RequestOutput
-from engine.sampling import SamplingParams
-from engine.server.async_engine import AsyncEngine, EngineDeadError
-from engine.server.errors import APIError
-from engine.server.openai_config import EngineServerConfig
-from engine.server.openai_metrics import EngineMetrics
-from engine.server.openai_schemas import (
+from cachetier.engine.llm_engine import RequestOutput
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.server.async_engine import AsyncEngine, EngineDeadError
+from cachetier.engine.server.config import EngineServerConfig
+from cachetier.engine.server.errors import APIError
+from cachetier.engine.server.metrics import EngineMetrics
+from cachetier.engine.server.schemas import (
     CacheInfo,
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
     Usage,
 )
-from engine.server.text_stream import TextStream
+from cachetier.engine.server.text_stream import TextStream
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 T = TypeVar("T")
 
@@ -116,7 +115,7 @@ class OpenAIServing:
         tokenizer = self._need_tokenizer("chat")
         messages = [m.as_template_input() for m in request.messages]
         try:
-            # Render the template to text, then tokenize it once (as engine.llm does): its
+            # Render the template to text, then tokenize it once (as cachetier.engine.llm does): its
             # special tokens are in the text, so encoding must not add more.
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 
 from benchmarks.workdir import disk_work_dir
-from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
+from cachetier.util.mounts import MEMORY_FILESYSTEMS, mount_fstype
 
 
 def test_a_memory_folder_is_refused_naming_the_option() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cachetier.backoff import BreakerState, CircuitBreaker, ExponentialBackoff, Fault, Guard
+from cachetier.util.backoff import BreakerState, CircuitBreaker, ExponentialBackoff, Fault, Guard
 from tests.support import FakeClock
 
 

@@ -8,9 +8,9 @@ import io
 
 import numpy as np
 
-from cachetier import buffers
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import encode_record, read_record
+from cachetier.util import buffers
 from tests.support import make_blocks
 
 SIZE = 3 * buffers.MIN_RECYCLED_BYTES + 5

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import Namespace
-from cachetier.store import TieredStore
+from cachetier.primitives.keys import Namespace
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.base import CORRUPT_LOG_INTERVAL_S
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.cachetier.tier_harness import TierHarness, build, redis_harness

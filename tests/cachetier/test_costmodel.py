@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.costmodel import (
+from cachetier.record import KVBlock
+from cachetier.store.costmodel import (
     CopyRate,
     CostModel,
     EstimateError,
@@ -17,10 +18,9 @@ from cachetier.costmodel import (
     PrefillModel,
     TierRates,
 )
-from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 
 BLOCK_BYTES = 1 << 20
@@ -489,7 +489,7 @@ def test_a_refusal_needs_a_gain_beyond_the_measured_error() -> None:
 
 def test_a_refusal_and_its_outcome_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     error = trusted()
-    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+    with caplog.at_level(logging.INFO, logger="cachetier.store.costmodel"):
         chosen = tight_plan(error)
     assert chosen.refused and chosen.est_compute_s is not None
     assert chosen.est_ttft_s is not None and chosen.est_load_all_s is not None
@@ -498,7 +498,7 @@ def test_a_refusal_and_its_outcome_are_logged(caplog: pytest.LogCaptureFixture) 
     assert f"{chosen.est_ttft_s:.4f} s" in line and f"{chosen.est_load_all_s:.4f} s" in line
     caplog.clear()
     model = CostModel(rates_with(remote=0.01), linear_prefill(2.8e-4, error), clock=STILL)
-    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+    with caplog.at_level(logging.INFO, logger="cachetier.store.costmodel"):
         model.observe_outcome(chosen, 1.25, request_id="r1")
         model.observe_outcome(LoadPlan.load_all(8, "model"), 9.0)  # no refusal: nothing
     (line,) = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""Reads of the disk tier's record files (``cachetier.tiers.disk_reads``): a batch's cold small
+"""Reads of the disk tier's record files (``cachetier.tiers.disk.reads``): a batch's cold small
 files go to the I/O threads, found cold by a non-blocking first read; cached files, one-block
 gets, large records and background work read on the data threads as before. The files are
 made cold for real (written back, then dropped from the page cache)."""
@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from benchmarks.peers_common import drop_from_page_cache
-from cachetier import parallel
-from cachetier.keys import Namespace
-from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
+from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock, encode_record
-from cachetier.tiers import disk_reads
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.tiers.disk_reads import read_block
+from cachetier.tiers.disk import reads as disk_reads
+from cachetier.tiers.disk.reads import read_block
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from cachetier.util import parallel
+from cachetier.util.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from tests.support import make_blocks
 
 

@@ -1,5 +1,5 @@
 """Spare files of the disk tier: records it evicts or deletes are written over by its next puts
-instead of new files (``cachetier.tiers.disk_spares``), within the folder's budget, and never
+instead of new files (``cachetier.tiers.disk.spares``), within the folder's budget, and never
 at the cost of a reader: one whose record is written over under it gets a miss."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import cachetier.tiers.disk_reads as reads_module
-from cachetier.keys import Namespace
+import cachetier.tiers.disk.reads as reads_module
+from cachetier.primitives.keys import Namespace
 from cachetier.record import encode_record
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.tiers.disk_files import TMP_PREFIX
-from cachetier.tiers.disk_spares import SparePool
+from cachetier.tiers.disk.files import TMP_PREFIX
+from cachetier.tiers.disk.spares import SparePool
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.children import run_python
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -151,8 +151,8 @@ def test_close_removes_the_spares(tmp_path: Path, namespace: Namespace) -> None:
 
 _DIES_HOLDING_SPARES = """
 import os, sys
-from cachetier.keys import Namespace
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.primitives.keys import Namespace
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.support import SMALL_LAYOUT, make_blocks
 ns = Namespace("test-model", SMALL_LAYOUT)
 blocks = make_blocks(ns, 2)

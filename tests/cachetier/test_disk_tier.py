@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.config import StoreConfig, build_tiers
 from cachetier.errors import TierUnavailableError
-from cachetier.keys import Namespace
-from cachetier.mounts import MEMORY_FILESYSTEMS, mount_fstype
+from cachetier.primitives.keys import Namespace
 from cachetier.record import encode_record
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.tiers.disk_budget import LEDGER_NAME, decode_state, encode_state
-from cachetier.tiers.disk_files import read_boot_id, temp_name
+from cachetier.store.config import StoreConfig, build_tiers
+from cachetier.tiers.disk.budget import LEDGER_NAME, decode_state, encode_state
+from cachetier.tiers.disk.files import read_boot_id, temp_name
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from cachetier.util.mounts import MEMORY_FILESYSTEMS, mount_fstype
 from tests.children import run_python
 from tests.support import SMALL_LAYOUT, make_blocks
 
@@ -134,7 +134,7 @@ def test_a_record_another_tier_wrote_is_refreshed_not_rewritten(
 
 _DEAD_OWNER = """
 import sys
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 print(DiskTier(DiskTierConfig(sys.argv[1], 1 << 20)).owner_id)  # exits without closing
 """
 
@@ -328,7 +328,7 @@ def test_a_folder_in_memory_is_allowed_but_named_in_a_warning(
 ) -> None:
     shm = Path(tempfile.mkdtemp(prefix="cachetier-test-", dir="/dev/shm"))  # a real tmpfs
     try:
-        with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk"):
+        with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk.tier"):
             in_memory = _tier(shm / "cache", 1 << 20)
         try:
             assert in_memory.filesystem == "tmpfs"
@@ -341,7 +341,7 @@ def test_a_folder_in_memory_is_allowed_but_named_in_a_warning(
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="cachetier.tiers.disk.tier"):
         on_disk = _tier(tmp_path / "cache", 1 << 20)
     on_disk.close()
     assert on_disk.filesystem == mount_fstype(tmp_path)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cachetier.events import EventLog, LookupEvent, read_events
+from cachetier.report.events import EventLog, LookupEvent, read_events
 
 
 def _event(i: int, tenant: str = "a") -> LookupEvent:

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachetier.eviction import (
+from cachetier.primitives.keys import KVLayout, Namespace
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.eviction import (
     POLICIES,
     ARCPolicy,
     EvictionPolicy,
@@ -17,8 +19,6 @@ from cachetier.eviction import (
     S3FIFOPolicy,
     make_policy,
 )
-from cachetier.keys import KVLayout, Namespace
-from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from tests.support import make_blocks
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cachetier.fingerprint import FINGERPRINT_CACHE_NAME, model_fingerprint
+from cachetier.primitives.fingerprint import FINGERPRINT_CACHE_NAME, model_fingerprint
 from tests.children import run_python
 
 
@@ -24,7 +24,7 @@ def test_fingerprint_is_stable_across_processes(tiny_model_dir: Path, tmp_path: 
     folder = copy_model(tiny_model_dir, tmp_path / "m")
     code = """
         import sys
-        from cachetier.fingerprint import model_fingerprint
+        from cachetier.primitives.fingerprint import model_fingerprint
         print(model_fingerprint(sys.argv[1]))
     """
     in_child = run_python(code, folder)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachetier.keys import (
+from cachetier.primitives.keys import (
     DTYPE_BYTES,
     KVLayout,
     Namespace,
@@ -21,7 +21,7 @@ from cachetier.keys import (
     token_bytes,
     torch_dtype,
 )
-from cachetier.kv_format import MLA_ARRANGEMENT
+from cachetier.primitives.kv_format import MLA_ARRANGEMENT
 
 LAYOUT = KVLayout("float16", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
 NS = Namespace("model-a", LAYOUT)
@@ -130,7 +130,7 @@ def test_parse_key_round_trips_and_rejects_bad_text() -> None:
 
 _CHILD = """
 import sys
-from cachetier.keys import KVLayout, Namespace, block_keys
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys
 ns = Namespace("model-a", KVLayout("float16", 4, 2, 1, 8), tenant="t")
 print(",".join(k.hex() for k in block_keys(ns, list(range(1000, 1040)))))
 """
@@ -185,7 +185,7 @@ def test_foreign_keys_are_scoped_by_namespace_and_engine() -> None:
 
 
 def test_record_layout_keeps_the_kv_and_takes_the_record_size() -> None:
-    from cachetier.keys import record_layout, records_per_block
+    from cachetier.primitives.keys import record_layout, records_per_block
 
     vllm = KVLayout("float16", 32, 30, 3, 64)
     hf = KVLayout("float16", 16, 30, 3, 64)

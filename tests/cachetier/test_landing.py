@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachetier.landing import Runs, copy_pairs, flat, normalize, parts
+from cachetier.util.landing import Runs, copy_pairs, flat, normalize, parts
 
 
 def test_runs_must_tile_the_buffer_once() -> None:

@@ -1,10 +1,10 @@
-"""cachetier.mounts: which file system a path lives on, from the kernel's list of mounts."""
+"""cachetier.util.mounts: which file system a path lives on, from the kernel's list of mounts."""
 
 from __future__ import annotations
 
 import pytest
 
-from cachetier.mounts import mount_fstype
+from cachetier.util.mounts import mount_fstype
 
 # Mount points under a root no machine has, so that resolving the paths cannot follow a link.
 MOUNTINFO = "\n".join(

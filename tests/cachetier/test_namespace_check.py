@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.tiers.base import MAX_NAMESPACE_CHARS, check_namespace
 
 LAYOUT = KVLayout("float16", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from cachetier.parallel import beside, copy_into, map_in_threads
+from cachetier.util.parallel import beside, copy_into, map_in_threads
 
 
 def test_results_keep_their_order_and_failures_stay_per_item() -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.config import StoreConfig, build_store
 from cachetier.errors import PinLimitError
-from cachetier.keys import Namespace, block_keys
-from cachetier.pin_registry import PinRegistry, PinRegistryError
+from cachetier.pins.registry import PinRegistry, PinRegistryError
+from cachetier.pins.store import StorePins
+from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.store_pins import StorePins
+from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.cpu import CPUTierConfig
-from cachetier.tiers.disk_config import DiskTierConfig
+from cachetier.tiers.disk.config import DiskTierConfig
 from cachetier.tiers.redis import RedisTierConfig
 from tests.cachetier.tier_harness import TierHarness, build
 from tests.support import make_blocks

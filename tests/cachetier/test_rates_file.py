@@ -1,4 +1,5 @@
-"""cachetier.rates_file: the disk tier's measured speed outlives the process, and a bad file is
+"""cachetier.store.rates_file: the disk tier's measured speed outlives the process, and a bad file
+is
 a clean miss."""
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.rates_file import MAX_BYTES, RATES_FILE_NAME, RatesFile
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.rates_file import MAX_BYTES, RATES_FILE_NAME, RatesFile
+from cachetier.store.tiered import TieredStore
 
 KEYS = [bytes([i]) * 32 for i in range(8)]
 

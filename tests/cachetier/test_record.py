@@ -15,8 +15,7 @@ import cachetier.record as record_module
 import cachetier.record.codec as codec_module
 import cachetier.record.reading as reading_module
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import KVLayout, Namespace
-from cachetier.parallel import map_in_threads
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import (
     FORMAT_VERSION,
     SEGMENT_BYTES,
@@ -31,6 +30,7 @@ from cachetier.record import (
     record_nbytes,
     reseal,
 )
+from cachetier.util.parallel import map_in_threads
 from tests.support import SMALL_LAYOUT, make_blocks
 
 

@@ -16,7 +16,7 @@ import pytest
 from redis.cluster import RedisCluster
 from redis.connection import Connection
 
-from cachetier.keys import BlockHash, Namespace
+from cachetier.primitives.keys import BlockHash, Namespace
 from cachetier.record import KVBlock
 from cachetier.tiers.redis import RedisTier, RedisTierConfig, parse_cluster_url
 from tests.cachetier.local_cluster import NUM_MASTERS, LocalCluster

@@ -16,11 +16,11 @@ from typing import TypeVar
 import pytest
 import redis
 
-from cachetier.config import StoreConfig, build_store
 from cachetier.errors import PinsUnsupportedError, TierUnavailableError
-from cachetier.keys import BlockHash, Namespace
-from cachetier.pin_registry import PinRegistry
+from cachetier.pins.registry import PinRegistry
+from cachetier.primitives.keys import BlockHash, Namespace
 from cachetier.record import KVBlock, encode_record
+from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.support import PrivateRedis, make_blocks
 

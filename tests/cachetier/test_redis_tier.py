@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from cachetier.keys import BlockHash, Namespace
+from cachetier.primitives.keys import BlockHash, Namespace
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.support import (
@@ -463,8 +463,8 @@ def test_a_store_across_a_thin_link_reads_whole_with_a_longer_timeout(
     # read failed, every block a miss). redis_timeout_s is the setting for such a link.
     from urllib.parse import urlsplit
 
-    from cachetier.config import StoreConfig, build_store
-    from cachetier.keys import KVLayout, block_keys
+    from cachetier.primitives.keys import KVLayout, block_keys
+    from cachetier.store.config import StoreConfig, build_store
     from tests.throttled_link import SlowLink
 
     layout = KVLayout("float32", 32, 30, 3, 64)  # SmolLM2's 32-token block: 1.47 MB

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.tiers.redis import AUTH_LOG_INTERVAL_S, RedisTier, RedisTierConfig
 from cachetier.tiers.redis.transports import RespTransport
 from tests.certs import TLSFiles

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.record import encode_parts, plain_record_nbytes, record_nbytes
 from cachetier.tiers.remote.batching import RequestLimits
 from tests.support import make_blocks

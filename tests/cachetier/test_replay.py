@@ -16,10 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachetier.config import StoreConfig
-from cachetier.eviction import POLICIES, make_policy
-from cachetier.keys import block_keys
-from cachetier.replay import (
+from cachetier.primitives.keys import block_keys
+from cachetier.report.replay import (
     ReplayResult,
     ReplayTrace,
     RequestRecord,
@@ -31,6 +29,8 @@ from cachetier.replay import (
     replay_tier,
     synthetic_tokens,
 )
+from cachetier.store.config import StoreConfig
+from cachetier.tiers.eviction import POLICIES, make_policy
 from tests.support import CONVERSATION_TRACE as CONVERSATION
 
 

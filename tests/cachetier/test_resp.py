@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import Compression, KVBlock, encode_parts, encode_record
 from cachetier.tiers.redis.resp import (
     CORRUPT,
@@ -25,7 +25,7 @@ from cachetier.tiers.redis.resp import (
     RespProtocolError,
     command,
 )
-from cachetier.tls import client_context
+from cachetier.util.tls import client_context
 from tests.support import PrivateRedis, make_blocks
 
 # 4 layers x K/V x 64 tokens x 2 heads x 64 dims, fp16: 128 KiB, above the connection's

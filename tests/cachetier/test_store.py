@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import Namespace
-from cachetier.parallel import map_in_threads
+from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from cachetier.util.parallel import map_in_threads
 from tests.support import SMALL_LAYOUT, make_blocks
 
 BIG = 1 << 30

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import KVLayout, Namespace
-from cachetier.landing import Runs
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.base import Tier
+from cachetier.util.landing import Runs
 from tests.cachetier.tier_harness import TierHarness, build, kinds
 from tests.support import make_blocks
 

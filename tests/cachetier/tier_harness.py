@@ -16,11 +16,11 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from cachetier.keys import BlockHash
-from cachetier.store import TieredStore
+from cachetier.primitives.keys import BlockHash
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig, parse_cluster_url
 
 

@@ -7,8 +7,7 @@ import ast
 import logging
 
 import pytest
-
-from connectors.config import (
+from cachetier.connectors.config import (
     ALL_KEYS,
     PLUGIN_KEYS,
     VLLM_KEYS,
@@ -89,7 +88,7 @@ def test_a_start_failure_is_logged_at_error_saying_what_the_engine_does(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     error = ValueError("unknown keys ['disk_pth']")
-    with caplog.at_level(logging.ERROR, logger="connectors.config"):
+    with caplog.at_level(logging.ERROR, logger="cachetier.connectors.config"):
         fatal = log_start_failure(error, engine="SGLang", fatal=True)
         quiet = log_start_failure(error, engine="SGLang", fatal=False)
     assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]

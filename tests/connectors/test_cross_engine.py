@@ -35,7 +35,9 @@ import pytest
 from tests.children import run_spec_module, spec_main
 
 VLLM_BLOCK_SIZE = 32
-RECORD_TOKENS = 16  # cachetier.kv_format.DEFAULT_RECORD_TOKENS, and HF's and our engine's block
+RECORD_TOKENS = (
+    16  # cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS, and HF's and our engine's block
+)
 PROMPT_LEN = 4 * VLLM_BLOCK_SIZE + 5  # 4 vLLM blocks restored; the last 5 tokens are computed
 FULL_BLOCKS = 4  # of vLLM's
 CACHED_TOKENS = FULL_BLOCKS * VLLM_BLOCK_SIZE
@@ -83,7 +85,7 @@ def _hf_generate(model: Any, prompt: list[int], connector: Any | None) -> dict[s
 
 
 def _engine_generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
-    from engine.sampling import SamplingParams
+    from cachetier.engine.sampling import SamplingParams
 
     (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return {"token_ids": list(out.token_ids), "num_cached_tokens": out.num_cached_tokens}
@@ -91,11 +93,11 @@ def _engine_generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
 
 def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
+    from cachetier.connectors.hf import HFCacheConnector
+    from cachetier.engine.llm import LLM
     from transformers import AutoModelForCausalLM
 
-    from cachetier.config import StoreConfig, build_store
-    from connectors.hf import HFCacheConnector
-    from engine.llm import LLM
+    from cachetier.store.config import StoreConfig, build_store
 
     folder = spec["model"]
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
@@ -123,9 +125,8 @@ def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
 def _run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     import gc
 
+    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
-
-    from connectors.vllm.launch import kv_transfer_config
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     results: dict[str, Any] = {}

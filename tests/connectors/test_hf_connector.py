@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from cachetier.connectors.hf import HFCacheConnector
 
-from cachetier.config import StoreConfig, build_store
 from cachetier.errors import TierUnavailableError
-from cachetier.keys import BlockHash, Namespace, block_keys
+from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.store import TieredStore
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from connectors.hf import HFCacheConnector
 from tests.models import ForwardTokens, make_tiny_llama
 
 MiB = 1 << 20
@@ -263,8 +263,8 @@ def test_generated_tokens_are_stored_when_asked(
 def test_our_engine_and_the_hf_connector_share_blocks(
     tiny_model: torch.nn.Module, tiny_model_dir: Path, store: TieredStore
 ) -> None:
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from cachetier.engine.llm import LLM
+    from cachetier.engine.sampling import SamplingParams
 
     conn = HFCacheConnector(tiny_model, store, model_folder=tiny_model_dir)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)

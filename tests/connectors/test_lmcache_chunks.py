@@ -6,11 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from cachetier.connectors.lmcache.chunks import ChunkFormat
 
-from cachetier.keys import KVLayout
-from cachetier.kv_format import MLA_ARRANGEMENT
-from cachetier.landing import copy_pairs
-from connectors.lmcache.chunks import ChunkFormat
+from cachetier.primitives.keys import KVLayout
+from cachetier.primitives.kv_format import MLA_ARRANGEMENT
+from cachetier.util.landing import copy_pairs
 
 KV_2LTD, KV_MLA = "KV_2LTD", "KV_MLA_FMT"  # stand-ins for LMCache's MemoryFormat members
 LAYERS, TOKENS, HEADS, DIM = 3, 8, 2, 4

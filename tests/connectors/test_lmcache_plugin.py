@@ -58,15 +58,19 @@ def test_a_bad_config_stops_lmcache_loudly_unless_told_otherwise(tmp_path: Path)
     for name, cause in causes.items():
         case = out[name]
         assert case["rc"] == 1 and case["out"] is None, (name, case["stderr"][-2000:])
-        errors = [line for line in case["stderr"].splitlines() if "connectors.config" in line]
+        errors = [
+            line for line in case["stderr"].splitlines() if "cachetier.connectors.config" in line
+        ]
         assert len(errors) == 1, (name, case["stderr"][-2000:])
-        assert errors[0].startswith("ERROR connectors.config: cachetier could not start")
+        assert errors[0].startswith("ERROR cachetier.connectors.config: cachetier could not start")
         assert cause in errors[0] and "LMCache is not started" in errors[0], errors[0]
     assert "s3cret" not in out["secret"]["stderr"]
     assert "'remote_token'" not in out["typo"]["stderr"]  # a plugin does not accept it
     quiet = out["typo_not_fatal"]
     assert quiet["rc"] == 0 and quiet["out"]["plugin"] is False, quiet["stderr"][-2000:]
-    errors = [line for line in quiet["stderr"].splitlines() if "connectors.config" in line]
+    errors = [
+        line for line in quiet["stderr"].splitlines() if "cachetier.connectors.config" in line
+    ]
     assert len(errors) == 1 and "LMCache is running WITHOUT cachetier" in errors[0]
     assert out["good"]["rc"] == 0 and out["good"]["out"]["plugin"] is True
 

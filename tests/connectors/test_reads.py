@@ -6,12 +6,12 @@ import threading
 from pathlib import Path
 
 import torch
+from cachetier.connectors.reads import ThreadScratch, read_each
+from cachetier.connectors.records import payload_block
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import KVLayout, Namespace, hash_block
-from cachetier.store import TieredStore
-from connectors.reads import ThreadScratch, read_each
-from connectors.records import payload_block
+from cachetier.primitives.keys import KVLayout, Namespace, hash_block
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
 
 LAYOUT = KVLayout("float32", 4, 2, 2, 8)
 NS = Namespace("reads-test-model", LAYOUT)

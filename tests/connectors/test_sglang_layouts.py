@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from connectors.sglang.layouts import (
+from cachetier.connectors.sglang.layouts import (
     HOST_POOL_AXES,
     MLA_HOST_POOL_AXES,
     host_pool_parts,
     page_shape,
 )
-from kernels.paged_layouts import PagedBlocks
+from cachetier.kernels.paged_layouts import PagedBlocks
+
 from tests.connectors.sglang_pool import make_mha_pool, make_mla_pool
 
 L, PAGES, PAGE, H, D = 3, 5, 4, 2, 8

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from cachetier.connectors.sglang.storage import CacheTierStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from connectors.sglang.storage import CacheTierStorage
 from tests.children import run_python
 from tests.connectors.sglang_pool import make_mha_pool, make_mla_pool
 from tests.server.live import TOKENS, ThreadServer, test_config
@@ -30,7 +30,7 @@ MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 FINGERPRINT = "sglang-test-model"
 BACKEND = {
     "backend_name": "cachetier",
-    "module_path": "connectors.sglang.storage",
+    "module_path": "cachetier.connectors.sglang.storage",
     "class_name": "CacheTierStorage",
     "interface_v1": 1,
 }
@@ -377,7 +377,7 @@ def test_a_bad_config_stops_sglang_loudly(
     # SGLang's factory re-raises a dynamic backend's error, and its scheduler exits on it.
     with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match="disk_pth"):
         make_backend(mha_pool(), {"disk_pth": "/tmp/kv"})
-    ours = [r for r in caplog.records if r.name == "connectors.config"]
+    ours = [r for r in caplog.records if r.name == "cachetier.connectors.config"]
     assert len(ours) == 1 and ours[0].levelno == logging.ERROR
     assert "SGLang is not started" in ours[0].getMessage()
     assert "disk_pth" in ours[0].getMessage()
@@ -393,7 +393,7 @@ def test_fail_on_start_error_false_serves_without_cachetier(
     extra = {"disk_pth": str(tmp_path / "typo"), "fail_on_start_error": False}
     with caplog.at_level(logging.ERROR):
         backend = make_backend(pool, extra)
-    ours = [r for r in caplog.records if r.name == "connectors.config"]
+    ours = [r for r in caplog.records if r.name == "cachetier.connectors.config"]
     assert [r.levelno for r in ours] == [logging.ERROR]
     assert "SGLang is running WITHOUT cachetier" in ours[0].getMessage()
     assert not backend.running

@@ -10,18 +10,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from cachetier.connectors.vllm.connector import CacheTierConnector  # noqa: E402
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-
-from connectors.vllm.connector import CacheTierConnector  # noqa: E402
 
 
 def _config(extra: dict) -> VllmConfig:
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="CacheTierConnector",
-            kv_connector_module_path="connectors.vllm.connector",
+            kv_connector_module_path="cachetier.connectors.vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         )

@@ -1,5 +1,5 @@
 """vLLM's KV layouts, taken from the installed vLLM: pages built by vLLM's own allocator for
-every ``KVCacheLayout``, read through ``connectors.vllm.layouts`` into canonical blocks.
+every ``KVCacheLayout``, read through ``cachetier.connectors.vllm.layouts`` into canonical blocks.
 
 What a page's cells hold is each backend's reading of them; the tests below check that reading
 against vLLM's backend source, so a vLLM release that changes a layout or a reading fails here
@@ -18,6 +18,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, resolve  # noqa: E402
+from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheTensor,
@@ -27,9 +29,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from cachetier.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT  # noqa: E402
-from connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, resolve  # noqa: E402
-from connectors.vllm.paged import PagedKV  # noqa: E402
+from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -181,9 +181,9 @@ def test_fp8_records_carry_the_layers_scales() -> None:
     from types import SimpleNamespace
 
     import numpy as np
+    from cachetier.connectors.vllm.layouts import fp8_scales
 
-    from cachetier.keys import KVLayout
-    from connectors.vllm.layouts import fp8_scales
+    from cachetier.primitives.keys import KVLayout
 
     names = ["a", "b"]
     layers = {

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cachetier.connectors.config import ConnectorConfig, open_store
+from cachetier.connectors.records import check_record
+from cachetier.connectors.vllm.launch import kv_transfer_config, serve_flag
+from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
+from cachetier.connectors.vllm.paged import PagedKV
+from cachetier.kernels.staging import payload_view
 
-from cachetier.keys import KVLayout, Namespace, block_keys, dtype_name
-from cachetier.kv_format import CANONICAL_ARRANGEMENT
+from cachetier.primitives.keys import KVLayout, Namespace, block_keys, dtype_name
+from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT
 from cachetier.record import KVBlock
-from connectors.config import ConnectorConfig, open_store
-from connectors.records import check_record
-from connectors.vllm.launch import kv_transfer_config, serve_flag
-from connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
-from connectors.vllm.paged import PagedKV
-from kernels.staging import payload_view
 
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 32, 8, 10
 
@@ -158,7 +158,7 @@ def test_kv_transfer_config_turns_the_connector_on() -> None:
     got = kv_transfer_config({"disk_path": "/tmp/kv"})
     assert got == {
         "kv_connector": "CacheTierConnector",
-        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_connector_module_path": "cachetier.connectors.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"disk_path": "/tmp/kv"},

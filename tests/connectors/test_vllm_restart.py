@@ -46,9 +46,8 @@ def _prompt() -> list[int]:
 def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import gc
 
+    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
-
-    from connectors.vllm.launch import kv_transfer_config
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
     results = []
@@ -141,7 +140,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from engine.smollm2 import smollm2_path
+    from cachetier.engine.smollm2 import smollm2_path
 
     return smollm2_path()
 
@@ -175,9 +174,10 @@ def stored(
 
 
 def _namespace(model_dir: Path):
-    from cachetier.fingerprint import model_fingerprint
-    from cachetier.keys import KVLayout, Namespace
-    from engine.model_spec import ModelSpec
+    from cachetier.engine.model_spec import ModelSpec
+
+    from cachetier.primitives.fingerprint import model_fingerprint
+    from cachetier.primitives.keys import KVLayout, Namespace
 
     spec = ModelSpec.from_folder(model_dir)
     layout = KVLayout("float32", RECORD_TOKENS, spec.num_layers, spec.num_kv_heads, spec.head_dim)
@@ -186,8 +186,8 @@ def _namespace(model_dir: Path):
 
 def _record_paths(disk: Path, model_dir: Path) -> list[Path]:
     """Where the disk tier keeps each full record of the prompt, in prompt order."""
-    from cachetier.keys import block_keys
-    from cachetier.tiers.disk import DiskTier, DiskTierConfig
+    from cachetier.primitives.keys import block_keys
+    from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 
     namespace = _namespace(model_dir)
     with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
@@ -273,7 +273,7 @@ def test_tampered_block_in_redis_is_recomputed_after_an_async_load(
 ) -> None:
     import redis
 
-    from cachetier.keys import block_keys
+    from cachetier.primitives.keys import block_keys
 
     namespace = _namespace(model_dir)
     client = redis.Redis.from_url(redis_url)

@@ -13,6 +13,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
+from cachetier.connectors.vllm.metadata import StoredBlocks  # noqa: E402
+from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
@@ -23,13 +26,10 @@ from vllm.v1.core.sched.output import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-from cachetier.costmodel import PrefillModel  # noqa: E402
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
-from cachetier.store import TieredStore  # noqa: E402
-from connectors.config import ConnectorConfig, open_store  # noqa: E402
-from connectors.vllm.metadata import StoredBlocks  # noqa: E402
-from connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
+from cachetier.store.costmodel import PrefillModel  # noqa: E402
+from cachetier.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -240,7 +240,7 @@ def test_worker_cpu_tier_is_seen_through_its_reports() -> None:
 def _teach(sched: CacheTierScheduler, tier_gbps: float) -> None:
     """What the worker reports after reads and prefill steps: a tier at ``tier_gbps`` and a
     prefill of 1 ms per token (as ``StoredBlocks`` carries them from the worker's process)."""
-    from cachetier.costmodel import TierRate
+    from cachetier.store.costmodel import TierRate
 
     steps = [(n, PrefillModel.attention_work(n, 0), 1e-3 * n) for n in (64, 256, 1024)]
     rate = TierRate(1e-4, 1e-9 / tier_gbps, 4, 0.0)
@@ -446,7 +446,7 @@ def _put_records(store: TieredStore, namespace: Namespace, keys: list[BlockHash]
 def _teach_rates(sched: CacheTierScheduler, step_tokens: int, step_s: float, read_s: float) -> None:
     """Prefill steps of ``step_tokens`` in ``step_s`` each, and disk reads of ``read_s`` a
     record, as the worker would report them."""
-    from cachetier.costmodel import PrefillModel, TierRate
+    from cachetier.store.costmodel import PrefillModel, TierRate
 
     record_bytes = sched.namespace(None).layout.block_bytes
     steps = [

@@ -13,15 +13,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from cachetier.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
+from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
+from cachetier.connectors.vllm.layouts import CPU_VEC, VllmArrangement  # noqa: E402
+from cachetier.connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata  # noqa: E402
+from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
+from cachetier.connectors.vllm.worker import CacheTierWorker  # noqa: E402
+from cachetier.kernels.staging import payload_view  # noqa: E402
+
+from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
-from cachetier.store import TieredStore  # noqa: E402
-from connectors.config import ConnectorConfig, open_store  # noqa: E402
-from connectors.vllm.layouts import CPU_VEC, VllmArrangement  # noqa: E402
-from connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata  # noqa: E402
-from connectors.vllm.paged import PagedKV  # noqa: E402
-from connectors.vllm.worker import CacheTierWorker  # noqa: E402
-from kernels.staging import payload_view  # noqa: E402
+from cachetier.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

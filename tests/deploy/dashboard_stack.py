@@ -2,10 +2,10 @@
 stack.
 
 ``run_dashboard_check`` starts what docker-compose.yml runs, as local processes with small
-capacities: a redis-server of its own, the sidecar (``python -m cachetier.cli serve``: CPU and
-disk tiers, that Redis behind them) and the engine server (``python -m engine.server`` with a
-tiny random-weight Llama; a CPU tier in the pod, then the sidecar). Prometheus scrapes both with
-the jobs and credentials of ``deploy/prometheus.yml``. A little load follows: chats that share
+capacities: a redis-server of its own, the sidecar (``python -m cachetier.cli.main serve``: CPU and
+disk tiers, that Redis behind them) and the engine server (``python -m cachetier.engine.server``
+with a tiny random-weight Llama; a CPU tier in the pod, then the sidecar). Prometheus scrapes both
+with the jobs and credentials of ``deploy/prometheus.yml``. A little load follows: chats that share
 system prompts (pool hits, then restores from the tiers once the small pool and tiers have
 evicted them), a request with a wrong token (an error), and a lookup while Redis is paused (a
 tier error). Then every query of the dashboard and of docs/operations.md is evaluated.
@@ -108,7 +108,7 @@ def sidecar_service(folder: Path, redis_url: str) -> LocalService:
     data = folder / "sidecar-data"
     data.mkdir(parents=True, exist_ok=True)
     ports_file = folder / "sidecar-ports.json"
-    argv = [sys.executable, "-m", "cachetier.cli", "serve", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "cachetier.cli.main", "serve", "--host", "127.0.0.1"]
     argv += ["--port", "0", "--ports-file", str(ports_file)]
     argv += ["--transfer-port", "0", "--data-dir", str(data)]
     argv += ["--redis-url", redis_url, "--log-level", "warning"]
@@ -128,7 +128,7 @@ def sidecar_service(folder: Path, redis_url: str) -> LocalService:
 def engine_service(folder: Path, model: Path, sidecar_port: int) -> LocalService:
     """The compose engine's command with the tiny model, a small pool and small CPU tier."""
     ports_file = folder / "engine-ports.json"
-    argv = [sys.executable, "-m", "engine.server", "--model", str(model)]
+    argv = [sys.executable, "-m", "cachetier.engine.server", "--model", str(model)]
     argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "0"]
     argv += ["--ports-file", str(ports_file)]
     argv += ["--kv-cache-bytes", str(POOL_BYTES), "--num-threads", "1", "--log-level", "warning"]

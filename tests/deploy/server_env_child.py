@@ -49,8 +49,8 @@ def _tiers(settings: dict) -> list:
 
     tiers = [("cpu", CPUTier(CPUTierConfig(capacity_bytes=1 << 20)))]
     if settings.get("data_dir"):
-        from cachetier.tiers.disk import DiskTier
-        from cachetier.tiers.disk_config import DiskTierConfig
+        from cachetier.tiers.disk.config import DiskTierConfig
+        from cachetier.tiers.disk.tier import DiskTier
 
         root = str(Path(settings["data_dir"]) / "disk")
         config = DiskTierConfig(root, 1 << 24, compression="lz4", fsync=False)
@@ -71,7 +71,7 @@ def _tiers(settings: dict) -> list:
 def _roundtrip(tier) -> dict:  # noqa: ANN001 - a Tier of the venv's cachetier
     import numpy as np
 
-    from cachetier.keys import KVLayout, Namespace, block_keys
+    from cachetier.primitives.keys import KVLayout, Namespace, block_keys
     from cachetier.record import KVBlock
 
     layout = KVLayout("float16", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachetier.keys import Namespace
-from cachetier.sidecar_http import TOKEN_ENV
+from cachetier.primitives.keys import Namespace
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from cachetier.util.sidecar_http import TOKEN_ENV
 from tests.cachetier.report import tiny
 from tests.deploy.server_env import (
     HEAVY_MODULES,

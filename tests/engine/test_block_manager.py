@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
+from cachetier.engine.block_manager import Block, BlockManager
 
-from cachetier.keys import BlockHash
-from engine.block_manager import Block, BlockManager
+from cachetier.primitives.keys import BlockHash
 
 
 def key(i: int) -> BlockHash:

@@ -8,16 +8,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cachetier.engine.llm import LLM
+from cachetier.engine.llm_engine import RequestOutput
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.costmodel import LoadPlan
-from cachetier.events import read_events
-from cachetier.store import PrefixHit, TieredStore
+from cachetier.report.events import read_events
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.costmodel import LoadPlan
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.prefix import PrefixHit
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from engine.llm import LLM
-from engine.llm_engine import RequestOutput
-from engine.model_spec import ModelSpec
-from engine.sampling import SamplingParams
 from tests.support import own_redis_prefix
 from tests.throttled_link import SlowLink
 
@@ -280,8 +281,8 @@ def test_a_pool_that_copies_restores_times_the_copy_for_the_model(
 ) -> None:
     # A GPU pool cannot be read into in place: every restore copies. Here a CPU pool that
     # declines in-place reads takes that path (KVPool.write_blocks) on this machine.
-    import engine.llm_engine
-    from engine.kv_cache import KVPool
+    import cachetier.engine.llm_engine
+    from cachetier.engine.kv_cache import KVPool
 
     class CopyingPool(KVPool):
         def block_views(self, block_ids: object) -> None:
@@ -289,7 +290,7 @@ def test_a_pool_that_copies_restores_times_the_copy_for_the_model(
 
     in_place = KVPool(ModelSpec.from_folder(tiny_model_dir), 16, 1 << 20, "float32")
     assert in_place.time_restore_copy() is None
-    monkeypatch.setattr(engine.llm_engine, "KVPool", CopyingPool)
+    monkeypatch.setattr(cachetier.engine.llm_engine, "KVPool", CopyingPool)
     store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
     with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
         # Timed once at start, before any request.
@@ -363,7 +364,7 @@ def test_a_refusal_is_logged_and_its_prefill_time_fed_back(
     slow_down(llm, 1e-6)
     error = llm.engine.prefill_model.error
     before = error.num_outcomes
-    with caplog.at_level(logging.INFO, logger="cachetier.costmodel"):
+    with caplog.at_level(logging.INFO, logger="cachetier.store.costmodel"):
         out: RequestOutput | None = None
         llm.engine.add_request(PROMPT, GREEDY, request_id="slow-1")
         while llm.engine.has_unfinished_requests():

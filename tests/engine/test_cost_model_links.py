@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.store import TieredStore
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
 from tests.throttled_link import SlowLink
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.store import TieredStore
+from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
 from tests.models import make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -148,9 +148,9 @@ def test_a_block_size_that_records_do_not_divide_is_refused_with_tiers(
 
 _CHILD = """
 import json, sys
-from cachetier.config import StoreConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from cachetier.store.config import StoreConfig
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 store = StoreConfig(cpu_bytes=1 << 26, disk_path=disk)
 with LLM(model, store=store, kv_cache_bytes=4 << 20) as llm:

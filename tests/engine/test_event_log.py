@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cachetier.engine.config import EngineConfig
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.config import StoreConfig
-from cachetier.events import read_events
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from cachetier.report.events import read_events
+from cachetier.store.config import StoreConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a tail of 6

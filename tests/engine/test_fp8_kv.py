@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachetier.engine.block_manager import BlockManager
+from cachetier.engine.config import FP8_KV_DTYPES, EngineConfig
+from cachetier.engine.kv_cache import KVPool, dequantize_blocks, store_kv_fp8
+from cachetier.engine.llm import LLM
+from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.weights import load_weights
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import block_keys
-from engine.block_manager import BlockManager
-from engine.config import FP8_KV_DTYPES, EngineConfig
-from engine.kv_cache import KVPool, dequantize_blocks, store_kv_fp8
-from engine.llm import LLM
-from engine.model import ForwardBatch, LlamaModel, SeqSlice
-from engine.model_spec import ModelSpec
-from engine.sampling import SamplingParams
-from engine.weights import load_weights
+from cachetier.primitives.keys import block_keys
+from cachetier.store.config import StoreConfig, build_store
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -21,7 +21,7 @@ PAGES_PER_STEP = 25 * 8 * (1 << 20) // 4096
 _CHILD = """
     import json, resource, sys
     import torch
-    from engine.host_memory import keep_freed_memory
+    from cachetier.engine.host_memory import keep_freed_memory
 
     kept = [keep_freed_memory(), keep_freed_memory()] if sys.argv[1] == "keep" else []
     torch.set_num_threads(1)

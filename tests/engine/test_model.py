@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachetier.engine.kv_cache import KVPool
+from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.weights import load_weights
 
-from engine.kv_cache import KVPool
-from engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
-from engine.model_spec import ModelSpec
-from engine.weights import load_weights
 from tests.models import make_tiny_llama
 
 BLOCK = 16
@@ -62,18 +62,18 @@ def test_tiny_logits_match_transformers(tiny_model_dir: Path, chunks: list[int])
 def test_sdpa_with_kv_repeated_per_query_head_matches_transformers(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
 ) -> None:
-    # The form CUDA takes (engine.model._EXPAND_GQA_DEVICES), run here on the CPU.
-    import engine.model
+    # The form CUDA takes (cachetier.engine.model._EXPAND_GQA_DEVICES), run here on the CPU.
+    import cachetier.engine.model
 
-    monkeypatch.setattr(engine.model, "_EXPAND_GQA_DEVICES", ("cpu",))
+    monkeypatch.setattr(cachetier.engine.model, "_EXPAND_GQA_DEVICES", ("cpu",))
     calls = []
-    real = engine.model.F.scaled_dot_product_attention
+    real = cachetier.engine.model.F.scaled_dot_product_attention
 
     def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> object:
         calls.append((q.shape[1], k.shape[1], kwargs["enable_gqa"]))
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(engine.model.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(cachetier.engine.model.F, "scaled_dot_product_attention", recording)
     tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = _engine_logits(tiny_model_dir, tokens, chunks)
     assert calls and all(c == (4, 4, False) for c in calls), calls  # 4 query heads, 2 KV heads
@@ -86,20 +86,20 @@ def test_sdpa_with_kv_repeated_per_query_head_matches_transformers(
 def test_native_prefill_logits_match_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
 ) -> None:
-    # head_dim 64: the shapes kernels.native_prefill_attention takes (the tiny model above,
-    # head_dim 16, never does). Wide chunks, narrow ones beside them, and a few tokens after
+    # head_dim 64: the shapes cachetier.kernels.native_prefill_attention takes (the tiny model
+    # above, head_dim 16, never does). Wide chunks, narrow ones beside them, and a few tokens after
     # 600 cached, whose keys the kernel splits between tasks.
-    import engine.model
+    import cachetier.engine.model
 
     folder = make_tiny_llama(tmp_path, hidden_size=256, num_heads=4, num_kv_heads=2)
     ran = []
-    real = engine.model.paged_prefill_attention
+    real = cachetier.engine.model.paged_prefill_attention
 
     def counting(*args: object, **kwargs: object) -> bool:
         ran.append(real(*args, **kwargs))
         return ran[-1]
 
-    monkeypatch.setattr(engine.model, "paged_prefill_attention", counting)
+    monkeypatch.setattr(cachetier.engine.model, "paged_prefill_attention", counting)
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 256, (sum(chunks),), generator=gen).tolist()
 

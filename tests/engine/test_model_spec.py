@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from engine.model_spec import ModelSpec
+from cachetier.engine.model_spec import ModelSpec
 
 
 def llama_config(**overrides: object) -> dict[str, object]:

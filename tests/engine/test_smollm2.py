@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
-from cachetier.fingerprint import model_fingerprint
-from engine.model_spec import ModelSpec
-from engine.smollm2 import (
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.smollm2 import (
     DEFAULT_MODEL_CACHE,
     MODEL_CACHE_ENV,
     SMOLLM2_FILES,
@@ -23,6 +20,9 @@ from engine.smollm2 import (
     smollm2_gguf_path,
     smollm2_path,
 )
+from safetensors import safe_open
+
+from cachetier.primitives.fingerprint import model_fingerprint
 from tests.children import child_env, python_command, run_python_at_once
 
 
@@ -33,7 +33,7 @@ def tmp_leftovers(target: Path) -> list[Path]:
 BUILD_IN_CHILD = """
     import sys, time
     from pathlib import Path
-    from engine.smollm2 import _build_once
+    from cachetier.engine.smollm2 import _build_once
 
     target, log, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 
@@ -198,7 +198,7 @@ def test_smollm2_tokenizer_round_trips_and_has_a_chat_template(smollm2_dir: Path
 def test_smollm2_conversion_is_safe_across_processes(smollm2_dir: Path, tmp_path: Path) -> None:
     code = """
         import sys
-        from engine.smollm2 import smollm2_path
+        from cachetier.engine.smollm2 import smollm2_path
         print(smollm2_path(sys.argv[1]))
     """
     converted = tmp_path / "smollm2-135m"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachetier.protocol.transfer_frames import KEY_BYTES, REPLY, Op, Status, hello, request
-from cachetier.tls import client_context
+from cachetier.util.tls import client_context
 from tests.certs import TLSFiles
 from tests.server.live import TOKENS, serve_env
 from tests.support import end_process, wait_ports_file
@@ -86,7 +86,7 @@ class FloodServer:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachetier.cli", "serve", *args],
+            [sys.executable, "-m", "cachetier.cli.main", "serve", *args],
             env=env,
             stdout=subprocess.DEVNULL,  # it prints its configuration: nothing to read there
             stderr=subprocess.PIPE,

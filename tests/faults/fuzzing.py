@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from cachetier.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace
+from cachetier.primitives.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace
 from cachetier.protocol.http_batch import batch_parts
 from cachetier.record import KVBlock
 from tests.server.live import TOKENS

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from cachetier.record import KVBlock
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.faults.writer import CRASH_NAMESPACE, crash_blocks
 
 NS = CRASH_NAMESPACE.id

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import KVBlock
-from cachetier.tiers.disk import SUFFIX, DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import SUFFIX, DiskTier, DiskTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.faults.writer import CRASH_NAMESPACE, crash_blocks
 from tests.server.live import TOKENS, ProcessServer

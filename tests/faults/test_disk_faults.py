@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import KVBlock
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT, make_blocks
@@ -39,8 +39,8 @@ def _served_wrong(got: list[KVBlock | None], blocks: list[KVBlock]) -> int:
 
 _FULL_DISK_CHILD = """
 import json, resource, signal, sys
-from cachetier.keys import KVLayout, Namespace
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.primitives.keys import KVLayout, Namespace
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.support import SMALL_LAYOUT, make_blocks
 # A write past the limit fails with EFBIG instead of killing the process, as ENOSPC would.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

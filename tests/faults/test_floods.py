@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.certs import TLSFiles
 from tests.faults.conftest import FaultFigures

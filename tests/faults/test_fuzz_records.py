@@ -18,9 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachetier.config import build_store
 from cachetier.errors import CorruptBlockError
-from cachetier.keys import HASH_BYTES, parse_key
+from cachetier.primitives.keys import HASH_BYTES, parse_key
 from cachetier.protocol.http_batch import (
     BatchReader,
     FrameError,
@@ -28,6 +27,7 @@ from cachetier.protocol.http_batch import (
 from cachetier.record import Compression, KVBlock, decode_record, encode_record, read_record
 from cachetier.server.auth import Scope
 from cachetier.server.service import BlockService
+from cachetier.store.config import build_store
 from tests.faults.fuzzing import (
     FUZZ_NS,
     NAME_ALPHABET,

@@ -24,16 +24,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
-from cachetier.keys import HASH_BYTES, BlockHash
+from cachetier.primitives.keys import HASH_BYTES, BlockHash
 from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     RECORD_MEDIA_TYPE,
 )
 from cachetier.record import KVBlock, decode_record, encode_record
-from cachetier.store import TieredStore
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.tiers.disk_budget import LEDGER_NAME
-from cachetier.tiers.disk_files import OWNERS_DIR
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.disk.budget import LEDGER_NAME
+from cachetier.tiers.disk.files import OWNERS_DIR
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.faults.fuzzing import (
     ALICE,
     FUZZ_NS,

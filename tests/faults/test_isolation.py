@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     RECORD_MEDIA_TYPE,
@@ -25,12 +27,10 @@ from cachetier.protocol.http_batch import (
     batch_parts,
 )
 from cachetier.record import KVBlock, encode_record
-from cachetier.store import TieredStore
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
 from tests.server.live import TOKENS, ThreadServer, call, test_config
 from tests.support import SMALL_LAYOUT, make_blocks
 

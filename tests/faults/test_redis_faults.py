@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import Namespace
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
+
+from cachetier.primitives.keys import Namespace
+from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT, PrivateRedis, make_blocks
 

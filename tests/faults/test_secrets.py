@@ -20,16 +20,16 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from cachetier.connectors.config import ConnectorConfig
 from redis import exceptions as redis_exceptions
 
-from cachetier.config import StoreConfig
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.protocol.transfer_frames import hello
 from cachetier.server.config import load_config
+from cachetier.store.config import StoreConfig
 from cachetier.tiers.redis import RedisTier, RedisTierConfig, make_client, parse_cluster_url
 from cachetier.tiers.redis.resp import Endpoint, RespConnection
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from connectors.config import ConnectorConfig
 from tests.server.live import ROOT, call, wait_healthy
 from tests.support import (
     PrivateRedis,
@@ -232,7 +232,7 @@ def _bad_configs(printed: dict[str, str]) -> None:
     }
     for name, (env, args) in bad.items():
         done = subprocess.run(
-            [sys.executable, "-m", "cachetier.cli", "serve", "--port", "0", *args],
+            [sys.executable, "-m", "cachetier.cli.main", "serve", "--port", "0", *args],
             env={**os.environ, "PYTHONPATH": str(ROOT), **env},
             capture_output=True,
             text=True,

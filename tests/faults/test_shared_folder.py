@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from cachetier.record import encode_record
-from cachetier.tiers.disk import DiskTier, DiskTierConfig
-from cachetier.tiers.disk_budget import Ledger
-from cachetier.tiers.disk_files import read_boot_id
+from cachetier.tiers.disk.budget import Ledger
+from cachetier.tiers.disk.files import read_boot_id
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.faults.writer import crash_blocks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT, make_blocks

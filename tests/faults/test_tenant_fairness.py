@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.faults.flood_server import FloodServer

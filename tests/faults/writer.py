@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.record import KVBlock
 from tests.support import make_blocks
 
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     kind, where, seed, count = argv[0], argv[1], int(argv[2]), int(argv[3])
     blocks = crash_blocks(seed, count)
     if kind == "disk":
-        from cachetier.tiers.disk import DiskTier, DiskTierConfig
+        from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 
         tier = DiskTier(DiskTierConfig(root=where, capacity_bytes=1 << 34, fsync=True))
     else:

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from cachetier.connectors.hf import HFCacheConnector
+from cachetier.connectors.vllm.layouts import CUDA_KV, MLA, VllmArrangement
+from cachetier.connectors.vllm.paged import PagedKV
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import KVLayout, dtype_name
-from cachetier.kv_format import MLA_ARRANGEMENT
-from connectors.hf import HFCacheConnector
-from connectors.vllm.layouts import CUDA_KV, MLA, VllmArrangement
-from connectors.vllm.paged import PagedKV
+from cachetier.primitives.keys import KVLayout, dtype_name
+from cachetier.primitives.kv_format import MLA_ARRANGEMENT
+from cachetier.store.config import StoreConfig, build_store
 from tests.models import ForwardTokens
 
 pytestmark = pytest.mark.cuda

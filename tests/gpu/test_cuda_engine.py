@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.config import StoreConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from cachetier.store.config import StoreConfig
 
 pytestmark = pytest.mark.cuda
 
@@ -119,7 +119,7 @@ def test_a_tail_read_beside_the_head_on_cuda_gives_the_same_tokens(
 ) -> None:
     """On a GPU every tier's tail is read on the bridge's thread while the head computes; the
     pool's copies from that thread must land whole before the jump over them."""
-    from cachetier.costmodel import LoadPlan
+    from cachetier.store.costmodel import LoadPlan
 
     class Split:
         def plan(self, spans: list[tuple[str, int]], **kw: object) -> LoadPlan:

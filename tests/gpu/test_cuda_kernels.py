@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import (
+from cachetier.kernels import (
     DecodeInputs,
     gather_blocks,
     gather_blocks_ref,
@@ -21,6 +20,7 @@ from kernels import (
     store_kvcache,
     store_kvcache_ref,
 )
+
 from tests.kernels.attention_cases import TOLERANCES, decode_batch, shared_prefix_batch
 
 pytestmark = pytest.mark.cuda
@@ -111,7 +111,7 @@ def test_shared_prefix_decode_on_cuda_matches_reference(backend: str) -> None:
 
 
 def test_auto_backend_picks_triton_for_cuda_tensors() -> None:
-    from kernels.backend import resolve_backend
+    from cachetier.kernels.backend import resolve_backend
 
     pool = _pool()
     assert resolve_backend("auto", pool) == "triton"

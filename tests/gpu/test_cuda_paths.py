@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachetier.connectors.vllm.layouts import CUDA_KV, VllmArrangement
+from cachetier.connectors.vllm.paged import PagedKV
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
+from cachetier.kernels.staging import HostStaging
 
-from cachetier.keys import KVLayout
-from connectors.vllm.layouts import CUDA_KV, VllmArrangement
-from connectors.vllm.paged import PagedKV
-from kernels.paged_layouts import PagedBlocks, axes_view
-from kernels.staging import HostStaging
+from cachetier.primitives.keys import KVLayout
 
 pytestmark = pytest.mark.cuda
 
@@ -93,8 +93,8 @@ def test_staging_memory_is_bounded_and_reused() -> None:
 
 
 def test_engine_pool_on_cuda_round_trips_blocks(tiny_model_dir: Path) -> None:
-    from engine.kv_cache import KVPool
-    from engine.model_spec import ModelSpec
+    from cachetier.engine.kv_cache import KVPool
+    from cachetier.engine.model_spec import ModelSpec
 
     spec = ModelSpec.from_folder(tiny_model_dir)
     pool = KVPool(spec, 16, 8 << 20, "float32", device="cuda")
@@ -110,8 +110,8 @@ def test_engine_pool_on_cuda_round_trips_blocks(tiny_model_dir: Path) -> None:
 def test_cuda_pool_restores_through_pinned_buffers_in_turn(
     tiny_model_dir: Path, dtype: str
 ) -> None:
-    from engine.kv_cache import KVPool
-    from engine.model_spec import ModelSpec
+    from cachetier.engine.kv_cache import KVPool
+    from cachetier.engine.model_spec import ModelSpec
 
     spec = ModelSpec.from_folder(tiny_model_dir)
     probe = KVPool(spec, 16, 1 << 20, dtype)
@@ -137,7 +137,7 @@ def test_cuda_pool_restores_through_pinned_buffers_in_turn(
 _VLLM_RUN = """
     import json, sys
     from vllm import LLM, SamplingParams
-    from connectors.vllm.launch import kv_transfer_config
+    from cachetier.connectors.vllm.launch import kv_transfer_config
     model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=16,
               max_model_len=1024, gpu_memory_utilization=0.3,

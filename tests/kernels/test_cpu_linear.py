@@ -1,10 +1,9 @@
-"""kernels.cpu_linear.linear against F.linear: the same projection, summed in another order."""
+"""cachetier.kernels.cpu_linear.linear against F.linear: one projection, summed in another order."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu_linear import _onednn_dtypes, _onednn_linear, linear, prepack
+from cachetier.kernels.cpu_linear import _onednn_dtypes, _onednn_linear, linear, prepack
 
 
 def test_onednn_is_there_on_this_torch():

@@ -1,4 +1,5 @@
-"""The fused CPU ops (kernels.fused_ops) against their torch references and transformers' math,
+"""The fused CPU ops (cachetier.kernels.fused_ops) against their torch references and transformers'
+math,
 and the fallbacks: another backend, non-contiguous inputs, the environment switch."""
 
 import os
@@ -8,8 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.fused_ops import (
+from cachetier.kernels.fused_ops import (
     native_fused_ops,
     rms_norm,
     rms_norm_ref,
@@ -191,6 +191,9 @@ def test_int32_slots_write_what_int64_ones_do(gen, make_pool):
 
 
 def test_the_environment_switch_turns_the_extension_off():
-    code = "from kernels.fused_ops import native_fused_ops\nassert native_fused_ops() is None\n"
+    code = (
+        "from cachetier.kernels.fused_ops import native_fused_ops\n"
+        "assert native_fused_ops() is None\n"
+    )
     env = {**os.environ, "CACHETIER_NATIVE_KERNELS": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
+from cachetier.kernels import resolve_backend
 
-import kernels
-from kernels import resolve_backend
+from cachetier import kernels
 
 
 def test_auto_picks_torch_for_cpu_tensors():
@@ -36,7 +36,7 @@ def test_tensors_on_different_devices_are_refused():
 
 
 def test_triton_backend_runs_the_triton_kernel(monkeypatch):
-    import kernels.triton_cache_ops as triton_cache_ops
+    import cachetier.kernels.triton_cache_ops as triton_cache_ops
 
     launched = []
     original = triton_cache_ops.copy_blocks_triton
@@ -54,6 +54,9 @@ def test_triton_backend_runs_the_triton_kernel(monkeypatch):
 
 
 def test_importing_kernels_does_not_import_triton():
-    code = "import sys, kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    code = (
+        "import sys, cachetier.kernels; "
+        "assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

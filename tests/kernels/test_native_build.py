@@ -1,5 +1,5 @@
-"""kernels.native_build: engines on one node share each build; one that dies while loading it
-must not leave the others hanging.
+"""cachetier.kernels.native_build: engines on one node share each build; one that dies while loading
+it must not leave the others hanging.
 
 The loads are real (the build is torch's, cached after its first compile): a holder process
 takes the loader slot and leaves torch's lock file, as a loader killed mid-build does.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 # middle of a build does, until it is killed.
 _HOLDER = """
     import sys, time
-    from kernels.native_build import _only_loader, build_directory
+    from cachetier.kernels.native_build import _only_loader, build_directory
     build = build_directory("cachetier_fused_ops_cpu")
     with _only_loader(build):
         (build / "lock").touch()
@@ -29,7 +29,7 @@ _HOLDER = """
         time.sleep(3600)
 """
 _LOADER = """
-    from kernels.fused_ops import native_fused_ops
+    from cachetier.kernels.fused_ops import native_fused_ops
     print("loaded" if native_fused_ops() is not None else "unavailable")
 """
 

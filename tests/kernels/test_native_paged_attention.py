@@ -1,4 +1,5 @@
-"""The compiled CPU decode attention (kernels.native_paged_attention) against the reference,
+"""The compiled CPU decode attention (cachetier.kernels.native_paged_attention) against the
+reference,
 on every shape it is built for, and the fallback where it is not."""
 
 import os
@@ -7,9 +8,12 @@ import sys
 
 import pytest
 import torch
+from cachetier.kernels import DecodeInputs, paged_attention_decode, paged_attention_decode_ref
+from cachetier.kernels.native_paged_attention import (
+    native_decode_kernel,
+    paged_attention_decode_native,
+)
 
-from kernels import DecodeInputs, paged_attention_decode, paged_attention_decode_ref
-from kernels.native_paged_attention import native_decode_kernel, paged_attention_decode_native
 from tests.kernels.attention_cases import (
     TOLERANCES,
     decode_batch,
@@ -118,7 +122,7 @@ def test_large_scores_stay_finite(make_pool, gen):
 
 def test_the_environment_switch_keeps_every_call_on_torch():
     code = (
-        "from kernels.native_paged_attention import native_decode_kernel\n"
+        "from cachetier.kernels.native_paged_attention import native_decode_kernel\n"
         "assert native_decode_kernel() is None\n"
     )
     env = {**os.environ, "CACHETIER_NATIVE_KERNELS": "0"}

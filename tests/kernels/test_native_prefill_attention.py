@@ -1,10 +1,10 @@
-"""The compiled CPU prefill attention (kernels.native_prefill_attention) against the float64
+"""The compiled CPU prefill attention (cachetier.kernels.native_prefill_attention) against the
+float64
 reference, on every shape it is built for, and its refusals where it is not."""
 
 import pytest
 import torch
-
-from kernels.native_prefill_attention import (
+from cachetier.kernels.native_prefill_attention import (
     PrefillChunk,
     native_prefill_kernel,
     paged_prefill_attention,

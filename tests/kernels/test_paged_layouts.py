@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.paged_layouts import PagedBlocks, axes_view
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 
 L, BS, H, D, NB = 3, 4, 2, 8, 6
 
@@ -306,7 +305,7 @@ def test_first_copies_from_many_threads_see_every_layer() -> None:
 def test_triton_copies_alike_parts_in_one_launch(
     case: Case, launches: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kernels.triton_layout_copy as copies
+    import cachetier.kernels.triton_layout_copy as copies
 
     # Every layer's parts alike: one launch for all. K and V laid out apart: one for each.
     calls: list[int] = []

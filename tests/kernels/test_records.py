@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.records import join_records, split_block
+from cachetier.kernels.records import join_records, split_block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

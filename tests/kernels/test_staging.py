@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.paged_layouts import PagedBlocks, axes_view
-from kernels.staging import HostStaging
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
+from cachetier.kernels.staging import HostStaging
 
 NB, L, BS, H, D = 8, 2, 4, 2, 8
 AXES = ("block", "layer", "kv", "token", "head", "dim")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT

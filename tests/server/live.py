@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from cachetier.cli import serve_ports
+from cachetier.cli.main import serve_ports
 from cachetier.server.app import create_app
 from cachetier.server.config import ServerConfig
 from cachetier.server.httpserver import http_server
@@ -85,7 +85,7 @@ class ThreadServer(AppThread):
 
 
 class ProcessServer:
-    """``python -m cachetier.cli serve`` in a child process, stopped with SIGTERM; on ``port``,
+    """``python -m cachetier.cli.main serve`` in a child process, stopped with SIGTERM; on ``port``,
     by default 0: the port the server reports in its ports file, which a restart keeps."""
 
     def __init__(self, args: list[str], env: dict[str, str], port: int = 0) -> None:

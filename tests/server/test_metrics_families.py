@@ -9,9 +9,9 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from cachetier.backoff import CircuitBreaker, ExponentialBackoff
 from cachetier.server.metrics import store_health_families, tier_counter_families
-from cachetier.stats import COUNTERS
+from cachetier.tiers.stats import COUNTERS
+from cachetier.util.backoff import CircuitBreaker, ExponentialBackoff
 from tests.support import FakeClock
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from cachetier.keys import Namespace, block_keys
+from cachetier.primitives.keys import Namespace, block_keys
 from tests.server.batches import put_batch
 from tests.server.live import ROOT, TOKENS, ThreadServer, call_json
 from tests.support import make_blocks
@@ -19,7 +19,7 @@ def _cli(*args: str, token: str | None) -> subprocess.CompletedProcess[str]:
     if token is not None:
         env["CACHETIER_REMOTE_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", *args],
+        [sys.executable, "-m", "cachetier.cli.main", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.cli_ports import write_ports_file
+from cachetier.cli.ports import write_ports_file
 from tests.server.live import ROOT, call, wait_healthy
 from tests.support import end_process, spawn_serve, wait_ports_file
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
 
-from cachetier.config import StoreConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from cachetier.store.config import StoreConfig
 from tests.server.live import TOKENS, ThreadServer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.server.app import create_app
 from cachetier.server.httpserver import http_server
 from cachetier.server.service import BlockService

@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from cachetier.connectors.config import ConnectorConfig
 
-from cachetier.config import StoreConfig, build_store
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, batch_parts
 from cachetier.record import encode_parts
+from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from connectors.config import ConnectorConfig
 from tests.server.batches import read_batch
 from tests.server.live import TOKENS, ThreadServer, call
 from tests.support import make_blocks

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE
 from cachetier.record import decode_record, encode_record
 from tests.server.batches import ALICE, get_batch, put_batch

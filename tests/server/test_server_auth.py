@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE
 from cachetier.record import encode_record
 from cachetier.server.config import ServerConfig, load_config

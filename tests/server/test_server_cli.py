@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from cachetier.keys import Namespace
+from cachetier.primitives.keys import Namespace
 from cachetier.tiers.remote import RemoteTier
 from tests.server.live import ROOT, TOKENS, ProcessServer, call
 from tests.support import make_blocks
@@ -62,7 +62,7 @@ def test_open_mode_is_announced_loudly(tmp_path: Path) -> None:
 
 def test_a_bad_config_exits_with_a_message(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", "serve", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "cachetier.cli.main", "serve", "--data-dir", str(tmp_path)],
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         capture_output=True,
         text=True,
@@ -73,7 +73,7 @@ def test_a_bad_config_exits_with_a_message(tmp_path: Path) -> None:
 
 def test_redis_bytes_without_a_redis_is_a_bad_config(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", "serve", "--open", "--redis-bytes", "1048576"]
+        [sys.executable, "-m", "cachetier.cli.main", "serve", "--open", "--redis-bytes", "1048576"]
         + ["--data-dir", str(tmp_path)],
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         capture_output=True,

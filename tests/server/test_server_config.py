@@ -52,7 +52,7 @@ def test_toml_file(tmp_path: Path) -> None:
 def test_redis_timeout_reaches_the_redis_tier(tmp_path: Path) -> None:
     # A Redis across a thin link needs a longer read timeout than the default (see
     # tests/cachetier/test_redis_tier.py): the server takes it from its file or environment.
-    from cachetier.config import build_tiers
+    from cachetier.store.config import build_tiers
 
     path = tmp_path / "server.toml"
     path.write_text('open_mode = true\nredis_url = "redis://127.0.0.1:6379/0"\n')

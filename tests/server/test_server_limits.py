@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.protocol.http_batch import BATCH_MAGIC, BATCH_MEDIA_TYPE
 from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import FORMAT_VERSION, KVBlock, encode_record, reseal
@@ -461,7 +461,7 @@ def test_connections_that_never_say_hello_have_a_small_budget_of_their_own(
 def test_the_cli_sets_the_deadlines_and_the_budget_of_unknown_connections(
     tmp_path: Path,
 ) -> None:
-    from cachetier.cli import build_parser
+    from cachetier.cli.main import build_parser
     from cachetier.server.config import load_config
 
     args = build_parser().parse_args(

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.protocol.sockets import accept_tls
 from cachetier.protocol.transfer_frames import Status, hello
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
-from cachetier.tls import client_context, server_context
+from cachetier.util.tls import client_context, server_context
 from tests.certs import TLSFiles
 from tests.server.live import ROOT, TOKENS, ThreadServer, serve_env, test_config
 from tests.support import end_process, make_blocks, spawn_serve, wait_ports_file
@@ -296,7 +296,7 @@ def test_tls_settings_are_checked(tls_files: TLSFiles) -> None:
 
 def test_serve_refuses_a_certificate_it_cannot_load(tmp_path: Path, tls_files: TLSFiles) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", "serve", "--open", "--port", "0"]
+        [sys.executable, "-m", "cachetier.cli.main", "serve", "--open", "--port", "0"]
         + ["--data-dir", str(tmp_path), "--tls-cert", str(tmp_path / "missing.pem")]
         + ["--tls-key", tls_files.key],
         env={**os.environ, "PYTHONPATH": str(ROOT)},

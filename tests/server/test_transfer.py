@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachetier.config import build_store
 from cachetier.errors import RequestRefusedError, TierUnavailableError
-from cachetier.keys import KVLayout, Namespace
+from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.protocol.transfer_frames import REPLY, Op, Status, hello, request
 from cachetier.record import encode_parts, encode_record
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
+from cachetier.store.config import build_store
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.tiers.remote.transfer import TransferClient, TransferPeer
 from tests.server.live import TOKENS, ThreadServer, call, test_config

@@ -53,9 +53,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cachetier.backoff import CircuitBreaker, Fault, Guard
 from cachetier.errors import TierUnavailableError
-from cachetier.redact import redact_url, redacted_repr
+from cachetier.util.backoff import CircuitBreaker, Fault, Guard
+from cachetier.util.redact import redact_url, redacted_repr
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379

@@ -17,10 +17,10 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from cachetier.backoff import ExponentialBackoff
-from cachetier.checks import fraction, positive_int
-from cachetier.redact import redact_url, redacted_repr
 from cachetier.tiers.redis.cluster import CLUSTER_SCHEMES, parse_cluster_url
+from cachetier.util.backoff import ExponentialBackoff
+from cachetier.util.checks import fraction, positive_int
+from cachetier.util.redact import redact_url, redacted_repr
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _URL_SCHEMES = ("redis", "rediss", "unix")
@@ -203,7 +203,8 @@ def make_client(config: RedisTierConfig) -> redis.Redis | RedisCluster:
         driver_info=None,  # no CLIENT SETINFO round trips on each new connection
     )
     if config.tls:
-        # Verification as in the protocol client (cachetier.tls.client_context): chain, host name.
+        # Verification as in the protocol client (cachetier.util.tls.client_context): chain, host
+        # name.
         options.update(
             ssl_cert_reqs="required",
             ssl_check_hostname=True,

@@ -3,8 +3,8 @@
 The pins are sets and a counter next to the exact LRU (``scripts``: ``_pinned``, ``_protected``,
 ``_pinned_bytes``), so every process using the same Redis and ``key_prefix`` shares them: a pin
 made through one process protects the record against eviction that a put of another triggers,
-and an unpin through any of them unpins for all. The semantics are ``cachetier.pins``'s: a pin
-of a key not stored yet protects the record once it arrives; protected bytes are bounded by
+and an unpin through any of them unpins for all. The semantics are ``cachetier.pins.pinset``'s: a
+pin of a key not stored yet protects the record once it arrives; protected bytes are bounded by
 ``max_pinned_bytes`` (each process checks its own bound when it pins or puts); a pin request
 that would pass it is refused whole.
 
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import redis
 
 from cachetier.errors import PinLimitError, TierUnavailableError
-from cachetier.pins import NO_PINS
+from cachetier.pins.pinset import NO_PINS
 from cachetier.tiers.redis.scripts import PRELUDE, meta_keys
 
 _T = TypeVar("_T")

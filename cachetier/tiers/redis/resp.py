@@ -15,7 +15,7 @@ A large batch is spread over a few connections, one thread each: Redis writes a 
 64 KiB steps of its event loop, so one connection leaves both Redis and us idle part of the
 time; socket waits release the GIL, so the streams overlap. Everything else (scripts, scans,
 deletes, Redis Cluster) stays on redis-py. Over ``rediss://`` the connections speak TLS with
-the tier's client context (``cachetier.tls``: chain and host name verified), never plaintext.
+the tier's client context (``cachetier.util.tls``: chain and host name verified), never plaintext.
 
 Errors: socket failures and timeouts raise ``OSError`` (``TimeoutError``, ``ConnectionError``);
 bytes that are not the reply expected raise ``RespProtocolError``, and a Redis that refuses
@@ -38,10 +38,10 @@ from typing import TypeVar
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
-from cachetier.landing import Destination
 from cachetier.protocol.sockets import RECV_BYTES, BoundedReader, BufferedSocket, SocketPool
 from cachetier.record import Buffer, KVBlock, read_record
-from cachetier.redact import redacted_repr
+from cachetier.util.landing import Destination
+from cachetier.util.redact import redacted_repr
 
 _T = TypeVar("_T")
 _CRLF = b"\r\n"
@@ -109,7 +109,7 @@ class Endpoint:
         db: database number (``SELECT`` when not 0).
         connect_timeout_s: longest wait for a connection (and its TLS handshake), in seconds.
         timeout_s: longest wait for one read or write, in seconds.
-        tls: client context of a ``rediss://`` endpoint (``cachetier.tls.client_context``),
+        tls: client context of a ``rediss://`` endpoint (``cachetier.util.tls.client_context``),
             ``None`` for plaintext.
     """
 
@@ -421,7 +421,7 @@ class RespClient:
     def _spread(self, count: int, run: Callable[[int, int], list[_T]]) -> list[_T]:
         """``run`` over contiguous ranges of ``count`` items, one per stream, in parallel (on
         threads of this pool's own: they wait on Redis, so more of them than cores pay off,
-        unlike ``cachetier.parallel``'s)."""
+        unlike ``cachetier.util.parallel``'s)."""
         streams = min(self._streams, count // 2) if count >= 4 else 1
         if streams <= 1:
             return run(0, count)

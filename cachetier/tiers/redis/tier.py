@@ -18,7 +18,7 @@ client certificate (Redis asks for one unless ``tls-auth-clients no``). Query fl
 ``?ssl=`` are refused: they would leave one of the two clients in plaintext.
 
 Credentials. A url's password never appears in a repr, an error message or a log line
-(``cachetier.redact``). A Redis that refuses them (``NOAUTH``, ``WRONGPASS``, a failed
+(``cachetier.util.redact``). A Redis that refuses them (``NOAUTH``, ``WRONGPASS``, a failed
 ``AUTH``) fails every call: each is counted (``auth_failures`` and ``errors`` in stats) and a
 warning is logged at most once per ``AUTH_LOG_INTERVAL_S``.
 
@@ -42,7 +42,7 @@ of the capacity. The pins live in Redis next to the LRU (``pins``), shared by ev
 using the same ``key_prefix``. Without a capacity, or on a cluster, Redis's own ``maxmemory``
 policy evicts and knows nothing of pins: ``supports_pins`` is false there.
 
-Failures. Every call goes through a ``Guard`` (``cachetier.backoff``): a Redis that is down or
+Failures. Every call goes through a ``Guard`` (``cachetier.util.backoff``): a Redis that is down or
 slower than the socket timeout turns into misses and counted errors, and after
 ``failure_threshold`` failures in a row the tier stops calling it (``skipped`` in stats) until
 a backoff has passed. On a cluster each master has its own breaker, so one lost master costs
@@ -62,14 +62,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
 from cachetier.errors import PinsUnsupportedError, TierUnavailableError
-from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.landing import Destination, normalize
-from cachetier.pins import NO_PINS
+from cachetier.pins.pinset import NO_PINS
+from cachetier.primitives.keys import HASH_BYTES, BlockHash
 from cachetier.record import KVBlock
-from cachetier.redact import redact, redact_url
-from cachetier.throttle import LogThrottle
 from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.redis.cluster import ClusterRouter
 from cachetier.tiers.redis.config import RedisTierConfig, make_client
@@ -82,6 +78,10 @@ from cachetier.tiers.redis.transports import (
     RespTransport,
     Transport,
 )
+from cachetier.util.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
+from cachetier.util.landing import Destination, normalize
+from cachetier.util.redact import redact, redact_url
+from cachetier.util.throttle import LogThrottle
 
 __all__ = ["AUTH_LOG_INTERVAL_S", "RedisTier"]
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@
 
 All three answer in the same terms (a ``GetResult`` per key, a ``PutOutcome``), so the tier
 counts one way whichever it holds. A call Redis does not answer is ``None`` (a miss); the
-breaker and the error counts are the guard's (``cachetier.backoff.Guard``).
+breaker and the error counts are the guard's (``cachetier.util.backoff.Guard``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from cachetier.backoff import Guard
 from cachetier.errors import CorruptBlockError, TierUnavailableError
-from cachetier.keys import BlockHash
-from cachetier.landing import Destination
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import (
     Buffer,
     Compression,
@@ -35,7 +33,6 @@ from cachetier.record import (
     encode_parts,
     encode_record,
 )
-from cachetier.redact import redact_url
 from cachetier.tiers.base import first_miss
 from cachetier.tiers.redis.cluster import ClusterRouter
 from cachetier.tiers.redis.config import RedisTierConfig, make_client
@@ -48,7 +45,10 @@ from cachetier.tiers.redis.scripts import (
     TOUCH_SCRIPT,
     meta_keys,
 )
-from cachetier.tls import client_context
+from cachetier.util.backoff import Guard
+from cachetier.util.landing import Destination
+from cachetier.util.redact import redact_url
+from cachetier.util.tls import client_context
 
 _T = TypeVar("_T")
 _SCAN_COUNT = 1000  # keys per SCAN step

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from cachetier.checks import positive_int
 from cachetier.record import KVBlock
+from cachetier.util.checks import positive_int
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 import threading
 
-from cachetier.backoff import Clock, ExponentialBackoff
 from cachetier.errors import TierUnavailableError
+from cachetier.util.backoff import Clock, ExponentialBackoff
 
 # The server ends the message of a refusal past a share with its wait (server.fairness).
 _WAIT = re.compile(r"retry after ([0-9]+(?:\.[0-9]+)?) s\s*$")

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from cachetier.errors import RequestRefusedError, TierUnavailableError
-from cachetier.keys import BlockHash
+from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,
     BatchReader,
@@ -56,7 +56,7 @@ class RemoteClient:
 
     Args:
         config: where the server is, the token, timeouts and pool size.
-        tls: client context for an ``https://`` url (``cachetier.tls.client_context``), else
+        tls: client context for an ``https://`` url (``cachetier.util.tls.client_context``), else
             ``None``.
     """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from cachetier.backoff import ExponentialBackoff
-from cachetier.checks import positive_int
-from cachetier.redact import redact_url, redacted_repr
 from cachetier.tiers.remote.batching import RequestLimits
+from cachetier.util.backoff import ExponentialBackoff
+from cachetier.util.checks import positive_int
+from cachetier.util.redact import redact_url, redacted_repr
 
 MiB = 1 << 20
 

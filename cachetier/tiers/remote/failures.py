@@ -5,7 +5,7 @@ timeout is not retried (a server too slow once is likely to be again, and the ca
 waiting), nor is a certificate that does not verify; a 4xx (``RequestRefusedError``) says the
 server is up and said no, and a busy answer (``busy``) that it is up and asks to wait: neither
 counts against the breaker. A failed TLS handshake is counted (``tls_failures``) and warned about
-at most once per ``TLS_LOG_INTERVAL_S``. Log lines never show the token (``cachetier.redact``).
+at most once per ``TLS_LOG_INTERVAL_S``. Log lines never show the token (``cachetier.util.redact``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 import aiohttp
 
-from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
 from cachetier.errors import RequestRefusedError, TierUnavailableError
-from cachetier.redact import redact
-from cachetier.stats import TierStats
-from cachetier.throttle import LogThrottle
 from cachetier.tiers.remote.busy import BusyHold, ServerBusyError
 from cachetier.tiers.remote.config import RemoteTierConfig
+from cachetier.tiers.stats import TierStats
+from cachetier.util.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
+from cachetier.util.redact import redact
+from cachetier.util.throttle import LogThrottle
 
 logger = logging.getLogger(__name__)
 TLS_LOG_INTERVAL_S = 60.0  # least time between two warnings of a failed TLS handshake

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from cachetier.backoff import Clock, ExponentialBackoff
+from cachetier.util.backoff import Clock, ExponentialBackoff
 
 # Longest wait between two probes of a dead port: a probe of a port that drops packets costs
 # its call up to connect_timeout_s, so probes stay rare while it is gone.

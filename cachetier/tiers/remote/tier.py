@@ -18,7 +18,7 @@ TLS. An ``https://`` url makes HTTP and the transfer port speak TLS with one cli
 if the server says it speaks TLS: the token is never sent in clear to a plaintext port. A
 certificate that does not verify is a miss and a counted error (``tls_failures`` in stats),
 not retried, and logged at most once per ``failures.TLS_LOG_INTERVAL_S``. Log lines and errors
-never show the token (``cachetier.redact``).
+never show the token (``cachetier.util.redact``).
 
 A transfer port that refuses or dies is not an outage: the call is done over HTTP, the port
 is probed again after a backoff and used again once it answers (``fallback``; ``fallbacks`` in
@@ -27,7 +27,7 @@ tenant's share) is not one either: the call is a miss, the breaker is not told, 
 the hinted time are misses made without calling (``busy``).
 
 A server that is down, slow or restarting turns into misses and counted errors: each request
-goes through a ``Guard`` (``cachetier.backoff``; what each failure means is ``failures``), is
+goes through a ``Guard`` (``cachetier.util.backoff``; what each failure means is ``failures``), is
 retried with exponential backoff, and a circuit breaker stops calling after
 ``failure_threshold`` failed calls in a row until a backoff has passed. Every record fetched is
 decoded and checked against the key asked for; a bad one is a miss and counted as corrupt.
@@ -39,10 +39,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from cachetier.backoff import CircuitBreaker, Clock, ExponentialBackoff
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
-from cachetier.keys import HASH_BYTES, BlockHash
-from cachetier.landing import Destination, normalize
+from cachetier.primitives.keys import HASH_BYTES, BlockHash
 from cachetier.record import (
     KVBlock,
     decode_record,
@@ -50,8 +48,8 @@ from cachetier.record import (
     plain_record_nbytes,
     record_nbytes,
 )
-from cachetier.store import PrefixHit
 from cachetier.tiers.base import Tier, check_namespace, land_in
+from cachetier.tiers.prefix import PrefixHit
 from cachetier.tiers.remote.batching import RequestLimits
 from cachetier.tiers.remote.busy import ServerBusyError
 from cachetier.tiers.remote.client import RemoteClient
@@ -61,7 +59,9 @@ from cachetier.tiers.remote.fallback import TransferFallback
 from cachetier.tiers.remote.loop import LoopThread
 from cachetier.tiers.remote.route import pick_transfer, transfer_label
 from cachetier.tiers.remote.transfer import TransferClient
-from cachetier.tls import client_context
+from cachetier.util.backoff import CircuitBreaker, Clock, ExponentialBackoff
+from cachetier.util.landing import Destination, normalize
+from cachetier.util.tls import client_context
 
 _T = TypeVar("_T")
 

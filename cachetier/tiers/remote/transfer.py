@@ -16,8 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cachetier.errors import CorruptBlockError, TierUnavailableError
-from cachetier.keys import BlockHash
-from cachetier.landing import Destination
+from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.sockets import BoundedReader, BufferedSocket, SocketPool
 from cachetier.protocol.transfer_frames import (
     LENGTH,
@@ -38,6 +37,7 @@ from cachetier.record import (
     record_nbytes,
 )
 from cachetier.tiers.remote.busy import ServerBusyError, wait_in
+from cachetier.util.landing import Destination
 
 # Bytes of records a put sends per write at least (see ``TransferClient._put``).
 _SEND_RUN_BYTES = 1 << 20

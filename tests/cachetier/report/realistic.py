@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cachetier.cli import main
-from cachetier.events import EventLog, LookupEvent
-from cachetier.keys import Namespace, block_keys
+from cachetier.cli.main import main
+from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.sidecar_http import TOKEN_ENV
+from cachetier.report.events import EventLog, LookupEvent
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from cachetier.util.sidecar_http import TOKEN_ENV
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT
 

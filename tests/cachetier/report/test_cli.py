@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachetier.cli import main
-from cachetier.keys import Namespace, block_keys
+from cachetier.cli.main import main
+from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
-from cachetier.sidecar_http import TOKEN_ENV
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from cachetier.util.sidecar_http import TOKEN_ENV
 from tests.cachetier.report import tiny
 from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import SMALL_LAYOUT, write_engine_event_log
@@ -202,7 +202,14 @@ def test_bad_input_exits_2_with_one_line(
 def test_the_command_exits_2_without_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl").write_text("{oops\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "cachetier.cli", "report", "--trace", str(tmp_path / "t.jsonl")],
+        [
+            sys.executable,
+            "-m",
+            "cachetier.cli.main",
+            "report",
+            "--trace",
+            str(tmp_path / "t.jsonl"),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.events import LookupEvent
-from cachetier.replay import ReplayTrace
 from cachetier.report.config import ReportConfig, log_capacities
 from cachetier.report.curve import add_trace_figures
+from cachetier.report.events import LookupEvent
 from cachetier.report.figures import lookup_figures, pick_bin_s
 from cachetier.report.hierarchy_replay import replay_for_report
+from cachetier.report.replay import ReplayTrace
 from tests.cachetier.report import tiny
 
 EVENTS = [

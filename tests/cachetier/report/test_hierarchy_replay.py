@@ -1,5 +1,6 @@
 """Trace replay for reports: the two-tier store's hits on the hand-made trace, agreement with
-``cachetier.replay``, synthetic tenants, and the conversation trace against an independent LRU
+``cachetier.report.replay``, synthetic tenants, and the conversation trace against an independent
+LRU
 simulation."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.replay import ReplayTrace, TraceRequest, read_trace, replay_tier
 from cachetier.report.build import build_report
 from cachetier.report.config import ReportConfig
 from cachetier.report.hierarchy_replay import replay_for_report, replay_hierarchy, tenant_of
+from cachetier.report.replay import ReplayTrace, TraceRequest, read_trace, replay_tier
 from tests.cachetier.report import tiny
 from tests.support import CONVERSATION_TRACE as CONVERSATION
 

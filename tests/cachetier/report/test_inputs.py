@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.events import EventLog, LookupEvent
+from cachetier.report.events import EventLog, LookupEvent
 from cachetier.report.inputs import load_events, load_stats
 
 GOOD = LookupEvent(10.0, "a", 100, {"cpu": 32}, 16, 4, 0.01)

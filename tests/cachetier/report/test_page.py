@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from cachetier.events import LookupEvent
 from cachetier.report.build import headline
+from cachetier.report.events import LookupEvent
 from cachetier.report.figures import lookup_figures
 from cachetier.report.html import render_html
 from cachetier.report.page_script import SCRIPT

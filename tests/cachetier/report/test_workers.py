@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachetier.replay import ReplayTrace
+from cachetier.report.replay import ReplayTrace
 from cachetier.report.workers import CurveRunner, run_job
 from tests.cachetier.report import tiny
 

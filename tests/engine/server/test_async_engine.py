@@ -9,11 +9,10 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
-from engine.server.async_engine import AsyncEngine, EngineDeadError
+from cachetier.engine.config import EngineConfig
+from cachetier.engine.llm_engine import LLMEngine, RequestOutput
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.server.async_engine import AsyncEngine, EngineDeadError
 
 PROMPT = [(i * 5 + 1) % 250 for i in range(40)]
 

@@ -1,5 +1,6 @@
-"""The server's config and command line: validation, tiers from CACHETIER_* and flags, and a real
-``python -m engine.server`` process that prints its config and pool and flushes on SIGTERM."""
+"""The server's config and command line: validation, tiers from CACHETIER_* and flags, and a
+real ``python -m cachetier.engine.server`` process that prints its config and pool and flushes
+on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cachetier.engine.server.__main__ import server_config
+from cachetier.engine.server.config import EngineServerConfig
 
-from cachetier.config import StoreConfig
-from cachetier.events import read_events
-from engine.server.__main__ import server_config
-from engine.server.openai_config import EngineServerConfig
+from cachetier.report.events import read_events
+from cachetier.store.config import StoreConfig
 from tests.engine.server.live import post
 from tests.server.live import ROOT, wait_healthy
 from tests.support import wait_ports_file
@@ -82,7 +83,7 @@ def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_pa
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.server", *args],
+        [sys.executable, "-m", "cachetier.engine.server", *args],
         env={**env, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from cachetier.config import StoreConfig
-from cachetier.keys import block_keys
-from engine.llm import LLM
+from cachetier.engine.llm import LLM
+
+from cachetier.primitives.keys import block_keys
+from cachetier.store.config import StoreConfig
 from tests.engine.server.live import EngineServer
 from tests.server.live import call_json
 from tests.support import PrivateRedis

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from cachetier.config import StoreConfig
-from cachetier.events import read_events
+from cachetier.report.events import read_events
+from cachetier.store.config import StoreConfig
 from tests.engine.server.live import EngineServer, get, post
 
 PROMPT = [(i * 13 + 7) % 250 for i in range(50)]  # 3 full blocks of 16 and 2 tokens

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.server.text_stream import TextStream
+from cachetier.engine.server.text_stream import TextStream
 
 
 def decode(ids: list[int]) -> str:

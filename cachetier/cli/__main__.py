@@ -1,0 +1,5 @@
+"""``python -m cachetier.cli``: the ``cachetier`` command."""
+
+from cachetier.cli.main import main
+
+main()

@@ -1,0 +1,443 @@
+"""``TieredStore``: an ordered stack of tiers (e.g. CPU -> disk -> Redis) behind one interface.
+
+- A lookup finds the longest prefix of keys present in *any* tier (block i may sit in CPU and
+  block i+1 on disk).
+- A hit in a lower tier is promoted: written to the first tier at once and to the tiers in
+  between in the background.
+- A put goes to the first tier at once and is written through to the lower tiers by one
+  background writer per tier, each with a bounded queue; what does not fit in a queue is
+  dropped and counted, so a slow Redis never stalls the serving loop. With write-through the
+  lower tiers already hold what an upper tier evicts, so nothing needs to spill on eviction.
+- ``flush()`` waits until every queued write has been applied.
+- ``pin_prefix()`` keeps a prefix's blocks from every tier's eviction (``store_pins``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cachetier.pins.registry import PinRegistry, Pins
+from cachetier.pins.store import PinResult, StorePins
+from cachetier.primitives.keys import BlockHash, Namespace, block_keys
+from cachetier.record import KVBlock
+from cachetier.store.costmodel import TierRates
+from cachetier.store.rates_file import RatesFile
+from cachetier.tiers.base import Tier, check_namespace
+from cachetier.tiers.prefix import PrefixHit
+from cachetier.tiers.stats import TierStats
+from cachetier.util.landing import Destination
+from cachetier.util.parallel import BACKGROUND_NICE, become_background
+
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredPrefix:
+    """Blocks restored for the leading keys, and which tier each came from."""
+
+    blocks: tuple[KVBlock, ...]
+    sources: tuple[str, ...]
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.sources:
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+class _Writer:
+    """One background thread applying queued puts to one lower tier."""
+
+    def __init__(
+        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats, nice: int
+    ) -> None:
+        self.tier = tier
+        self._nice = nice
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._max_blocks = max_blocks
+        self._max_bytes = max_bytes
+        self._pending_blocks = 0
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._stats = stats
+        self._thread = threading.Thread(
+            target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
+        # Bytes too, not only blocks: 4096 blocks of 64 MiB would be 256 GiB of queue.
+        nbytes = sum(b.nbytes for b in blocks)
+        with self._lock:
+            if self._pending_blocks + len(blocks) > self._max_blocks or (
+                self._max_bytes is not None and self._pending_bytes + nbytes > self._max_bytes
+            ):
+                self._stats.add(rejected=len(blocks))
+                return False
+            self._pending_blocks += len(blocks)
+            self._pending_bytes += nbytes
+        self._queue.put((namespace, blocks, nbytes))
+        return True
+
+    def _run(self) -> None:
+        become_background(self._nice)
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                namespace, blocks, nbytes = item
+                try:
+                    self.tier.put_many(namespace, blocks)
+                except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
+                    self._stats.add(errors=len(blocks))
+                with self._lock:
+                    self._pending_blocks -= len(blocks)
+                    self._pending_bytes -= nbytes
+            finally:
+                self._queue.task_done()
+
+    def pending_blocks(self) -> int:
+        with self._lock:
+            return self._pending_blocks
+
+    def join(self, deadline: float | None) -> bool:
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+
+
+class TieredStore(Tier):
+    """Tiers searched in order, written to the first at once and to the rest in the background.
+
+    Args:
+        tiers: the tiers, fastest first. The store owns them and closes them on ``close()``.
+        write_queue_blocks: most blocks queued per lower tier before puts are dropped.
+        write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
+            for no limit but ``write_queue_blocks``.
+        promote: copy hits from lower tiers into the tiers above them.
+        writer_nice: CPU priority of the lower tiers' writer threads, 0 (the process's) to 19
+            (the lowest, the default: they use the cores the engine leaves idle; see
+            ``cachetier.util.parallel.BACKGROUND_NICE``).
+        pin_registry: where pins are kept across restarts (they are applied to the tiers
+            now); ``None`` keeps pins in memory only.
+        rates_file: where one tier's measured rate is kept across restarts
+            (``cachetier.store.rates_file``): the store starts from it and keeps it up to date.
+    """
+
+    name = "tiered"
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_queue_blocks: int = 4096,
+        write_queue_bytes: int | None = None,
+        promote: bool = True,
+        writer_nice: int = BACKGROUND_NICE,
+        pin_registry: PinRegistry | None = None,
+        rates_file: RatesFile | None = None,
+    ) -> None:
+        super().__init__()
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        if not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice must be in [0, 19], got {writer_nice}")
+        if write_queue_blocks <= 0:
+            raise ValueError(f"write_queue_blocks must be positive, got {write_queue_blocks}")
+        if write_queue_bytes is not None and write_queue_bytes <= 0:
+            raise ValueError(f"write_queue_bytes must be positive, got {write_queue_bytes}")
+        self._tiers = list(tiers)
+        self._promote = promote
+        self._names = tuple(tier.name for tier in self._tiers)
+        self._writers = [
+            _Writer(t, write_queue_blocks, write_queue_bytes, self._stats, writer_nice)
+            for t in self._tiers[1:]
+        ]
+        self._closed = False
+        # Every tier's measured latency and read speed, from the lookups and gets below: what
+        # a cost model weighs a load against a recompute with.
+        self.rates = TierRates()
+        self._rates_file = (
+            rates_file if rates_file is not None and rates_file.tier in self._names else None
+        )
+        self._rates_measured = False  # whether this process has read the kept tier itself
+        if self._rates_file is not None:
+            kept = self._rates_file.load()
+            if kept is not None:
+                self.rates.adopt(self._rates_file.tier, kept)
+        self._pins = StorePins(self._tiers, pin_registry)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(self._tiers)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        caps = [tier.capacity_bytes for tier in self._tiers]
+        return None if any(c is None for c in caps) else sum(c for c in caps if c is not None)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(tier.used_bytes for tier in self._tiers)
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        check_namespace(namespace)
+        if not blocks:
+            return 0
+        blocks = list(blocks)
+        stored = self._tiers[0].put_many(namespace, blocks)
+        for writer in self._writers:
+            writer.submit(namespace, blocks)
+        self._stats.add(puts=len(blocks))
+        return stored
+
+    def lookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+        """Find the leading run of ``keys`` stored in any tier, without reading blocks.
+
+        Args:
+            namespace: storage namespace.
+            keys: block keys in sequence order.
+
+        Returns:
+            The run's length and which tier holds which part of it.
+        """
+        check_namespace(namespace)
+        spans: list[tuple[int, int, int]] = []
+        pos = 0
+        while pos < len(keys):
+            for index, tier in enumerate(self._tiers):
+                errors = tier.num_errors
+                start = time.perf_counter()
+                found = tier.contains_prefix(namespace, keys[pos:])
+                if tier.num_errors == errors:
+                    self.rates.observe_latency(tier.name, time.perf_counter() - start)
+                if found:
+                    spans.append((index, pos, pos + found))
+                    pos += found
+                    break
+            else:
+                break
+        return PrefixHit(pos, tuple(spans), self._names)
+
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        return self.lookup(namespace, keys).num_blocks
+
+    def restore_prefix(
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        *,
+        fingerprint: bytes | None = None,
+        dests: Sequence[Destination] | None = None,
+        hit: PrefixHit | None = None,
+    ) -> RestoredPrefix:
+        """Fetch the leading run of stored blocks for ``keys``.
+
+        Args:
+            namespace: storage namespace.
+            keys: block keys in sequence order.
+            fingerprint: namespace fingerprint the blocks must carry; others count as misses.
+            dests: optional caller memory, one buffer per key, that payloads are read into
+                (see ``Tier.get_into``). Blocks read this way are not promoted: the caller
+                holds them, and promoting would cost the copy this saves.
+            hit: the caller's own ``lookup`` of these keys, just made: not asked again (a
+                remote tier would pay a round trip for it).
+
+        Returns:
+            The blocks of the longest leading run that could actually be read (a block that
+            vanished or failed its checks between lookup and read ends the run there).
+        """
+        if hit is None:
+            hit = self.lookup(namespace, keys)
+        n = min(hit.num_blocks, len(keys))
+        found, sources = self._fetch(
+            namespace, keys[:n], fingerprint, None if dests is None else dests[:n]
+        )
+        blocks: list[KVBlock] = []
+        names: list[str] = []
+        for block, source in zip(found, sources):
+            if block is None:
+                break
+            blocks.append(block)
+            names.append(self._names[source])
+        return RestoredPrefix(tuple(blocks), tuple(names))
+
+    def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
+        check_namespace(namespace)
+        found, _ = self._fetch(namespace, keys, None, None)
+        return found
+
+    def get_into(
+        self, namespace: str, keys: Sequence[BlockHash], dests: Sequence[Destination]
+    ) -> list[KVBlock | None]:
+        # Each tier asked for what the faster ones missed, reading straight into ``dests``
+        # where it can (no lookup first: a get of blocks the caller expects pays no stats).
+        check_namespace(namespace)
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
+        found, _ = self._fetch(namespace, keys, None, dests)
+        return found
+
+    def _fetch(
+        self,
+        namespace: str,
+        keys: Sequence[BlockHash],
+        fingerprint: bytes | None,
+        dests: Sequence[Destination] | None,
+    ) -> tuple[list[KVBlock | None], list[int]]:
+        start = time.perf_counter()
+        found: list[KVBlock | None] = [None] * len(keys)
+        sources = [-1] * len(keys)
+        missing = list(range(len(keys)))
+        foreign = 0
+        for index, tier in enumerate(self._tiers):
+            if not missing:
+                break
+            wanted = [keys[i] for i in missing]
+            errors = tier.num_errors
+            tier_start = time.perf_counter()
+            if dests is None:
+                got = tier.get_many(namespace, wanted)
+            else:
+                got = tier.get_into(namespace, wanted, [dests[i] for i in missing])
+            if tier.num_errors == errors:
+                nbytes = sum(b.nbytes for b in got if b is not None)
+                self.rates.observe_read(tier.name, nbytes, time.perf_counter() - tier_start)
+                kept = self._rates_file
+                if kept is not None and nbytes and tier.name == kept.tier:
+                    self._rates_measured = True
+                    kept.save(self.rates.get(tier.name))
+            still: list[int] = []
+            promoted: list[KVBlock] = []
+            for i, block in zip(missing, got):
+                if block is None:
+                    still.append(i)
+                elif block.key != keys[i] or (
+                    fingerprint is not None and block.fingerprint != fingerprint
+                ):
+                    foreign += 1
+                    still.append(i)
+                else:
+                    found[i] = block
+                    sources[i] = index
+                    promoted.append(block)
+            if promoted and index > 0 and self._promote and dests is None:
+                self._tiers[0].put_many(namespace, promoted)
+                for writer in self._writers[: index - 1]:
+                    writer.submit(namespace, promoted)
+            missing = still
+        hits = len(keys) - len(missing)
+        self._stats.add(hits=hits, misses=len(missing), corrupt=foreign)
+        self._stats.observe(time.perf_counter() - start)
+        return found, sources
+
+    def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        self.flush()
+        return max((tier.delete(namespace, keys) for tier in self._tiers), default=0)
+
+    def clear(self, namespace: str) -> int:
+        self.flush()
+        return max((tier.clear(namespace) for tier in self._tiers), default=0)
+
+    def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:
+        """Keep blocks from eviction in every tier that can pin, now or once they arrive.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to pin (e.g. a prefix's chain, ``block_keys``).
+
+        Returns:
+            The keys pinned, and how many each tier holds and protects now.
+
+        Raises:
+            PinLimitError: a tier's bound on pinned bytes refused them; nothing was pinned.
+            TierUnavailableError: a tier's Redis did not answer; nothing was pinned.
+        """
+        self.flush()  # blocks queued for a lower tier are counted there
+        return self._pins.pin(namespace, keys)
+
+    def pin_prefix(self, namespace: Namespace, token_ids: Sequence[int]) -> PinResult:
+        """Pin the chain of full blocks of a token prefix (a system prompt, say).
+
+        Args:
+            namespace: model, layout and tenant of the blocks (keys come from ``block_keys``).
+            token_ids: the prefix's token ids; a partial last block is not pinned.
+
+        Returns:
+            As ``pin_keys``.
+
+        Raises:
+            ValueError: the prefix is shorter than one block.
+            PinLimitError: as ``pin_keys``.
+        """
+        keys = block_keys(namespace, token_ids)
+        if not keys:
+            raise ValueError(
+                f"{len(token_ids)} tokens make no full block of {namespace.block_size}: "
+                "nothing to pin"
+            )
+        return self.pin_keys(namespace.id, keys)
+
+    def unpin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Let pinned blocks be evicted again.
+
+        Args:
+            namespace: storage namespace.
+            keys: the keys to unpin.
+
+        Returns:
+            How many of them were pinned.
+
+        Raises:
+            TierUnavailableError: a tier's Redis did not answer; the pins stay.
+        """
+        return self._pins.unpin(namespace, keys)
+
+    def pinned(self, prefix: str = "") -> Pins:
+        """Pinned keys by storage namespace (those starting with ``prefix``), in pin order."""
+        return self._pins.listing(prefix)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued background write has been applied.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` waits as long as it takes.
+
+        Returns:
+            ``True`` if everything was written, ``False`` on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(writer.join(deadline) for writer in self._writers)
+
+    def stats(self) -> dict[str, Any]:
+        """Store-level counters (``rejected`` = blocks dropped from full write queues), queue
+        depths, and each tier's own stats under ``tiers``."""
+        out = super().stats()
+        out["pending_writes"] = {w.tier.name: w.pending_blocks() for w in self._writers}
+        out["tiers"] = {tier.name: tier.stats() for tier in self._tiers}
+        out["rates"] = self.rates.snapshot()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._rates_file is not None and self._rates_measured:
+            self._rates_file.save(self.rates.get(self._rates_file.tier), force=True)
+        self.flush(timeout=30)
+        for writer in self._writers:
+            writer.stop()
+        for tier in self._tiers:
+            tier.close()

@@ -1,0 +1,32 @@
+"""Where a key list's leading stored blocks are: the answer of a prefix lookup over tiers.
+
+A value object shared by the store that computes it and the remote tier that receives it from
+a sidecar's store, so neither layer reaches into the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Where the leading stored blocks of a key list are.
+
+    Args:
+        num_blocks: length of the leading run present in some tier.
+        spans: ``(tier index, start, end)`` ranges covering ``[0, num_blocks)`` in order.
+        tier_names: names of the store's tiers, indexed like ``spans``.
+    """
+
+    num_blocks: int
+    spans: tuple[tuple[int, int, int], ...]
+    tier_names: tuple[str, ...]
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        """How many of the leading blocks each tier holds (tiers with none are left out)."""
+        out: dict[str, int] = {}
+        for tier, start, end in self.spans:
+            name = self.tier_names[tier]
+            out[name] = out.get(name, 0) + end - start
+        return out
