@@ -16,9 +16,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # pip builds a source folder in place (build/, *.egg-info): a copy keeps the checkout clean and
 # lets two builds run at once. What is copied is what the wheel holds: pyproject.toml's
-# packages (tests/deploy/test_server_install.py checks the two lists agree) and its readme.
+# package folders (tests/deploy/test_server_install.py checks the two lists agree), its readme
+# and its license.
 mkdir "$work/src"
-for part in pyproject.toml README.md cachetier engine kernels connectors; do
+for part in pyproject.toml README.md LICENSE cachetier engine kernels connectors; do
   cp -R "$src/$part" "$work/src/"
 done
 $pip wheel --quiet --no-deps --wheel-dir "$work/wheels" "$work/src"

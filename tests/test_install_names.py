@@ -9,10 +9,13 @@ packages: run from a checkout, the repository's ``kernels/`` folder would shadow
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.deploy.server_env import copied_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_KERNELS = Path(sys.prefix) / "hf-kernels"
@@ -54,9 +57,16 @@ def test_the_development_install_and_the_kernel_hub_import_side_by_side(tmp_path
 
 
 def test_the_wheel_holds_one_top_level_name_and_sits_beside_the_hub(tmp_path: Path) -> None:
+    # Built from a copy of what the wheel holds, as scripts/setup_server.sh builds it: a build
+    # in the checkout would leave build/ there and race with another suite's build.
+    source = tmp_path / "src"
+    source.mkdir()
+    for part in copied_parts():
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy2
+        copy(ROOT / part, source / part)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(tmp_path / "dist"), str(ROOT)],
+        + ["-w", str(tmp_path / "dist"), str(source)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 MODULES = ("torch", "transformers", "vllm", "triton", "matplotlib", "tqdm", "fastapi", "uvicorn")
 
+NEEDS_TORCH = {"engine", "kernels", "connectors"}
+
 
 def main(settings: dict) -> dict:
     # Looked up before cachetier is imported, and never imported: what pip installed.
@@ -31,7 +33,11 @@ def main(settings: dict) -> dict:
     import cachetier
 
     failed = []
-    for info in pkgutil.walk_packages(cachetier.__path__, "cachetier."):
+    for info in pkgutil.walk_packages(cachetier.__path__, "cachetier.", onerror=lambda _: None):
+        # The engine, the kernels and the connectors need the `engine` extra (torch), which
+        # the sidecar's env has not; a __main__ runs a command when imported.
+        if info.name.split(".")[1] in NEEDS_TORCH or info.name.endswith(".__main__"):
+            continue
         try:
             importlib.import_module(info.name)
         except Exception as exc:  # every failure is the answer, not only the first

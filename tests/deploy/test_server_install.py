@@ -53,9 +53,9 @@ def test_the_wheel_is_built_from_every_package_of_pyproject() -> None:
     # The script copies a checkout's parts to build the wheel from: a package added to
     # pyproject.toml and not to the script would be missing from the sidecar's wheel.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
-    parts = copied_parts()
-    assert set(parts) == packages | {"pyproject.toml", project["project"]["readme"]}
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
+    files = {"pyproject.toml", project["project"]["readme"], *project["project"]["license-files"]}
+    assert set(copied_parts()) == folders | files
 
 
 @pytest.mark.slow
