@@ -133,8 +133,22 @@ def read_record(
         raise CorruptBlockError(f"record is {size} bytes, its header claims {h.total}")
     if whole:
         return _read_rest_whole(readinto, fixed, h, key, fingerprint, pread)
-    body = h.head_len + 8
-    head = memoryview(bytearray(body))
+    return _read_rest_in_parts(readinto, fixed, h, key, fingerprint, payload_into)
+
+
+def _read_rest_in_parts(
+    readinto: Callable[[memoryview], int],
+    fixed: memoryview,
+    h: _Header,
+    key: bytes | None,
+    fingerprint: bytes | None,
+    payload_into: Destination | None,
+) -> KVBlock:
+    """The rest of a record whose ``fixed`` header is read and its header ``h`` checked, read
+    part by part (head, aux, payload), each allocated only once the one before it is in; the
+    payload straight into ``payload_into`` when it fits (see ``read_record``)."""
+    size = h.total
+    head = memoryview(bytearray(h.head_len + 8))
     head[: _FIXED.size] = fixed
     _read_exactly(readinto, head[_FIXED.size :], None, size)
     digest = _Checksum.past_head(h.version, head, h.head_len)
