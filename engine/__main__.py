@@ -1,7 +1,7 @@
-"""Command line: ``python -m engine generate`` runs prompts through the engine with the tiers.
+"""Command line: ``python -m cachetier.engine generate`` runs prompts through the engine and tiers.
 
-    python -m engine generate --prompt "Why is the sky blue?" --chat --disk-path ./kv
-    python -m engine generate --prompt-file prompts.txt --max-tokens 64 --redis-url redis://...
+    python -m cachetier.engine generate --prompt "Why is the sky blue?" --chat --disk-path ./kv
+    python -m cachetier.engine generate --prompt-file prompts.txt --max-tokens 64 --redis-url redis://...
 
 Each line of a prompt file is one prompt. Prints each answer, its TTFT and how many prompt
 tokens came from the cache, and from which tier.
@@ -23,7 +23,7 @@ from cachetier.store.config import StoreConfig
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m engine",
+        prog="python -m cachetier.engine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
