@@ -209,33 +209,48 @@ def log_line_chart(
             f"{x:,}</text>"
         )
     for index, line in enumerate(series):
-        points = [(scale_x(x), v) for x, v in zip(xs, line.values) if v is not None]
-        path = " ".join(f"{px:.1f},{_scale_y(v, y_max, bottom):.1f}" for px, v in points)
-        dash = ' stroke-dasharray="6 4"' if line.dashed else ""
-        body.append(
-            f'<polyline points="{path}" fill="none" stroke="{_attr(line.color)}" '
-            f'stroke-width="2"{dash}/>'
-        )
-        for x, v in zip(xs, line.values):
-            if v is None:
-                continue
-            text = tip(line, x, v)
-            body.append(
-                f'<circle class="mark" cx="{scale_x(x):.1f}" cy="{_scale_y(v, y_max, bottom):.1f}" '
-                f'r="4.5" fill="{_attr(line.color)}" data-tip="{_attr(text)}">'
-                f"<title>{escape(text)}</title></circle>"
-            )
-        # The legend sits below the x axis, four to a row: inside, it would hide the lines.
-        lx = _LEFT + _LEGEND_COLUMN * (index % 4)
-        ly = bottom + 58 + 16 * (index // 4)
-        body.append(
-            f'<line x1="{lx}" x2="{lx + 20}" y1="{ly - 4}" y2="{ly - 4}" '
-            f'stroke="{_attr(line.color)}" stroke-width="2"{dash}/>'
-            f'<text class="legend" x="{lx + 26}" y="{ly}">{escape(line.name)}</text>'
-        )
+        body += _line_marks(line, index, xs, scale_x, y_max, bottom, tip)
     body.append(
         f'<line class="axis" x1="{_LEFT}" x2="{WIDTH - _RIGHT}" y1="{bottom}" y2="{bottom}"/>'
         f'<text class="axis-label" x="{WIDTH / 2:.0f}" y="{bottom + 34}" text-anchor="middle">'
         f"{escape(x_label)}</text>"
     )
     return _frame(body, title, 34 + 16 * -(-len(series) // 4))
+
+
+def _line_marks(
+    line: Series,
+    index: int,
+    xs: Sequence[int],
+    scale_x: Callable[[float], float],
+    y_max: float,
+    bottom: int,
+    tip: Callable[[Series, int, float], str],
+) -> list[str]:
+    """One series of ``log_line_chart``: its line, a hoverable point per value, and its legend
+    entry (the ``index``-th, below the x axis at ``bottom``)."""
+    points = [(scale_x(x), v) for x, v in zip(xs, line.values) if v is not None]
+    path = " ".join(f"{px:.1f},{_scale_y(v, y_max, bottom):.1f}" for px, v in points)
+    dash = ' stroke-dasharray="6 4"' if line.dashed else ""
+    out = [
+        f'<polyline points="{path}" fill="none" stroke="{_attr(line.color)}" '
+        f'stroke-width="2"{dash}/>'
+    ]
+    for x, v in zip(xs, line.values):
+        if v is None:
+            continue
+        text = tip(line, x, v)
+        out.append(
+            f'<circle class="mark" cx="{scale_x(x):.1f}" cy="{_scale_y(v, y_max, bottom):.1f}" '
+            f'r="4.5" fill="{_attr(line.color)}" data-tip="{_attr(text)}">'
+            f"<title>{escape(text)}</title></circle>"
+        )
+    # The legend sits below the x axis, four to a row: inside, it would hide the lines.
+    lx = _LEFT + _LEGEND_COLUMN * (index % 4)
+    ly = bottom + 58 + 16 * (index // 4)
+    out.append(
+        f'<line x1="{lx}" x2="{lx + 20}" y1="{ly - 4}" y2="{ly - 4}" '
+        f'stroke="{_attr(line.color)}" stroke-width="2"{dash}/>'
+        f'<text class="legend" x="{lx + 26}" y="{ly}">{escape(line.name)}</text>'
+    )
+    return out
