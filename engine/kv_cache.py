@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 _SCALE_DTYPE = np.dtype("<f4")  # scales as stored in a record's aux: little-endian float32
 
 # Pinned host memory a CUDA pool restores through, in two buffers that take turns: tier bytes
-# are copied into one while the other's host-to-device copy runs. Measured on an H200, 4,096
-# SmolLM2 tokens (189 MB): the pageable path this replaced (a bytearray per block, a stack, a
-# synchronous ``.to``) spent 151-169 ms copying, longer than the 130 ms cold prefill it saves.
+# are copied into one while the other's host-to-device copy runs. The pageable path this
+# replaced (a bytearray per block, a stack, a synchronous ``.to``) spent longer copying a long
+# prompt's blocks than the cold prefill they save.
 RESTORE_STAGING_BYTES = 32 << 20
 
 

@@ -1,11 +1,10 @@
 """``linear`` for the engine's projections: oneDNN's matmul on CPU, ``F.linear`` elsewhere.
 
 ``F.linear`` on CPU tensors goes to the BLAS torch was built with (MKL in the x86 wheels). On
-the AMD EPYC machines we measure on, MKL's sgemm runs at about 40% of what oneDNN (which torch
-also ships, as ``mkldnn``) reaches on the same shapes: SmolLM2's 120 projections of one decode
-step of 32 sequences took 71 ms through ``F.linear`` and 32 ms through oneDNN, and a 512-token
-prefill chunk 580 ms against 245 ms. vLLM-CPU calls oneDNN for the same reason. Both are fp32
-(or bf16) throughout; they differ only in the order of the sums, by a float32 rounding or two.
+AMD CPUs MKL's sgemm reaches well under half of what oneDNN (which torch also ships, as
+``mkldnn``) reaches on the same shapes, for decode steps and prefill chunks alike. vLLM-CPU calls
+oneDNN for the same reason. Both are fp32 (or bf16) throughout; they differ only in the order of the
+sums, by a float32 rounding or two.
 
 ``prepack`` reorders a weight once into oneDNN's blocked layout, as vLLM-CPU and torch's
 inductor do: oneDNN otherwise reorders a plain weight on every call, which for a decode step's

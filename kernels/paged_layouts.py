@@ -288,8 +288,8 @@ class PagedBlocks:
 
     def _copy_host(self, ids: list[int], payloads: Sequence[torch.Tensor], *, gather: bool) -> None:
         """Copies on the host, one per block and group: numpy's for small blocks (a strided
-        copy starts in ~1 us there, ten for torch), torch's for large ones (its kernels move
-        a 1.4 MiB SGLang page, a transposition of 384-byte runs, at memcpy speed on two
+        copy starts several times sooner there than in torch), torch's for large ones (its kernels
+        move a 1.4 MiB SGLang page, a transposition of 384-byte runs, at memcpy speed on two
         threads; numpy's at half of it: measured)."""
         flat: list[np.ndarray] | None = None
         for group in self._host_groups():
@@ -302,8 +302,8 @@ class PagedBlocks:
             if flat is None:
                 bits = _BITS[self.dtype.itemsize]
                 flat = [p.view(bits).numpy() for p in payloads]
-            # One thread: spreading layers over cores was measured slower here (the copies
-            # are ~20 us each, and the Python between them holds the GIL).
+            # One thread: spreading layers over cores was measured slower (each copy is
+            # short, and the Python between them holds the GIL).
             for payload, block in zip(flat, ids):
                 page = pages[block].transpose(order)
                 plane = payload[layers, start:stop].transpose(order)

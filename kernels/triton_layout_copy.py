@@ -4,8 +4,8 @@ payloads: the CUDA path of ``cachetier.kernels.paged_layouts.PagedBlocks``.
 One launch moves a group of parts that share their per-block shape and strides, wherever each
 lies: usually every layer's parts at once (one tensor per layer, all alike), or two groups where
 K and V are laid out apart (vLLM-CPU's transposed K). A launch costs the host tens of
-microseconds, and one per layer made a gather of 64 SmolLM2 blocks (30 launches of small
-programs) take 1.6 ms on an H200, about twice the copy of the same bytes to the host.
+microseconds, and one per layer made a gather of many small blocks take about twice the copy of
+the same bytes to the host.
 
 Imported lazily (``@triton.jit`` decides at import time whether to compile or interpret). The
 launcher trusts its inputs: ``PagedBlocks`` checks them.

@@ -258,7 +258,7 @@ def add_report(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=PREFILL_TOKENS_PER_S,
         help=f"prefill speed for seconds saved (default {PREFILL_TOKENS_PER_S:.1f}: SmolLM2 "
-        "on this CPU, from benchmarks/bench_restart.py)",
+        "in fp32 on two CPU cores; give your server's own)",
     )
     p.add_argument("--bin-s", type=float, help="seconds per time bin (default: about 60 bins)")
     p.set_defaults(run=run_report)

@@ -2,8 +2,8 @@
 
 A restarted engine's tiers are unmeasured until its first get, and an unmeasured tier is loaded
 whatever it costs (``cachetier.store.costmodel``): the very restart the tiers are for was the one
-request the cost model could not weigh. On an H200 that request loaded a disk hit in 0.180 s
-where recomputing took 0.143 s. So a store keeps its disk tier's measured latency and read speed
+request the cost model could not weigh, and on a fast GPU loading a disk hit can lose to
+recomputing it. So a store keeps its disk tier's measured latency and read speed
 in the disk folder, and a store opened on that folder starts from them; its own reads then take
 over within two or three gets (the averages' weight). Only the disk tier's: its speed is this
 node's, while a link's (Redis, a sidecar) may have changed since.

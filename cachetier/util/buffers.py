@@ -1,13 +1,12 @@
 """Recycled payload buffers: a read lands in memory that is already mapped and faulted in.
 
 A fresh multi-megabyte ``np.empty`` is a new mapping, and the read that fills it takes a page
-fault per 4 KiB (a 5.6 MiB SmolLM2 block: 1,440 faults, about as long as the copy itself).
+fault per 4 KiB (a 5.6 MiB SmolLM2 block takes 1,440 faults, about as long as the copy).
 Buffers handed out here go back to an idle list when the last object using them is collected,
 and the next read of the same size reuses one: the same memory, already faulted in.
 
 Each starts on a page boundary. malloc hands large blocks out 16 bytes past a page start, and
-the kernel's copy of a read into memory that is not cache-line aligned measured ~17% slower
-(5.6 MiB from the page cache: 0.67 against 0.56 ms).
+the kernel's copy of a read into memory that is not cache-line aligned is measurably slower.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ def take(nbytes: int) -> np.ndarray:
     if base is None:
         base = _aligned(nbytes)
     handed = base.view()  # a new array over the same memory: its end is the signal
-    # A bare weak reference with a callback, kept alive here until it fires: a third of what
-    # weakref.finalize costs (0.27 against 0.75 us), paid on every read of a block.
+    # A bare weak reference with a callback, kept alive here until it fires: far cheaper than
+    # weakref.finalize, and it is paid on every read of a block.
     ref = weakref.ref(handed, _returned)
     _out[id(ref)] = (ref, base)
     return handed

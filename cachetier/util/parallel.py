@@ -2,9 +2,9 @@
 memory.
 
 Both release the GIL for their bulk (``os.readv``, numpy's ``copyto``), so running a batch's
-items on a few threads overlaps them: on this project's 2-core machine a 90 MB copy into a
-pool takes half the time on two threads, and cold disk reads keep several requests in flight
-instead of one. Small batches stay on the caller's thread (a hand-off costs ~50 us).
+items on a few threads overlaps them: a large copy into a pool finishes in about half the time
+on two cores, and cold disk reads keep several requests in flight instead of one. Small batches
+stay on the caller's thread, where a hand-off would cost more than it saves.
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ _I = TypeVar("_I")
 # here (2 cores, bench_peers): 2 reader threads beat 3 and 4 on cached files, and tie them on
 # cold ones; copies gain nothing past the cores.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
-# Below this many bytes a copy stays on one thread: 16 copies of 512 KiB took longer on two
-# threads than on one (each piece hands the GIL back and forth), 16 of 5.6 MiB half as long.
+# Below this many bytes a copy stays on one thread: small pieces spend more on handing the GIL
+# back and forth than a second thread wins; multi-megabyte ones split well.
 _MIN_PARALLEL_COPY_BYTES = 16 << 20
 _PIECE_BYTES = 16 << 20  # copies are cut into pieces of at most this size
 
 # Threads for reads that wait on a cold disk (``submit_io``): waiting takes no core, and the
-# device serves more requests in flight faster. 16 cold records read on 8 threads against the
-# 2 data threads here: 7.4 against 8.3 ms (512 KiB records), 45.6 against 46.9 (5.6 MiB); 4
-# threads 7.4 and 46.8. On cached files the data threads win (1.5 against 2.3 ms on 4
-# threads): only files found cold come here.
+# device serves more requests in flight faster. On cached files the few data threads win (no
+# wait to overlap, only hand-offs), so only files found cold come here.
 IO_WORKERS = 8
 
 _lock = threading.Lock()

@@ -69,7 +69,7 @@ def vllm_cpu_env(base: Mapping[str, str], *, pythonpath: str | None = None) -> d
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged KV
     # vLLM serves with one torch thread on a small machine; more OpenMP threads than free cores
-    # make every op wait on a busy core (decode ran 14x slower on a shared 2-core machine).
+    # make every op wait on a busy core (decode slows by an order of magnitude).
     env.setdefault("OMP_NUM_THREADS", "1")
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))

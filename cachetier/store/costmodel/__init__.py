@@ -14,8 +14,8 @@ on a link slower than its compute) pays the longer of the two instead of their s
 
 Both sides are measured, never configured: ``TierRates`` keeps a moving average of each tier's
 round-trip latency (from lookups) and read time per byte (from real gets), ``CopyRate`` the time
-per byte of the engine's own copy of what a tier read into its KV memory (a GPU's, across PCIe:
-on an H200, 72 ms for the 189 MB a 47 ms disk read had brought in), and
+per byte of the engine's own copy of what a tier read into its KV memory (a GPU's, across PCIe,
+which can take longer than the disk read that brought the bytes in), and
 ``PrefillModel`` fits a step's seconds as ``c0 + c1 x tokens + c2 x attention`` (attention = the
 sum over sequences of new tokens x mean context, the quadratic part) from the engine's own
 forward passes. Until a side has been measured the plan loads everything, as before.

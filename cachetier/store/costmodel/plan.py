@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 # than the estimates' own noise (a millisecond: one scheduler tick on a busy host) is no
 # reason to spend it. Only while the time a load adds is less than the compute it frees: on a
 # thin link one block can take longer to fetch than to recompute, and 2% of a long prompt's
-# TTFT is worth many such blocks (measured: one 16-token block over 10 MB/s, ~80 ms against
-# ~20 ms of recompute, put on every thin-link request).
+# TTFT is worth many such blocks (a 16-token block over a slow link takes several times its
+# recompute, and would be paid on every request over that link).
 _PREFER_LOAD = 0.02
 _PREFER_LOAD_S = 0.001
 

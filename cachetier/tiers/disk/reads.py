@@ -25,9 +25,8 @@ from cachetier.util.landing import Destination
 
 # Only files up to this size go to the I/O threads when cold. A small record's read is mostly
 # the device's latency, which more reads in flight hide; a large one's is its bandwidth, which
-# the kernel's readahead of a few streams already fills. 16 cold records a batch, the data
-# threads alone against cold files on 8 I/O threads, three runs: 512 KiB records 1.09, 1.12,
-# 1.08x faster; 5.6 MiB records 0.92, 0.97, 0.88x (slower).
+# the kernel's readahead of a few streams already fills: more threads speed up cold 512 KiB
+# records and slow down cold multi-megabyte ones.
 WIDE_COLD_MAX_BYTES = 2 << 20
 
 # 0 where the platform or the file system has no non-blocking buffered reads (then every file
