@@ -10,7 +10,7 @@ The checksum covers every byte of the record but itself, so a torn write, a flip
 truncated file is always caught. The key and the fingerprint are checked against what the
 caller asked for, so a record can never be served under another key or another model.
 
-Version 2 (written since 2026-11-26): the record is cut into ``SEGMENT_BYTES`` segments at fixed
+Version 2, the one written: the record is cut into ``SEGMENT_BYTES`` segments at fixed
 offsets from its first byte (the checksum field's 8 bytes are left out of the first), each is
 hashed with xxh3-64, and the checksum is the xxh3-64 of those digests in order. A large record
 can then be read on two threads that each hash the segments they read while those are still in

@@ -116,10 +116,10 @@ def test_smollm2_logits_match_transformers(smollm2_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tokens = tok.encode("The capital of France is Paris. The capital of Italy is Rome. " * 8)
     ours = _engine_logits(smollm2_dir, tokens, [len(tokens) - 40, 24, 1, 15])
-    # fp32 through 30 layers, summed in another order by each CPU's GEMM kernels. On an Intel
-    # Xeon with AVX-512 (2026-11-26) ours and transformers differed by up to 1.3e-4 (mean
-    # 1.1e-5; logits reach 35), and transformers against itself on 1 thread instead of 2 by up
-    # to 7.8e-5. A wrong block, position or head moves logits by whole units.
+    # fp32 through 30 layers, summed in another order by each CPU's GEMM kernels: on CPUs with
+    # AVX-512 ours and transformers differ by about 1e-4 (logits reach 35), as transformers
+    # does against itself on another thread count. A wrong block, position or head moves
+    # logits by whole units.
     torch.testing.assert_close(ours, _hf_logits(smollm2_dir, tokens), atol=3e-4, rtol=1e-4)
 
 
