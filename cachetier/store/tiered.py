@@ -21,12 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachetier.guard import QuarantineList
 from cachetier.pins.registry import PinRegistry, Pins
 from cachetier.pins.store import PinResult, StorePins
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.costmodel import TierRates
 from cachetier.store.rates_file import RatesFile
+from cachetier.store.verify import Verdict, Verifier
 from cachetier.tiers.base import Tier, check_namespace
 from cachetier.tiers.prefix import PrefixHit
 from cachetier.tiers.stats import TierStats
@@ -178,6 +180,10 @@ class TieredStore(Tier):
             if kept is not None:
                 self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
+        # Namespaces a tier may no longer serve (``cachetier.store.verify``): lookups pass
+        # over a quarantined tier as if it held nothing.
+        self.quarantines = QuarantineList()
+        self.guard = Verifier(self.quarantines)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -218,6 +224,10 @@ class TieredStore(Tier):
         pos = 0
         while pos < len(keys):
             for index, tier in enumerate(self._tiers):
+                if self.quarantines.holds(tier.name, namespace):
+                    if pos == 0:  # counted once per lookup, where the run would begin
+                        self.guard.count_quarantined_lookup(tier.name)
+                    continue
                 errors = tier.num_errors
                 start = time.perf_counter()
                 found = tier.contains_prefix(namespace, keys[pos:])
@@ -233,6 +243,24 @@ class TieredStore(Tier):
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
+
+    def verify(self, namespace: str, tier_name: str, computed: Sequence[KVBlock]) -> Verdict:
+        """Compare the records ``tier_name`` holds for ``computed``'s keys with ``computed``,
+        and quarantine the namespace in that tier if they differ (``Verifier.verify``).
+
+        Args:
+            namespace: storage namespace.
+            tier_name: the tier the verified hit was found in.
+            computed: records the engine computed for those keys.
+
+        Returns:
+            What was compared and found.
+        """
+        check_namespace(namespace)
+        for tier in self._tiers:
+            if tier.name == tier_name:
+                return self.guard.verify(tier, namespace, computed)
+        raise ValueError(f"no tier named {tier_name!r}: the store has {list(self._names)}")
 
     def restore_prefix(
         self,
@@ -428,6 +456,7 @@ class TieredStore(Tier):
         out["pending_writes"] = {w.tier.name: w.pending_blocks() for w in self._writers}
         out["tiers"] = {tier.name: tier.stats() for tier in self._tiers}
         out["rates"] = self.rates.snapshot()
+        out["guard"] = self.guard.stats.as_dict()
         return out
 
     def close(self) -> None:

@@ -1,0 +1,114 @@
+"""The store's side of the guard, on a real CPU tier over a real disk tier: a record that does
+not match its recomputation quarantines its namespace in that tier, is deleted there, and the
+store's lookups pass over the tier for that namespace until the quarantine is lifted."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachetier.primitives.keys import Namespace
+from cachetier.record import KVBlock
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from tests.support import SMALL_LAYOUT, make_blocks
+
+BIG = 1 << 30
+NS = Namespace("guarded-model", SMALL_LAYOUT)
+OTHER = Namespace("guarded-model", SMALL_LAYOUT, tenant="bob")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    stack = TieredStore(
+        [
+            CPUTier(CPUTierConfig(BIG)),
+            DiskTier(DiskTierConfig(str(tmp_path / "disk"), BIG, fsync=False)),
+        ]
+    )
+    yield stack
+    stack.close()
+
+
+def _swapped(block: KVBlock) -> KVBlock:
+    """The block with its K and V planes exchanged: every check of the record still passes."""
+    values = np.frombuffer(block.data, dtype=block.dtype).reshape(block.shape)
+    data = np.ascontiguousarray(values[:, ::-1]).tobytes()
+    return KVBlock(block.key, block.fingerprint, block.dtype, block.shape, block.num_tokens, data)
+
+
+def _on_disk_only(store: TieredStore, namespace: Namespace, blocks: list[KVBlock]) -> None:
+    store.tiers[1].put_many(namespace.id, blocks)
+
+
+def test_an_honest_tier_passes_and_keeps_serving(store: TieredStore) -> None:
+    computed = make_blocks(NS, 4)
+    _on_disk_only(store, NS, computed)
+    verdict = store.verify(NS.id, "disk", computed)
+    assert verdict.ok and verdict.compared == 4 and not verdict.quarantined
+    assert store.lookup(NS.id, [b.key for b in computed]).num_blocks == 4
+    assert store.stats()["guard"]["verified_blocks"] == {"disk": 4}
+
+
+def test_a_forged_tier_is_quarantined_for_that_namespace_only(
+    store: TieredStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    computed = make_blocks(NS, 4)
+    theirs = make_blocks(OTHER, 2, seed=7)
+    _on_disk_only(store, NS, [*computed[:2], *map(_swapped, computed[2:])])
+    _on_disk_only(store, OTHER, theirs)
+    keys = [b.key for b in computed]
+    with caplog.at_level(logging.WARNING, logger="cachetier.store.verify"):
+        verdict = store.verify(NS.id, "disk", computed)
+    assert verdict.quarantined and verdict.compared == 4
+    assert [m.key_hex for m in verdict.mismatches] == [b.key.hex() for b in computed[2:]]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "tier disk" in line and "quarantine lift" in line and "layer" in line
+    # The compared records are gone from the disk, the namespace is passed over there, and
+    # another tenant's namespace in the same tier is untouched.
+    disk = store.tiers[1]
+    assert disk.get_many(NS.id, keys) == [None] * 4
+    _on_disk_only(store, NS, computed)  # even honest records are not served while it holds
+    assert store.lookup(NS.id, keys).num_blocks == 0
+    assert store.lookup(OTHER.id, [b.key for b in theirs]).num_blocks == 2
+    guard = store.stats()["guard"]
+    assert guard["mismatched_blocks"] == {"disk": 2} and guard["quarantines"] == {"disk": 1}
+    assert guard["quarantined_lookups"] == {"disk": 1}
+
+
+def test_other_tiers_keep_serving_a_namespace_quarantined_in_one(store: TieredStore) -> None:
+    computed = make_blocks(NS, 3)
+    _on_disk_only(store, NS, list(map(_swapped, computed)))
+    assert store.verify(NS.id, "disk", computed).quarantined
+    store.tiers[0].put_many(NS.id, computed)
+    hit = store.lookup(NS.id, [b.key for b in computed])
+    assert hit.num_blocks == 3 and hit.blocks_per_tier() == {"cpu": 3}
+
+
+def test_a_lifted_quarantine_serves_again(store: TieredStore) -> None:
+    computed = make_blocks(NS, 2)
+    _on_disk_only(store, NS, list(map(_swapped, computed)))
+    store.verify(NS.id, "disk", computed)
+    (held,) = store.quarantines.entries()
+    assert (held.tier, held.namespace) == ("disk", NS.id) and "block" in held.reason
+    _on_disk_only(store, NS, computed)
+    assert store.lookup(NS.id, [b.key for b in computed]).num_blocks == 0
+    assert [q.tier for q in store.quarantines.lift(NS.id)] == ["disk"]
+    assert store.lookup(NS.id, [b.key for b in computed]).num_blocks == 2
+
+
+def test_keys_the_tier_no_longer_holds_are_not_compared(store: TieredStore) -> None:
+    computed = make_blocks(NS, 3)
+    _on_disk_only(store, NS, computed[:1])
+    verdict = store.verify(NS.id, "disk", computed)
+    assert verdict.ok and verdict.compared == 1
+
+
+def test_an_unknown_tier_is_refused_by_name(store: TieredStore) -> None:
+    with pytest.raises(ValueError, match="redis"):
+        store.verify(NS.id, "redis", make_blocks(NS, 1))
