@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cachetier.guard import GuardConfig
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.util.checks import positive_int
 
@@ -40,9 +41,8 @@ class EngineConfig:
         tenant: tenant / cache salt folded into every key.
         kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``cachetier.kernels.backend``).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
-        event_log: a JSON-lines file that gets one ``cachetier.report.events.LookupEvent`` per
-        admitted
-            request (for ``cachetier report``); ``None`` for none.
+        event_log: a JSON-lines file that gets one ``cachetier.report.events.LookupEvent``
+            per admitted request (for ``cachetier report``); ``None`` for none.
         kv_load_policy: ``cost`` loads a tier hit only where the measured tier speed beats the
             measured prefill speed (``cachetier.store.costmodel``); ``always`` loads every hit.
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
@@ -52,6 +52,11 @@ class EngineConfig:
             cache (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``). With tiers,
             ``block_size`` must be a multiple of it: a block is stored as ``block_size /
             record_tokens`` records.
+        guard: verify sampled tier hits by computing them as misses and comparing the tier's
+            records with the computed ones; a mismatch quarantines the namespace in that tier
+            (``cachetier.guard``).
+        guard_first_hits: hits verified per tier and namespace after the engine starts.
+        guard_fraction: the share of later hits verified, at random.
     """
 
     model: str
@@ -70,6 +75,9 @@ class EngineConfig:
     kv_load_policy: str = "cost"
     device: str = "cpu"
     record_tokens: int = DEFAULT_RECORD_TOKENS
+    guard: bool = False
+    guard_first_hits: int = 1
+    guard_fraction: float = 0.001
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -103,6 +111,11 @@ class EngineConfig:
         positive_int("record_tokens", self.record_tokens)
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        self.guard_config()  # checks the guard's settings
+
+    def guard_config(self) -> GuardConfig:
+        """The restore guard's sampling, from ``guard*``."""
+        return GuardConfig(self.guard, self.guard_first_hits, self.guard_fraction)
 
     @property
     def pool_dtype(self) -> str:

@@ -23,6 +23,7 @@ from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
 from cachetier.engine.weights import load_weights
 
+from cachetier.guard import GuardSampler
 from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.primitives.keys import Namespace, record_layout, torch_dtype
 from cachetier.report.events import EventLog
@@ -141,7 +142,13 @@ class LLMEngine:
         if copy_timing is not None:
             self.copy_rate.observe(*copy_timing)
         self.bridge = (
-            TierBridge(store, self.namespace, self.pool, self.copy_rate)
+            TierBridge(
+                store,
+                self.namespace,
+                self.pool,
+                self.copy_rate,
+                guard=GuardSampler(config.guard_config()) if config.guard else None,
+            )
             if store is not None
             else None
         )
@@ -351,6 +358,16 @@ class LLMEngine:
                 save_s=s.save_s,
                 restored_by_tier=dict(s.restored_by_tier),
             )
+            shadow = self.bridge.shadow
+            if shadow is not None:
+                out["guard"] = {
+                    "verified_requests": shadow.stats.verified_requests,
+                    "verified_blocks": shadow.stats.verified_blocks,
+                    "mismatched_blocks": shadow.stats.mismatched_blocks,
+                    "quarantined": [
+                        (q.tier, q.namespace) for q in self.bridge.store.quarantines.entries()
+                    ],
+                }
         if self.cost_model is not None:
             out["cost_model"] = {
                 "enabled": self.cost_model.enabled,

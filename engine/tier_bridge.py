@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from cachetier.engine.block_manager import Block
 from cachetier.engine.kv_cache import KVPool
+from cachetier.engine.shadow import ShadowVerifier
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import payload_tensor, payload_view
 
+from cachetier.guard import GuardSampler
 from cachetier.primitives.keys import (
     BlockHash,
     Namespace,
@@ -68,6 +70,7 @@ class TierBridge:
         pool: the KV pool blocks are copied from and into.
         copy_rate: where restores' copies into the pool are timed, for the cost model (copies
             happen where a tier cannot read into the pool in place: a GPU pool).
+        guard: which hits to verify by recomputing them (``engine.shadow``); none if ``None``.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class TierBridge:
         namespace: Namespace,
         pool: KVPool,
         copy_rate: CopyRate | None = None,
+        guard: GuardSampler | None = None,
     ) -> None:
         if record_layout(pool.layout, namespace.block_size) != namespace.layout:
             raise ValueError(f"namespace layout {namespace.layout} is not the pool's {pool.layout}")
@@ -90,6 +94,11 @@ class TierBridge:
         # shared, so the part after the read holds this lock.
         self._lock = threading.Lock()
         self._background: ThreadPoolExecutor | None = None
+        self.shadow = (
+            ShadowVerifier(store, namespace.id, guard)
+            if guard is not None and guard.config.enabled
+            else None
+        )
 
     def save(self, blocks: Sequence[Block]) -> None:
         """Hand full, computed blocks not yet stored to the store (lower tiers write later)."""
@@ -105,6 +114,8 @@ class TierBridge:
             for b, buf, aux in zip(todo, buffers, auxes)
             for record in self._records_of(b, buf, aux)
         ]
+        if self.shadow is not None:
+            self.shadow.check(records)
         self.store.put_many(self.namespace.id, records)
         for b in todo:
             b.stored = True
@@ -146,9 +157,12 @@ class TierBridge:
 
         Returns:
             The hit in whole pool blocks (a block counts where every record of it is held),
-            each block in the tier of its first record.
+            each block in the tier of its first record; no hit when the guard drew it for
+            verification (the request computes it, and its saves are compared).
         """
         hit = self.store.lookup(self.namespace.id, keys)
+        if hit.num_blocks and self.shadow is not None and self.shadow.take(hit, keys):
+            return PrefixHit(0, (), hit.tier_names)
         return _in_blocks(hit, self.records_per_block)
 
     def restore(

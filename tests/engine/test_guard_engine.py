@@ -1,0 +1,159 @@
+"""The restore guard in our engine, against forgeries that pass every checksum: records written
+through a real disk tier, each one a well-formed record of this model's namespace that holds the
+wrong KV. The guard's first verified hit computes the request as a miss, finds the mismatch,
+quarantines the namespace in the disk tier, and no answer ever differs from a cold one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
+
+from cachetier.primitives.keys import Namespace, block_keys
+from cachetier.record import KVBlock
+from cachetier.store.config import StoreConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from tests.models import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
+OTHER_TOKENS = [(i * 13 + 1) % 250 for i in range(150)]
+POOL = {"kv_cache_bytes": 4 << 20}
+GUARD = {"guard": True, "guard_first_hits": 1, "guard_fraction": 0.0}
+
+Forgery = Callable[[list[KVBlock], "Stored"], list[np.ndarray]]
+
+
+class Stored:
+    """What a disk-only store in ``folder`` holds for one engine's namespace."""
+
+    def __init__(self, folder: Path, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.disk = DiskTier(DiskTierConfig(str(folder), 1 << 30, fsync=False))
+
+    def records(self, tokens: list[int]) -> list[KVBlock]:
+        got = self.disk.get_many(self.namespace.id, block_keys(self.namespace, tokens))
+        assert all(r is not None for r in got), "the engine stored every full block"
+        return [r for r in got if r is not None]
+
+    def replace(self, records: list[KVBlock], payloads: list[np.ndarray]) -> None:
+        """Rewrite ``records`` with ``payloads``: same keys, fingerprint, dtype and shape."""
+        forged = [
+            KVBlock(r.key, r.fingerprint, r.dtype, r.shape, r.num_tokens, p.tobytes())
+            for r, p in zip(records, payloads, strict=True)
+        ]
+        self.disk.delete(self.namespace.id, [r.key for r in records])
+        assert self.disk.put_many(self.namespace.id, forged) == len(forged)
+
+
+def _values(record: KVBlock) -> np.ndarray:
+    return np.frombuffer(record.data, dtype=record.dtype).reshape(record.shape)
+
+
+def _k_and_v_swapped(records: list[KVBlock], _: Stored) -> list[np.ndarray]:
+    return [np.ascontiguousarray(_values(r)[:, ::-1]) for r in records]
+
+
+def _another_arrangement(records: list[KVBlock], _: Stored) -> list[np.ndarray]:
+    # [layers, tokens, K/V, heads, dim] bytes labelled canonical.
+    return [np.ascontiguousarray(_values(r).transpose(0, 2, 1, 3, 4)) for r in records]
+
+
+def _other_tokens(records: list[KVBlock], stored: Stored) -> list[np.ndarray]:
+    return [_values(r) for r in stored.records(OTHER_TOKENS)[: len(records)]]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "disk"
+
+
+def _config(folder: Path) -> StoreConfig:
+    return StoreConfig(cpu_bytes=0, disk_path=str(folder), fsync=False)
+
+
+def _cold(model: Path, tokens: list[int]) -> list[int]:
+    llm = LLM(model, enable_prefix_caching=False, **POOL)
+    return llm.generate([tokens], GREEDY)[0].token_ids
+
+
+def _store_prompts(model: Path, folder: Path, prompts: list[list[int]]) -> Namespace:
+    with LLM(model, store=_config(folder), **POOL) as llm:
+        llm.generate(prompts, GREEDY)
+        return llm.engine.namespace
+
+
+def _guarded_run(model: Path, folder: Path, tokens: list[int]) -> tuple[list, dict]:
+    """Two requests for ``tokens`` in a guarded engine, the pool forgotten between them: the
+    first is verified, the second is served by what the tiers may still serve."""
+    with LLM(model, store=_config(folder), **POOL, **GUARD) as llm:
+        first = llm.generate([tokens], GREEDY)[0]
+        llm.engine.blocks.clear_cache()
+        second = llm.generate([tokens], GREEDY)[0]
+        return [first, second], llm.engine.stats()
+
+
+@pytest.mark.parametrize(
+    "forge", [_k_and_v_swapped, _another_arrangement, _other_tokens], ids=lambda f: f.__name__
+)
+def test_a_forgery_of_this_models_kv_is_caught_and_never_served(
+    tiny_model_dir: Path, folder: Path, forge: Forgery
+) -> None:
+    namespace = _store_prompts(tiny_model_dir, folder, [PROMPT, OTHER_TOKENS])
+    stored = Stored(folder, namespace)
+    records = stored.records(PROMPT)
+    stored.replace(records, forge(records, stored))
+    tokens = PROMPT + [1, 2, 3]
+    outs, stats = _guarded_run(tiny_model_dir, folder, tokens)
+    cold = _cold(tiny_model_dir, tokens)
+    assert [o.token_ids for o in outs] == [cold, cold]
+    assert [o.cached_tokens_by_source for o in outs] == [{}, {}]
+    assert stats["guard"]["quarantined"] == [("disk", namespace.id)]
+    assert stats["guard"]["verified_requests"] == 1
+    assert stats["guard"]["mismatched_blocks"] == len(records)
+
+
+def test_another_models_kv_under_this_models_fingerprint_is_caught(
+    tiny_model_dir: Path, folder: Path, tmp_path: Path
+) -> None:
+    ours = _store_prompts(tiny_model_dir, folder, [PROMPT])
+    other_model = make_tiny_llama(tmp_path / "other", seed=1)
+    theirs = _store_prompts(other_model, folder, [PROMPT])
+    stored = Stored(folder, ours)
+    # The other model's KV for the same tokens, re-keyed into this model's namespace: what a
+    # fingerprint set by hand to the same value for two models would store.
+    stored.replace(
+        stored.records(PROMPT), [_values(r) for r in Stored(folder, theirs).records(PROMPT)]
+    )
+    outs, stats = _guarded_run(tiny_model_dir, folder, PROMPT)
+    assert [o.token_ids for o in outs] == [_cold(tiny_model_dir, PROMPT)] * 2
+    assert stats["guard"]["quarantined"] == [("disk", ours.id)]
+
+
+def test_honest_records_pass_and_are_served_after_the_check(
+    tiny_model_dir: Path, folder: Path
+) -> None:
+    namespace = _store_prompts(tiny_model_dir, folder, [PROMPT])
+    outs, stats = _guarded_run(tiny_model_dir, folder, PROMPT + [1, 2, 3])
+    cold = _cold(tiny_model_dir, PROMPT + [1, 2, 3])
+    assert [o.token_ids for o in outs] == [cold, cold]
+    # The first request was verified (computed), the second restored from the disk.
+    assert outs[0].cached_tokens_by_source == {}
+    assert outs[1].cached_tokens_by_source == {"disk": 144}
+    guard = stats["guard"]
+    assert guard["quarantined"] == [] and guard["mismatched_blocks"] == 0
+    assert guard["verified_blocks"] == 9
+    assert Stored(folder, namespace).records(PROMPT)  # nothing was deleted
+
+
+def test_a_guard_left_off_restores_every_hit(tiny_model_dir: Path, folder: Path) -> None:
+    _store_prompts(tiny_model_dir, folder, [PROMPT])
+    with LLM(tiny_model_dir, store=_config(folder), **POOL) as llm:
+        out = llm.generate([PROMPT + [1]], GREEDY)[0]
+        assert out.cached_tokens_by_source == {"disk": 144}
+        assert "guard" not in llm.engine.stats()
