@@ -28,7 +28,7 @@ was written), and so do the files it was evicting in that moment. The count is r
 the folder, by a scan under the lock, whenever a process finds the ledger missing, unreadable
 (torn or bit-flipped: a checksum covers it), of an older format, written in another boot (the
 ledger is not fsynced: a power loss may leave it stale, and the boot id tells), not rebuilt for
-``HEAL_INTERVAL_S`` (``folder``), or, at open, holding a reservation of a dead owner; and
+``HEAL_INTERVAL_S`` (``view``), or, at open, holding a reservation of a dead owner; and
 by a put that finds no record left to evict while the ledger still counts some. A ledger of a
 newer format is refused with a clear error instead of being overwritten.
 """

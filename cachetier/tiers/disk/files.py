@@ -8,6 +8,9 @@ is not pod B's. Each open tier instead holds an exclusive ``flock`` on a mark fi
 dies, and every process on the node sees the same lock. A temp file carries its writer's owner
 id in its name, so "is its writer alive?" is one non-blocking ``flock`` on the writer's mark.
 The owner id also holds the boot id, so a temp file from before a reboot is an orphan at once.
+
+``FolderFiles`` is one open tier's hold on these files: it takes the folder's settings once,
+at open, and every later look at the folder (a scan, an orphan, an owner) goes through it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachetier.errors import TierUnavailableError
 from cachetier.primitives.keys import HASH_BYTES, parse_key
 from cachetier.tiers.base import check_namespace
+from cachetier.tiers.disk.config import DiskTierConfig
 
 SUFFIX = ".ctkv"
 TMP_PREFIX = ".tmp-"
@@ -342,3 +347,78 @@ def is_orphan_temp(root: Path, name: str, mtime_ns: int, boot_id: str, max_age_s
     if owner is None:  # an older cachetier's write: its age is all we can go by
         return False
     return not owner_alive(root, owner[1], boot_id)
+
+
+def unlink_quietly(path: str | Path) -> None:
+    """Remove a file if it can be (gone already, or not ours to remove: left as it is)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class FolderFiles:
+    """The files of a disk tier folder as one open tier sees them: the folder (made if
+    missing), this boot's id and the tier's owner mark, taken at open.
+
+    Args:
+        config: the tier's configuration (its root, modes, fsync and orphan age are used).
+
+    Raises:
+        TierUnavailableError: the folder cannot be made, or is not a folder.
+    """
+
+    def __init__(self, config: DiskTierConfig) -> None:
+        self.root = Path(config.root).resolve()
+        self._dir_mode = config.dir_mode
+        self._fsync = config.fsync
+        self._orphan_temp_age_s = config.orphan_temp_age_s
+        self.make_root()
+        self.boot_id = read_boot_id()
+        owner_id = new_owner_id(self.boot_id)
+        self.mark = OwnerMark(self.root, owner_id, config.file_mode, config.dir_mode)
+
+    @property
+    def owner_id(self) -> str:
+        return self.mark.owner_id
+
+    def make_root(self) -> None:
+        """Create the folder if it is missing (at open, or after it was deleted)."""
+        try:
+            ensure_dir(self.root, self._dir_mode, self._fsync)
+        except OSError as e:
+            raise TierUnavailableError(
+                f"cannot create the disk tier folder {self.root}: {e}"
+            ) from e
+        if not self.root.is_dir():
+            raise TierUnavailableError(f"the disk tier folder {self.root} is not a folder")
+
+    def ensure_dir(self, folder: str) -> None:
+        """Create a folder under the root (a record's shard) with the tier's mode."""
+        ensure_dir(Path(folder), self._dir_mode, self._fsync)
+
+    def scan(self) -> FolderScan:
+        """``scan_folder`` of the root."""
+        return scan_folder(self.root)
+
+    def namespace_records(self, namespace: str) -> list[str]:
+        """``namespace_records`` of the root."""
+        return namespace_records(self.root, namespace)
+
+    def owner_alive(self, owner_id: str) -> bool:
+        """``owner_alive`` in this folder and boot."""
+        return owner_alive(self.root, owner_id, self.boot_id)
+
+    def remove_orphans(self, temps: list[tuple[str, str, int]]) -> None:
+        """Remove the temp files of a scan (``FolderScan.temps``) that are orphans."""
+        for path, name, mtime_ns in temps:
+            if is_orphan_temp(self.root, name, mtime_ns, self.boot_id, self._orphan_temp_age_s):
+                unlink_quietly(path)
+
+    def reap_dead_marks(self) -> None:
+        """``reap_dead_marks`` of the root."""
+        reap_dead_marks(self.root)
+
+    def close(self) -> None:
+        """Remove this tier's owner mark."""
+        self.mark.close()

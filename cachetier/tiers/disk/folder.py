@@ -1,5 +1,6 @@
-"""One process's handle on a disk tier folder that other processes may share: the shared byte
-budget, eviction across processes, recovery at open, and this process's index of the records.
+"""One process's handle on a disk tier folder that other processes may share: room made in the
+shared byte budget by eviction across processes, batches committed, records removed. What the
+process knows of the folder (its files, ledger and index, opened and kept in step) is ``view``.
 
 Eviction is global. The victim is the least recently used record of the folder, whoever wrote
 it, by the files' mtimes: every rename in and every use stamps one. Before removing a victim
@@ -17,38 +18,20 @@ reservation, until then.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from cachetier.errors import TierUnavailableError
-from cachetier.pins.pinset import PinSet
-from cachetier.tiers.disk.budget import Ledger, LedgerState
+from cachetier.tiers.disk.budget import LedgerState
 from cachetier.tiers.disk.config import DiskTierConfig
-from cachetier.tiers.disk.files import (
-    SUFFIX,
-    OwnerMark,
-    ensure_dir,
-    is_orphan_temp,
-    namespace_records,
-    new_owner_id,
-    owner_alive,
-    read_boot_id,
-    reap_dead_marks,
-    scan_folder,
-)
-from cachetier.tiers.disk.index import LocalIndex, Slot
+from cachetier.tiers.disk.files import unlink_quietly
+from cachetier.tiers.disk.index import Slot
 from cachetier.tiers.disk.spares import Spare, SparePool
+from cachetier.tiers.disk.view import FolderView
 from cachetier.tiers.stats import TierStats
 
 _ADMIT_POLL_S = 0.002
-# A process killed while it evicts leaves the ledger counting the files it removed: whoever
-# takes the lock next after this long rebuilds the count from the folder (~0.3 s for 100k
-# records, under the lock).
-HEAL_INTERVAL_S = 600.0
 
 Landing = tuple[Slot, str, str, int]
 """(slot, final path, temp path, size) of a record written and waiting to be renamed in."""
@@ -68,8 +51,9 @@ class Admission:
     spares: list[Spare]
 
 
-class SharedFolder:
-    """The folder, its ledger and this process's index of it.
+class SharedFolder(FolderView):
+    """The folder's budget spent by this process: room made and reserved for its batches by
+    evicting across processes, the batches renamed in, records removed, spare files kept.
 
     Args:
         config: the tier's configuration.
@@ -77,49 +61,8 @@ class SharedFolder:
     """
 
     def __init__(self, config: DiskTierConfig, stats: TierStats) -> None:
-        self._config = config
-        self._stats = stats
-        self.root = Path(config.root).resolve()
-        self._root_str = str(self.root)
-        self._make_root()
-        self._boot_id = read_boot_id()
-        owner_id = new_owner_id(self._boot_id)
-        self._mark = OwnerMark(self.root, owner_id, config.file_mode, config.dir_mode)
-        self._ledger = Ledger(self.root, self._boot_id, config.file_mode, self._make_root)
-        self.lock = threading.Lock()  # guards the index and the fields below
-        max_pinned = int(config.capacity_bytes * config.max_pinned_fraction)
-        self.index = LocalIndex(config.policy, PinSet(max_pinned, "disk"))
-        # Completeness of the index: while the ledger still shows (ledger id, adds) as last
-        # seen, every record of the folder is in the index; otherwise every record stamped up
-        # to ``_synced_clock`` is (or is gone).
-        self._seen: tuple[str, int] | None = None
-        self._synced_clock = 0
-        # Bytes this process reserved in the ledger: its batches not yet committed and its
-        # spare files.
-        self._reserved = 0
-        self.spares = SparePool(owner_id, config.spare_limit, config.spare_idle_limit_s)
-        self.heals = 0
-
-    @property
-    def owner_id(self) -> str:
-        return self._mark.owner_id
-
-    def path(self, slot: Slot) -> str:
-        """Where ``slot``'s record lives, for every caller (the tier's reads and puts too)."""
-        # A string, not a Path: pathlib's joins cost ~25 us a record, a sixth of a one-chunk
-        # get of a 512 KiB block, and every get, put, delete and eviction builds one.
-        name = slot[1].hex()
-        return f"{self._root_str}/{slot[0]}/{name[:2]}/{name}{SUFFIX}"
-
-    def _make_root(self) -> None:
-        try:
-            ensure_dir(self.root, self._config.dir_mode, self._config.fsync)
-        except OSError as e:
-            raise TierUnavailableError(
-                f"cannot create the disk tier folder {self.root}: {e}"
-            ) from e
-        if not self.root.is_dir():
-            raise TierUnavailableError(f"the disk tier folder {self.root} is not a folder")
+        super().__init__(config, stats)
+        self.spares = SparePool(self.owner_id, config.spare_limit, config.spare_idle_limit_s)
 
     def close(self) -> None:
         if len(self.spares):
@@ -128,15 +71,14 @@ class SharedFolder:
                     self._drop_spares(state, everything=True)
             except TierUnavailableError:
                 for spare in self.spares.expired(everything=True):  # orphans for the next open
-                    _unlink_quietly(spare.path)
-        self._mark.close()
-        self._ledger.close()
+                    unlink_quietly(spare.path)
+        super().close()
 
     def _drop_spares(self, state: LedgerState, *, everything: bool = False) -> None:
         """Unlink the spares unused for too long (or all) and give their bytes back."""
         gone = self.spares.expired(everything=everything)
         for spare in gone:
-            _unlink_quietly(spare.path)
+            unlink_quietly(spare.path)
         freed = sum(spare.size for spare in gone)
         if freed:
             state.release(self.owner_id, freed)
@@ -154,86 +96,11 @@ class SharedFolder:
             self._reserved += st.st_size
         return True
 
-    @contextmanager
-    def locked(self, *, check_owners: bool = False) -> Iterator[LedgerState]:
-        """The ledger under its lock, healed first if it cannot be trusted (or, with
-        ``check_owners``, if it holds a reservation of a process that is gone)."""
-        with self._ledger.locked() as state:
-            if (
-                state.heal_reason is not None
-                or time.time_ns() - state.healed_at > HEAL_INTERVAL_S * 1e9
-                or (check_owners and self._dead_reservations(state))
-            ):
-                self._heal_locked(state)
-            with self.lock:
-                if self._seen == (state.ledger_id, state.adds):
-                    self._synced_clock = state.clock
-                else:
-                    self._seen = None
-            yield state
-
     def recover(self) -> None:
-        """Open the folder: heal the ledger if needed, index the records, remove orphans."""
-        with self.locked(check_owners=True) as state:
-            healed = self.heals > 0
-            snapshot = (state.ledger_id, state.adds, state.clock)
-        if not healed:
-            # The usual open: the ledger is sound, so the folder is scanned without holding
-            # up other processes' puts; records renamed in meanwhile are found by a rescan.
-            scan = scan_folder(self.root)
-            self._remove_orphans(scan.temps)
-            with self.lock:
-                self.index.rebuild(scan.records, keep_after=None)
-                self._seen, self._synced_clock = snapshot[:2], snapshot[2]
-        reap_dead_marks(self.root)
-        self.settle()  # a folder over this capacity (opened with a smaller one) shrinks now
-
-    def _dead_reservations(self, state: LedgerState) -> bool:
-        return any(
-            owner != self.owner_id and not owner_alive(self.root, owner, self._boot_id)
-            for owner in state.reserved
-        )
-
-    def _heal_locked(self, state: LedgerState) -> None:
-        """Rebuild the ledger (and the index) from the folder; the caller holds the lock, so
-        no record is renamed in or evicted meanwhile and the count is exact."""
-        scan = scan_folder(self.root)
-        self._mark.ensure()  # the folder may have been deleted, the mark with it
-        live: dict[str, int] = {}
-        if state.heal_reason is None:  # unreadable: live writers' reservations are lost
-            live = {
-                owner: n
-                for owner, n in state.reserved.items()
-                if owner != self.owner_id and owner_alive(self.root, owner, self._boot_id)
-            }
-        if self._reserved:
-            live[self.owner_id] = self._reserved
-        state.reserved = live
-        state.committed_bytes = scan.record_bytes
-        state.boot_id = self._boot_id
-        state.clock = max([state.clock] + [stamp for stamp, _, _, _ in scan.records[-1:]])
-        state.heal_reason = None
-        state.healed_at = time.time_ns()
-        self._remove_orphans(scan.temps)
-        with self.lock:
-            self.index.rebuild(scan.records, keep_after=None)
-            self._seen, self._synced_clock = (state.ledger_id, state.adds), state.clock
-        self.heals += 1
-
-    def _remove_orphans(self, temps: list[tuple[str, str, int]]) -> None:
-        max_age_s = self._config.orphan_temp_age_s
-        for path, name, mtime_ns in temps:
-            if is_orphan_temp(self.root, name, mtime_ns, self._boot_id, max_age_s):
-                _unlink_quietly(path)
-
-    def _rescan(self) -> None:
-        """Learn the records other processes wrote since the index last saw the folder."""
-        with self.locked() as state:
-            ledger_id, adds, clock = state.ledger_id, state.adds, state.clock
-        scan = scan_folder(self.root)
-        with self.lock:
-            self.index.rebuild(scan.records, keep_after=clock)
-            self._seen, self._synced_clock = (ledger_id, adds), clock
+        """Open the folder: heal the ledger if needed, index the records, remove orphans, and
+        evict what a folder opened with a smaller capacity holds beyond this one."""
+        self.index_folder()
+        self.settle()
 
     def _evict_locked(
         self, state: LedgerState, *, rescanned: bool, room: int = 0, records: int = 0
@@ -418,7 +285,7 @@ class SharedFolder:
                 self._reserved -= reserved
             for (_, _, tmp, _), ok in zip(landings, done, strict=True):
                 if not ok:
-                    _unlink_quietly(tmp)
+                    unlink_quietly(tmp)
         if outcome == "scan":
             self.settle()
         return done
@@ -435,7 +302,7 @@ class SharedFolder:
             folder = os.path.dirname(path)
             if os.path.isdir(folder):
                 raise  # the written file itself is gone (taken for a stuck write)
-            ensure_dir(Path(folder), self._config.dir_mode, self._config.fsync)
+            self.files.ensure_dir(folder)
             os.replace(tmp, path)
 
     def remove(self, slots: Sequence[Slot]) -> int:
@@ -464,7 +331,7 @@ class SharedFolder:
             with self.lock:
                 for slot in self.index.slots_of(namespace):
                     self.index.forget(slot)
-            for path in namespace_records(self.root, namespace):
+            for path in self.files.namespace_records(namespace):
                 removed += self._unlink_counted(path, state)
         return removed
 
@@ -495,10 +362,3 @@ class SharedFolder:
             return False
         state.committed_bytes -= min(st.st_size, state.committed_bytes)
         return True
-
-
-def _unlink_quietly(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
