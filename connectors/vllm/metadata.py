@@ -27,6 +27,8 @@ class BlockTransfer:
         fingerprint: namespace fingerprint the records must carry.
         keys: record keys, in sequence order: ``per_block`` of them per vLLM block.
         block_ids: vLLM block ids, in sequence order.
+        verify_tiers: for a save, the tier whose record of each key a verified hit waits to
+            compare with what vLLM computed (``""`` for none); empty when none does.
     """
 
     req_id: str
@@ -34,11 +36,14 @@ class BlockTransfer:
     fingerprint: bytes
     keys: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
+    verify_tiers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         num_keys, num_blocks = len(self.keys), len(self.block_ids)
         if (num_keys == 0) != (num_blocks == 0) or (num_blocks and num_keys % num_blocks):
             raise ValueError(f"{num_keys} keys for {num_blocks} block ids")
+        if self.verify_tiers and len(self.verify_tiers) != num_keys:
+            raise ValueError(f"{len(self.verify_tiers)} verify tiers for {num_keys} keys")
 
     @property
     def per_block(self) -> int:
@@ -84,6 +89,8 @@ class StoredBlocks(KVConnectorWorkerMetadata):
     steps: list[tuple[int, float, float]] = field(default_factory=list)
     rates: dict[str, TierRate] = field(default_factory=dict)
     copies: list[tuple[int, float]] = field(default_factory=list)
+    # ``(tier, namespace id, reason)`` of quarantines the worker's guard began.
+    quarantined: list[tuple[str, str, str]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredBlocks:
         if not isinstance(other, StoredBlocks):
@@ -99,4 +106,5 @@ class StoredBlocks(KVConnectorWorkerMetadata):
         out.steps = [*self.steps, *other.steps]
         out.copies = [*self.copies, *other.copies]
         out.rates = {**self.rates, **other.rates}
+        out.quarantined = [*self.quarantined, *other.quarantined]
         return out

@@ -31,15 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 from cachetier.connectors.config import check_load_async
 from cachetier.connectors.vllm.cpu_index import WorkerCPUIndex
+from cachetier.connectors.vllm.guard import draw
 from cachetier.connectors.vllm.metadata import (
     BlockTransfer,
     CacheTierConnectorMetadata,
     StoredBlocks,
 )
+from cachetier.connectors.vllm.steps import cacheable, describe_step
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from cachetier.errors import CacheTierError
+from cachetier.guard import GuardSampler, QuarantineList
 from cachetier.primitives.keys import (
     BlockHash,
     KVLayout,
@@ -85,6 +88,9 @@ class _Tracked:
     refused_compute_s: float = 0.0
     prompt_scheduled: bool = False  # the step computing its last prompt token is planned
     num_known_stored: int = 0  # leading blocks a shared tier was seen to hold
+    # A hit the guard drew: each hit record's key and the tier that held it, until vLLM's
+    # computed block of that key is saved and compared (``cachetier.connectors.vllm.guard``).
+    verify: dict[BlockHash, str] = field(default_factory=dict)
 
 
 class CacheTierScheduler:
@@ -104,6 +110,7 @@ class CacheTierScheduler:
             over a network), ``always`` or ``never`` (``ConnectorConfig.load_async``).
         record_tokens: tokens per record (``ConnectorConfig.record_tokens``); vLLM's block
             size must be a multiple of it.
+        guard: which hits to verify by letting vLLM compute them (``None``: none).
     """
 
     def __init__(
@@ -118,9 +125,14 @@ class CacheTierScheduler:
         chunk_tokens: int = 2048,
         load_async: str = "network",
         record_tokens: int = DEFAULT_RECORD_TOKENS,
+        guard: GuardSampler | None = None,
     ) -> None:
         check_load_async(load_async)
         self._store = store
+        self._guard = guard
+        # The worker's quarantines (it reports them): the store's lookups honour them, and the
+        # worker's CPU tier, which this side sees through its index only, is checked here.
+        self.quarantines = store.quarantines if store is not None else QuarantineList()
         self._load_async = load_async
         # The worker's CPU tier ("cpu") is in its own process, never over a network.
         self._network_tiers = frozenset(
@@ -157,7 +169,7 @@ class CacheTierScheduler:
     ) -> tuple[int, bool]:
         """Tokens after vLLM's own ``num_computed_tokens`` that can be loaded, and whether
         vLLM should load them asynchronously (``load_async``)."""
-        if not _cacheable(request) or num_computed_tokens % self._block_size:
+        if not cacheable(request) or num_computed_tokens % self._block_size:
             return 0, False
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size  # one token is left to compute
@@ -169,6 +181,9 @@ class CacheTierScheduler:
         n = self._per_block
         keys = self._keys_upto(tracked, last * n)[first * n : last * n]
         spans = self._lookup(tracked.namespace.id, keys)  # in records
+        if tracked.verify or self._drawn(tracked, spans, keys):
+            tracked.hit = (first, 0, {})  # vLLM computes it; its saves are compared
+            return 0, False
         record_tokens = self._record_layout.block_size
         plan = self.cost.plan(
             spans,
@@ -221,6 +236,21 @@ class CacheTierScheduler:
             )
         return num_hit * self._block_size, tracked.hit_async
 
+    def _drawn(
+        self, tracked: _Tracked, spans: list[tuple[str, int]], keys: list[BlockHash]
+    ) -> bool:
+        verify = draw(self._guard, tracked.namespace.id, spans, keys)
+        if verify is None:
+            return False
+        tracked.verify = verify
+        logger.info(
+            "request %s: verifying %d stored records by computing them (%s)",
+            tracked.request.request_id,
+            len(verify),
+            sorted(set(verify.values())),
+        )
+        return True
+
     def _asynchronous(self, by_tier: dict[str, int]) -> bool:
         if self._load_async == "network":
             return all(tier in self._network_tiers for tier in by_tier)
@@ -232,7 +262,7 @@ class CacheTierScheduler:
         """Plan the load of the hit into the blocks vLLM just allocated."""
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tracked = self._track(request) if _cacheable(request) else None
+            tracked = self._track(request) if cacheable(request) else None
             if tracked is None:
                 return
         first, num_hit, _ = tracked.hit
@@ -265,7 +295,7 @@ class CacheTierScheduler:
         meta = CacheTierConnectorMetadata(async_loads=self._async_loads)
         self._async_loads = []
         num_scheduled = scheduler_output.num_scheduled_tokens
-        _describe_step(scheduler_output, meta)
+        describe_step(scheduler_output, meta)
         if meta.step_tokens:
             self._step_refusals.append(self._refused_in_step(scheduler_output))
         for req_id in scheduler_output.preempted_req_ids or ():
@@ -303,6 +333,8 @@ class CacheTierScheduler:
             self.rates.adopt(tier, rate)
         for nbytes, seconds in report.copies:
             self.copy.observe(nbytes, seconds)
+        for tier, namespace_id, reason in report.quarantined:
+            self.quarantines.add(tier, namespace_id, reason)
         self._cpu_index.update(report)
         for namespace_id, keys in report.failed.items():
             failed = set(keys)
@@ -404,7 +436,9 @@ class CacheTierScheduler:
 
     def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> list[tuple[str, int]]:
         """``(tier, blocks)`` runs of the leading stored ``keys``, in order."""
-        num_hit = self._cpu_index.leading(namespace_id, keys)
+        num_hit = 0
+        if not self.quarantines.holds("cpu", namespace_id):
+            num_hit = self._cpu_index.leading(namespace_id, keys)
         spans = [("cpu", num_hit)] if num_hit else []
         if self._store is None or num_hit == len(keys):
             return spans
@@ -429,44 +463,16 @@ class CacheTierScheduler:
         if num_full <= start:
             return
         n = self._per_block
-        keys = self._keys_upto(tracked, num_full * n)
+        keys = self._keys_upto(tracked, num_full * n)[start * n : num_full * n]
+        verify = tuple(tracked.verify.pop(k, "") for k in keys) if tracked.verify else ()
         meta.saves.append(
             BlockTransfer(
                 tracked.request.request_id,
                 tracked.namespace.id,
                 tracked.namespace.fingerprint,
-                tuple(keys[start * n : num_full * n]),
+                tuple(keys),
                 tuple(tracked.block_ids[start:num_full]),
+                verify if any(verify) else (),
             )
         )
         tracked.num_stored_blocks = num_full
-
-
-def _describe_step(scheduler_output: SchedulerOutput, meta: CacheTierConnectorMetadata) -> None:
-    """Fill the step's prefill features: its tokens and attention work, if it computes a prompt
-    chunk (a decode-only step would teach the prefill model the one-token case only)."""
-    num_scheduled = scheduler_output.num_scheduled_tokens
-    attention = 0.0
-    prefill = False
-    for new in scheduler_output.scheduled_new_reqs:
-        n = num_scheduled.get(new.req_id, 0)
-        attention += PrefillModel.attention_work(n, new.num_computed_tokens)
-        prefill = prefill or n > 1
-    cached = scheduler_output.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        n = num_scheduled.get(req_id, 0)
-        attention += PrefillModel.attention_work(n, cached.num_computed_tokens[i])
-        prefill = prefill or n > 1
-    if prefill:
-        meta.step_tokens = scheduler_output.total_num_scheduled_tokens
-        meta.step_attention = attention
-
-
-def _cacheable(request: Request) -> bool:
-    """Whether the request's KV is a function of its token ids alone (what keys cover)."""
-    return (
-        request.prompt_token_ids is not None
-        and request.prompt_embeds is None
-        and not request.mm_features
-        and request.lora_request is None
-    )

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from cachetier.connectors.records import check_record
 from cachetier.connectors.vllm import timing
+from cachetier.connectors.vllm.guard import verify_saved
 from cachetier.connectors.vllm.layouts import VllmArrangement
 from cachetier.connectors.vllm.metadata import (
     BlockTransfer,
@@ -192,7 +193,14 @@ class CacheTierWorker:
             loaded, self._loaded_since_report = self._loaded_since_report, False
         if loaded:
             report.rates = self._store.rates.measured()
-        if report.stored or report.failed or report.steps or report.rates or report.copies:
+        if (
+            report.stored
+            or report.failed
+            or report.steps
+            or report.rates
+            or report.copies
+            or report.quarantined
+        ):
             return report
         return None
 
@@ -325,6 +333,10 @@ class CacheTierWorker:
         for pending in saved:
             transfer, start = pending.tag  # type: ignore[misc]
             records = self._records(transfer, pending.payloads)
+            if transfer.verify_tiers:  # compared before storing: the tier's own record
+                began = verify_saved(self._store, transfer, records)
+                with self._lock:
+                    self._report.quarantined.extend(began)
             try:
                 stored = self._store.put_many(transfer.namespace_id, records)
             except (CacheTierError, OSError) as exc:
