@@ -45,3 +45,7 @@ class PinsUnsupportedError(RequestRefusedError):
 class OverloadedError(CacheTierError):
     """A service has no room for a request right now (too many bytes in flight): unlike a
     ``RequestRefusedError``, the same request may succeed later."""
+
+
+class QuarantineLimitError(CacheTierError):
+    """A quarantine list is full: no new quarantine is taken until one is lifted."""

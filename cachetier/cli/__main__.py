@@ -2,4 +2,4 @@
 
 from cachetier.cli.main import main
 
-main()
+raise SystemExit(main())

@@ -13,6 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cachetier.errors import QuarantineLimitError
+
 
 @dataclass(frozen=True, slots=True)
 class Quarantine:
@@ -32,9 +34,18 @@ class Quarantine:
 
 
 class QuarantineList:
-    """The quarantines of one process; thread-safe."""
+    """The quarantines of one process; thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        max_entries: the most quarantines held at once. A sidecar takes quarantines that
+            clients report, one per namespace they name: the bound keeps a client from growing
+            the list without end.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        self.max_entries = max_entries
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], Quarantine] = {}
 
@@ -43,10 +54,17 @@ class QuarantineList:
 
         Returns:
             True if it was not quarantined already (the first reason is kept).
+
+        Raises:
+            QuarantineLimitError: ``max_entries`` quarantines are held already.
         """
         with self._lock:
             if (tier, namespace) in self._held:
                 return False
+            if len(self._held) >= self.max_entries:
+                raise QuarantineLimitError(
+                    f"{len(self._held)} quarantines are held (max_entries): lift some first"
+                )
             self._held[(tier, namespace)] = Quarantine(tier, namespace, reason, time.time())
             return True
 

@@ -65,3 +65,16 @@ async def scope_of(
 ServiceDep = Annotated[BlockService, Depends(get_service)]
 ScopeDep = Annotated[Scope, Depends(scope_of)]
 CallerDep = Annotated[Caller, Depends(require_caller)]
+
+
+def acting_tenant(caller: Caller, service: BlockService, tenant: str | None) -> str:
+    """The tenant a request acts on: the caller's own, or any for an admin tenant."""
+    if tenant is None or tenant == caller.tenant:
+        return caller.tenant
+    if not caller.is_admin:
+        raise api_error(
+            403, "forbidden", "only admin tenants (admin_tenants) may name another tenant"
+        )
+    if tenant not in service.tenant_names:
+        raise api_error(404, "no_tenant", f"no tenant {tenant[:40]!r} is configured")
+    return tenant

@@ -17,7 +17,7 @@ from cachetier.errors import PinLimitError, TierUnavailableError
 from cachetier.pins.registry import PinRegistryError
 from cachetier.primitives.keys import BlockHash, chain_keys, parse_key
 from cachetier.server.auth import Caller, Scope
-from cachetier.server.deps import CallerDep, ServiceDep
+from cachetier.server.deps import CallerDep, ServiceDep, acting_tenant
 from cachetier.server.schemas import (
     PinEntryPublic,
     PinnedPublic,
@@ -35,23 +35,10 @@ router = APIRouter(prefix="/v1/pins", tags=["pins"])
 _ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 503)
 
 
-def _tenant(caller: Caller, service: BlockService, tenant: str | None) -> str:
-    """The tenant a request acts on: the caller's own, or any for an admin tenant."""
-    if tenant is None or tenant == caller.tenant:
-        return caller.tenant
-    if not caller.is_admin:
-        raise api_error(
-            403, "forbidden", "only admin tenants (admin_tenants) may name another tenant"
-        )
-    if tenant not in service.tenant_names:
-        raise api_error(404, "no_tenant", f"no tenant {tenant[:40]!r} is configured")
-    return tenant
-
-
 def _scope_and_keys(
     body: PinsCreate, caller: Caller, service: BlockService
 ) -> tuple[Scope, list[BlockHash]]:
-    tenant = _tenant(caller, service, body.tenant)
+    tenant = acting_tenant(caller, service, body.tenant)
     try:
         scope = Scope.of(tenant, body.namespace)
     except ValueError as exc:
@@ -131,7 +118,11 @@ async def pins(
 ) -> PinsPublic:
     """Pinned keys of the caller's tenant; admin tenants see every tenant's and each tier's
     pinned bytes."""
-    who = _tenant(caller, service, tenant) if tenant is not None or not caller.is_admin else None
+    who = (
+        acting_tenant(caller, service, tenant)
+        if tenant is not None or not caller.is_admin
+        else None
+    )
     listing = await run_in_threadpool(service.pins_of, who)
     entries = [
         PinEntryPublic(tenant=t, namespace=ns, keys=[k.hex() for k in keys])

@@ -119,6 +119,38 @@ class PinsCreate(BaseModel):
     )
 
 
+class QuarantineCreate(BaseModel):
+    """A client's report that a namespace served KV that does not match its recomputation:
+    the server quarantines the namespace in every tier, for every client."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(min_length=1, max_length=128, description="the client's namespace")
+    reason: str = Field(default="", max_length=500, description="what differed, for the log")
+
+
+class QuarantineLift(BaseModel):
+    """A quarantine to end (admin tenants only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(min_length=1, max_length=128, description="the client's namespace")
+    tenant: str | None = Field(default=None, max_length=32, description="whose namespace")
+    tier: str | None = Field(default=None, max_length=32, description="one tier (default all)")
+
+
+class QuarantinePublic(BaseModel):
+    tier: str
+    tenant: str
+    namespace: str
+    reason: str
+    since_unix_s: float
+
+
+class QuarantinesPublic(BaseModel):
+    quarantines: list[QuarantinePublic]
+
+
 class PinnedPublic(BaseModel):
     tenant: str
     namespace: str

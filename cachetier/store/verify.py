@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cachetier.errors import QuarantineLimitError
 from cachetier.guard import BlockMismatch, QuarantineList, compare_blocks
 from cachetier.record import KVBlock
 from cachetier.tiers.base import Tier
@@ -100,11 +101,16 @@ class Verifier:
             _bump(self.stats.mismatched_blocks, tier.name, len(found))
         if not found:
             return Verdict(tier.name, len(pairs), (), False)
-        began = self.quarantines.add(tier.name, namespace, found[0].describe())
         tier.delete(namespace, [r.key for r, _ in pairs])
+        try:
+            began = self.quarantines.add(tier.name, namespace, found[0].describe())
+        except QuarantineLimitError as exc:
+            log.error("cachetier guard: tier %s not quarantined: %s", tier.name, exc)
+            began = False
         if began:
             with self._lock:
                 _bump(self.stats.quarantines, tier.name)
+            tier.report_quarantine(namespace, found[0].describe())
         log.warning(
             "cachetier guard: tier %s served KV that does not match a recomputation in "
             "namespace %s (%d of %d blocks differ; %s); namespace quarantined in that tier, "

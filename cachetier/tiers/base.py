@@ -91,7 +91,7 @@ class Tier(ABC):
     """Whether reads wait on a network (Redis, the sidecar): on a slow link they leave the
     host's cores mostly idle, so an engine can compute while one runs. Reads from memory or
     the page cache are the cores' own work, and run no faster beside a forward on a CPU
-    (``benchmarks/bench_overlap.py``)."""
+    (``benchmarks/overlap.py``)."""
 
     def __init__(self, *, clock: Clock = time.monotonic) -> None:
         self._stats = TierStats()
@@ -159,6 +159,11 @@ class Tier(ABC):
         Returns:
             Length of the leading run of stored keys.
         """
+
+    def report_quarantine(self, namespace: str, reason: str) -> None:
+        """Hear that ``namespace`` was quarantined in this tier (``cachetier.store.verify``):
+        a tier shared through a server tells it, so that no other client is served the same
+        records; a local tier has no one to tell."""
 
     @abstractmethod
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cachetier.errors import QuarantineLimitError
 from cachetier.guard import (
     REL_TOLERANCE,
     GuardConfig,
@@ -178,3 +179,14 @@ def test_a_quarantine_holds_one_namespace_of_one_tier_until_lifted() -> None:
     assert held.tiers_of("ns-a") == {"disk"}
     assert [q.tier for q in held.lift("ns-a")] == ["disk"]
     assert held.entries() == []
+
+
+def test_a_full_quarantine_list_refuses_new_entries_by_name() -> None:
+    held = QuarantineList(max_entries=2)
+    held.add("disk", "a", "x")
+    held.add("disk", "b", "x")
+    assert not held.add("disk", "a", "again")  # a held one is no new entry
+    with pytest.raises(QuarantineLimitError, match="max_entries"):
+        held.add("disk", "c", "x")
+    held.lift("a")
+    assert held.add("disk", "c", "x")

@@ -173,6 +173,12 @@ class RemoteTier(Tier):
         check_namespace(namespace)
         return self._wait(self._call(lambda: self._client.clear(namespace), 0), 0, 1)
 
+    def report_quarantine(self, namespace: str, reason: str) -> None:
+        """Share a quarantine with the server, which then quarantines ``namespace`` in its own
+        tiers for every client (a failure is logged: the local quarantine holds regardless)."""
+        check_namespace(namespace)
+        self._wait(self._call(lambda: self._client.report_quarantine(namespace, reason), 0), 0, 1)
+
     # Async API: the same operations for callers on any event loop. Arguments, results and
     # failure handling are those of the blocking methods above (and of ``Tier``).
 
