@@ -150,6 +150,7 @@ class _StoreCollector(Collector):
         yield pending
         yield from tier_rate_families(stats["rates"])
         yield from store_health_families(stats)
+        yield from guard_families(stats["guard"], len(self._service.store.quarantines.entries()))
         per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
         for name in _TENANT_COUNTERS:
             family = CounterMetricFamily(
@@ -173,6 +174,23 @@ def tier_counter_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         for tier, figures in tiers.items():
             family.add_metric([tier], figures.get(name, 0))
         yield family
+
+
+def guard_families(guard: dict[str, dict[str, int]], held: int) -> Iterator[Metric]:
+    """The restore guard's counters by tier (``TieredStore.stats()["guard"]``) and the
+    quarantines held now."""
+    docs = {
+        "verified_blocks": "stored blocks compared with their recomputation",
+        "mismatched_blocks": "compared blocks that did not match (wrong KV a checksum passed)",
+        "quarantines": "namespaces quarantined in a tier after a mismatch",
+        "quarantined_lookups": "lookups that passed over a tier quarantined for the namespace",
+    }
+    for name, doc in docs.items():
+        family = CounterMetricFamily(f"cachetier_guard_{name}", doc, labels=["tier"])
+        for tier, count in guard.get(name, {}).items():
+            family.add_metric([tier], count)
+        yield family
+    yield GaugeMetricFamily("cachetier_quarantines_held", "quarantines held now", value=held)
 
 
 def pin_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.remote import RemoteTier
-from tests.server.live import TOKENS, ThreadServer, call_json
+from tests.server.live import TOKENS, ThreadServer, call, call_json
 from tests.support import make_blocks
 
 ALICE, BOB, OPS = TOKENS["alice"], TOKENS["bob"], TOKENS["ops"]
@@ -92,3 +93,21 @@ def test_quarantine_requests_without_a_token_or_with_bad_input_are_refused(
     assert call_json(url, "POST", "/v1/quarantines", extra, token=ALICE)[0] == 422
     lift = {"namespace": "fine", "tenant": "nobody"}
     assert call_json(url, "POST", "/v1/quarantines/lift", lift, token=OPS)[0] == 404
+
+
+def test_guard_counters_and_quarantines_are_metrics(
+    shared_server: ThreadServer, own_namespace: Namespace
+) -> None:
+    url = shared_server.url
+    report = {"namespace": own_namespace.id, "reason": "metrics"}
+    assert call_json(url, "POST", "/v1/quarantines", report, token=ALICE)[0] == 200
+    status, _, body = call(url, "GET", "/metrics", token=OPS)
+    assert status == 200
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+    assert samples["cachetier_quarantines_held"] >= 2  # cpu and disk
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert {"cachetier_guard_verified_blocks", "cachetier_guard_quarantined_lookups"} <= names
