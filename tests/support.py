@@ -21,7 +21,7 @@ import redis
 import uvicorn
 
 from cachetier.cli.ports import bound_port
-from cachetier.primitives.keys import KVLayout, Namespace, block_keys
+from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.report.events import EventLog, LookupEvent
 
@@ -54,6 +54,11 @@ def make_blocks(
         )
         for key in keys
     ]
+
+
+def keys_of(blocks: list[KVBlock]) -> list[BlockHash]:
+    """The blocks' keys, in order."""
+    return [b.key for b in blocks]
 
 
 def _payload(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> bytes:

@@ -1,13 +1,14 @@
-"""RedisTier against real Redis: records, TTL, corruption, the shared LRU, outages, recovery.
+"""RedisTier against real Redis: records, TTL, corruption, the shared LRU, bad input.
 
-The shared tier suite covers what every tier does; this file covers what only Redis does.
+The shared tier suite covers what every tier does; this file covers what only Redis does, and
+``test_redis_outages`` how the tier lives through a Redis that fails.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,28 +17,9 @@ import redis
 from cachetier.primitives.keys import BlockHash, Namespace
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
-from tests.support import (
-    FAST_FAIL,
-    TIMEOUT_S,
-    FakeClock,
-    PrivateRedis,
-    make_blocks,
-    refusing_port,
-    silent_port,
-)
+from tests.support import FAST_FAIL, keys_of, make_blocks, refusing_port
 
 MakeTier = Callable[..., RedisTier]
-
-
-@pytest.fixture
-def hung_url() -> Iterator[str]:
-    """A port that accepts TCP connections (the kernel's backlog) but never answers."""
-    with silent_port() as port:
-        yield f"redis://127.0.0.1:{port}/0"
-
-
-def _keys(blocks: list[KVBlock]) -> list[BlockHash]:
-    return [b.key for b in blocks]
 
 
 def _record_bytes(block: KVBlock) -> int:
@@ -101,19 +83,19 @@ def test_batches_keep_positions_and_prefix_runs(make_tier: MakeTier, namespace: 
     blocks = make_blocks(namespace, 24)
     absent = make_blocks(namespace, 2, seed=1)
     assert tier.put_many(namespace.id, blocks) == 24
-    asked = [blocks[0].key, absent[0].key, *_keys(blocks[1:]), absent[1].key]
+    asked = [blocks[0].key, absent[0].key, *keys_of(blocks[1:]), absent[1].key]
     got = tier.get_many(namespace.id, asked)
     assert got[1] is None and got[-1] is None
     assert [g.key if g else None for g in got] == [
         blocks[0].key,
         None,
-        *_keys(blocks[1:]),
+        *keys_of(blocks[1:]),
         None,
     ]
-    assert tier.contains_prefix(namespace.id, _keys(blocks)) == 24
-    gapped = [*_keys(blocks[:5]), absent[0].key, blocks[5].key]
+    assert tier.contains_prefix(namespace.id, keys_of(blocks)) == 24
+    gapped = [*keys_of(blocks[:5]), absent[0].key, blocks[5].key]
     assert tier.contains_prefix(namespace.id, gapped) == 5
-    assert tier.contains_prefix(namespace.id, [absent[0].key, *_keys(blocks)]) == 0
+    assert tier.contains_prefix(namespace.id, [absent[0].key, *keys_of(blocks)]) == 0
     stats = tier.stats()
     assert (stats["hits"], stats["misses"]) == (24, 2)
 
@@ -230,14 +212,14 @@ def test_capacity_accounting_on_overwrite_delete_and_oversize(
     tier.delete(namespace.id, [blocks[0].key])
     tier.put_many(namespace.id, [small])  # gone: written, and counted at its own size
     assert tier.used_bytes == 2 * size + _record_bytes(small)
-    assert tier.delete(namespace.id, _keys(blocks)) == 3
-    assert tier.delete(namespace.id, _keys(blocks)) == 0
+    assert tier.delete(namespace.id, keys_of(blocks)) == 3
+    assert tier.delete(namespace.id, keys_of(blocks)) == 0
     assert tier.used_bytes == 0
 
     tiny = make_tier(capacity_bytes=size - 1)
     assert tiny.put_many(namespace.id, blocks[:1]) == 0
     assert tiny.stats()["rejected"] == 1
-    assert tiny.contains_prefix(namespace.id, _keys(blocks[:1])) == 0
+    assert tiny.contains_prefix(namespace.id, keys_of(blocks[:1])) == 0
 
 
 def test_expired_records_leave_the_accounting(
@@ -252,7 +234,7 @@ def test_expired_records_leave_the_accounting(
         assert time.monotonic() < deadline, "records outlived their ttl by seconds"
         time.sleep(0.05)
     assert tier.used_bytes == 4 * _record_bytes(blocks[0])  # Redis does not tell us...
-    assert tier.get_many(namespace.id, _keys(blocks[:2])) == [None, None]  # ...a get notices
+    assert tier.get_many(namespace.id, keys_of(blocks[:2])) == [None, None]  # ...a get notices
     assert tier.used_bytes == 2 * _record_bytes(blocks[0])
     assert tier.clear(namespace.id) == 0  # nothing left to remove, but the accounting is
     assert tier.used_bytes == 0
@@ -268,8 +250,8 @@ def test_clear_removes_one_namespace_only(
     tier.put_many(namespace.id, mine)
     tier.put_many("other-ns", other)
     assert tier.clear(namespace.id) == 600
-    assert tier.contains_prefix(namespace.id, _keys(mine[:1])) == 0
-    assert tier.contains_prefix("other-ns", _keys(other)) == 3
+    assert tier.contains_prefix(namespace.id, keys_of(mine[:1])) == 0
+    assert tier.contains_prefix("other-ns", keys_of(other)) == 3
     if capacity is not None:
         assert tier.used_bytes == 3 * _record_bytes(other[0])
 
@@ -291,9 +273,9 @@ def test_accounting_stays_exact_under_concurrent_tiers(
                 if rng.random() < 0.5:
                     tier.put_many(namespace.id, picked)
                 elif rng.random() < 0.8:
-                    tier.get_many(namespace.id, _keys(picked))
+                    tier.get_many(namespace.id, keys_of(picked))
                 else:
-                    tier.delete(namespace.id, _keys(picked[:1]))
+                    tier.delete(namespace.id, keys_of(picked[:1]))
         except BaseException as exc:  # surfaced below: a thread cannot fail the test itself
             errors.append(exc)
 
@@ -356,149 +338,3 @@ def test_bad_arguments_raise_even_when_redis_is_down(namespace: Namespace) -> No
 def test_config_rejects_bad_settings(settings: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RedisTierConfig(**settings)  # type: ignore[arg-type]
-
-
-# Outages: bounded misses, the breaker, recovery
-
-
-def test_closed_port_gives_bounded_misses_then_opens_the_breaker(
-    make_tier: MakeTier, namespace: Namespace
-) -> None:
-    with refusing_port() as port:
-        clock = FakeClock()
-        tier = make_tier(
-            url=f"redis://127.0.0.1:{port}/0",
-            capacity_bytes=1 << 20,
-            failure_threshold=2,
-            clock=clock,
-            **FAST_FAIL,
-        )
-        blocks = make_blocks(namespace, 3)
-        for _ in range(2):
-            start = time.monotonic()
-            assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-            assert time.monotonic() - start < 5 * TIMEOUT_S
-        stats = tier.stats()
-        assert stats["breaker"]["state"] == "open" and stats["errors"] == 2
-        skipped = stats["skipped"]  # stats() itself skipped its used_bytes read
-        # Open: nothing reaches Redis, nothing raises, every answer is an empty one.
-        assert tier.put_many(namespace.id, blocks) == 0
-        assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-        assert tier.contains_prefix(namespace.id, _keys(blocks)) == 0
-        assert tier.delete(namespace.id, _keys(blocks)) == 0
-        assert tier.clear(namespace.id) == 0
-        stats = tier.stats()
-        assert stats["errors"] == 2 and stats["skipped"] == skipped + 6
-        assert stats["misses"] == 9 and stats["puts"] == 0
-
-
-def test_unanswering_server_gives_bounded_misses_then_immediate_ones(
-    make_tier: MakeTier, hung_url: str, namespace: Namespace
-) -> None:
-    clock = FakeClock()
-    tier = make_tier(url=hung_url, failure_threshold=1, clock=clock, **FAST_FAIL)
-    blocks = make_blocks(namespace, 2)
-    start = time.monotonic()
-    assert tier.get_many(namespace.id, _keys(blocks)) == [None, None]
-    assert time.monotonic() - start < 5 * TIMEOUT_S  # the socket timeout cut the wait short
-    start = time.monotonic()
-    assert tier.put_many(namespace.id, blocks) == 0
-    assert time.monotonic() - start < TIMEOUT_S  # skipped: no wait for an answer at all
-    stats = tier.stats()
-    assert (stats["errors"], stats["skipped"], stats["breaker"]["state"]) == (1, 1, "open")
-
-
-@pytest.mark.faults
-def test_recovers_by_itself_after_redis_restarts(
-    private_redis: PrivateRedis, namespace: Namespace
-) -> None:
-    clock = FakeClock()
-    config = RedisTierConfig(
-        url=private_redis.url,
-        failure_threshold=2,
-        backoff_base_s=0.05,
-        backoff_cap_s=0.2,
-        **FAST_FAIL,  # type: ignore[arg-type]
-    )
-    blocks = make_blocks(namespace, 3)
-    with RedisTier(config, clock=clock) as tier:
-        assert tier.put_many(namespace.id, blocks) == 3
-        private_redis.stop()
-        for _ in range(2):
-            assert tier.get_many(namespace.id, _keys(blocks)) == [None] * 3
-        assert tier.stats()["breaker"]["state"] == "open"
-
-        private_redis.start()  # empty: it kept nothing (--save "")
-        assert tier.put_many(namespace.id, blocks) == 0  # still open: the backoff has not passed
-        clock.advance(0.05)
-        assert tier.put_many(namespace.id, blocks) == 3  # the trial call, on a new connection
-        assert tier.stats()["breaker"]["state"] == "closed"
-        assert all(tier.get_many(namespace.id, _keys(blocks)))
-        stats = tier.stats()
-        assert (stats["errors"], stats["skipped"], stats["breaker"]["num_opens"]) == (2, 1, 1)
-
-
-@pytest.mark.faults
-def test_pooled_connections_survive_a_quick_restart(
-    private_redis: PrivateRedis, namespace: Namespace
-) -> None:
-    config = RedisTierConfig(url=private_redis.url, **FAST_FAIL)  # type: ignore[arg-type]
-    blocks = make_blocks(namespace, 2)
-    with RedisTier(config) as tier:
-        assert tier.put_many(namespace.id, blocks) == 2
-        private_redis.stop()
-        private_redis.start()
-        # The pooled connection died with the old server; the pool notices and reconnects.
-        assert tier.get_many(namespace.id, _keys(blocks)) == [None, None]
-        assert tier.put_many(namespace.id, blocks) == 2
-        assert all(tier.get_many(namespace.id, _keys(blocks)))
-        assert tier.stats()["errors"] == 0
-
-
-def test_a_store_across_a_thin_link_reads_whole_with_a_longer_timeout(
-    redis_url: str, redis_prefix: str
-) -> None:
-    # 12 records of 1.5 MB over an 8 MB/s hop, read on the tier's parallel streams: a stream
-    # waits behind the others' queued bytes for longer than the default 0.5 s (seen here: the
-    # read failed, every block a miss). redis_timeout_s is the setting for such a link.
-    from urllib.parse import urlsplit
-
-    from cachetier.primitives.keys import KVLayout, block_keys
-    from cachetier.store.config import StoreConfig, build_store
-    from tests.throttled_link import SlowLink
-
-    layout = KVLayout("float32", 32, 30, 3, 64)  # SmolLM2's 32-token block: 1.47 MB
-    namespace = Namespace("thin-link", layout)
-    keys = block_keys(namespace, list(range(12 * 32)))
-    rng = np.random.default_rng(0)
-    blocks = [
-        KVBlock(
-            key,
-            namespace.fingerprint,
-            "float32",
-            layout.payload_shape,
-            32,
-            rng.integers(0, 255, layout.block_bytes, dtype=np.uint8).tobytes(),
-        )
-        for key in keys
-    ]
-    with build_store(
-        StoreConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
-    ) as store:
-        assert store.put_many(namespace.id, blocks) == len(blocks)
-        store.flush()
-    url = urlsplit(redis_url)
-    with SlowLink((url.hostname or "127.0.0.1", url.port or 6379), 8e6) as link:
-        config = StoreConfig(
-            cpu_bytes=0,
-            redis_url=f"redis://{link.host}:{link.port}{url.path or '/0'}",
-            redis_key_prefix=redis_prefix,
-            redis_timeout_s=10.0,
-        )
-        with build_store(config) as store:
-            restored = store.restore_prefix(namespace.id, keys, fingerprint=namespace.fingerprint)
-            assert [b.key for b in restored.blocks] == keys
-            assert [bytes(b.data) for b in restored.blocks] == [b.data for b in blocks]
-            assert store.stats()["tiers"]["redis"]["errors"] == 0
-    with pytest.raises(ValueError, match="redis_timeout_s"):
-        StoreConfig(redis_url=redis_url, redis_timeout_s=0)
