@@ -179,16 +179,20 @@ def flood_then_switch_pods(config: ServerConfig, other_data_dir: Path) -> dict[s
     Returns:
         As ``flood_pinned_chain`` (``pins_listed_after_restart`` is the second pod's: 0).
     """
-    assert config.redis_url and config.redis_bytes, "the flood is meant to reach Redis"
+    store = config.store
+    assert store.redis_url and store.redis_bytes, "the flood is meant to reach Redis"
     first = ThreadServer(config).start()
-    second = ThreadServer(replace(config, data_dir=str(other_data_dir)))
+    # The store's disk folder and pin file were filled in from the first data_dir: clear them,
+    # so the second pod's come from its own.
+    own_files = replace(store, disk_path=None, pin_file=None)
+    second = ThreadServer(replace(config, data_dir=str(other_data_dir), store=own_files))
 
     def switch_pods() -> str:
         first.stop()
         return second.start().url
 
     try:
-        capacity = config.cpu_bytes + config.disk_bytes + config.redis_bytes
+        capacity = store.cpu_bytes + store.disk_bytes + store.redis_bytes
         return flood_pinned_chain(first.url, switch_pods, capacity_bytes=capacity)
     finally:
         first.stop()

@@ -7,26 +7,34 @@ here: the config is plain data, checked in ``__post_init__``.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cachetier.primitives.fingerprint import model_fingerprint
-from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.store.config import StoreConfig, build_store
+from cachetier.store.engine_settings import (
+    check_kv_load_policy,
+    kv_load_policy_setting,
+    record_tokens_setting,
+    tenant_setting,
+)
 from cachetier.store.tiered import TieredStore
 from cachetier.util.checks import positive_int
 from cachetier.util.redact import redacted_repr, url_secrets
+from cachetier.util.settings import (
+    build,
+    check_keys,
+    flat_settings,
+    nested,
+    parse_settings,
+    parse_value,
+    setting,
+)
 
 log = logging.getLogger(__name__)
-
-_STORE_DEFAULTS = StoreConfig()  # the defaults of the fields both configs have live there
-_REDIS_PREFIX_DEFAULT = "cachetier"
-
 
 LOAD_ASYNC_CHOICES = ("network", "always", "never")
 
@@ -39,90 +47,52 @@ def check_load_async(value: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """What an engine's extra config may set for its cachetier plugin.
+    """What an engine's extra config may set for its cachetier plugin: the tiers (every store
+    setting, by its own name) and the plugin's own settings.
 
-    Args:
-        cpu_bytes: capacity of the worker's in-process CPU tier; 0 leaves it out.
-        disk_path: folder of the disk tier; ``None`` leaves it out. Survives restarts.
-        disk_bytes: capacity of the disk tier.
-        redis_url: ``redis://host:port/db`` of a Redis tier; ``None`` leaves it out.
-        redis_key_prefix: first part of every Redis key (engines with the same prefix share
-            blocks).
-        redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
-        redis_timeout_s: longest wait for Redis to answer one read or write (seconds); a read
-            that waits longer is a miss. Raise it for a Redis across a thin link.
-        remote_url: base URL of a cachetier server (``http://host:port``), a tier shared by
-            every engine that names it; ``None`` leaves it out.
-        remote_token: bearer token for that server (it names the server-side tenant).
-        tenant: tenant name; engines of different tenants never share blocks. A request's
-            ``cache_salt`` is appended to it.
-        compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
-        model_fingerprint: identity of the weights; ``None`` hashes the engine's model folder
-            (``model_folder_fingerprint``).
-        fsync: fsync disk records before they are renamed into place.
-        write_queue_blocks: most blocks queued per lower tier (disk, Redis) before saves to it
-            are dropped; queued blocks hold memory (1.5 MB each for SmolLM2 in fp32).
-        writer_nice: CPU priority of those background writes, 0 (the engine's) to 19 (the
-            lowest, the default: they use the cores the engine leaves idle).
-        kv_load_policy: ``cost`` reports (and loads) only the part of a hit that the measured
-            tier speeds load faster than the engine recomputes it (``cachetier.store.costmodel``);
-            ``always`` loads every hit.
-        load_async: which of vLLM's loads run beside its forwards (vLLM keeps scheduling other
-            requests while a request waits for its KV): ``network`` (those whose every block
-            comes over a network, Redis or a sidecar: their reads wait on a link, not on the
-            cores the forward uses), ``always`` or ``never``. Other engines ignore it.
-        record_tokens: tokens per stored record, the same in every engine that shares the
-            cache (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block
-            size must be a multiple of it, and each block is stored as several records.
-        fail_on_start_error: what a plugin that cannot start (a bad key or value, a tier that
-            cannot open, no model fingerprint) does after logging the error at ERROR: stop
-            its engine (``True``), or let the engine serve without cachetier (``False``).
-            LMCache and SGLang plugins only: vLLM cannot serve without a connector its
-            ``kv_transfer_config`` names, so its connector always refuses to start.
+    Each field's description is declared with it (``cachetier.util.settings.setting``).
     """
 
-    cpu_bytes: int = _STORE_DEFAULTS.cpu_bytes
-    disk_path: str | None = None
-    disk_bytes: int = _STORE_DEFAULTS.disk_bytes
-    redis_url: str | None = None
-    redis_key_prefix: str = _REDIS_PREFIX_DEFAULT
-    redis_ttl_s: float | None = None
-    redis_timeout_s: float = _STORE_DEFAULTS.redis_timeout_s
-    remote_url: str | None = None
-    remote_token: str | None = dataclasses.field(default=None, repr=False)
-    tenant: str = ""
-    compression: str = "none"
-    model_fingerprint: str | None = None
-    fsync: bool = True
-    write_queue_blocks: int = _STORE_DEFAULTS.write_queue_blocks
-    writer_nice: int = _STORE_DEFAULTS.writer_nice
-    kv_load_policy: str = "cost"
-    load_async: str = "network"
-    record_tokens: int = DEFAULT_RECORD_TOKENS
-    fail_on_start_error: bool = True
+    store: StoreConfig = nested(
+        StoreConfig,
+        "the plugin's tiers: every store setting, given by its own name; the CPU tier is in "
+        "each worker process.",
+    )
+    tenant: str = tenant_setting()
+    model_fingerprint: str | None = setting(
+        None,
+        "identity of the weights; ``None`` hashes the engine's model folder "
+        "(``model_folder_fingerprint``). Name it when pods load the weights from different "
+        "paths.",
+    )
+    kv_load_policy: str = kv_load_policy_setting()
+    load_async: str = setting(
+        "network",
+        "which of vLLM's loads run beside its forwards (vLLM keeps scheduling other requests "
+        "while a request waits for its KV): ``network`` (those whose every block comes over a "
+        "network, Redis or a sidecar: their reads wait on a link, not on the cores the forward "
+        "uses), ``always`` or ``never``. Other engines ignore it.",
+    )
+    record_tokens: int = record_tokens_setting()
+    fail_on_start_error: bool = setting(
+        True,
+        "what a plugin that cannot start (a bad key or value, a tier that cannot open, no "
+        "model fingerprint) does after logging the error at ERROR: stop its engine (``True``), "
+        "or let the engine serve without cachetier (``False``). LMCache and SGLang plugins "
+        "only: vLLM cannot serve without a connector its ``kv_transfer_config`` names, so its "
+        "connector always refuses to start.",
+    )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise TypeError(f"store must be a StoreConfig, got {type(self.store).__name__}")
         positive_int("record_tokens", self.record_tokens)
-        if self.kv_load_policy not in ("cost", "always"):
-            raise ValueError(
-                f"kv_load_policy must be 'cost' or 'always', got {self.kv_load_policy!r}"
-            )
+        check_kv_load_policy(self.kv_load_policy)
         check_load_async(self.load_async)
         if not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
         if self.model_fingerprint is not None and not self.model_fingerprint:
             raise ValueError("model_fingerprint must be None or a non-empty string")
-        self.store_config()  # raises ValueError on bad sizes, compression or no tier at all
-        if self.redis_url:
-            from cachetier.tiers.redis import RedisTierConfig
-
-            RedisTierConfig(  # raises ValueError on a bad URL, prefix or TTL (no I/O)
-                url=self.redis_url, key_prefix=self.redis_key_prefix, ttl_s=self.redis_ttl_s
-            )
-        if self.remote_url:
-            from cachetier.tiers.remote import RemoteTierConfig
-
-            RemoteTierConfig(url=self.remote_url, token=self.remote_token)  # raises on a bad URL
 
     def __repr__(self) -> str:
         # vLLM logs its kv_transfer_config; the Redis URL's password must not go with it.
@@ -139,7 +109,7 @@ class ConnectorConfig:
         """Build the config from an engine's extra config.
 
         Args:
-            extra: the dict given to the engine (``None`` for all defaults).
+            extra: setting name -> value, as given to the engine (``None`` for all defaults).
             source: what the engine calls that dict, for error messages.
             accepted: the keys that may be given there; ``None`` for vLLM's
                 (``VLLM_KEYS``).
@@ -149,55 +119,25 @@ class ConnectorConfig:
 
         Raises:
             ValueError: on a key not in ``accepted`` (the message lists only those) or a bad
-                value.
+                value (the message names its key).
         """
         extra = dict(extra or {})
         check_keys(extra, VLLM_KEYS if accepted is None else accepted, source=source)
-        for name in (
-            "cpu_bytes",
-            "disk_bytes",
-            "write_queue_blocks",
-            "writer_nice",
-            "record_tokens",
-        ):
-            if name in extra:
-                extra[name] = _as_int(name, extra[name])
-        for name in ("redis_ttl_s", "redis_timeout_s"):
-            if extra.get(name) is not None:
-                extra[name] = float(extra[name])
-        for name in ("fsync", "fail_on_start_error"):
-            if name in extra:
-                extra[name] = _as_bool(name, extra[name])
-        for name in ("disk_path", "redis_url", "remote_url", "remote_token"):
-            if extra.get(name) == "":
-                extra[name] = None
-        return cls(**extra)
+        return build(cls, parse_settings(cls, extra, source=source))
 
     @property
     def has_shared_tier(self) -> bool:
         """Whether a tier outside the worker process (disk, Redis, a server) is configured."""
-        return bool(self.disk_path or self.redis_url or self.remote_url)
+        return bool(self.store.has_disk or self.store.redis_url or self.store.remote_url)
 
     def store_config(self, *, with_cpu: bool = True) -> StoreConfig:
         """The ``StoreConfig`` of these tiers (the CPU tier left out if ``with_cpu`` is False)."""
-        return StoreConfig(
-            cpu_bytes=self.cpu_bytes if with_cpu else 0,
-            disk_path=self.disk_path,
-            disk_bytes=self.disk_bytes,
-            redis_url=self.redis_url,
-            redis_ttl_s=self.redis_ttl_s,
-            redis_timeout_s=self.redis_timeout_s,
-            redis_key_prefix=self.redis_key_prefix,
-            compression=self.compression,
-            fsync=self.fsync,
-            write_queue_blocks=self.write_queue_blocks,
-            writer_nice=self.writer_nice,
-            remote_url=self.remote_url,
-            remote_token=self.remote_token,
-        )
+        return self.store if with_cpu else replace(self.store, cpu_bytes=0)
 
 
-ALL_KEYS = frozenset(f.name for f in dataclasses.fields(ConnectorConfig))
+SETTINGS = flat_settings(ConnectorConfig)
+"""Every setting of a plugin by name, the store's among them (two of one name fail here)."""
+ALL_KEYS = frozenset(SETTINGS)
 # Secrets an engine would log with its plugin's settings (SGLang its server arguments, LMCache
 # its config): a plugin takes them from these environment variables instead (``plugin_config``).
 PLUGIN_SECRETS = {"remote_token": "CACHETIER_REMOTE_TOKEN"}
@@ -206,29 +146,6 @@ PLUGIN_KEYS = ALL_KEYS - set(PLUGIN_SECRETS)
 VLLM_KEYS = ALL_KEYS - {"fail_on_start_error"}
 """The keys vLLM's ``kv_connector_extra_config`` accepts (vLLM redacts what it logs, and
 cannot serve without its connector: ``fail_on_start_error`` would promise what it cannot do)."""
-
-
-def check_keys(given: Collection[str], accepted: Collection[str], *, source: str) -> None:
-    """Refuse keys not in ``accepted``, naming the closest accepted one.
-
-    Args:
-        given: the keys the user gave.
-        accepted: the keys accepted where they were given.
-        source: where they were given, for the message.
-
-    Raises:
-        ValueError: a key not accepted; the message lists only the accepted keys.
-    """
-    unknown = sorted(set(given) - set(accepted))
-    if not unknown:
-        return
-    hints = [
-        f"{key!r} -> {close[0]!r}"
-        for key in unknown
-        if (close := difflib.get_close_matches(key, sorted(accepted), n=1))
-    ]
-    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-    raise ValueError(f"unknown {source} keys {unknown}{hint}; accepted: {sorted(accepted)}")
 
 
 def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
@@ -298,8 +215,9 @@ def fails_on_start_error(settings: Mapping[str, Any]) -> bool:
     Returns:
         ``ConnectorConfig.fail_on_start_error`` as given, ``True`` by default.
     """
+    value = settings.get("fail_on_start_error", True)
     try:
-        return _as_bool("fail_on_start_error", settings.get("fail_on_start_error", True))
+        return parse_value(SETTINGS["fail_on_start_error"], value, key="fail_on_start_error")
     except ValueError:
         return True
 
@@ -358,23 +276,3 @@ def model_folder_fingerprint(model: str, revision: str | None = None, *, key: st
                 f"cannot find a local folder for model {model!r} to fingerprint ({exc}); pass {key}"
             ) from None
     return model_fingerprint(folder)
-
-
-def _as_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        return int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
-
-
-def _as_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -6,7 +6,13 @@ import re
 from dataclasses import dataclass
 
 from cachetier.guard import GuardConfig
-from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.store.engine_settings import KV_LOAD_POLICIES as KV_LOAD_POLICIES
+from cachetier.store.engine_settings import (
+    check_kv_load_policy,
+    kv_load_policy_setting,
+    record_tokens_setting,
+    tenant_setting,
+)
 from cachetier.util.checks import positive_int
 
 GiB = 1 << 30
@@ -17,8 +23,6 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # Element types a KV pool may have: a float pool holds K/V as computed, an fp8 pool quantises.
 POOL_DTYPES = (*MODEL_DTYPES, *FP8_KV_DTYPES.values())
-# ``cost``: load a tier hit only where that beats recomputing it; ``always``: load every hit.
-KV_LOAD_POLICIES = ("cost", "always")
 # Devices the engine runs on: the CPU, or one CUDA device.
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
@@ -26,6 +30,9 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the engine runs and how: the model, its dtypes, the KV pool and the batch limits.
+
+    ``tenant``, ``kv_load_policy`` and ``record_tokens`` are declared with the plugins' own
+    (``cachetier.store.engine_settings``).
 
     Args:
         model: a local Hugging Face model folder (config.json + safetensors).
@@ -38,20 +45,13 @@ class EngineConfig:
         max_num_batched_tokens: most tokens computed in one step (chunked prefill budget).
         max_model_len: longest sequence (prompt + output); ``None`` takes the model's limit.
         enable_prefix_caching: reuse pool blocks and tier blocks on prefix hits.
-        tenant: tenant / cache salt folded into every key.
         kernel_backend: ``auto``, ``torch`` or ``triton`` (see ``cachetier.kernels.backend``).
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         event_log: a JSON-lines file that gets one ``cachetier.report.events.LookupEvent``
             per admitted request (for ``cachetier report``); ``None`` for none.
-        kv_load_policy: ``cost`` loads a tier hit only where the measured tier speed beats the
-            measured prefill speed (``cachetier.store.costmodel``); ``always`` loads every hit.
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
-        record_tokens: tokens per stored record, the same in every engine that shares the
-            cache (``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``). With tiers,
-            ``block_size`` must be a multiple of it: a block is stored as ``block_size /
-            record_tokens`` records.
         guard: verify sampled tier hits by computing them as misses and comparing the tier's
             records with the computed ones; a mismatch quarantines the namespace in that tier
             (``cachetier.guard``).
@@ -68,13 +68,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    tenant: str = ""
+    tenant: str = tenant_setting()
     kernel_backend: str = "auto"
     num_threads: int | None = None
     event_log: str | None = None
-    kv_load_policy: str = "cost"
+    kv_load_policy: str = kv_load_policy_setting()
     device: str = "cpu"
-    record_tokens: int = DEFAULT_RECORD_TOKENS
+    record_tokens: int = record_tokens_setting()
     guard: bool = False
     guard_first_hits: int = 1
     guard_fraction: float = 0.001
@@ -102,10 +102,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.kv_load_policy not in KV_LOAD_POLICIES:
-            raise ValueError(
-                f"kv_load_policy must be one of {KV_LOAD_POLICIES}, got {self.kv_load_policy!r}"
-            )
+        check_kv_load_policy(self.kv_load_policy)
         if self.event_log is not None and not self.event_log.strip():
             raise ValueError("event_log must be a file path, or None for no log")
         positive_int("record_tokens", self.record_tokens)

@@ -57,7 +57,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         # a bad one fails the start before the store is opened.
         tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         # Opening the disk tier scans its folder: not on the event loop.
-        store = await run_in_threadpool(build_store, config.store_config())
+        store = await run_in_threadpool(build_store, config.store)
         service = BlockService(config, store)
         transfer: TransferServer | None = None
         if config.transfer_port is not None or config.transfer_socket:

@@ -18,22 +18,28 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cachetier.server.tenants_config import OPEN_TENANT, check_tenants, parse_tenants
-from cachetier.store.config import (
-    ENV_PREFIX,
-    REDIS_TIMEOUT_S,
-    GiB,
-    StoreConfig,
-    default_data_dir,
-    env_values,
+from cachetier.server.tenants_config import (
+    OPEN_TENANT,
+    check_tenants,
+    parse_names,
+    parse_tenants,
+    parse_weights,
 )
-from cachetier.tiers.disk.config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from cachetier.store.config import GiB, StoreConfig, default_data_dir
 from cachetier.util.checks import positive_int
 from cachetier.util.redact import redact_url, redacted_repr, url_secrets
+from cachetier.util.settings import (
+    build,
+    env_values,
+    flat_settings,
+    nested,
+    parse_settings,
+    setting,
+)
 
 MiB = 1 << 20
 __all__ = ["OPEN_TENANT", "ServerConfig", "load_config", "parse_tenants", "secrets_of"]
@@ -44,145 +50,152 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerConfig:
     """The sidecar's settings: where it listens, what it stores, whom it serves, its limits.
 
-    Args:
-        host: address to listen on.
-        port: TCP port to listen on (0 picks a free one).
-        data_dir: folder of the disk tier (``<data_dir>/blocks``).
-        cpu_bytes: capacity of the server's CPU tier; 0 leaves it out.
-        disk_bytes: capacity of the disk tier; 0 leaves it out.
-        disk_file_mode: permission bits of the disk tier's record files (``0o600``: this user
-            only; ``0o640`` lets the pods of one group read them; ``CACHETIER_DISK_FILE_MODE`` is
-            read as octal, ``0640``).
-        disk_dir_mode: permission bits of the disk tier's folders (``0o700``, or ``0o750``).
-        redis_url: Redis behind the server (``redis://host:port/db``, ``rediss://`` for TLS);
-            ``None`` for none. Its password is never printed (repr, ``describe``, logs).
-        redis_ssl_ca_certs: CA bundle the Redis certificate is checked against (``rediss://``).
-        redis_ssl_certfile: client certificate for a Redis that asks for one (``rediss://``).
-        redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
-        redis_key_prefix: first part of every Redis key the server writes.
-        redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
-        redis_timeout_s: longest wait for Redis to answer one read or write (seconds); a read
-            that waits longer is a miss. Raise it for a Redis across a thin link.
-        redis_bytes: most record bytes kept in Redis under ``redis_key_prefix`` (an exact LRU
-            shared by every server using the prefix; single-node Redis only, and needed for
-            pins in Redis); ``None`` leaves the bound to Redis's ``maxmemory`` policy.
-        compression: ``"none"`` or ``"lz4"`` for records on disk and in Redis.
-        fsync: fsync each disk record before it is renamed into place.
-        sync_puts: answer a put once every tier holds the block, so an acknowledged block
-            survives a crash of the server; ``False`` answers once the first tier has it and
-            writes the others in the background (faster; a full write queue drops blocks).
-        tenants: tenant name -> its bearer tokens (1-32 characters of ``[A-Za-z0-9_-]``; tokens
-            of at least 16 characters).
-        admin_tenants: tenants that may see every tenant's stats and ``/metrics``.
-        open_mode: accept requests without a token as tenant ``open`` (local development only).
-        tenant_weights: tenant -> weight (> 0; 1 for a tenant not named): each tenant's
-            guaranteed share of the transfer port's connections, the upload bytes in flight
-            and ``max_request_rate`` is in proportion to its weight, and it may borrow what
-            the others leave idle (``server.fairness``). Also given in the tenants table as
-            ``alice = {tokens = ["..."], weight = 2}``.
-        max_request_rate: requests per second of all tenants together, HTTP and the transfer
-            port alike, shared by ``tenant_weights``; past its share a tenant is answered 429
-            with ``Retry-After`` (``BUSY`` on the transfer port). ``None`` for no limit.
-        max_block_bytes: largest record accepted.
-        max_batch_bytes: largest batch body accepted.
-        max_batch_blocks: most records in a batch put and most keys in a batch get.
-        max_keys: most keys in a lookup, exists or delete request.
-        transfer_port: TCP port of the block transfer protocol (``server.transfer``: batch gets
-            and puts without HTTP, on ``host``), 0 for a free one, ``None`` for none. It speaks
-            TLS with ``tls_cert`` as HTTP does; without them both are plaintext, tokens in the
-            clear: keep them on the pod or node network.
-        transfer_socket: Unix socket path the block transfer protocol also listens on, for engines
-            on the same host (share its folder with their pods); ``None`` for none.
-        transfer_connections: most transfer connections served at once (after their hello).
-        transfer_unauthenticated_connections: most transfer connections held before their hello
-            has named a tenant; a new one beyond it drops the oldest, so connections that never
-            say who they are cannot keep known clients out.
-        transfer_hello_timeout_s: the whole hello of a transfer connection (TLS included) must
-            arrive within this many seconds of its accept.
-        head_timeout_s: an HTTP request's whole head must arrive within this many seconds (of
-            the connection's start for its first request, of its first byte for later ones).
-        body_timeout_s: an HTTP request's whole body must arrive within this many seconds of its
-            head; also the longest an answer may wait for a client that does not read it. The
-            transfer port's requests get the same two deadlines (head; records and answer).
-        idle_timeout_s: an HTTP or transfer connection with no request for this many seconds is
-            closed.
-        max_head_bytes: largest HTTP request head (request line and headers).
-        max_connections: most HTTP connections open at once; past it a new connection takes
-            the place of the oldest one without a valid token, or is closed at once. ``None``
-            derives it from the descriptor limit (``RLIMIT_NOFILE``, whose soft limit the server
-            raises to the hard one at start): all of it but an eighth (at least 64) and two per
-            transfer connection.
-        max_unauthenticated_connections: most HTTP connections open that have not yet shown a
-            valid token (TLS handshakes included); past it the oldest of them is closed.
-            ``None``: a quarter of ``max_connections``.
-        unauthenticated_timeout_s: an HTTP connection that has shown no valid token this many
-            seconds after its accept is closed, kept alive or not (health checks and limits
-            need none, and get a fresh connection each).
-        tls_handshake_timeout_s: with TLS, an HTTP connection's whole handshake must be done
-            within this many seconds of its accept.
-        max_tls_handshakes: most HTTPS handshakes in progress at once (each holds a few hundred
-            KiB of buffers); past it the oldest is dropped.
-        max_inflight_bytes: most bytes of uploads held at once, all requests together (bodies
-            and decompressed payloads being checked); over it a request is answered busy (503,
-            ``BUSY``). At least ``max_batch_bytes``.
-        write_queue_bytes: most bytes queued for each lower tier (with ``sync_puts`` off) before
-            puts to it are dropped.
-        tls_cert: PEM certificate chain of HTTPS and the TCP transfer port (the Unix socket
-            stays plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.
-        tls_key: PEM private key of ``tls_cert``.
-        log_level: uvicorn's log level.
-        max_pinned_fraction: share of the CPU, disk and Redis (with ``redis_bytes``) tiers'
-            capacity pinned blocks may hold (``POST /v1/pins``), in [0, 1); pins are kept in
-            ``<data_dir>/pins.json`` (and in Redis itself for the Redis tier).
+    Each field's description is declared with it (``cachetier.util.settings.setting``). The
+    tiers are ``store``, whose settings are given by their own names beside these
+    (``redis_url = ...`` in the file, ``CACHETIER_REDIS_URL``, ``--redis-url``).
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8470
-    data_dir: str = field(default_factory=lambda: str(default_data_dir() / "server"))
-    cpu_bytes: int = 2 * GiB
-    disk_bytes: int = 20 * GiB
-    disk_file_mode: int = DEFAULT_FILE_MODE
-    disk_dir_mode: int = DEFAULT_DIR_MODE
-    redis_url: str | None = None
-    redis_ssl_ca_certs: str | None = None
-    redis_ssl_certfile: str | None = None
-    redis_ssl_keyfile: str | None = None
-    redis_key_prefix: str = "cachetier"
-    redis_ttl_s: float | None = None
-    redis_timeout_s: float = REDIS_TIMEOUT_S
-    redis_bytes: int | None = None
-    compression: str = "none"
-    fsync: bool = True
-    sync_puts: bool = True
-    tenants: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    admin_tenants: tuple[str, ...] = ()
-    open_mode: bool = False
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    max_request_rate: float | None = 5000.0
-    max_block_bytes: int = 64 * MiB
-    max_batch_bytes: int = 512 * MiB
-    max_batch_blocks: int = 1024
-    max_keys: int = 4096
-    transfer_port: int | None = None
-    transfer_socket: str | None = None
-    transfer_connections: int = 64
-    transfer_unauthenticated_connections: int = 8
-    transfer_hello_timeout_s: float = 5.0
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    idle_timeout_s: float = 75.0
-    max_head_bytes: int = 32 << 10
-    max_connections: int | None = None
-    max_unauthenticated_connections: int | None = None
-    unauthenticated_timeout_s: float = 5.0
-    tls_handshake_timeout_s: float = 5.0
-    max_tls_handshakes: int = 128
-    max_inflight_bytes: int = 1 * GiB
-    write_queue_bytes: int = 1 * GiB
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    log_level: str = "info"
-    max_pinned_fraction: float = 0.5
+    host: str = setting("127.0.0.1", "address to listen on.")
+    port: int = setting(8470, "TCP port to listen on (0 picks a free one).")
+    data_dir: str = setting(
+        default_factory=lambda: str(default_data_dir() / "server"),
+        description="folder of the server's disk tier (``<data_dir>/blocks``, unless "
+        "``disk_path`` names another) and of its pins (``<data_dir>/pins.json``); default "
+        "``$CACHETIER_HOME/server`` or ``~/.cache/cachetier/server``.",
+    )
+    store: StoreConfig = nested(
+        StoreConfig,
+        "the server's tiers: every store setting, given by its own name; the disk tier and the "
+        "pins default to files under ``data_dir``.",
+    )
+    sync_puts: bool = setting(
+        True,
+        "answer a put once every tier holds the block, so an acknowledged block survives a "
+        "crash of the server; ``False`` answers once the first tier has it and writes the "
+        "others in the background (faster; a full write queue drops blocks).",
+    )
+    tenants: Mapping[str, tuple[str, ...]] = setting(
+        default_factory=dict,
+        description="tenant name -> its bearer tokens (1-32 characters of ``[A-Za-z0-9_-]``; "
+        "tokens of at least 16 characters). A ``[tenants]`` table in the file, or "
+        "``CACHETIER_TENANTS='alice:<token>,bob:<token>'``.",
+        secret=True,
+        parse=parse_tenants,
+    )
+    admin_tenants: tuple[str, ...] = setting(
+        (),
+        "tenants that may see every tenant's stats and ``/metrics`` (text: comma-separated).",
+        parse=parse_names,
+    )
+    open_mode: bool = setting(
+        False,
+        "accept requests without a token as tenant ``open`` (local development only).",
+    )
+    tenant_weights: Mapping[str, float] = setting(
+        default_factory=dict,
+        description="tenant -> weight (> 0; 1 for a tenant not named): each tenant's "
+        "guaranteed share of the transfer port's connections, the upload bytes in flight and "
+        "``max_request_rate`` is in proportion to its weight, and it may borrow what the "
+        "others leave idle (``server.fairness``). Also given in the tenants table as "
+        '``alice = {tokens = ["..."], weight = 2}``; as text, ``alice:2,bob:1``.',
+        parse=parse_weights,
+    )
+    max_request_rate: float | None = setting(
+        5000.0,
+        "requests per second of all tenants together, HTTP and the transfer port alike, shared "
+        "by ``tenant_weights``; past its share a tenant is answered 429 with ``Retry-After`` "
+        "(``BUSY`` on the transfer port). ``None`` for no limit.",
+    )
+    max_block_bytes: int = setting(64 * MiB, "largest record accepted.")
+    max_batch_bytes: int = setting(512 * MiB, "largest batch body accepted.")
+    max_batch_blocks: int = setting(
+        1024, "most records in a batch put and most keys in a batch get."
+    )
+    max_keys: int = setting(4096, "most keys in a lookup, exists or delete request.")
+    transfer_port: int | None = setting(
+        None,
+        "TCP port of the block transfer protocol (``server.transfer``: batch gets and puts "
+        "without HTTP, on ``host``), 0 for a free one, ``None`` for none. It speaks TLS with "
+        "``tls_cert`` as HTTP does; without them both are plaintext, tokens in the clear: keep "
+        "them on the pod or node network.",
+    )
+    transfer_socket: str | None = setting(
+        None,
+        "Unix socket path the block transfer protocol also listens on, for engines on the same "
+        "host (share its folder with their pods); ``None`` for none.",
+    )
+    transfer_connections: int = setting(
+        64, "most transfer connections served at once (after their hello)."
+    )
+    transfer_unauthenticated_connections: int = setting(
+        8,
+        "most transfer connections held before their hello has named a tenant; a new one "
+        "beyond it drops the oldest, so connections that never say who they are cannot keep "
+        "known clients out.",
+    )
+    transfer_hello_timeout_s: float = setting(
+        5.0,
+        "the whole hello of a transfer connection (TLS included) must arrive within this many "
+        "seconds of its accept.",
+    )
+    head_timeout_s: float = setting(
+        10.0,
+        "an HTTP request's whole head must arrive within this many seconds (of the "
+        "connection's start for its first request, of its first byte for later ones).",
+    )
+    body_timeout_s: float = setting(
+        60.0,
+        "an HTTP request's whole body must arrive within this many seconds of its head; also "
+        "the longest an answer may wait for a client that does not read it. The transfer "
+        "port's requests get the same two deadlines (head; records and answer).",
+    )
+    idle_timeout_s: float = setting(
+        75.0,
+        "an HTTP or transfer connection with no request for this many seconds is closed.",
+    )
+    max_head_bytes: int = setting(32 << 10, "largest HTTP request head (request line and headers).")
+    max_connections: int | None = setting(
+        None,
+        "most HTTP connections open at once; past it a new connection takes the place of the "
+        "oldest one without a valid token, or is closed at once. ``None`` derives it from the "
+        "descriptor limit (``RLIMIT_NOFILE``, whose soft limit the server raises to the hard "
+        "one at start): all of it but an eighth (at least 64) and two per transfer connection.",
+    )
+    max_unauthenticated_connections: int | None = setting(
+        None,
+        "most HTTP connections open that have not yet shown a valid token (TLS handshakes "
+        "included); past it the oldest of them is closed. ``None``: a quarter of "
+        "``max_connections``.",
+    )
+    unauthenticated_timeout_s: float = setting(
+        5.0,
+        "an HTTP connection that has shown no valid token this many seconds after its accept "
+        "is closed, kept alive or not (health checks and limits need none, and get a fresh "
+        "connection each).",
+    )
+    tls_handshake_timeout_s: float = setting(
+        5.0,
+        "with TLS, an HTTP connection's whole handshake must be done within this many seconds "
+        "of its accept.",
+    )
+    max_tls_handshakes: int = setting(
+        128,
+        "most HTTPS handshakes in progress at once (each holds a few hundred KiB of buffers); "
+        "past it the oldest is dropped.",
+    )
+    max_inflight_bytes: int = setting(
+        1 * GiB,
+        "most bytes of uploads held at once, all requests together (bodies and decompressed "
+        "payloads being checked); over it a request is answered busy (503, ``BUSY``). At least "
+        "``max_batch_bytes``.",
+    )
+    tls_cert: str | None = setting(
+        None,
+        "PEM certificate chain of HTTPS and the TCP transfer port (the Unix socket stays "
+        "plaintext); ``None`` serves plain HTTP. Needs ``tls_key``.",
+    )
+    tls_key: str | None = setting(None, "PEM private key of ``tls_cert``.")
+    log_level: str = setting("info", f"uvicorn's log level: one of {', '.join(_LOG_LEVELS)}.")
 
     def __repr__(self) -> str:
         return redacted_repr(self)
@@ -199,62 +212,72 @@ class ServerConfig:
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
         check_tenants(self)
-        self.store_config()  # raises ValueError on bad sizes, compression or no tier at all
-        if self.redis_url:
-            from cachetier.tiers.redis import RedisTierConfig
+        if not isinstance(self.store, StoreConfig):
+            raise TypeError(f"store must be a StoreConfig, got {type(self.store).__name__}")
+        # The disk tier and the pins live under data_dir unless the store names other files.
+        under = {
+            k: v for k, v in _data_dir_files(self.data_dir).items() if not getattr(self.store, k)
+        }
+        if under:
+            object.__setattr__(self, "store", replace(self.store, **under))
 
-            # Raises ValueError on a bad URL, prefix or TTL now rather than at start-up.
-            RedisTierConfig(
-                url=self.redis_url,
-                key_prefix=self.redis_key_prefix,
-                ttl_s=self.redis_ttl_s,
-                capacity_bytes=self.redis_bytes,
-                ssl_ca_certs=self.redis_ssl_ca_certs,
-                ssl_certfile=self.redis_ssl_certfile,
-                ssl_keyfile=self.redis_ssl_keyfile,
-            )
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any], *, source: str = "settings") -> ServerConfig:
+        """The config from settings given by name, the store's among them.
+
+        Args:
+            values: setting name -> value (text or Python values), e.g.
+                ``{"port": 0, "redis_url": "redis://127.0.0.1:6379/0", "open_mode": True}``.
+            source: where they were given, for errors.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an unknown name or a bad value, named.
+        """
+        parsed = parse_settings(cls, values, source=source)
+        data_dir = parsed.get("data_dir") or cls.__dataclass_fields__["data_dir"].default_factory()
+        parsed["data_dir"] = data_dir
+        for name, path in _data_dir_files(data_dir).items():
+            if not parsed.get(name):  # the store's own check needs its disk tier named
+                parsed[name] = path
+        return build(cls, parsed)
 
     @property
     def tls(self) -> bool:
         """Whether HTTP and the TCP transfer port speak TLS."""
         return self.tls_cert is not None
 
-    def store_config(self) -> StoreConfig:
-        """The ``StoreConfig`` of the server's tiers (CPU, disk under ``data_dir``, Redis)."""
-        return StoreConfig(
-            cpu_bytes=self.cpu_bytes,
-            disk_path=str(Path(self.data_dir) / "blocks") if self.disk_bytes else None,
-            disk_bytes=max(self.disk_bytes, 1),  # unused without disk_path; must be > 0
-            disk_file_mode=self.disk_file_mode,
-            disk_dir_mode=self.disk_dir_mode,
-            redis_url=self.redis_url,
-            redis_ttl_s=self.redis_ttl_s,
-            redis_timeout_s=self.redis_timeout_s,
-            redis_key_prefix=self.redis_key_prefix,
-            redis_bytes=self.redis_bytes,
-            redis_ssl_ca_certs=self.redis_ssl_ca_certs,
-            redis_ssl_certfile=self.redis_ssl_certfile,
-            redis_ssl_keyfile=self.redis_ssl_keyfile,
-            compression=self.compression,
-            fsync=self.fsync,
-            write_queue_bytes=self.write_queue_bytes,
-            max_pinned_fraction=self.max_pinned_fraction,
-            pin_file=str(Path(self.data_dir) / "pins.json"),
-        )
-
     def describe(self) -> dict[str, Any]:
-        """The settings as plain data with every token replaced by a count and the Redis
-        password masked (safe to print)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tenants"}
-        out["redis_url"] = self.redis_url and redact_url(self.redis_url)
+        """The settings by name, as plain data, with every token replaced by a count and the
+        Redis password masked (safe to print)."""
+        out = {}
+        for name, item in SETTINGS.items():
+            holder = self.store if item.path else self
+            out[name] = getattr(holder, name)
+        out["redis_url"] = self.store.redis_url and redact_url(self.store.redis_url)
+        out["remote_token"] = self.store.remote_token and "***"
         out["admin_tenants"] = list(self.admin_tenants)
         out["tenant_weights"] = dict(self.tenant_weights)
         out["tenants"] = {name: f"{len(tokens)} token(s)" for name, tokens in self.tenants.items()}
         return out
 
 
+SETTINGS = flat_settings(ServerConfig)
+"""Every setting of the server by name, the store's among them (two of one name fail here)."""
+
+
+def _data_dir_files(data_dir: str) -> dict[str, str]:
+    return {
+        "disk_path": str(Path(data_dir) / "blocks"),
+        "pin_file": str(Path(data_dir) / "pins.json"),
+    }
+
+
 def secrets_of(config: ServerConfig) -> list[str]:
-    """What the server must never print: every tenant's tokens and the Redis password.
+    """What the server must never print: every tenant's tokens, the Redis password and the
+    token of a sidecar behind it.
 
     Args:
         config: the server's settings.
@@ -263,17 +286,21 @@ def secrets_of(config: ServerConfig) -> list[str]:
         The secrets (for ``cachetier.util.redact``).
     """
     tokens = [token for tokens in config.tenants.values() for token in tokens]
-    return tokens + url_secrets(config.redis_url)
+    remote = [config.store.remote_token] if config.store.remote_token else []
+    return tokens + remote + url_secrets(config.store.redis_url)
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Settings from a file.
 
     Args:
-        path: a ``.toml`` or ``.json`` file whose keys are ``ServerConfig`` field names.
+        path: a ``.toml`` or ``.json`` file whose keys are setting names (``SETTINGS``).
 
     Returns:
-        field name -> value, unchecked (``ServerConfig`` checks them).
+        setting name -> parsed value (``ServerConfig`` checks them together).
+
+    Raises:
+        ValueError: not a table, an unknown key or a value its setting cannot take, named.
     """
     path = Path(path)
     if path.suffix not in (".json", ".toml"):
@@ -289,13 +316,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = tomllib.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a table of settings")
-    known = {f.name for f in fields(ServerConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(
-            f"config file {path} has unknown settings {unknown}; known: {sorted(known)}"
-        )
-    return data
+    return parse_settings(ServerConfig, data, source=f"config file {path}")
 
 
 def load_config(
@@ -307,34 +328,20 @@ def load_config(
 
     Args:
         path: a ``.toml`` or ``.json`` file, or ``None``.
-        env: the environment (default ``os.environ``); ``CACHETIER_<FIELD>`` sets a field,
-            ``CACHETIER_TENANTS`` and ``CACHETIER_ADMIN_TENANTS`` take comma-separated lists,
-            ``CACHETIER_TENANT_WEIGHTS`` ``tenant:weight`` pairs.
-        overrides: field values that win over both (``None`` values are ignored).
+        env: the environment (default ``os.environ``); ``CACHETIER_<NAME>`` sets a setting
+            (``CACHETIER_TENANTS`` is ``tenant:token`` pairs, ``CACHETIER_ADMIN_TENANTS`` a
+            comma-separated list, ``CACHETIER_TENANT_WEIGHTS`` ``tenant:weight`` pairs).
+        overrides: settings that win over both (``None`` values are ignored): the CLI's flags.
 
     Returns:
         The validated config.
     """
     env = os.environ if env is None else env
     values: dict[str, Any] = read_config_file(path) if path else {}
-    values.update(
-        env_values(ServerConfig, env, skip=("tenants", "admin_tenants", "tenant_weights"))
-    )
-    if env.get(ENV_PREFIX + "TENANT_WEIGHTS"):
-        pairs = (p.partition(":") for p in env[ENV_PREFIX + "TENANT_WEIGHTS"].split(","))
-        try:
-            values["tenant_weights"] = {t.strip(): float(w) for t, _, w in pairs if t.strip()}
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}TENANT_WEIGHTS must be 'tenant:weight,...'") from None
-    if env.get(ENV_PREFIX + "TENANTS"):
-        values["tenants"] = parse_tenants(env[ENV_PREFIX + "TENANTS"])
-    if env.get(ENV_PREFIX + "ADMIN_TENANTS") is not None:
-        admins = env[ENV_PREFIX + "ADMIN_TENANTS"].split(",")
-        values["admin_tenants"] = tuple(a.strip() for a in admins if a.strip())
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if "admin_tenants" in values:
-        values["admin_tenants"] = tuple(values["admin_tenants"])
-    return ServerConfig(**values)
+    values.update(env_values(ServerConfig, env))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(parse_settings(ServerConfig, given, source="arguments"))
+    return ServerConfig.from_flat(values)
 
 
 def _check_listeners(config: ServerConfig) -> None:
@@ -366,7 +373,6 @@ _POSITIVE_INTS = (
     "transfer_unauthenticated_connections",
     "max_head_bytes",
     "max_inflight_bytes",
-    "write_queue_bytes",
     "max_tls_handshakes",
 )
 _POSITIVE_SECONDS = (
@@ -398,10 +404,6 @@ def _check_limits(config: ServerConfig) -> None:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if config.max_inflight_bytes < config.max_batch_bytes:
         raise ValueError("max_inflight_bytes must be at least max_batch_bytes")
-    if config.disk_bytes < 0:
-        raise ValueError(
-            f"disk_bytes must be >= 0 (0 leaves the disk tier out), got {config.disk_bytes}"
-        )
     if config.max_batch_bytes < config.max_block_bytes:
         raise ValueError("max_batch_bytes must be at least max_block_bytes")
     rate = config.max_request_rate

@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from cachetier.store.config import ENV_PREFIX
-
 if TYPE_CHECKING:
     from cachetier.server.config import ServerConfig
 
@@ -108,8 +106,39 @@ def parse_tenants(text: str) -> dict[str, list[str]]:
         tenant, sep, token = item.partition(":")
         if not sep or not tenant or not token:
             # Not the entry itself: without its ':' it may be a whole token.
-            raise ValueError(f"{ENV_PREFIX}TENANTS entry {n} is not 'tenant:token'")
+            raise ValueError(f"entry {n} is not 'tenant:token'")
         out.setdefault(tenant.strip(), []).append(token.strip())
+    return out
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """Parse ``"ops,audit"`` (``admin_tenants`` as text).
+
+    Args:
+        text: comma-separated tenant names.
+
+    Returns:
+        The names.
+    """
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """Parse ``"alice:2,bob:0.5"`` (``tenant_weights`` as text).
+
+    Args:
+        text: comma-separated ``tenant:weight`` pairs.
+
+    Returns:
+        tenant -> weight (``checked_weights`` checks them).
+    """
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        tenant, _, weight = item.partition(":")
+        try:
+            out[tenant.strip()] = float(weight)
+        except ValueError:
+            raise ValueError(f"{item!r} is not 'tenant:weight'") from None
     return out
 
 

@@ -1,11 +1,18 @@
-"""The store's configuration, and the one place that turns it into tiers."""
+"""The store's settings, declared once, and the one place that turns them into tiers.
+
+``StoreConfig`` is every store setting: the sidecar (``cachetier.server.config.ServerConfig``)
+and the engine plugins (``cachetier.connectors.config.ConnectorConfig``) hold one instead of
+declaring its fields again, and read it from their surfaces by the same names
+(``cachetier.util.settings``).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Container, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cachetier.pins.registry import PinRegistry
 from cachetier.store.rates_file import RATES_FILE_NAME, RatesFile
@@ -14,11 +21,13 @@ from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.config import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, check_mode
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
-from cachetier.util.checks import fraction
+from cachetier.tiers.eviction import POLICIES
+from cachetier.util.checks import fraction, positive_int
 from cachetier.util.redact import redacted_repr
+from cachetier.util.settings import ENV_PREFIX, build, env_values, parse_settings, setting
 
 GiB = 1 << 30
-ENV_PREFIX = "CACHETIER_"
+__all__ = ["ENV_PREFIX", "GiB", "StoreConfig", "build_store", "build_tiers", "env_values"]
 
 
 def default_data_dir() -> Path:
@@ -26,167 +35,234 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("CACHETIER_HOME", Path.home() / ".cache" / "cachetier"))
 
 
-# Longest wait for Redis to answer one read or write, by default (seconds).
-REDIS_TIMEOUT_S = 0.5
+def octal(text: str) -> int:
+    """Permission bits as written in a shell: ``0640`` (or ``0o640``) is octal, not decimal."""
+    try:
+        return int(text.strip().removeprefix("0o"), 8)
+    except ValueError:
+        raise ValueError("not octal permission bits like 0640") from None
 
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Which tiers a store stacks, fastest first: CPU, then disk, then Redis, then the sidecar.
 
-    Args:
-        cpu_bytes: CPU tier capacity; 0 leaves the CPU tier out.
-        disk_path: disk tier folder; ``None`` or ``""`` leaves the disk tier out.
-        disk_bytes: disk tier capacity (shared by every process that opens ``disk_path``).
-        disk_file_mode: permission bits of the disk tier's files (``CACHETIER_DISK_FILE_MODE``
-            is read as octal, e.g. ``0640`` to let the pods of one group read them).
-        disk_dir_mode: permission bits of the disk tier's folders (e.g. ``0750``).
-        redis_url: Redis URL (``redis://host:port/db``); ``None`` leaves Redis out.
-        redis_ttl_s: expiry of blocks in Redis, ``None`` for none.
-        redis_key_prefix: first part of every Redis key (tests and tenants of one Redis use
-            their own).
-        redis_timeout_s: longest wait for Redis to answer one read or write, and for a
-            connection (seconds). Raise it for a Redis across a thin or congested link: a read
-            that waits longer is a miss (the block is recomputed).
-        redis_bytes: most record bytes the Redis tier keeps under ``redis_key_prefix`` (its
-            exact LRU, shared by every process using the prefix; single-node Redis only);
-            ``None`` leaves the bound to Redis's ``maxmemory`` policy, and pins out of Redis.
-        compression: ``"none"`` or ``"lz4"`` for the disk and Redis records.
-        policy: eviction policy of the CPU and disk tiers.
-        write_queue_blocks: most blocks queued per lower tier before puts are dropped.
-        write_queue_bytes: most bytes queued per lower tier before puts are dropped; ``None``
-            for no limit but ``write_queue_blocks``.
-        fsync: fsync disk records before they are renamed into place.
-        writer_nice: CPU priority of the background writes to lower tiers, 0 (the process's)
-            to 19 (the lowest, the default: they use the cores the engine leaves idle).
-        remote_url: base URL of a cachetier server (``http://host:port``); ``None`` leaves the
-            remote tier out.
-        remote_token: bearer token for the server (it names the tenant); ``None`` for a server
-            in open mode.
-        redis_ssl_ca_certs: CA bundle Redis's certificate is checked against (``rediss://``
-            only; ``None``: the system's CAs).
-        redis_ssl_certfile: client certificate for a Redis that asks for one.
-        redis_ssl_keyfile: private key of ``redis_ssl_certfile``.
-        remote_ca_file: CA bundle the server's certificate is checked against (``https://``
-            only; ``None``: the system's CAs).
-        max_pinned_fraction: share of the CPU, disk and Redis (with ``redis_bytes``) tiers'
-            capacity pinned blocks may hold, in [0, 1) (``TieredStore.pin_prefix``).
-        pin_file: a JSON file that keeps the store's pins across restarts
-            (``cachetier.pins.registry``); ``None`` keeps them in memory only.
+    Each field's description is declared with it (``cachetier.util.settings.setting``);
+    ``docs/configuration.md`` lists them with their defaults and where each can be given.
     """
 
-    cpu_bytes: int = 2 * GiB
-    disk_path: str | None = None
-    disk_bytes: int = 20 * GiB
-    disk_file_mode: int = DEFAULT_FILE_MODE
-    disk_dir_mode: int = DEFAULT_DIR_MODE
-    redis_url: str | None = None
-    redis_ttl_s: float | None = None
-    redis_key_prefix: str = "cachetier"
-    redis_bytes: int | None = None
-    redis_timeout_s: float = REDIS_TIMEOUT_S
-    compression: str = "none"
-    policy: str = "lru"
-    write_queue_blocks: int = 4096
-    write_queue_bytes: int | None = None
-    fsync: bool = True
-    writer_nice: int = 19
-    remote_url: str | None = None
-    remote_token: str | None = field(default=None, repr=False)
-    redis_ssl_ca_certs: str | None = None
-    redis_ssl_certfile: str | None = None
-    redis_ssl_keyfile: str | None = None
-    remote_ca_file: str | None = None
-    max_pinned_fraction: float = 0.5
-    pin_file: str | None = None
+    cpu_bytes: int = setting(
+        2 * GiB,
+        "capacity of the CPU tier, in the process that opens the store (the sidecar, each "
+        "engine worker); 0 leaves it out.",
+    )
+    disk_path: str | None = setting(
+        None,
+        "folder of the disk tier; it survives restarts, and every process that opens it shares "
+        'its capacity. ``None`` or ``""`` leaves it out (the sidecar: ``<data_dir>/blocks``).',
+    )
+    disk_bytes: int = setting(
+        20 * GiB,
+        "capacity of the disk tier, for every process that opens ``disk_path`` together (give "
+        "them all the same value); 0 leaves the disk tier out.",
+    )
+    disk_file_mode: int = setting(
+        DEFAULT_FILE_MODE,
+        "permission bits of the disk tier's files: ``0o600`` this user only, ``0o640`` lets the "
+        "pods of one group read them (octal as text too: ``0640``).",
+        parse=octal,
+    )
+    disk_dir_mode: int = setting(
+        DEFAULT_DIR_MODE,
+        "permission bits of the disk tier's folders (``0o700``, or ``0o750`` beside a "
+        "``0o640`` ``disk_file_mode``).",
+        parse=octal,
+    )
+    redis_url: str | None = setting(
+        None,
+        "a Redis tier: ``redis://host:port/db``, ``rediss://`` for TLS, "
+        "``redis+cluster://h1:7000,h2:7001`` for a cluster; ``None`` leaves it out. Its "
+        "password is never printed; give one through ``CACHETIER_REDIS_URL`` or a file, not a "
+        "flag or an engine's config (both are shown to others).",
+    )
+    redis_ttl_s: float | None = setting(None, "expiry of blocks in Redis, ``None`` for none.")
+    redis_key_prefix: str = setting(
+        "cachetier",
+        "first part of every Redis key: processes with the same prefix share blocks (tests and "
+        "tenants of one Redis use their own).",
+    )
+    redis_bytes: int | None = setting(
+        None,
+        "most record bytes the Redis tier keeps under ``redis_key_prefix`` (an exact LRU shared "
+        "by every process using the prefix; single-node Redis only, and needed for pins in "
+        "Redis); ``None`` leaves the bound to Redis's ``maxmemory`` policy.",
+    )
+    redis_timeout_s: float = setting(
+        0.5,
+        "longest wait for Redis to answer one read or write, and for a connection. Raise it "
+        "for a Redis across a thin or congested link: a read that waits longer is a miss (the "
+        "block is recomputed).",
+    )
+    redis_ssl_ca_certs: str | None = setting(
+        None,
+        "CA bundle Redis's certificate is checked against (``rediss://`` only; ``None``: the "
+        "system's CAs).",
+    )
+    redis_ssl_certfile: str | None = setting(
+        None, "client certificate for a Redis that asks for one (``rediss://``)."
+    )
+    redis_ssl_keyfile: str | None = setting(None, "private key of ``redis_ssl_certfile``.")
+    remote_url: str | None = setting(
+        None,
+        "base URL of a cachetier sidecar (``http://host:port``, ``https://`` with TLS), a tier "
+        "shared by every process that names it; ``None`` leaves it out.",
+    )
+    remote_token: str | None = setting(
+        None,
+        "bearer token for the sidecar (it names the tenant there); ``None`` for a sidecar in "
+        "open mode. Engine plugins take it from ``CACHETIER_REMOTE_TOKEN`` only.",
+        secret=True,
+    )
+    remote_ca_file: str | None = setting(
+        None,
+        "CA bundle the sidecar's certificate is checked against (``https://`` only; ``None``: "
+        "the system's CAs).",
+    )
+    compression: str = setting(
+        "none", '``"none"`` or ``"lz4"`` for the records on disk and in Redis.'
+    )
+    policy: str = setting(
+        "lru", f"eviction policy of the CPU and disk tiers: one of {', '.join(POLICIES)}."
+    )
+    write_queue_blocks: int = setting(
+        4096,
+        "most blocks queued for each lower tier (disk, Redis, the sidecar) before puts to it "
+        "are dropped.",
+    )
+    write_queue_bytes: int | None = setting(
+        1 * GiB,
+        "most bytes queued for each lower tier before puts to it are dropped (the sidecar's "
+        "with ``sync_puts`` off); ``None`` for no bound but ``write_queue_blocks``.",
+    )
+    fsync: bool = setting(
+        True,
+        "fsync each disk record before it is renamed into place (durable across power loss; a "
+        "killed process loses nothing either way).",
+    )
+    writer_nice: int = setting(
+        19,
+        "CPU priority of the background writes to lower tiers, 0 (the process's) to 19 (the "
+        "lowest: they use the cores the engine leaves idle).",
+    )
+    max_pinned_fraction: float = setting(
+        0.5,
+        "share of the CPU, disk and Redis (with ``redis_bytes``) tiers' capacity pinned blocks "
+        "may hold, in [0, 1) (``TieredStore.pin_prefix``, the sidecar's ``POST /v1/pins``).",
+    )
+    pin_file: str | None = setting(
+        None,
+        "a JSON file that keeps the store's pins across restarts (``cachetier.pins.registry``); "
+        "``None`` keeps them in memory only (the sidecar: ``<data_dir>/pins.json``).",
+    )
 
     def __repr__(self) -> str:
         return redacted_repr(self)
 
     def __post_init__(self) -> None:
-        if self.cpu_bytes < 0 or self.disk_bytes <= 0:
-            raise ValueError("cpu_bytes must be >= 0 and disk_bytes > 0")
+        _check_sizes(self)
         check_mode("disk_file_mode", self.disk_file_mode, needs=0o600)
         check_mode("disk_dir_mode", self.disk_dir_mode, needs=0o700)
         if self.compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {self.compression!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         fraction("max_pinned_fraction", self.max_pinned_fraction)
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
-        if not (self.cpu_bytes or self.disk_path or self.redis_url or self.remote_url):
+        if not (self.cpu_bytes or self.has_disk or self.redis_url or self.remote_url):
             raise ValueError(
-                "a store needs at least one tier: set cpu_bytes, disk_path, redis_url or remote_url"
+                "a store needs at least one tier: set cpu_bytes, disk_path (and disk_bytes > 0), "
+                "redis_url or remote_url"
             )
-        if self.remote_token and not self.remote_url:
-            raise ValueError("remote_token is set without remote_url: name the server too")
-        if self.remote_ca_file and not self.remote_url:
-            raise ValueError("remote_ca_file is set without remote_url: name the server too")
-        if not self.redis_timeout_s > 0:
-            raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s!r}")
-        if self.redis_bytes is not None and not self.redis_url:
-            raise ValueError("redis_bytes is set without redis_url: name the Redis too")
-        redis_tls = (self.redis_ssl_ca_certs, self.redis_ssl_certfile, self.redis_ssl_keyfile)
-        if any(redis_tls) and not self.redis_url:
-            raise ValueError("redis_ssl_* settings are set without redis_url: name the Redis too")
+        _check_remote(self)
+        _check_redis(self)
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether the store has a disk tier (a folder and a capacity)."""
+        return bool(self.disk_path) and self.disk_bytes > 0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
-        """Read ``CACHETIER_CPU_BYTES``, ``CACHETIER_DISK_PATH``, ... (one per field).
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StoreConfig:
+        """Read ``CACHETIER_CPU_BYTES``, ``CACHETIER_DISK_PATH``, ... (one per setting).
 
         Args:
             env: the environment to read (default ``os.environ``).
-            overrides: field values that win over the environment.
+            overrides: settings that win over the environment.
 
         Returns:
             The config.
         """
         values = env_values(cls, os.environ if env is None else env)
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        values.update(parse_settings(cls, overrides, source="arguments"))
+        return build(cls, values)
 
 
-def env_values(
-    cls: type, env: Mapping[str, str], *, skip: Container[str] = ()
-) -> dict[str, object]:
-    """Values of a config dataclass's fields given as ``CACHETIER_<FIELD>`` in ``env``.
-
-    Args:
-        cls: a dataclass whose fields are ``int``, ``float``, ``bool``, ``str`` or optional ones.
-        env: the environment to read.
-        skip: field names the caller parses itself.
-
-    Returns:
-        field name -> parsed value, for the fields ``env`` sets.
-    """
-    values: dict[str, object] = {}
-    for f in fields(cls):
-        raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is None or f.name in skip:
-            continue
-        values[f.name] = _parse(f.name, raw, str(f.type))
-    return values
+def _check_sizes(config: StoreConfig) -> None:
+    if config.cpu_bytes < 0 or config.disk_bytes < 0:
+        raise ValueError("cpu_bytes and disk_bytes must be >= 0 (0 leaves the tier out)")
+    positive_int("write_queue_blocks", config.write_queue_blocks)
+    if config.write_queue_bytes is not None:
+        positive_int("write_queue_bytes", config.write_queue_bytes)
+    if not config.redis_timeout_s > 0:
+        raise ValueError(f"redis_timeout_s must be positive, got {config.redis_timeout_s!r}")
 
 
-def _parse(name: str, raw: str, type_name: str) -> object:
-    if raw.lower() in ("", "none", "null") and "None" in type_name:
-        return None
-    if name.endswith("_mode"):  # permission bits are written in octal: 0640, not 640 decimal
-        try:
-            return int(raw, 8)
-        except ValueError:
-            raise ValueError(
-                f"{ENV_PREFIX}{name.upper()}={raw!r} is not octal permission bits like 0640"
-            ) from None
-    try:
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None
-    if type_name.startswith("bool"):
-        return raw.lower() in ("1", "true", "yes", "on")
-    return raw
+def _check_remote(config: StoreConfig) -> None:
+    if not config.remote_url:
+        for name in ("remote_token", "remote_ca_file"):
+            if getattr(config, name):
+                raise ValueError(f"{name} is set without remote_url: name the server too")
+        return
+    _remote_tier_config(config)  # raises ValueError on a bad URL or token (no I/O)
+
+
+def _check_redis(config: StoreConfig) -> None:
+    if not config.redis_url:
+        if config.redis_bytes is not None:
+            raise ValueError("redis_bytes is set without redis_url: name the Redis too")
+        redis_tls = (config.redis_ssl_ca_certs, config.redis_ssl_certfile, config.redis_ssl_keyfile)
+        if any(redis_tls):
+            raise ValueError("redis_ssl_* settings are set without redis_url: name the Redis too")
+        return
+    _redis_tier_config(config)  # raises ValueError on a bad URL, prefix, TTL or TLS files
+
+
+def _redis_tier_config(config: StoreConfig) -> Any:
+    from cachetier.tiers.redis import RedisTierConfig
+
+    return RedisTierConfig(
+        url=config.redis_url,
+        key_prefix=config.redis_key_prefix,
+        ttl_s=config.redis_ttl_s,
+        capacity_bytes=config.redis_bytes,
+        compression=config.compression,
+        ssl_ca_certs=config.redis_ssl_ca_certs,
+        ssl_certfile=config.redis_ssl_certfile,
+        ssl_keyfile=config.redis_ssl_keyfile,
+        max_pinned_fraction=config.max_pinned_fraction,
+        socket_timeout_s=config.redis_timeout_s,
+        connect_timeout_s=config.redis_timeout_s,
+    )
+
+
+def _remote_tier_config(config: StoreConfig) -> Any:
+    # Imported here: the remote tier needs aiohttp, which a store without one does not.
+    from cachetier.tiers.remote import RemoteTierConfig
+
+    return RemoteTierConfig(
+        url=config.remote_url, token=config.remote_token, ca_file=config.remote_ca_file
+    )
 
 
 def build_tiers(config: StoreConfig) -> list[Tier]:
@@ -202,7 +278,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
                 )
             )
         )
-    if config.disk_path:
+    if config.has_disk:
         tiers.append(
             DiskTier(
                 DiskTierConfig(
@@ -218,36 +294,13 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
             )
         )
     if config.redis_url:
-        from cachetier.tiers.redis import RedisTier, RedisTierConfig
+        from cachetier.tiers.redis import RedisTier
 
-        tiers.append(
-            RedisTier(
-                RedisTierConfig(
-                    url=config.redis_url,
-                    key_prefix=config.redis_key_prefix,
-                    ttl_s=config.redis_ttl_s,
-                    capacity_bytes=config.redis_bytes,
-                    compression=config.compression,
-                    ssl_ca_certs=config.redis_ssl_ca_certs,
-                    ssl_certfile=config.redis_ssl_certfile,
-                    ssl_keyfile=config.redis_ssl_keyfile,
-                    max_pinned_fraction=config.max_pinned_fraction,
-                    socket_timeout_s=config.redis_timeout_s,
-                    connect_timeout_s=config.redis_timeout_s,
-                )
-            )
-        )
+        tiers.append(RedisTier(_redis_tier_config(config)))
     if config.remote_url:
-        # Imported here: the remote tier needs aiohttp, which a store without one does not.
-        from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+        from cachetier.tiers.remote import RemoteTier
 
-        tiers.append(
-            RemoteTier(
-                RemoteTierConfig(
-                    url=config.remote_url, token=config.remote_token, ca_file=config.remote_ca_file
-                )
-            )
-        )
+        tiers.append(RemoteTier(_remote_tier_config(config)))
     return tiers
 
 
@@ -273,7 +326,7 @@ def build_store(config: StoreConfig) -> TieredStore:
             rates_file=RatesFile(
                 Path(config.disk_path) / RATES_FILE_NAME, "disk", config.disk_file_mode
             )
-            if config.disk_path
+            if config.has_disk
             else None,
         )
     except BaseException:

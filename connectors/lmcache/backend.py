@@ -11,8 +11,8 @@ LMCache loads it by module path, through its own ``storage_plugins`` mechanism (
       cachetier.disk_path: /var/cache/cachetier/kv
       cachetier.cpu_bytes: 0
 
-Every ``cachetier.<field>`` key is a ``cachetier.connectors.config.ConnectorConfig`` field; secrets
-come from the environment (``plugin_config``: LMCache logs its config).
+Every ``cachetier.<name>`` key is a setting of ``cachetier.connectors.config.ConnectorConfig``;
+secrets come from the environment (``plugin_config``: LMCache logs its config).
 
 A plugin that cannot start (a bad key or value, a tier that does not open, no model
 fingerprint) logs why at ERROR and stops the process (``SystemExit``); with

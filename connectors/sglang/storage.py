@@ -8,7 +8,7 @@ SGLang loads it with no patch of its own, through its dynamic backend path::
             "module_path": "cachetier.connectors.sglang.storage", "class_name": "CacheTierStorage",
             "interface_v1": 1, "disk_path": "/var/cache/kv"}'
 
-Every other key of that JSON is a ``cachetier.connectors.config.ConnectorConfig`` field
+Every other key of that JSON is a setting of ``cachetier.connectors.config.ConnectorConfig``
 (``disk_path``, ``redis_url``, ``remote_url``, ``tenant``, ``model_fingerprint``, ...); secrets (the
 sidecar's token, a Redis password) come from the environment, never that JSON (``plugin_config``).
 

@@ -116,7 +116,7 @@ class CacheTierConnector(KVConnectorBase_V1):
                 fingerprint,
                 config.tenant,
                 # The worker's CPU tier holds records, several per block where they are smaller.
-                config.cpu_bytes
+                config.store.cpu_bytes
                 // layout.block_bytes
                 * (layout.block_size // config.record_tokens),
                 cost_model=config.kv_load_policy == "cost",

@@ -20,7 +20,7 @@ def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for ``CacheTierConnector`` with these tiers.
 
     Args:
-        extra_config: ``ConnectorConfig`` keys, e.g. ``{"disk_path": "/var/cache/kv"}``;
+        extra_config: ``ConnectorConfig`` settings by name, e.g. ``{"disk_path": "/var/cache/kv"}``;
             checked here so a typo fails before vLLM starts.
 
     Returns:
@@ -42,7 +42,7 @@ def serve_flag(extra_config: Mapping[str, Any]) -> str:
     """The ``--kv-transfer-config`` value for ``vllm serve`` (a JSON object).
 
     Args:
-        extra_config: the connector's settings (``ConnectorConfig`` fields).
+        extra_config: the connector's settings (``ConnectorConfig`` settings).
 
     Returns:
         ``kv_transfer_config(extra_config)`` as compact JSON.

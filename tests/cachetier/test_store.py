@@ -197,7 +197,7 @@ def test_config_rejects_nonsense() -> None:
         StoreConfig(cpu_bytes=0)
     with pytest.raises(ValueError, match="compression"):
         StoreConfig(compression="zstd")
-    with pytest.raises(ValueError, match="not a number"):
+    with pytest.raises(ValueError, match="CACHETIER_CPU_BYTES='lots' is not an integer"):
         StoreConfig.from_env({"CACHETIER_CPU_BYTES": "lots"})
 
 

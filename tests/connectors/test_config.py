@@ -62,7 +62,7 @@ def test_a_plugin_takes_its_secret_from_the_environment() -> None:
         {"CACHETIER_REMOTE_TOKEN": "from-the-env-0123456789"},
         source=SOURCE,
     )
-    assert config.remote_token == "from-the-env-0123456789"
+    assert config.store.remote_token == "from-the-env-0123456789"
     assert set(PLUGIN_KEYS) | {"remote_token"} == ALL_KEYS
 
 

@@ -306,7 +306,7 @@ def test_a_corrupt_record_is_a_miss(make_backend: Callable[..., CacheTierStorage
     backend = make_backend(pool)
     backend.batch_set_v1(keys("j1", "j2"), slots([0, 1]))
     second = backend._keys(keys("j2"))[0].hex()
-    (record,) = Path(backend.config.disk_path).rglob(f"{second}.ctkv")
+    (record,) = Path(backend.config.store.disk_path).rglob(f"{second}.ctkv")
     raw = bytearray(record.read_bytes())
     raw[-5] ^= 0xFF  # one payload byte: the checksum no longer matches
     record.write_bytes(raw)
@@ -357,7 +357,7 @@ def test_secrets_come_from_the_environment_never_the_logged_json(
     assert "hunter2" not in str(refused.value)
     monkeypatch.setenv("CACHETIER_REMOTE_TOKEN", "from-the-env-0123456789")
     backend = make_backend(mha_pool(), {"remote_url": "http://127.0.0.1:9"})
-    assert backend.config.remote_token == "from-the-env-0123456789"
+    assert backend.config.store.remote_token == "from-the-env-0123456789"
     assert "from-the-env" not in repr(backend.config)
 
 
@@ -416,7 +416,7 @@ def test_a_corrupt_page_is_logged_once_and_no_longer_counted(
     backend.batch_set_v1(names, slots([0, 1, 2]))
     for name in names[:2]:
         record_key = backend._keys([name])[0].hex()
-        (record,) = Path(backend.config.disk_path).rglob(f"{record_key}.ctkv")
+        (record,) = Path(backend.config.store.disk_path).rglob(f"{record_key}.ctkv")
         raw = bytearray(record.read_bytes())
         raw[-5] ^= 0xFF  # one payload byte: the checksum no longer matches
         record.write_bytes(raw)

@@ -126,7 +126,7 @@ def test_config_from_extra_config() -> None:
     config = ConnectorConfig.from_extra_config(
         {"cpu_bytes": "1048576", "disk_path": "/tmp/x", "tenant": "acme", "fsync": "false"}
     )
-    assert (config.cpu_bytes, config.disk_path, config.tenant, config.fsync) == (
+    assert (config.store.cpu_bytes, config.store.disk_path, config.tenant, config.store.fsync) == (
         1 << 20,
         "/tmp/x",
         "acme",
@@ -171,11 +171,13 @@ def test_kv_transfer_config_turns_the_connector_on() -> None:
 def test_open_store_stacks_the_configured_tiers(
     tmp_path, redis_url: str, redis_prefix: str
 ) -> None:
-    config = ConnectorConfig(
-        cpu_bytes=1 << 20,
-        disk_path=str(tmp_path),
-        redis_url=redis_url,
-        redis_key_prefix=redis_prefix,
+    config = ConnectorConfig.from_extra_config(
+        {
+            "cpu_bytes": 1 << 20,
+            "disk_path": str(tmp_path),
+            "redis_url": redis_url,
+            "redis_key_prefix": redis_prefix,
+        }
     )
     with open_store(config, with_cpu=True) as store:
         assert [tier.name for tier in store.tiers] == ["cpu", "disk", "redis"]
@@ -187,7 +189,9 @@ def test_open_store_stacks_the_configured_tiers(
     block = KVBlock(
         key, ns.fingerprint, "float32", layout.payload_shape, BLOCK_SIZE, bytes(layout.block_bytes)
     )
-    redis_only = ConnectorConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
+    redis_only = ConnectorConfig.from_extra_config(
+        {"cpu_bytes": 0, "redis_url": redis_url, "redis_key_prefix": redis_prefix}
+    )
     with open_store(redis_only, with_cpu=True) as store:
         assert [tier.name for tier in store.tiers] == ["redis"]
         store.put_many(ns.id, [block])

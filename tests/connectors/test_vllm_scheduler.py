@@ -38,9 +38,13 @@ LAYOUT = KVLayout("float32", BS, num_layers=2, num_kv_heads=1, head_dim=32)
 FINGERPRINT = "test-model"
 
 
+def _config(**settings: object) -> ConnectorConfig:
+    return ConnectorConfig.from_extra_config(settings)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[TieredStore]:
-    with open_store(ConnectorConfig(cpu_bytes=0, disk_path=str(tmp_path)), with_cpu=False) as s:
+    with open_store(_config(cpu_bytes=0, disk_path=str(tmp_path)), with_cpu=False) as s:
         yield s
 
 
@@ -307,7 +311,7 @@ def test_worker_reports_aggregate_their_copies() -> None:
 
 @pytest.fixture
 def redis_store(redis_url: str, redis_prefix: str) -> Iterator[TieredStore]:
-    config = ConnectorConfig(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
+    config = _config(cpu_bytes=0, redis_url=redis_url, redis_key_prefix=redis_prefix)
     with open_store(config, with_cpu=False) as s:
         yield s
 
@@ -355,7 +359,7 @@ def test_load_async_setting_picks_which_hits_load_beside_the_forwards(
     with pytest.raises(ValueError, match="load_async"):
         CacheTierScheduler(store, LAYOUT, FINGERPRINT, "acme", 0, load_async="sometimes")
     with pytest.raises(ValueError, match="load_async"):
-        ConnectorConfig(disk_path="/tmp/x", load_async="sometimes")
+        _config(disk_path="/tmp/x", load_async="sometimes")
 
 
 def test_a_hit_that_failed_to_load_is_not_offered_again(redis_store: TieredStore) -> None:

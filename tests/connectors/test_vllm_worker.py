@@ -42,7 +42,10 @@ def _caches(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[TieredStore]:
-    with open_store(ConnectorConfig(cpu_bytes=0, disk_path=str(tmp_path)), with_cpu=False) as s:
+    with open_store(
+        ConnectorConfig.from_extra_config({"cpu_bytes": 0, "disk_path": str(tmp_path)}),
+        with_cpu=False,
+    ) as s:
         yield s
 
 

@@ -195,7 +195,7 @@ def test_batch_frames_parse_back_exactly_or_fail_cleanly(tally: Tally) -> None:
 
 def test_upload_checks_refuse_every_bad_record(tally: Tally, tmp_path: Path) -> None:
     config = test_config(tmp_path, disk_bytes=0)
-    service = BlockService(config, build_store(config.store_config()))
+    service = BlockService(config, build_store(config.store))
     good = make_blocks(FUZZ_NS, 3) + make_blocks(OTHER_NS, 1)
 
     @fuzz_settings(600)

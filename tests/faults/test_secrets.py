@@ -140,7 +140,7 @@ def _configs_and_errors(redis: PrivateRedis, printed: dict[str, str]) -> None:
         objects = {
             "ServerConfig": server_config,
             "ServerConfig.describe": server_config.describe(),
-            "StoreConfig": server_config.store_config(),
+            "StoreConfig": server_config.store,
             "StoreConfig.from_env": StoreConfig.from_env(
                 {"CACHETIER_REMOTE_URL": "http://h:1", "CACHETIER_REMOTE_TOKEN": ALICE_TOKEN},
                 redis_url=url,
@@ -150,8 +150,8 @@ def _configs_and_errors(redis: PrivateRedis, printed: dict[str, str]) -> None:
             "ClusterAddress": cluster,
             "Endpoint": endpoint,
             # vLLM logs its kv_transfer_config, and so the connector's config with it.
-            "ConnectorConfig": ConnectorConfig(
-                redis_url=url, remote_url="http://127.0.0.1:1", remote_token=ALICE_TOKEN
+            "ConnectorConfig": ConnectorConfig.from_extra_config(
+                {"redis_url": url, "remote_url": "http://127.0.0.1:1", "remote_token": ALICE_TOKEN}
             ),
         }
         for name, obj in objects.items():

@@ -48,7 +48,7 @@ def test_config(data_dir: Path, **overrides: Any) -> ServerConfig:
         log_level="warning",
     )
     values.update(overrides)
-    return ServerConfig(**values)
+    return ServerConfig.from_flat(values)
 
 
 test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test

@@ -27,7 +27,7 @@ def test_file_then_environment_then_explicit_values(tmp_path: Path) -> None:
     )
     env = {"CACHETIER_CPU_BYTES": str(2 << 20), "CACHETIER_FSYNC": "false"}
     config = load_config(path, env, port=9100, host=None)
-    assert (config.port, config.cpu_bytes, config.fsync, config.host) == (
+    assert (config.port, config.store.cpu_bytes, config.store.fsync, config.host) == (
         9100,
         2 << 20,
         False,
@@ -45,8 +45,8 @@ def test_toml_file(tmp_path: Path) -> None:
     )
     config = load_config(path, {})
     assert config.open_mode and config.tenants == {"bob": (BOB,)}
-    assert config.store_config().redis_url == "redis://127.0.0.1:6379/0"
-    assert config.store_config().redis_timeout_s == 0.5
+    assert config.store.redis_url == "redis://127.0.0.1:6379/0"
+    assert config.store.redis_timeout_s == 0.5
 
 
 def test_redis_timeout_reaches_the_redis_tier(tmp_path: Path) -> None:
@@ -57,8 +57,8 @@ def test_redis_timeout_reaches_the_redis_tier(tmp_path: Path) -> None:
     path = tmp_path / "server.toml"
     path.write_text('open_mode = true\nredis_url = "redis://127.0.0.1:6379/0"\n')
     config = load_config(path, {"CACHETIER_REDIS_TIMEOUT_S": "4.5"})
-    assert config.redis_timeout_s == 4.5
-    (redis_tier,) = [t for t in build_tiers(config.store_config()) if t.name == "redis"]
+    assert config.store.redis_timeout_s == 4.5
+    (redis_tier,) = [t for t in build_tiers(config.store) if t.name == "redis"]
     try:
         assert redis_tier.config.socket_timeout_s == 4.5
     finally:
@@ -72,10 +72,10 @@ def test_disk_permissions_for_pods_sharing_a_folder(tmp_path: Path) -> None:
     # the environment, and both reach the disk tier.
     path = tmp_path / "server.toml"
     path.write_text(f'disk_file_mode = 0o640\n[tenants]\nbob = "{BOB}"\n')
-    store = load_config(path, {}).store_config()
+    store = load_config(path, {}).store
     assert (store.disk_file_mode, store.disk_dir_mode) == (0o640, 0o700)
     env = {"CACHETIER_DISK_DIR_MODE": "0750"}
-    assert load_config(path, env).store_config().disk_dir_mode == 0o750
+    assert load_config(path, env).store.disk_dir_mode == 0o750
     with pytest.raises(ValueError, match="disk_file_mode"):
         load_config(path, {"CACHETIER_DISK_FILE_MODE": "0400"})
 
@@ -83,7 +83,7 @@ def test_disk_permissions_for_pods_sharing_a_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text,match",
     [
-        ('{"prot": 1}', "unknown settings"),
+        ('{"prot": 1}', r"unknown config file .* keys \['prot'\]"),
         ('{"port": 70000, "open_mode": true}', "port"),
         ('{"open_mode": true, "max_batch_bytes": 1, "max_block_bytes": 2}', "max_batch_bytes"),
         ('{"open_mode": true, "redis_url": "http://x"}', "redis"),

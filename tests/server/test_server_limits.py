@@ -288,7 +288,7 @@ def test_mutated_batches_never_cause_a_500_or_a_bad_block(
         ("head_timeout_s", 0),
         ("body_timeout_s", -1.0),
         ("idle_timeout_s", True),
-        ("transfer_hello_timeout_s", "5"),
+        ("transfer_hello_timeout_s", "five"),
         ("transfer_unauthenticated_connections", 0),
         ("max_head_bytes", 0),
         ("max_inflight_bytes", 1 << 20),  # below max_batch_bytes

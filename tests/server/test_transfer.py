@@ -200,7 +200,7 @@ def test_malformed_requests_are_answered_and_closed(
 
 def test_stalled_and_idle_clients_are_dropped_and_stop_is_prompt(tmp_path: Path) -> None:
     config = test_config(tmp_path, open_mode=True)
-    service = BlockService(config, build_store(config.store_config()))
+    service = BlockService(config, build_store(config.store))
     transfer = TransferServer(service, "127.0.0.1", 0, idle_timeout_s=0.5, io_timeout_s=0.3)
     port = transfer.start().port
     assert port is not None
@@ -306,7 +306,7 @@ def test_a_stale_socket_file_is_replaced_and_any_other_file_is_kept(
     tmp_path: Path, short_dir: Path
 ) -> None:
     config = test_config(tmp_path, open_mode=True)
-    service = BlockService(config, build_store(config.store_config()))
+    service = BlockService(config, build_store(config.store))
     try:
         stale = short_dir / "stale.sock"
         left = socket.socket(socket.AF_UNIX)

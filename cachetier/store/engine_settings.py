@@ -1,0 +1,52 @@
+"""Settings of an engine's use of the store, declared once for every engine.
+
+Our engine's ``EngineConfig`` and the plugins' ``ConnectorConfig`` both have a tenant, a load
+policy and a record size. Each declares those fields with the functions here (a
+``dataclasses.Field`` belongs to one class, so each call makes a fresh one), so each setting
+has one name, one default and one description (``cachetier.util.settings``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.util.settings import setting
+
+# ``cost``: load a tier hit only where that beats recomputing it; ``always``: load every hit.
+KV_LOAD_POLICIES = ("cost", "always")
+
+
+def tenant_setting() -> Any:
+    """The ``tenant`` field: who the blocks belong to."""
+    return setting(
+        "",
+        "tenant name, folded into every block key: engines of different tenants never share "
+        "blocks (in vLLM, a request's ``cache_salt`` is appended to it).",
+    )
+
+
+def kv_load_policy_setting() -> Any:
+    """The ``kv_load_policy`` field: which tier hits are loaded."""
+    return setting(
+        "cost",
+        "``cost`` loads only the part of a tier hit that the measured tier speeds load faster "
+        "than the engine recomputes it (``cachetier.store.costmodel``); ``always`` loads every "
+        "hit.",
+    )
+
+
+def record_tokens_setting() -> Any:
+    """The ``record_tokens`` field: the tokens of one stored record."""
+    return setting(
+        DEFAULT_RECORD_TOKENS,
+        "tokens per stored record, the same in every engine that shares the cache "
+        "(``cachetier.primitives.kv_format.DEFAULT_RECORD_TOKENS``); the engine's block size "
+        "must be a multiple of it: a block is stored as block size / ``record_tokens`` records.",
+    )
+
+
+def check_kv_load_policy(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``KV_LOAD_POLICIES``."""
+    if value not in KV_LOAD_POLICIES:
+        raise ValueError(f"kv_load_policy must be one of {KV_LOAD_POLICIES}, got {value!r}")
