@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetier.cli.pins import add_pin, add_pins, add_unpin
+from cachetier.cli.quarantine import add_quarantine
+from cachetier.util.settings import add_flags, flag_values
 
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -30,82 +32,35 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a TieredStore (CPU + disk under --data-dir, + Redis with --redis-url) "
         "over HTTP. Settings: a --config file, then CACHETIER_* variables, then these flags.",
     )
-    p.add_argument("--config", help="a .toml or .json file of ServerConfig settings")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (0: a free one; default 8470)")
-    p.add_argument(
-        "--transfer-port",
-        type=int,
-        help="also serve batch gets and puts over the block transfer protocol on this port "
-        "(0: a free one; default: off)",
-    )
-    p.add_argument(
-        "--transfer-socket",
-        help="also serve the block transfer protocol on this Unix socket, for engines on the "
-        "same host (default: off)",
-    )
+    p.add_argument("--config", help="a .toml or .json file of settings (docs/configuration.md)")
     p.add_argument(
         "--ports-file",
         help="once every listener is bound, write the ports there as JSON, in one rename "
         '(e.g. {"http": 43121, "transfer": 40123, "unix": null}): with --port 0, a parent '
         "process waits for this file",
     )
-    p.add_argument("--data-dir", help="folder of the disk tier")
-    p.add_argument(
-        "--redis-url",
-        help="a Redis behind the server, redis://host:port/db (rediss:// for TLS); a password "
-        "given here shows in the process list: prefer CACHETIER_REDIS_URL or --config",
+    from cachetier.server.config import ServerConfig
+
+    settings = p.add_argument_group(
+        "settings", "one flag per setting of the sidecar and its store (tokens excepted)"
     )
-    p.add_argument(
-        "--redis-bytes",
-        type=int,
-        help="most record bytes kept in Redis (an exact LRU shared by every server on the key "
-        "prefix; single-node Redis; needed for pins in Redis; default: Redis's maxmemory)",
-    )
-    p.add_argument(
-        "--tls-cert",
-        help="PEM certificate chain: serve HTTPS, and TLS on the transfer port (default: off)",
-    )
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    _add_deadline_flags(p)
-    p.add_argument(
-        "--open",
-        action="store_true",
-        default=None,
-        dest="open_mode",
-        help="accept requests without a token (local development only)",
-    )
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    add_flags(settings, ServerConfig, aliases={"open_mode": ["--open"]})
     p.set_defaults(run=run_serve)
 
 
-def _add_deadline_flags(p: argparse.ArgumentParser) -> None:
-    """``cachetier serve``'s deadlines and the transfer port's budget before a hello."""
-    p.add_argument(
-        "--head-timeout-s",
-        type=float,
-        help="seconds an HTTP request's whole head may take (default 10)",
-    )
-    p.add_argument(
-        "--body-timeout-s",
-        type=float,
-        help="seconds an HTTP request's whole body may take after its head (default 60)",
-    )
-    p.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        help="seconds an HTTP or transfer connection may wait between requests (default 75)",
-    )
-    p.add_argument(
-        "--transfer-hello-timeout-s",
-        type=float,
-        help="seconds a transfer connection's whole hello may take, TLS included (default 5)",
-    )
-    p.add_argument(
-        "--transfer-unauthenticated-connections",
-        type=int,
-        help="transfer connections held before their hello; a new one drops the oldest (default 8)",
-    )
+def serve_config(args: argparse.Namespace) -> Any:
+    """The sidecar's settings: the ``--config`` file, then ``CACHETIER_*`` variables, then the
+    flags (a value that does not parse is an error naming its flag).
+
+    Args:
+        args: the parsed flags of ``serve``.
+
+    Returns:
+        The ``cachetier.server.config.ServerConfig``.
+    """
+    from cachetier.server.config import ServerConfig, load_config
+
+    return load_config(args.config, **flag_values(ServerConfig, args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -120,31 +75,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """
     from cachetier.cli.ports import run_reporting_ports
     from cachetier.server.app import OPEN_MODE_WARNING, create_app
-    from cachetier.server.config import load_config, secrets_of
+    from cachetier.server.config import secrets_of
     from cachetier.server.httpserver import http_server
     from cachetier.util.redact import install_log_redaction, redact
     from cachetier.util.tls import server_context
 
     try:
-        config = load_config(
-            args.config,
-            host=args.host,
-            port=args.port,
-            transfer_port=args.transfer_port,
-            transfer_socket=args.transfer_socket,
-            data_dir=args.data_dir,
-            redis_url=args.redis_url,
-            redis_bytes=args.redis_bytes,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            head_timeout_s=args.head_timeout_s,
-            body_timeout_s=args.body_timeout_s,
-            idle_timeout_s=args.idle_timeout_s,
-            transfer_hello_timeout_s=args.transfer_hello_timeout_s,
-            transfer_unauthenticated_connections=args.transfer_unauthenticated_connections,
-            open_mode=args.open_mode,
-            log_level=args.log_level,
-        )
+        config = serve_config(args)
         # Read the certificate now: a bad one is a bad configuration, not a failed start.
         tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
     except (OSError, ValueError, TypeError) as exc:
@@ -349,6 +286,7 @@ SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
     add_pin,
     add_unpin,
     add_pins,
+    add_quarantine,
 )
 
 
