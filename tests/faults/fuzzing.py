@@ -1,13 +1,16 @@
 """Shared pieces of the fuzz tests: tiny blocks, the record header layout, the tally of
-inputs and crashes, and hypothesis strategies for blocks and record mutations."""
+inputs and crashes, hypothesis strategies for blocks and record mutations, and a server whose
+data folder sits beside a file it may not touch."""
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import xxhash
 from hypothesis import HealthCheck, settings
@@ -15,8 +18,8 @@ from hypothesis import strategies as st
 
 from cachetier.primitives.keys import DTYPE_BYTES, HASH_BYTES, BlockHash, KVLayout, Namespace
 from cachetier.protocol.http_batch import batch_parts
-from cachetier.record import KVBlock
-from tests.server.live import TOKENS
+from cachetier.record import KVBlock, encode_record
+from tests.server.live import TOKENS, ThreadServer, test_config
 from tests.support import make_blocks
 
 # Tiny blocks (64 bytes of payload): the fuzzers move many of them, not big ones.
@@ -198,3 +201,32 @@ NAME_ALPHABET = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456
 def frame(records: list[bytes | None]) -> bytes:
     parts, _ = batch_parts([None if r is None else [r] for r in records])
     return b"".join(bytes(p) for p in parts)
+
+
+def with_canary(folder: Path) -> Path:
+    """``folder``, to hold a server's data folder beside a file it may not touch (``canary``)."""
+    canary = folder / "canary"
+    canary.mkdir()
+    (canary / "secret.ctkv").write_bytes(encode_record(make_blocks(FUZZ_NS, 1, seed=9)[0]))
+    return folder
+
+
+def serve_inside(outer: Path) -> Iterator[ThreadServer]:
+    """A server whose data folder is ``outer/data``, for a fixture to yield from; once it is
+    stopped, nothing but the canary may lie outside that folder."""
+    running = ThreadServer(test_config(outer / "data")).start()
+    yield running
+    running.stop()
+    # Whatever the requests were, the server wrote inside its data folder only.
+    assert files_outside(outer, outer / "data") == ["canary/secret.ctkv"]
+
+
+def files_outside(top: Path, root: Path) -> list[str]:
+    """The files under ``top`` that lie outside ``root``, relative to ``top`` and sorted."""
+    out = []
+    for folder, _, names in os.walk(top):
+        for name in names:
+            path = Path(folder) / name
+            if not path.resolve().is_relative_to(root.resolve()):
+                out.append(str(path.relative_to(top)))
+    return sorted(out)
