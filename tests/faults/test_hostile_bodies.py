@@ -295,19 +295,37 @@ def test_600_mb_sent_chunked_without_a_token_leaves_memory_flat(
     assert metric(server, "cachetier_http_refused_body_bytes_max") <= MAX_UNAUTHENTICATED_BODY_BYTES
 
 
-def test_lengths_and_counts_that_lie(server: ThreadServer, fault_figures: FaultFigures) -> None:
-    limits = server.config
-    ns = FUZZ_NS.id
-    port = server.config.port
-    record = encode_record(make_blocks(FUZZ_NS, 1, seed=35)[0])
+def _batch_put_head(headers: dict[str, str]) -> bytes:
+    """The head of alice's batch put, with ``headers`` added to (or over) its own."""
+    path = f"/v1/namespaces/{FUZZ_NS.id}/batch/put"
     auth = {"Authorization": f"Bearer {ALICE}"}
-    batch_put = f"/v1/namespaces/{ns}/batch/put"
+    return http_head("POST", path, {**auth, "Content-Type": BATCH_MEDIA_TYPE, **headers})
 
-    def head(headers: dict[str, str], path: str = batch_put, method: str = "POST") -> bytes:
-        return http_head(method, path, {**auth, "Content-Type": BATCH_MEDIA_TYPE, **headers})
 
-    body = frame([record])
-    http_cases: list[tuple[str, bytes, tuple[int | None, ...]]] = [
+def _expect_statuses(
+    server: ThreadServer,
+    cases: list[tuple[str, bytes, tuple[int | None, ...]]],
+    fault_figures: FaultFigures,
+) -> None:
+    """Send each case's bytes on a connection of its own; its status must be one it allows
+    (``None``: the connection ended unanswered). The server must answer afterwards."""
+    num_inputs = num_5xx = 0
+    for what, data, allowed in cases:
+        status = http_exchange(server.config.port, data, half_close=what == "length too large")
+        num_inputs += 1
+        num_5xx += status is not None and status >= 500
+        assert status in allowed, (what, status)
+    fault_figures.add("hostile_inputs", num_inputs)
+    fault_figures.add("hostile_5xx", num_5xx)
+    assert call(server.url, "GET", "/healthz")[0] == 200
+
+
+def test_lengths_that_lie_in_the_http_head(
+    server: ThreadServer, fault_figures: FaultFigures
+) -> None:
+    head = _batch_put_head
+    body = frame([encode_record(make_blocks(FUZZ_NS, 1, seed=35)[0])])
+    cases: list[tuple[str, bytes, tuple[int | None, ...]]] = [
         # A Content-Length larger than the body: the body ends early (400).
         ("length too large", head({"Content-Length": str(len(body) + 100)}) + body, (400, None)),
         # Smaller: the batch ends early; what follows is a second, malformed request.
@@ -329,6 +347,13 @@ def test_lengths_and_counts_that_lie(server: ThreadServer, fault_figures: FaultF
         ),
         ("length 2**64", head({"Content-Length": str(1 << 64)}) + body, (400, 413)),
     ]
+    _expect_statuses(server, cases, fault_figures)
+
+
+def test_counts_and_lengths_that_lie_in_the_batch_framing(
+    server: ThreadServer, fault_figures: FaultFigures
+) -> None:
+    limits = server.config
     framing = [
         ("count 2**32-1", struct.pack("<4sI", b"CTB1", 2**32 - 1)),
         ("count over the limit", struct.pack("<4sI", b"CTB1", limits.max_batch_blocks + 1)),
@@ -340,17 +365,18 @@ def test_lengths_and_counts_that_lie(server: ThreadServer, fault_figures: FaultF
         ("count 0", struct.pack("<4sI", b"CTB1", 0)),
         ("count 1, no lengths", struct.pack("<4sI", b"CTB1", 1)),
     ]
-    for what, body_bytes in framing:
-        http_cases.append(
-            (what, head({"Content-Length": str(len(body_bytes))}) + body_bytes, (200, 400, 413))
-        )
-    num_inputs = num_5xx = 0
-    for what, data, allowed in http_cases:
-        status = http_exchange(port, data, half_close=what == "length too large")
-        num_inputs += 1
-        num_5xx += status is not None and status >= 500
-        assert status in allowed, (what, status)
-    # The transfer port: counts and lengths in its requests.
+    cases: list[tuple[str, bytes, tuple[int | None, ...]]] = [
+        (what, _batch_put_head({"Content-Length": str(len(body))}) + body, (200, 400, 413))
+        for what, body in framing
+    ]
+    _expect_statuses(server, cases, fault_figures)
+
+
+def test_counts_and_lengths_that_lie_in_transfer_requests(
+    server: ThreadServer, fault_figures: FaultFigures
+) -> None:
+    limits = server.config
+    ns = FUZZ_NS.id
     transfer_port = limits.transfer_port
     assert transfer_port is not None
     transfer_cases = [
@@ -370,6 +396,7 @@ def test_lengths_and_counts_that_lie(server: ThreadServer, fault_figures: FaultF
         ("namespace length past the name", struct.pack("<BBI", Op.GET, 255, 0) + b"ns", None),
         ("unknown op", struct.pack("<BBI", 77, 2, 1) + b"ns", Status.BAD_REQUEST),
     ]
+    num_inputs = num_5xx = 0
     for what, data, expected in transfer_cases:
         with transfer_session(transfer_port) as sock:
             sock.sendall(data)
