@@ -7,7 +7,7 @@ import json
 
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, BatchReader, batch_parts
 from cachetier.record import KVBlock, decode_record, encode_parts
-from tests.server.live import TOKENS, call
+from tests.server.live import TOKENS, ThreadServer, call
 
 ALICE = TOKENS["alice"]
 
@@ -33,6 +33,16 @@ def put_batch(url: str, ns: str, blocks: list[KVBlock], token: str = ALICE) -> t
         content_type=BATCH_MEDIA_TYPE,
     )
     return status, json.loads(body)
+
+
+def post_batch(server: ThreadServer, ns: str, body: bytes, **kw: object) -> tuple[int, dict]:
+    """Post ``body`` as it is to ``server``'s batch put, as alice; its JSON answer."""
+    kw.setdefault("content_type", BATCH_MEDIA_TYPE)
+    status, headers, answer = call(
+        server.url, "POST", f"/v1/namespaces/{ns}/batch/put", body, token=ALICE, **kw
+    )
+    assert headers["content-type"] == "application/json", answer[:200]
+    return status, json.loads(answer)
 
 
 def get_batch(url: str, ns: str, keys: list[bytes], token: str = ALICE) -> list[KVBlock | None]:
