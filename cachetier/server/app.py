@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachetier.server import routes_admin, routes_blocks, routes_pins
+from cachetier.server import routes_admin, routes_blocks, routes_pins, routes_quarantine
 from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, route_limit
@@ -105,6 +105,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.include_router(routes_blocks.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_pins.router)
+    app.include_router(routes_quarantine.router)
     _install_error_handlers(app)
     return app
 
