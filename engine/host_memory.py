@@ -4,9 +4,8 @@ A prefill step allocates tens of megabytes of activations per layer (a 2,048-tok
 gate/up projection alone is 25 MB in fp32) and frees them a moment later. glibc's malloc serves
 blocks that large from fresh ``mmap``s and gives them back on ``free``, or trims the top of its
 heap once enough is free there, so the next layer's activations fault in and zero every page
-again: ~61,000 minor page faults per prefill step. Measured on ``bench_engine``'s first round
-(32 prompts, 2 threads): 609k faults and 30.7 s of prefill steps, against 42k faults and 27.8 s
-with the thresholds below. vLLM's CPU backend asks its users for tcmalloc for the same reason;
+again: tens of thousands of minor page faults per prefill step, which the thresholds below cut
+by an order of magnitude. vLLM's CPU backend asks its users for tcmalloc for the same reason;
 this gets most of it from the allocator already in the process.
 
 The cost is that the process keeps its peak of transient memory (a few hundred MB for a

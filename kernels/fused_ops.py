@@ -4,8 +4,8 @@ multiply, and rotary embedding + the K/V store.
 Each has a plain-torch ``*_ref`` (what runs off the CPU, under ``backend="torch"``, or where
 the extension cannot be built, and the tests' oracle); on CPU, ``backend="auto"`` runs
 ``csrc/fused_ops_cpu.cpp`` (built by ``cachetier.kernels.native_build``), one pass over the rows in
-float32 where torch makes several. Measured on SmolLM2's shapes, see ``benchmarks`` and the
-README's engine section. vLLM-CPU fuses the same three for the same reason.
+float32 where torch makes several, which is faster on SmolLM2's shapes. vLLM-CPU fuses the same
+three for the same reason.
 
 Numerics follow transformers' Llama step for step (RMSNorm and RoPE in float32, one rounding to
 the storage dtype where it rounds); the fused float32 path differs from the reference only in

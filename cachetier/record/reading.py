@@ -27,18 +27,14 @@ from cachetier.util.landing import Destination, flat, parts
 # The first read of a record read whole: its head (and whatever follows) up to a page boundary.
 _PAGE = 4096
 assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first page"
-# Small enough to still sit in cache (L3 here) when it is checksummed, large enough to keep
-# syscalls few. 5.6 MiB records from the page cache: 1 MiB was ~5% faster than 256 KiB, and
-# 2 MiB faster again than 1 MiB for a batch's reads, one record per data thread (16 records in
-# one process, 5.09-5.38 against 5.41-5.58 ms; 4 MiB 5.42-5.72), as in bench-peers'
-# disk:smollm2 run alone six times each way (as returned 0.97-1.01 of LMCache's, median 1.00,
-# against 0.95-1.03, median 0.97; into a buffer and cold better too).
+# Small enough to still sit in the last-level cache when it is checksummed, large enough to
+# keep syscalls few: for multi-megabyte records from the page cache, 2 MiB chunks beat both
+# smaller ones and 4 MiB (the peers benchmark's disk reads agree).
 _READ_CHUNK = 2 << 20
 assert _READ_CHUNK % SEGMENT_BYTES == 0, "a whole record's reads end on segment boundaries"
 # A record read whole with a positional reader at hand reads part of itself on another thread
-# from this size on (hand-off ~50 us). Measured on this machine, 16 records of 5.6 MiB from the
-# page cache, one per call: 13.9-15.1 ms on the caller's thread alone (the copy runs at one
-# core's memory bandwidth), 11.3-12.6 ms split.
+# from this size on: one thread's copy runs at one core's memory bandwidth, and past this size
+# a second thread wins more than the hand-off costs.
 _SPLIT_READ_BYTES = 2 << 20
 
 
@@ -180,10 +176,9 @@ def _read_small_whole(
     """A record of a true ``size`` of at most ``_READ_CHUNK``, read with positional reads
     straight into one recycled buffer (page-aligned, like the file's first byte), and hashed
     while still in cache: its first page, whose header is checked before anything more is
-    read, then the rest in one read. A connector's one-block get pays for every Python step
-    (this path took ~4 us off a 512 KiB get from the page cache). The first page is read apart
-    on purpose: one read of a whole cold record took 1.6x as long (16 of 512 KiB: 8.7 against
-    5.5 ms), the kernel's readahead serving a small first read better."""
+    read, then the rest in one read. A connector's one-block get pays for every Python step,
+    so this path keeps them few. The first page is read apart on purpose: one read of a whole
+    cold record is markedly slower, the kernel's readahead serving a small first read better."""
     whole = memoryview(buffers.take(size)).cast("B")
     first = min(size, _PAGE)
     _pread_exactly(pread, whole[:first], 0, size)

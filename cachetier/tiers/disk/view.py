@@ -65,8 +65,8 @@ class FolderView:
 
     def path(self, slot: Slot) -> str:
         """Where ``slot``'s record lives, for every caller (the tier's reads and puts too)."""
-        # A string, not a Path: pathlib's joins cost ~25 us a record, a sixth of a one-chunk
-        # get of a 512 KiB block, and every get, put, delete and eviction builds one.
+        # A string, not a Path: pathlib's joins cost a noticeable share of a small get, and
+        # every get, put, delete and eviction builds one.
         name = slot[1].hex()
         return f"{self._root_str}/{slot[0]}/{name[:2]}/{name}{SUFFIX}"
 
