@@ -36,15 +36,15 @@ test-gpu:
 	TRITON_INTERPRET=0 .venv-gpu/bin/python -m pytest -q -rs -m cuda
 
 bench: setup
-	$(PY) benchmarks/bench_tiers.py --json
+	$(PY) -m benchmarks.tiers --json
 
 # Side by side with LMCache 0.5.6, in .venv-peers.
 bench-peers: setup-peers
-	LMCACHE_TRACK_USAGE=false .venv-peers/bin/python benchmarks/bench_peers.py --json
+	LMCACHE_TRACK_USAGE=false .venv-peers/bin/python -m benchmarks.peers --json
 
 # Our SGLang HiCache backend and LMCache plugin against those engines' own stores.
 bench-plugins: setup setup-peers
-	$(PY) benchmarks/bench_plugins.py --json
+	$(PY) -m benchmarks.plugins --json
 
 lint: setup
 	$(PY) -m ruff check cachetier engine kernels connectors tests benchmarks

@@ -49,12 +49,12 @@ step tests "${TESTS_S:-200}" "$python" -m pytest -q -rs -p no:cacheprovider \
   -m "cuda and not vllm" tests/gpu
 if [ -n "$like" ]; then
   model=$(mktemp -d)/random-model
-  "$python" benchmarks/random_model.py --like "$like" --out "$model" >/dev/null || exit 1
+  "$python" -m benchmarks.support.random_model --like "$like" --out "$model" >/dev/null || exit 1
   work=$(mktemp -d -p "${WORK_DIR:-/var/tmp}")
-  step restart "${RESTART_S:-240}" "$python" benchmarks/bench_restart.py --json --device cuda \
+  step restart "${RESTART_S:-240}" "$python" -m benchmarks.restart --json --device cuda \
     --model "$model" --no-redis --also --repeats 1 --disk-runs 3 --work-dir "$work"
-  step steps "${STEPS_S:-120}" "$python" benchmarks/bench_steps.py --json --device cuda \
+  step steps "${STEPS_S:-120}" "$python" -m benchmarks.steps --json --device cuda \
     --model "$model"
-  step overlap "${OVERLAP_S:-90}" "$python" benchmarks/bench_overlap.py --json --device cuda \
+  step overlap "${OVERLAP_S:-90}" "$python" -m benchmarks.overlap --json --device cuda \
     --model "$model" --work-dir "$work"
 fi

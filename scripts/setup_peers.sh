@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-peers: LMCache 0.5.6 and cachetier in one environment, so one benchmark process
-# can alternate between both on the same bytes (benchmarks/bench_peers.py).
+# can alternate between both on the same bytes (python -m benchmarks.peers).
 # Kept apart from .venv because lmcache pulls ~100 packages (cupy among them) and its resolver
 # takes minutes; nothing in `make test` needs it. Idempotent: a stamp skips the work when this
 # script and pyproject.toml have not changed since the last run.

@@ -108,13 +108,15 @@ def spec_main(run: Callable[[dict[str, Any]], Any], description: str | None = No
     args.out.write_text(json.dumps(run(json.loads(args.spec.read_text()))))
 
 
-def run_peers(script: Path, *args: str | Path) -> dict[str, Any]:
-    """Run ``script`` with ``.venv-peers``' Python (LMCache's env); its last line, parsed."""
+def run_peers(script: Path | str, *args: str | Path) -> dict[str, Any]:
+    """Run ``script`` with ``.venv-peers``' Python (LMCache's env); its last line, parsed.
+    A ``str`` is a module's dotted name (``benchmarks.put_cpu``), run with ``-m``."""
     if not PEERS_PYTHON.exists():
         pytest.fail(f"{PEERS_PYTHON} is missing: run `make setup-peers` (make test does)")
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": str(REPO_ROOT)}
+    target = [str(script)] if isinstance(script, Path) else ["-m", script]
     done = subprocess.run(
-        [str(PEERS_PYTHON), str(script), *map(str, args)],
+        [str(PEERS_PYTHON), *target, *map(str, args)],
         capture_output=True,
         text=True,
         env=env,

@@ -1,10 +1,11 @@
-"""peers_common.interleaved_checked: ops in turn, each checked, and the meters read around them."""
+"""benchmarks.peers.common.interleaved_checked: ops in turn, each checked, and the meters read
+around them."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.peers_common import Timed, interleaved_checked
+from benchmarks.peers.common import Timed, interleaved_checked
 
 
 def test_meters_give_each_ops_growth_per_kept_sample() -> None:

@@ -1,4 +1,4 @@
-"""benchmarks.random_model: another model's shapes and tokenizer files, random weights."""
+"""benchmarks.support.random_model: another model's shapes and tokenizer files, random weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
 from safetensors.torch import load_file
 
-from benchmarks.random_model import make_random_model
+from benchmarks.support.random_model import make_random_model
 from tests.models import make_tiny_llama
 
 

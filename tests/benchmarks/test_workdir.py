@@ -1,4 +1,5 @@
-"""benchmarks.workdir: the benchmarks that time a disk refuse a folder that lives in memory."""
+"""benchmarks.support.workdir: the benchmarks that time a disk refuse a folder that lives in
+memory."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import tempfile
 
 import pytest
 
-from benchmarks.workdir import disk_work_dir
+from benchmarks.support.workdir import disk_work_dir
 from cachetier.util.mounts import MEMORY_FILESYSTEMS, mount_fstype
 
 

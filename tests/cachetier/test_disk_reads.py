@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.peers_common import drop_from_page_cache
+from benchmarks.peers.common import drop_from_page_cache
 from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock, encode_record
 from cachetier.tiers.disk import reads as disk_reads

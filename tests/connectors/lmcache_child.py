@@ -2,7 +2,7 @@
 ``.venv-peers`` (where LMCache 0.5.6 lives); each prints one JSON line.
 
 Every store is LMCache's own ``StorageManager`` with our plugin loaded through its
-``storage_plugins`` mechanism (``benchmarks.peers_lmcache.PeerStore``), on CPU.
+``storage_plugins`` mechanism (``benchmarks.peers.lmcache.PeerStore``), on CPU.
 
     .venv-peers/bin/python tests/connectors/lmcache_child.py <scenario> <work dir> [redis url]
 """
@@ -20,9 +20,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers_common import make_chunks  # noqa: E402
-from benchmarks.peers_lmcache import PeerStore, byte_view, release  # noqa: E402
-from benchmarks.plugins_lmcache import put_all  # noqa: E402
+from benchmarks.peers.common import make_chunks  # noqa: E402
+from benchmarks.peers.lmcache import PeerStore, byte_view, release  # noqa: E402
+from benchmarks.plugins.lmcache import put_all  # noqa: E402
 
 MODEL = "lmcache-plugin-test"
 OPEN: list[PeerStore] = []  # closed by main: a StorageManager left open keeps the process alive

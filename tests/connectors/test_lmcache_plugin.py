@@ -2,7 +2,7 @@
 
 LMCache lives in ``.venv-peers`` (``make setup-peers``: it pulls ~100 packages, kept out of
 ``.venv``); each test runs a scenario there as a fresh process (``lmcache_child.py``, or the
-restart steps of ``benchmarks/plugins_lmcache.py``) and checks what it printed.
+restart steps of ``benchmarks.plugins.lmcache``) and checks what it printed.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.children import REPO_ROOT, run_peers
+from tests.children import run_peers
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
 
 CHILD = Path(__file__).with_name("lmcache_child.py")
-PLUGINS = REPO_ROOT / "benchmarks" / "plugins_lmcache.py"
+PLUGINS = "benchmarks.plugins.lmcache"  # a module: run_peers runs it with -m
 
 
 def test_all_chunks_survive_a_restart_where_lmcaches_own_disk_finds_none(tmp_path: Path) -> None:

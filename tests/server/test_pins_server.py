@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.ops_pins import flood_pinned_chain, flood_then_switch_pods
+from benchmarks.ops.pins import flood_pinned_chain, flood_then_switch_pods
 from cachetier.primitives.keys import Namespace, block_keys
 from tests.server.batches import ALICE, put_batch
 from tests.server.live import TOKENS, ThreadServer, call, call_json, test_config

@@ -98,7 +98,8 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
 
 
 def test_no_test_reserves_a_port_by_binding_and_closing_it() -> None:
-    # benchmarks.common.free_port is for benchmarks only: a port closed again is anyone's to take.
+    # benchmarks.support.children.free_port is for benchmarks only: a port closed again is
+    # anyone's to take.
     callers = [
         str(path.relative_to(ROOT))
         for path in sorted((ROOT / "tests").rglob("*.py"))
