@@ -312,29 +312,7 @@ class LlamaModel:
             if kv_scales is not None:
                 store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
             attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
-            for group in groups:
-                if kv_scales is None:
-                    pool, pool_layer, tables = kv_cache, index, group.tables
-                else:
-                    # fp8: the decode reads a dequantised copy of the group's blocks, laid out
-                    # as a one-layer pool of its own, through the same kernel.
-                    deq = dequantize_blocks(
-                        kv_cache, kv_scales, group.tables.flatten(), index, self.dtype
-                    )
-                    pool, pool_layer = deq.unsqueeze(1), 0  # [B * max_blocks, 1, 2, bs, hk, d]
-                    tables = torch.arange(group.tables.numel(), device=deq.device).view_as(
-                        group.tables
-                    )
-                attn[group.rows] = paged_attention_decode(
-                    q[group.rows],
-                    pool,
-                    pool_layer,
-                    tables,
-                    group.context_lens,
-                    self.scale,
-                    num_shared_blocks=group.num_shared_blocks,
-                    backend=backend,
-                )
+            self._decode_attention(q, groups, kv_cache, index, kv_scales, attn)
             native = plan is not None and paged_prefill_attention(
                 q, kv_cache, index, plan, self.scale, attn
             )
@@ -350,6 +328,38 @@ class LlamaModel:
             x.add_(delta)
         rows = x if all_logits else x[batch.logits_rows]
         return linear(rms_norm(rows, self.norm, eps, backend=backend), self.lm_head).float()
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,
+        groups: list[_DecodeGroup],
+        kv_cache: torch.Tensor,
+        layer: int,
+        kv_scales: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        # Each decode group's rows of ``out`` ([T, hq, d], like q) from the paged decode kernel.
+        for group in groups:
+            if kv_scales is None:
+                pool, pool_layer, tables = kv_cache, layer, group.tables
+            else:
+                # fp8: the decode reads a dequantised copy of the group's blocks, laid out as a
+                # one-layer pool of its own, through the same kernel.
+                deq = dequantize_blocks(
+                    kv_cache, kv_scales, group.tables.flatten(), layer, self.dtype
+                )
+                pool, pool_layer = deq.unsqueeze(1), 0  # [B * max_blocks, 1, 2, bs, hk, d]
+                tables = torch.arange(group.tables.numel(), device=deq.device).view_as(group.tables)
+            out[group.rows] = paged_attention_decode(
+                q[group.rows],
+                pool,
+                pool_layer,
+                tables,
+                group.context_lens,
+                self.scale,
+                num_shared_blocks=group.num_shared_blocks,
+                backend=self.kernel_backend,
+            )
 
     def _native_prefill_plan(
         self,
