@@ -46,8 +46,60 @@ def ttft(llm: Any, prompt: list[int]) -> Any:
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure_speed(llm: Any, cold_llm: Any, prompt: list[int], repeats: int) -> dict[str, Any]:
+    """At the link's speed now: the cold, load-everything and cost-model TTFTs, interleaved.
+
+    Args:
+        llm: the engine whose only tier is Redis behind the link.
+        cold_llm: an engine without tiers (recomputes everything).
+        prompt: the prompt, whose blocks the tier holds.
+        repeats: runs of each; the figures are medians.
+
+    Returns:
+        One row of the sweep, without its ``link_mb_s``.
+    """
+    llm.engine.cost_model.enabled = False
+    for _ in range(LEARN_RUNS):
+        ttft(llm, prompt)
+    runs: dict[str, list[Any]] = {"cold": [], "always": [], "cost": []}
+    for _ in range(repeats):
+        runs["cold"].append(ttft(cold_llm, prompt))
+        llm.engine.cost_model.enabled = False
+        runs["always"].append(ttft(llm, prompt))
+        llm.engine.cost_model.enabled = True
+        runs["cost"].append(ttft(llm, prompt))
+    med = {k: statistics.median(o.ttft_s for o in v) for k, v in runs.items()}
+    last = runs["cost"][-1]
+    return {
+        "ttft_cold_s": med["cold"],
+        "ttft_always_load_s": med["always"],
+        "ttft_cost_model_s": med["cost"],
+        "regret": med["cost"] / min(med["always"], med["cold"]),
+        "loaded_tokens": sum(n for s, n in last.cached_tokens_by_source.items() if s != "pool"),
+        "recomputed_tokens": last.num_recomputed_hit_tokens,
+        "outputs_identical": all(
+            o.token_ids == runs["cold"][0].token_ids for v in runs.values() for o in v
+        ),
+    }
+
+
+def forget(host: str, port: int, prefix: str) -> None:
+    """Delete every Redis key the run wrote (they all start with ``prefix``)."""
     import redis
+
+    client = redis.Redis(host=host, port=port)
+    names = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if names:
+        client.delete(*names)
+    client.close()
+
+
+def sweep_links(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+    """Every link speed of ``SPEEDS``, thinnest first, over one Redis tier behind a ``SlowLink``.
+
+    Returns:
+        The prompt's length, the sweep (one row per speed) and the rates the model learned.
+    """
     from cachetier.engine.demo import build_prompt
     from cachetier.engine.llm import LLM
     from cachetier.engine.smollm2 import smollm2_path
@@ -63,14 +115,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cold_llm = LLM(smollm2_path(), **engine_args)
     prompt = build_prompt(cold_llm, args.tokens)
     with SlowLink(target=(host, int(port)), bandwidth_bytes_per_s=None, latency_s=0) as link:
-        store = TieredStore(
-            [
-                RedisTier(
-                    # A thin link needs more than the default 0.5 s to answer a read.
-                    RedisTierConfig(url=link.url("redis"), key_prefix=prefix, socket_timeout_s=30)
-                )
-            ]
-        )
+        # A thin link needs more than the default 0.5 s to answer a read.
+        config = RedisTierConfig(url=link.url("redis"), key_prefix=prefix, socket_timeout_s=30)
+        store = TieredStore([RedisTier(config)])
         llm = LLM(smollm2_path(), store=store, **engine_args)
         try:
             first = ttft(llm, prompt)  # computes and saves every block, over the open link
@@ -81,49 +128,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     bandwidth_bytes_per_s=None if speed is None else speed * 1e6,
                     latency_s=LATENCY_S,
                 )
-                llm.engine.cost_model.enabled = False
-                for _ in range(LEARN_RUNS):
-                    ttft(llm, prompt)
-                runs: dict[str, list[Any]] = {"cold": [], "always": [], "cost": []}
-                for _ in range(args.repeats):
-                    runs["cold"].append(ttft(cold_llm, prompt))
-                    llm.engine.cost_model.enabled = False
-                    runs["always"].append(ttft(llm, prompt))
-                    llm.engine.cost_model.enabled = True
-                    runs["cost"].append(ttft(llm, prompt))
-                med = {k: statistics.median(o.ttft_s for o in v) for k, v in runs.items()}
-                last = runs["cost"][-1]
-                sweep.append(
-                    {
-                        "link_mb_s": speed,
-                        "ttft_cold_s": med["cold"],
-                        "ttft_always_load_s": med["always"],
-                        "ttft_cost_model_s": med["cost"],
-                        "regret": med["cost"] / min(med["always"], med["cold"]),
-                        "loaded_tokens": sum(
-                            n for s, n in last.cached_tokens_by_source.items() if s != "pool"
-                        ),
-                        "recomputed_tokens": last.num_recomputed_hit_tokens,
-                        "outputs_identical": all(
-                            o.token_ids == runs["cold"][0].token_ids
-                            for v in runs.values()
-                            for o in v
-                        ),
-                    }
-                )
+                row = measure_speed(llm, cold_llm, prompt, args.repeats)
+                sweep.append({"link_mb_s": speed, **row})
             rates = llm.engine.stats()["cost_model"]
         finally:
             llm.close()
             store.close()
-            client = redis.Redis(host=host, port=int(port))
-            names = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if names:
-                client.delete(*names)
-            client.close()
+            forget(host, int(port), prefix)
+    return len(prompt), sweep, rates
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    prompt_tokens, sweep, rates = sweep_links(args)
     thin, fast = sweep[0], sweep[-1]
     hit_tokens = fast["loaded_tokens"] + fast["recomputed_tokens"]
     return {
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": prompt_tokens,
         "thin_link_mb_s": thin["link_mb_s"],
         "thin_link_ttft_vs_cold": thin["ttft_cost_model_s"] / thin["ttft_cold_s"],
         "thin_link_always_load_ttft_vs_cold": thin["ttft_always_load_s"] / thin["ttft_cold_s"],
