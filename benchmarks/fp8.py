@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from cachetier.engine.config import FP8_KV_DTYPES
@@ -89,6 +91,90 @@ def teacher_forced_logits(
     return torch.cat(rows)
 
 
+def kv_bytes(spec: ModelSpec) -> dict[str, dict[str, float]]:
+    """Pool bytes per token of each KV dtype, and what an fp8 block's scales add."""
+    kv_dtypes = {"fp32": "float32", "bf16": "bfloat16"} | FP8_KV_DTYPES
+    pools = {name: KVPool(spec, BLOCK_SIZE, 1 << 24, dtype) for name, dtype in kv_dtypes.items()}
+    return {
+        "kv_bytes_per_token": {n: p.block_bytes / BLOCK_SIZE for n, p in pools.items()},
+        "kv_scale_bytes_per_token": {n: p.aux_bytes / BLOCK_SIZE for n, p in pools.items()},
+    }
+
+
+def greedy_outputs(
+    folder: Path, args: argparse.Namespace
+) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
+    """The prompts, and each KV dtype's greedy tokens for them (fp32 and every fp8 format),
+    one engine at a time."""
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+    prompts: list[list[int]] = []
+    for name in ("fp32", *FP8_KV_DTYPES):
+        kv_cache_dtype = "auto" if name == "fp32" else name
+        llm = LLM(folder, kv_cache_bytes=512 << 20, kv_cache_dtype=kv_cache_dtype)
+        if not prompts:
+            prompts = build_prompts(llm, args.tokens, args.num_prompts)
+        outputs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        del llm
+        settle()
+    return prompts, outputs
+
+
+def first_divergence(reference: list[list[int]], got: list[list[int]]) -> list[int]:
+    """Per prompt, the index of its first token other than the reference's (its length if none)."""
+    return [
+        next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
+        for r, o in zip(reference, got)
+    ]
+
+
+def compare(
+    folder: Path, spec: ModelSpec, prompts: list[list[int]], outputs: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    """Every fp8 format against fp32 KV: logit errors and top-1 agreement on the fp32 run's
+    teacher-forced continuation, greedy agreement, and the fp32 margin where each diverged."""
+    reference = outputs["fp32"]
+    total = sum(len(t) for t in reference)
+    model = LlamaModel(spec, load_weights(folder), torch.float32)
+    ref_logits = [
+        teacher_forced_logits(model, spec, p, c, "float32") for p, c in zip(prompts, reference)
+    ]
+    figures: dict[str, dict[str, Any]] = {
+        key: {}
+        for key in (
+            "max_abs_logit_diff",
+            "mean_abs_logit_diff",
+            "top1_agreement",
+            "greedy_agreement",
+            "first_divergence",
+            "fp32_margin_at_divergence",
+        )
+    }
+    for name, dtype in FP8_KV_DTYPES.items():
+        diffs, same = [], []
+        for p, c, ref in zip(prompts, reference, ref_logits):
+            got = teacher_forced_logits(model, spec, p, c, dtype)
+            diffs.append((got - ref).abs())
+            same.append(got.argmax(-1) == ref.argmax(-1))
+        d = torch.cat(diffs)
+        figures["max_abs_logit_diff"][name] = d.max().item()
+        figures["mean_abs_logit_diff"][name] = d.mean().item()
+        figures["top1_agreement"][name] = torch.cat(same).float().mean().item()
+        pairs = zip(reference, outputs[name])
+        figures["greedy_agreement"][name] = (
+            sum(a == b for r, o in pairs for a, b in zip(r, o)) / total
+        )
+        divergence = first_divergence(reference, outputs[name])
+        figures["first_divergence"][name] = divergence
+        margins = []
+        for ref, i in zip(ref_logits, divergence):
+            if i < len(ref):
+                top2 = ref[i].topk(2).values
+                margins.append((top2[0] - top2[1]).item())
+        figures["fp32_margin_at_divergence"][name] = margins
+    return {**figures, "fp32_mean_abs_logit": torch.cat(ref_logits).abs().mean().item()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,76 +189,25 @@ def main() -> None:
 
     folder = smollm2_path()
     spec = ModelSpec.from_folder(folder)
-    kv_dtypes = {"fp32": "float32", "bf16": "bfloat16"} | FP8_KV_DTYPES
     result: dict[str, object] = {
         "model": "SmolLM2-135M-Instruct",
         "dtype": "float32",
         "block_size": BLOCK_SIZE,
         "max_tokens": args.max_tokens,
         "threads": torch.get_num_threads(),
+        **kv_bytes(spec),
     }
-    pools = {name: KVPool(spec, BLOCK_SIZE, 1 << 24, dtype) for name, dtype in kv_dtypes.items()}
-    result["kv_bytes_per_token"] = {n: p.block_bytes / BLOCK_SIZE for n, p in pools.items()}
-    result["kv_scale_bytes_per_token"] = {n: p.aux_bytes / BLOCK_SIZE for n, p in pools.items()}
-    del pools
-
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    outputs: dict[str, list[list[int]]] = {}
-    prompts: list[list[int]] = []
-    for name in ("fp32", *FP8_KV_DTYPES):
-        kv_cache_dtype = "auto" if name == "fp32" else name
-        llm = LLM(folder, kv_cache_bytes=512 << 20, kv_cache_dtype=kv_cache_dtype)
-        if not prompts:
-            prompts = build_prompts(llm, args.tokens, args.num_prompts)
-        outputs[name] = [o.token_ids for o in llm.generate(prompts, greedy)]
-        del llm
-        settle()
+    prompts, outputs = greedy_outputs(folder, args)
     result["prompt_tokens"] = [len(p) for p in prompts]
-
-    reference = outputs["fp32"]
-    total = sum(len(t) for t in reference)
-    model = LlamaModel(spec, load_weights(folder), torch.float32)
-    ref_logits = [
-        teacher_forced_logits(model, spec, p, c, "float32") for p, c in zip(prompts, reference)
-    ]
-    max_diff: dict[str, float] = {}
-    mean_diff: dict[str, float] = {}
-    top1: dict[str, float] = {}
-    agreement: dict[str, float] = {}
-    divergence: dict[str, list[int]] = {}
-    margins: dict[str, list[float]] = {}
-    for name, dtype in FP8_KV_DTYPES.items():
-        diffs, same = [], []
-        for p, c, ref in zip(prompts, reference, ref_logits):
-            got = teacher_forced_logits(model, spec, p, c, dtype)
-            diffs.append((got - ref).abs())
-            same.append(got.argmax(-1) == ref.argmax(-1))
-        d = torch.cat(diffs)
-        max_diff[name] = d.max().item()
-        mean_diff[name] = d.mean().item()
-        top1[name] = torch.cat(same).float().mean().item()
-        pairs = list(zip(reference, outputs[name]))
-        agreement[name] = sum(a == b for r, o in pairs for a, b in zip(r, o)) / total
-        divergence[name] = [
-            next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in pairs
-        ]
-        margins[name] = []
-        for ref, i in zip(ref_logits, divergence[name]):
-            if i < len(ref):
-                top2 = ref[i].topk(2).values
-                margins[name].append((top2[0] - top2[1]).item())
-    result["max_abs_logit_diff"] = max_diff
-    result["mean_abs_logit_diff"] = mean_diff
-    result["fp32_mean_abs_logit"] = torch.cat(ref_logits).abs().mean().item()
-    result["top1_agreement"] = top1
-    result["greedy_agreement"] = agreement
-    result["first_divergence"] = divergence
-    result["fp32_margin_at_divergence"] = margins
+    figures = compare(folder, spec, prompts, outputs)
+    result.update(figures)
     for name in FP8_KV_DTYPES:
         print(
-            f"{name}: max |dlogit| {max_diff[name]:.3f}, mean {mean_diff[name]:.4f}, "
-            f"top-1 {top1[name]:.3f}, greedy {agreement[name]:.3f}, "
-            f"first divergence {divergence[name]}",
+            f"{name}: max |dlogit| {figures['max_abs_logit_diff'][name]:.3f}, "
+            f"mean {figures['mean_abs_logit_diff'][name]:.4f}, "
+            f"top-1 {figures['top1_agreement'][name]:.3f}, "
+            f"greedy {figures['greedy_agreement'][name]:.3f}, "
+            f"first divergence {figures['first_divergence'][name]}",
             file=sys.stderr if args.json else sys.stdout,
         )
     emit(result, args.json)
