@@ -254,7 +254,7 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -305,6 +305,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.disk_runs < 1:
         parser.error("--repeats and --disk-runs must be at least 1")
+    return args
+
+
+# The figures kept of each further prompt length (``--also``), under ``at_<tokens>``.
+AT_LENGTH = (
+    "prompt_tokens",
+    "cold_ttft_s",
+    "warm_ttft_s",
+    "ttft_runs_s",
+    "restored_tokens_runs",
+    "disk_refaulted_pages_runs",
+    "speedup_disk",
+    "restore_vs_raw_bound",
+    "warm_vs_bound_disk",
+    "ttft_breakdown",
+    "outputs_identical",
+)
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         child(args)
         return
@@ -319,22 +340,7 @@ def main() -> None:
     result.update(measure(args))
     for tokens in args.also:
         extra = measure(argparse.Namespace(**{**vars(args), "tokens": tokens}))
-        result[f"at_{tokens}"] = {
-            k: extra[k]
-            for k in (
-                "prompt_tokens",
-                "cold_ttft_s",
-                "warm_ttft_s",
-                "ttft_runs_s",
-                "restored_tokens_runs",
-                "disk_refaulted_pages_runs",
-                "speedup_disk",
-                "restore_vs_raw_bound",
-                "warm_vs_bound_disk",
-                "ttft_breakdown",
-                "outputs_identical",
-            )
-        }
+        result[f"at_{tokens}"] = {k: extra[k] for k in AT_LENGTH}
         result[f"warm_vs_bound_disk_at_{tokens}"] = extra["warm_vs_bound_disk"]
     emit(result, args.json)
 
