@@ -1,14 +1,16 @@
 """Write docs/benchmarks.md from the benchmark results kept in docs/results/.
 
-Each ``docs/results/<benchmark>.json`` holds one run's ``--json`` output plus three keys of
-where it came from: ``machine``, ``commit`` and ``command`` (how to rerun it). The page has one
-table per benchmark, the current run only: a new run replaces the file, and the old figures
-stay in git. ``tests/test_docs.py`` fails when the page differs from what this prints.
+Each ``docs/results/<name>.json`` holds one run of ``benchmarks.<name>``: its ``--json`` output
+plus three keys of where it came from: ``machine``, ``commit`` and ``command`` (how to rerun
+it). The page has one table per benchmark, the current run only: a new run replaces the file,
+and the old figures stay in git. ``tests/test_docs.py`` fails when the page differs from what
+this prints.
 
 Usage: ``python scripts/gen_benchmarks_doc.py`` (writes the page) or ``--check``.
-To record a run: ``python benchmarks/bench_x.py --json > out.json`` (the JSON is its last
-line), then ``python scripts/gen_benchmarks_doc.py --add bench_x out.json --machine "..."
---command "python benchmarks/bench_x.py --json"``, which stores it with this checkout's HEAD.
+To record a run of ``benchmarks.<name>``: ``python -m benchmarks.<name> --json > out.json``
+(the JSON is its last line), then ``python scripts/gen_benchmarks_doc.py --add <name> out.json
+--machine "..." --command "python -m benchmarks.<name> --json"``, which stores it with this
+checkout's HEAD.
 """
 
 from __future__ import annotations
@@ -28,27 +30,27 @@ PROVENANCE = ("machine", "commit", "command")
 
 # What each benchmark measures, in a sentence; a benchmark not named here still gets a table.
 ABOUT = {
-    "bench_cost_model": (
+    "cost_model": (
         "Load or recompute: SmolLM2 fp32, a 2,066-token prompt whose only tier is Redis behind "
         "`tests/throttled_link.py`'s proxy at each link speed (MB/s; `null`: no limit). Cold, "
         "load-everything and the cost model run interleaved; `regret` is the cost model's TTFT "
         "over the better of the other two (1.0: it chose the better)."
     ),
-    "bench_peers": (
+    "peers": (
         "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "
         "ratio is LMCache's median time over ours (> 1: we are faster). Only the headline "
         "figures of this run were kept."
     ),
-    "bench_portable": (
+    "portable": (
         "Portable blocks: each engine layout's copy into the canonical block against a plain "
         "copy of the same bytes, records of several sizes, and blocks saved by one engine "
         "restored by another (`cross_engine_pairs_identical` of `cross_engine_pairs`)."
     ),
-    "bench_restart": (
+    "restart": (
         "Our engine restarted over its tiers: SmolLM2 fp32, a 4,111-token prompt (`at_8000`: "
         "8,101), cold TTFT against the TTFT of a fresh process that restores the prefix."
     ),
-    "bench_vllm_restart": (
+    "vllm_restart": (
         "vLLM-CPU with the connector: SmolLM2 fp32, 2,048-token prompts, cold and warm each a "
         "fresh vLLM process; `speedup` is cold TTFT over warm TTFT from the disk tier."
     ),
@@ -97,7 +99,7 @@ def render_one(name: str, data: dict[str, Any]) -> str:
     if missing:
         raise ValueError(f"docs/results/{name}.json lacks {missing}: add them (see --add)")
     figures = {k: v for k, v in data.items() if k not in PROVENANCE}
-    lines = [f"## {name}", ""]
+    lines = [f"## benchmarks.{name}", ""]
     if name in ABOUT:
         lines += [ABOUT[name], ""]
     lines += [
@@ -132,7 +134,7 @@ def render(results: Path = RESULTS) -> str:
         "baseline measured in the same run; compare ratios across machines, not seconds.",
         "A new run replaces its file in `docs/results/`; earlier runs are in git's history.",
         "Benchmarks that time a disk refuse a folder on `tmpfs`: pass `--data-dir` (for",
-        "`bench_restart`, `--work-dir`) a folder on a disk.",
+        "`benchmarks.restart`, `--work-dir`) a folder on a disk.",
         "",
     ]
     files = sorted(results.glob("*.json"))
@@ -141,7 +143,8 @@ def render(results: Path = RESULTS) -> str:
 
 
 def add(name: str, json_file: Path, machine: str, command: str) -> Path:
-    """Store one run's JSON with its provenance as ``docs/results/<name>.json``."""
+    """Store one run of ``benchmarks.<name>``, with its provenance, as
+    ``docs/results/<name>.json``."""
     data = json.loads(json_file.read_text().strip().splitlines()[-1])
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -156,7 +159,9 @@ def add(name: str, json_file: Path, machine: str, command: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    parser.add_argument("--add", nargs=2, metavar=("BENCHMARK", "JSON_FILE"))
+    parser.add_argument(
+        "--add", nargs=2, metavar=("NAME", "JSON_FILE"), help="NAME: <name> of benchmarks.<name>"
+    )
     parser.add_argument("--machine", help="with --add: the machine it ran on, in words")
     parser.add_argument("--command", help="with --add: the command that reruns it")
     args = parser.parse_args(argv)
