@@ -48,7 +48,7 @@ DEFAULT_RECORD_TOKENS = 16
 """Tokens per record unless a deployment says otherwise: the block size of vLLM on GPUs and of
 HF and our engine by default, and a divisor of the other common sizes (32, 64, 128, 256).
 Smaller records share more (a block size of 8 would need 8) but pay a record's fixed costs
-(header, checksum, one file or key each) more often: ``benchmarks/bench_portable.py`` measures
+(header, checksum, one file or key each) more often: ``benchmarks/portable.py`` measures
 that per-record cost."""
 
 SCALE_DTYPE = "<f4"

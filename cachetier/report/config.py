@@ -64,7 +64,7 @@ def with_capacities(points: tuple[int, ...], *extra: int) -> tuple[int, ...]:
 
 
 HEADLINE_CAPACITIES = (10_000, 50_000)
-"""The capacities the project quotes figures for (README, bench_policies)."""
+"""The capacities the project quotes figures for (README, benchmarks.policies)."""
 
 CURVE_CAPACITIES = with_capacities(log_capacities(), *HEADLINE_CAPACITIES)
 """The capacity curve's points: 8 log-spaced ones from 1,000 to 100,000 blocks, with 10,000

@@ -1,7 +1,7 @@
 """Replay a Mooncake-format request trace through one cache, and the offline bounds beside it.
 
 Each replay here is of a single cache: a real ``CPUTier`` under one eviction policy, Belady's
-offline policy, or an infinite cache; ``benchmarks/bench_policies.py`` and the report's capacity
+offline policy, or an infinite cache; ``benchmarks/policies.py`` and the report's capacity
 curve call them. A replay through a hierarchy of tiers, as a report's per-tier figures need, is
 ``cachetier.report.hierarchy_replay``.
 

@@ -10,7 +10,7 @@ blocks of unequal size the targets are in keys, not bytes.
 
 On the Mooncake conversation trace no policy here beats LRU at every capacity (that trace is
 recency-driven: a conversation's next turn reuses its last prompt), so LRU stays the default;
-``benchmarks/bench_policies.py`` measures them and the README has the figures.
+``benchmarks/policies.py`` measures them and the README has the figures.
 """
 
 from __future__ import annotations

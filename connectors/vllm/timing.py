@@ -1,7 +1,7 @@
 """Where the connector's time goes: calls and seconds per hook, per process.
 
 vLLM calls the worker's hooks around every forward and the scheduler's in every schedule, so
-what they cost is what a cache costs on a day with no hits. ``benchmarks/bench_vllm_overhead``
+what they cost is what a cache costs on a day with no hits. ``benchmarks.vllm_overhead``
 reads this to publish the breakdown. Timing a call costs two ``perf_counter`` calls and a lock,
 about a microsecond, against hooks that run a few times per step.
 """

@@ -10,7 +10,7 @@ system prompts (pool hits, then restores from the tiers once the small pool and 
 evicted them), a request with a wrong token (an error), and a lookup while Redis is paused (a
 tier error). Then every query of the dashboard and of docs/operations.md is evaluated.
 
-Both ``tests/deploy/test_dashboard.py`` and ``benchmarks/ops_dashboard.py`` call it.
+Both ``tests/deploy/test_dashboard.py`` and ``benchmarks/ops/dashboard.py`` call it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 checkout's wheel by ``scripts/setup_server.sh`` (the script the sidecar image runs).
 
 A support module: ``tests/deploy/test_server_install.py`` checks that environment and
-``benchmarks/ops_install.py`` measures it, through the same functions.
+``benchmarks/ops/install.py`` measures it, through the same functions.
 """
 
 from __future__ import annotations

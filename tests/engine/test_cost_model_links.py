@@ -1,6 +1,6 @@
 """SmolLM2 with its only tier, Redis, behind a real throttled TCP link: over a thin link the
 engine recomputes the hit it could load, over a fast one it loads all of it, and the tokens are
-the same either way. Decisions only: the TTFTs are the benchmark's (bench_cost_model.py)."""
+the same either way. Decisions only: the TTFTs are the benchmark's (benchmarks/cost_model.py)."""
 
 from __future__ import annotations
 

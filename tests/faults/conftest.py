@@ -2,7 +2,7 @@
 
 Each fault test adds what it saw to ``fault_figures`` (rounds run, blocks lost, corrupt blocks
 served, fuzz inputs, ...). With ``CACHETIER_FAULTS_REPORT=<file>`` set, the session writes the
-totals there as JSON; ``benchmarks/bench_faults.py`` runs this suite that way and prints them.
+totals there as JSON; ``benchmarks/faults.py`` runs this suite that way and prints them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Figures: ``tenant_slot_starvation`` (gets and puts of a fresh client of one tena
 while another held every transfer connection it could; any one also fails its test) and
 ``noisy_tenant_victim_p99_ratio`` (a tenant's p99 latency while another floods requests, over
 its p99 alone, against a ``cachetier serve`` process of its own; recorded, not asserted: it is
-a timing on a shared machine; ``benchmarks/bench_faults.py`` checks it).
+a timing on a shared machine; ``benchmarks/faults.py`` checks it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A report page opened in real headless Chromium: what went wrong there, and whether its
-interactive parts work (``inspect_report``). The test and ``benchmarks/ops_report.py`` share it.
+interactive parts work (``inspect_report``). The test and ``benchmarks/ops/report.py`` share it.
 
 What counts as wrong: a console error (``console.error``, an error the browser logs such as a
 refused or failed load or a CSP violation, an uncaught exception), a failed load, an alert

@@ -1,6 +1,6 @@
 """A real headless Chromium, driven over the DevTools protocol with aiohttp's websocket client.
 
-Shared by the report's browser test and ``benchmarks/ops_report.py``. Chromium is Debian's
+Shared by the report's browser test and ``benchmarks/ops/report.py``. Chromium is Debian's
 ``chromium`` package; it runs with ``--no-sandbox`` because CI runs as root, where Chromium
 refuses its sandbox. ``--remote-debugging-port=0`` lets it pick a free port, which it writes to
 ``DevToolsActivePort`` in the profile folder.

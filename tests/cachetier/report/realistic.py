@@ -1,5 +1,5 @@
 """Reports made the way an operator makes them, for the browser test and
-``benchmarks/ops_report.py``: ``cachetier report`` (the CLI's own ``main``) on
+``benchmarks/ops/report.py``: ``cachetier report`` (the CLI's own ``main``) on
 
 - ``trace``: the first requests of the project's Mooncake conversation trace, spread over four
   tenants, with the tier counters of a live sidecar (``--stats http://...``);
