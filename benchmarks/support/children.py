@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# The checkout: benchmarks run from here (``python -m benchmarks.x``), and so do their children.
+# The checkout: benchmarks run from here (``python -m benchmarks.<name>``), their children too.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
