@@ -13,10 +13,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cachetier.guard import GuardConfig
 from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.engine_settings import (
     check_kv_load_policy,
+    guard_first_hits_setting,
+    guard_fraction_setting,
+    guard_setting,
     kv_load_policy_setting,
     record_tokens_setting,
     tenant_setting,
@@ -82,6 +86,9 @@ class ConnectorConfig:
         "only: vLLM cannot serve without a connector its ``kv_transfer_config`` names, so its "
         "connector always refuses to start.",
     )
+    guard: bool = guard_setting()
+    guard_first_hits: int = guard_first_hits_setting()
+    guard_fraction: float = guard_fraction_setting()
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -93,6 +100,11 @@ class ConnectorConfig:
             raise TypeError(f"tenant must be a str, got {type(self.tenant).__name__}")
         if self.model_fingerprint is not None and not self.model_fingerprint:
             raise ValueError("model_fingerprint must be None or a non-empty string")
+        self.guard_config()  # checks the guard's settings
+
+    def guard_config(self) -> GuardConfig:
+        """The restore guard's sampling, from ``guard*`` (vLLM's connector runs it)."""
+        return GuardConfig(self.guard, self.guard_first_hits, self.guard_fraction)
 
     def __repr__(self) -> str:
         # vLLM logs its kv_transfer_config; the Redis URL's password must not go with it.

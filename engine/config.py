@@ -9,6 +9,9 @@ from cachetier.guard import GuardConfig
 from cachetier.store.engine_settings import KV_LOAD_POLICIES as KV_LOAD_POLICIES
 from cachetier.store.engine_settings import (
     check_kv_load_policy,
+    guard_first_hits_setting,
+    guard_fraction_setting,
+    guard_setting,
     kv_load_policy_setting,
     record_tokens_setting,
     tenant_setting,
@@ -52,11 +55,6 @@ class EngineConfig:
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
-        guard: verify sampled tier hits by computing them as misses and comparing the tier's
-            records with the computed ones; a mismatch quarantines the namespace in that tier
-            (``cachetier.guard``).
-        guard_first_hits: hits verified per tier and namespace after the engine starts.
-        guard_fraction: the share of later hits verified, at random.
     """
 
     model: str
@@ -75,9 +73,9 @@ class EngineConfig:
     kv_load_policy: str = kv_load_policy_setting()
     device: str = "cpu"
     record_tokens: int = record_tokens_setting()
-    guard: bool = False
-    guard_first_hits: int = 1
-    guard_fraction: float = 0.001
+    guard: bool = guard_setting()
+    guard_first_hits: int = guard_first_hits_setting()
+    guard_fraction: float = guard_fraction_setting()
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

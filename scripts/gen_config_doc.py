@@ -35,7 +35,7 @@ DOCSTRING_CLASSES = [
     (
         "cachetier.engine.config",
         "EngineConfig",
-        "Our engine: `LLM(path, ...)` keyword arguments, and the flags of `python -m engine` "
+        "Our engine: `LLM(path, ...)` keyword arguments, and the flags of `python -m cachetier.engine` "
         "and `python -m cachetier.engine.server`.",
     ),
 ]

@@ -46,6 +46,27 @@ def record_tokens_setting() -> Any:
     )
 
 
+def guard_setting() -> Any:
+    """The ``guard`` field: whether sampled hits are verified (``cachetier.guard``)."""
+    return setting(
+        False,
+        "verify sampled tier hits: compute them as misses and compare the tier's records with "
+        "the computed KV; a mismatch quarantines the namespace in that tier (docs: the restore "
+        "guard). Our engine and vLLM only: SGLang's and LMCache's plugins cannot turn a hit "
+        "into a computed request, and ignore it.",
+    )
+
+
+def guard_first_hits_setting() -> Any:
+    """The ``guard_first_hits`` field."""
+    return setting(1, "with ``guard``: hits verified per tier and namespace after the start.")
+
+
+def guard_fraction_setting() -> Any:
+    """The ``guard_fraction`` field."""
+    return setting(0.001, "with ``guard``: the share of later hits verified, at random.")
+
+
 def check_kv_load_policy(value: object) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``KV_LOAD_POLICIES``."""
     if value not in KV_LOAD_POLICIES:

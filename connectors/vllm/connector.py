@@ -35,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+from cachetier.guard import GuardSampler
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -123,6 +125,7 @@ class CacheTierConnector(KVConnectorBase_V1):
                 chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 load_async=config.load_async,
                 record_tokens=config.record_tokens,
+                guard=GuardSampler(config.guard_config()) if config.guard else None,
             )
             logger.info(
                 "cachetier scheduler: model %s..., layout %s, tenant %r",

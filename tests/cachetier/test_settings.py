@@ -72,7 +72,14 @@ def test_our_engine_and_the_plugins_share_their_common_settings() -> None:
     engine = {f.name: f for f in dataclasses.fields(EngineConfig)}
     plugin = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
     common = set(engine) & set(plugin)
-    assert common == {"tenant", "kv_load_policy", "record_tokens"}
+    assert common == {
+        "tenant",
+        "kv_load_policy",
+        "record_tokens",
+        "guard",
+        "guard_first_hits",
+        "guard_fraction",
+    }
     for name in common:
         assert engine[name].metadata == plugin[name].metadata, name
         assert engine[name].default == plugin[name].default, name
