@@ -107,8 +107,8 @@ _SMALL_CHUNK = 64
 _NATIVE_PREFILL_MIN = 64
 
 # Devices where SDPA gets K/V repeated per query head rather than ``enable_gqa``: on CUDA in
-# fp32 the GQA form falls to a slower kernel (H200, torch 2.11, 4,111 causal tokens, 9 query and
-# 3 KV heads: 3.15 ms against 0.93 ms a layer). The repeat is one small copy of the context.
+# fp32 the GQA form falls to a kernel several times slower on long prompts. The repeat is one
+# small copy of the context.
 _EXPAND_GQA_DEVICES = ("cuda",)
 
 
@@ -415,12 +415,11 @@ class LlamaModel:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # A leading batch dim of 1 matters: torch's CPU flash-attention kernel takes 4-D inputs
-        # only; 3-D ones fall back to the math path, ~3x slower on a 2048-token chunk.
+        # only; 3-D ones fall back to the math path, several times slower on a long chunk.
         # After a cached context the queries are the last n of the keys: causal aligned to the
         # bottom right. SDPA takes that as a bias object and on CUDA runs it with no mask in
-        # memory (H200, fp32, 9 heads: 4,095 queries over 4,111 keys 1.02 ms a layer against
-        # 1.76 ms with the explicit [n, context] mask this replaced, the same outputs); on CPU
-        # it is materialised, as the mask was.
+        # memory (faster than the explicit [n, context] mask this replaced, with the same
+        # outputs); on CPU it is materialised, as the mask was.
         bias = causal_lower_right(n, s.context_len) if cached else None
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -453,10 +452,9 @@ class LlamaModel:
         # the query length, K and V are read as they lie instead of repeated per query head.
         folded = q.view(n, hk, group, d).permute(1, 0, 2, 3).reshape(hk, n * group, d)
         # The cached half unmasked, the new half causal, merged exactly by their log-sum-exps,
-        # so no [n, context] mask is built and the new K/V are used as computed (measured:
-        # 4,096 cached tokens, 15 new, 30 layers: 61 ms against 124 ms for the matmuls, mask
-        # and softmax this replaced; one masked flash call over the whole context measured the
-        # same as these two).
+        # so no [n, context] mask is built and the new K/V are used as computed (half the time
+        # of the matmuls, mask and softmax this replaced on a long cached context; one masked
+        # flash call over the whole context measured the same as these two).
         k_old, v_old = gather_layer_kv(kv_cache, layer, s.block_table, cached)
         out_old, lse_old = attend_unmasked(folded, k_old, v_old, self.scale)
         out_old = out_old.view(hk, n, group, d).permute(1, 0, 2, 3).reshape(n, hq, d)
