@@ -35,8 +35,8 @@ DOCSTRING_CLASSES = [
     (
         "cachetier.engine.config",
         "EngineConfig",
-        "Our engine: `LLM(path, ...)` keyword arguments, and the flags of `python -m cachetier.engine` "
-        "and `python -m cachetier.engine.server`.",
+        "Our engine: `LLM(path, ...)` keyword arguments, and the flags of "
+        "`python -m cachetier.engine` and `python -m cachetier.engine.server`.",
     ),
 ]
 
