@@ -103,7 +103,6 @@ def sweep_links(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]], di
     from cachetier.engine.demo import build_prompt
     from cachetier.engine.llm import LLM
     from cachetier.engine.smollm2 import smollm2_path
-
     from cachetier.store.tiered import TieredStore
     from cachetier.tiers.redis import RedisTier, RedisTierConfig
 

@@ -21,12 +21,12 @@ from collections.abc import Callable
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import torch
-from cachetier.connectors.vllm.layouts import CUDA_KV, VllmArrangement
-from cachetier.connectors.vllm.paged import PagedKV
-from cachetier.kernels import gather_blocks, paged_attention_decode, scatter_blocks
 
 from benchmarks.support.output import emit
 from benchmarks.support.timing import interleaved_medians
+from cachetier.connectors.vllm.layouts import CUDA_KV, VllmArrangement
+from cachetier.connectors.vllm.paged import PagedKV
+from cachetier.kernels import gather_blocks, paged_attention_decode, scatter_blocks
 from cachetier.primitives.keys import KVLayout
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16

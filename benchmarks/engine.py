@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-from cachetier.engine.llm import LLM
-from cachetier.engine.sampling import SamplingParams
-from cachetier.engine.smollm2 import smollm2_path
 
 from benchmarks.support.output import emit
 from benchmarks.support.requests import OUTPUT_TOKENS, make_requests
 from benchmarks.support.vllm_batch import BLOCK_SIZE, run_batch
+from cachetier.engine.llm import LLM
+from cachetier.engine.sampling import SamplingParams
+from cachetier.engine.smollm2 import smollm2_path
 
 
 def run_hf(model: torch.nn.Module, requests: list[list[int]]) -> tuple[float, list[list[int]]]:

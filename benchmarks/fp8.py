@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.support.output import emit
+from benchmarks.support.timing import settle
 from cachetier.engine.config import FP8_KV_DTYPES
 from cachetier.engine.demo import STORY
 from cachetier.engine.kv_cache import KVPool
@@ -35,9 +38,6 @@ from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.smollm2 import smollm2_path
 from cachetier.engine.weights import load_weights
-
-from benchmarks.support.output import emit
-from benchmarks.support.timing import settle
 
 BLOCK_SIZE = 16
 QUESTIONS = (

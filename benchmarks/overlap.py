@@ -39,7 +39,6 @@ def measure(args: argparse.Namespace, folder: str) -> dict[str, Any]:
     from cachetier.engine.llm import LLM
     from cachetier.engine.sampling import SamplingParams
     from cachetier.engine.smollm2 import smollm2_path
-
     from cachetier.primitives.keys import block_keys
     from cachetier.store.config import StoreConfig
 

@@ -37,14 +37,14 @@ import sys
 from collections.abc import Callable
 
 import torch
-from cachetier.connectors.sglang.layouts import host_pool_parts
-from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, VllmArrangement
-from cachetier.kernels import gather_blocks
-from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 
 from benchmarks.support.children import REPO_ROOT, module_command
 from benchmarks.support.output import emit
 from benchmarks.support.timing import interleaved_medians
+from cachetier.connectors.sglang.layouts import host_pool_parts
+from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, VllmArrangement
+from cachetier.kernels import gather_blocks
+from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 from cachetier.primitives.keys import KVLayout
 
 L, H, D, BS, LATENT = 30, 3, 64, 32, 576

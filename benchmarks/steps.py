@@ -86,10 +86,10 @@ def attention_ms(
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+
     from cachetier.engine.llm import LLM
     from cachetier.engine.model import ForwardBatch, SeqSlice
     from cachetier.engine.smollm2 import smollm2_path
-
     from cachetier.store.costmodel import PrefillModel
 
     shapes = [tuple(int(x) for x in s.split("@")) for s in args.shapes] if args.shapes else SHAPES

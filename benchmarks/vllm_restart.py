@@ -56,8 +56,9 @@ def make_prompts(num_prompts: int, prompt_len: int, seed: int) -> list[list[int]
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine process: warm up, time each prompt's first token, then the greedy check."""
-    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
+
+    from cachetier.connectors.vllm.launch import kv_transfer_config
 
     start = time.perf_counter()
     llm = LLM(

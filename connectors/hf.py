@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 from cachetier.kernels.staging import HostStaging, payload_view
-
 from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.primitives.keys import (
     BlockHash,

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
-from cachetier.connectors.records import check_record
-from cachetier.kernels.staging import payload_tensor
 
+from cachetier.connectors.records import check_record
 from cachetier.errors import CacheTierError
+from cachetier.kernels.staging import payload_tensor
 from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, torch_dtype
 from cachetier.store.tiered import TieredStore
 from cachetier.util.parallel import map_in_threads

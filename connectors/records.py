@@ -4,8 +4,8 @@ its bytes enter an engine's memory."""
 from __future__ import annotations
 
 import torch
-from cachetier.kernels.staging import payload_view
 
+from cachetier.kernels.staging import payload_view
 from cachetier.primitives.keys import KVLayout
 from cachetier.record import KVBlock
 

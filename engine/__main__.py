@@ -17,7 +17,6 @@ from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.smollm2 import smollm2_path
-
 from cachetier.store.config import StoreConfig
 
 

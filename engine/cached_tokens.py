@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 from cachetier.engine.sequence import Sequence
-
 from cachetier.primitives.keys import BlockHash
 from cachetier.report.events import LookupEvent
 

@@ -39,7 +39,6 @@ def child(args: argparse.Namespace) -> None:
     from cachetier.engine.llm import LLM
     from cachetier.engine.sampling import SamplingParams
     from cachetier.engine.smollm2 import smollm2_path
-
     from cachetier.store.config import StoreConfig
 
     started = time.perf_counter()

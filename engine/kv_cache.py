@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from cachetier.engine.config import FP8_KV_DTYPES, POOL_DTYPES
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.kernels import gather_blocks, scatter_blocks
-
 from cachetier.primitives.keys import KVLayout, torch_dtype
 
 log = logging.getLogger(__name__)

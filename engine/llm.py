@@ -11,7 +11,6 @@ from typing import Any
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.llm_engine import LLMEngine, RequestOutput
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.pins.store import PinResult
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.tiered import TieredStore

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from cachetier.engine.block_manager import Block, BlockManager
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.host_memory import keep_freed_memory
@@ -22,7 +23,6 @@ from cachetier.engine.scheduler import Scheduler
 from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
 from cachetier.engine.weights import load_weights
-
 from cachetier.guard import GuardSampler
 from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.primitives.keys import Namespace, record_layout, torch_dtype

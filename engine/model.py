@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
 from cachetier.engine.kv_cache import dequantize_blocks, store_kv_fp8
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.kernels import common_prefix_blocks, merge_attention, paged_attention_decode
@@ -29,7 +31,6 @@ from cachetier.kernels.torch_paged_attention import (
     attend_unmasked,
     gather_layer_kv,
 )
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True, slots=True)

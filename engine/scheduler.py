@@ -22,7 +22,6 @@ from cachetier.engine.config import EngineConfig
 from cachetier.engine.sequence import Sequence, SequenceStatus
 from cachetier.engine.tier_bridge import TierBridge
 from cachetier.engine.tier_loads import PrefixLookup, TierLoads, at_jump
-
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys, records_per_block
 from cachetier.report.events import EventLog
 from cachetier.store.costmodel import CostModel, LoadPlan

@@ -8,9 +8,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.tier_bridge import Restored
-
 from cachetier.primitives.keys import BlockHash
 from cachetier.store.costmodel import LoadPlan
 

@@ -16,13 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
 from cachetier.engine.block_manager import Block
 from cachetier.engine.kv_cache import KVPool
 from cachetier.engine.shadow import ShadowVerifier
+from cachetier.guard import GuardSampler
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import payload_tensor, payload_view
-
-from cachetier.guard import GuardSampler
 from cachetier.primitives.keys import (
     BlockHash,
     Namespace,

@@ -17,7 +17,6 @@ from cachetier.engine.block_manager import BlockManager
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.sequence import PendingRestore, Sequence
 from cachetier.engine.tier_bridge import Restored, TierBridge
-
 from cachetier.primitives.keys import BlockHash
 from cachetier.store.costmodel import CostModel, LoadPlan
 from cachetier.tiers.prefix import PrefixHit

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from cachetier.engine.model_spec import ModelSpec
 
 

@@ -8,6 +8,7 @@ dispatches.
 from __future__ import annotations
 
 import torch
+
 from cachetier.kernels.backend import resolve_backend
 from cachetier.kernels.pool_shape import (
     INDEX_DTYPES,

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
 from cachetier.kernels.cache_ops import store_kvcache
 from cachetier.kernels.native_build import load_cpu_extension
 

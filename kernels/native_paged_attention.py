@@ -15,6 +15,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+
 from cachetier.kernels.native_build import load_cpu_extension
 from cachetier.kernels.pool_shape import DecodeInputs
 from cachetier.kernels.torch_paged_attention import merge_attention, shared_prefix_attention

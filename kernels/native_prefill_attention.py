@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
 from cachetier.kernels.native_build import load_cpu_extension
 
 UNIT = 16  # tokens per packed unit: the kernel's block sizes are multiples of it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from cachetier.kernels.backend import resolve_backend
 from cachetier.kernels.native_paged_attention import paged_attention_decode_native
 from cachetier.kernels.pool_shape import (

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from cachetier.kernels.backend import resolve_backend
 from cachetier.kernels.pool_shape import check_index_range, check_tensor
 

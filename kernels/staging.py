@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from cachetier.kernels.paged_layouts import PagedBlocks
 
 

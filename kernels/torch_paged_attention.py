@@ -15,6 +15,7 @@ them.
 from __future__ import annotations
 
 import torch
+
 from cachetier.kernels.pool_shape import DecodeInputs
 
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp (None where

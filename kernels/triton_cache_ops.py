@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cachetier.kernels.pool_shape import PoolShape
 
 # Elements per program when copying a flat row; a block is tiled by this many.

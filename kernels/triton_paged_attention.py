@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cachetier.kernels.pool_shape import DecodeInputs, PoolShape
 
 LOG2E = 1.4426950408889634

@@ -167,7 +167,6 @@ def surfaces(name: str) -> str:
     """The surfaces that take the setting ``name``, as the code reads them."""
     from cachetier.connectors.config import PLUGIN_KEYS, PLUGIN_SECRETS, VLLM_KEYS
     from cachetier.engine.config import EngineConfig
-
     from cachetier.server.config import SETTINGS as SERVER
     from cachetier.store.config import StoreConfig
     from cachetier.util.settings import flat_settings

@@ -12,8 +12,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import redis  # noqa: E402
-from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
 
+from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
 from cachetier.primitives.keys import Namespace  # noqa: E402
 from tests.certs import TLSFiles, make_tls_files  # noqa: E402
 from tests.models import make_tiny_llama  # noqa: E402

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from cachetier.engine.model_spec import ModelSpec
 
 

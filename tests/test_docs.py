@@ -32,7 +32,6 @@ def test_configuration_page_lists_every_field_with_its_description() -> None:
     gen = load_script("gen_config_doc")
     page = gen.render()
     from cachetier.connectors.config import SETTINGS as CONNECTOR
-
     from cachetier.server.config import SETTINGS as SERVER
 
     for name in {**CONNECTOR, **SERVER}:

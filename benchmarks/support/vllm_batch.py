@@ -39,9 +39,10 @@ def machine_cpu() -> dict[str, float]:
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One vLLM process: warm up, then time the requests in one ``generate``."""
+    from vllm import LLM, SamplingParams
+
     from cachetier.connectors.vllm import timing
     from cachetier.connectors.vllm.launch import kv_transfer_config
-    from vllm import LLM, SamplingParams
 
     extra = spec["kv_extra"]
     llm = LLM(

@@ -50,6 +50,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
 from cachetier.connectors.config import (
     fails_on_start_error,
     log_start_failure,
@@ -59,10 +63,6 @@ from cachetier.connectors.config import (
 )
 from cachetier.connectors.lmcache.chunks import ChunkFormat, chunk_format
 from cachetier.connectors.records import check_record, payload_block
-from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
-
 from cachetier.errors import CacheTierError
 from cachetier.primitives.keys import Namespace, foreign_key
 from cachetier.record import KVBlock

@@ -19,6 +19,7 @@ pool's own layout with one page in it, so ``page_shape`` and the same axes read 
 from __future__ import annotations
 
 import torch
+
 from cachetier.kernels.paged_layouts import axes_view
 
 HOST_POOL_AXES: dict[str, tuple[str, ...]] = {

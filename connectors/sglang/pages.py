@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from cachetier.connectors.sglang.layouts import host_pool_parts, page_shape, pool_axes
 from cachetier.kernels.paged_layouts import PagedBlocks
-
 from cachetier.primitives.keys import KVLayout, dtype_name
 from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT
 

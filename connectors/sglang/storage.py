@@ -47,6 +47,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
 from cachetier.connectors.config import (
     fails_on_start_error,
     log_start_failure,
@@ -57,12 +63,6 @@ from cachetier.connectors.config import (
 from cachetier.connectors.reads import ThreadScratch, read_each
 from cachetier.connectors.records import payload_block
 from cachetier.connectors.sglang.pages import HostPoolPages
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-)
-
 from cachetier.errors import CacheTierError
 from cachetier.primitives.keys import BlockHash, Namespace, foreign_key
 from cachetier.store.tiered import TieredStore

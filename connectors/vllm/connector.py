@@ -20,13 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from cachetier.connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
-from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
-from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
-from cachetier.connectors.vllm.scheduler import CacheTierScheduler
-from cachetier.connectors.vllm.stats import CacheTierConnectorStats
-from cachetier.connectors.vllm.timing import timed
-from cachetier.connectors.vllm.worker import CacheTierWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -35,6 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+from cachetier.connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
+from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
+from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
+from cachetier.connectors.vllm.scheduler import CacheTierScheduler
+from cachetier.connectors.vllm.stats import CacheTierConnectorStats
+from cachetier.connectors.vllm.timing import timed
+from cachetier.connectors.vllm.worker import CacheTierWorker
 from cachetier.guard import GuardSampler
 
 if TYPE_CHECKING:

@@ -6,7 +6,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from cachetier.connectors.vllm.metadata import StoredBlocks
-
 from cachetier.primitives.keys import BlockHash, num_leading_hits
 
 

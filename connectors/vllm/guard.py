@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachetier.connectors.vllm.metadata import BlockTransfer
 from vllm.logger import init_logger
 
+from cachetier.connectors.vllm.metadata import BlockTransfer
 from cachetier.errors import CacheTierError
 from cachetier.guard import GuardSampler
 from cachetier.primitives.keys import BlockHash

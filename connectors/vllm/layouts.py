@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from cachetier.kernels.paged_layouts import axes_view
 
+from cachetier.kernels.paged_layouts import axes_view
 from cachetier.primitives.keys import KVLayout, dtype_name
 from cachetier.primitives.kv_format import (
     CANONICAL_ARRANGEMENT,

@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from cachetier.connectors.vllm.layouts import VllmArrangement
 from cachetier.kernels.paged_layouts import PagedBlocks
 from cachetier.kernels.staging import HostStaging, PendingSave
-
 from cachetier.record import Buffer
 
 

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from cachetier.connectors.config import check_load_async
 from cachetier.connectors.vllm.cpu_index import WorkerCPUIndex
 from cachetier.connectors.vllm.guard import draw
@@ -38,9 +41,6 @@ from cachetier.connectors.vllm.metadata import (
     StoredBlocks,
 )
 from cachetier.connectors.vllm.steps import cacheable, describe_step
-from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
 from cachetier.errors import CacheTierError
 from cachetier.guard import GuardSampler, QuarantineList
 from cachetier.primitives.keys import (

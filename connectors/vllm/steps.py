@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
-
 from cachetier.store.costmodel import PrefillModel
 
 if TYPE_CHECKING:

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from vllm.logger import init_logger
+
 from cachetier.connectors.records import check_record
 from cachetier.connectors.vllm import timing
 from cachetier.connectors.vllm.guard import verify_saved
@@ -36,11 +38,9 @@ from cachetier.connectors.vllm.metadata import (
 )
 from cachetier.connectors.vllm.paged import PagedKV
 from cachetier.connectors.vllm.stats import CacheTierConnectorStats
+from cachetier.errors import CacheTierError
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import PendingSave, payload_tensor, payload_view
-from vllm.logger import init_logger
-
-from cachetier.errors import CacheTierError
 from cachetier.primitives.keys import record_layout, torch_dtype
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import Buffer, KVBlock

@@ -19,11 +19,11 @@ import sys
 from collections.abc import Mapping
 
 import uvicorn
+
+from cachetier.cli.ports import bound_port, run_reporting_ports
 from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from cachetier.engine.server.app import create_app
 from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
-
-from cachetier.cli.ports import bound_port, run_reporting_ports
 from cachetier.store.config import StoreConfig, env_values
 
 API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"

@@ -9,6 +9,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
 from cachetier.engine.llm import maybe_tokenizer
 from cachetier.engine.llm_engine import LLMEngine
 from cachetier.engine.server import routes, routes_pins
@@ -18,9 +21,6 @@ from cachetier.engine.server.errors import body_refused_answer, install_error_ha
 from cachetier.engine.server.metrics import EngineMetrics
 from cachetier.engine.server.serving import OpenAIServing
 from cachetier.engine.smollm2 import smollm2_path
-from fastapi import FastAPI
-from starlette.concurrency import run_in_threadpool
-
 from cachetier.server.body_limit import install_body_limit
 from cachetier.store.config import build_store
 from cachetier.store.tiered import TieredStore

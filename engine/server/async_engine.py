@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 from cachetier.engine.llm_engine import LLMEngine, RequestOutput
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.errors import CacheTierError
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ from types import MappingProxyType
 from typing import Any
 
 from cachetier.engine.config import EngineConfig
-
 from cachetier.store.config import StoreConfig
 
 SMOLLM2 = "smollm2"

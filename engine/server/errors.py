@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from cachetier.engine.server.schemas import ErrorDetail, ErrorResponse
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachetier.engine.server.schemas import ErrorDetail, ErrorResponse
 from cachetier.errors import RequestRefusedError
 from cachetier.server.body_limit import BodyRefused
 

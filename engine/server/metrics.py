@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from cachetier.engine.llm_engine import RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cachetier.engine.llm_engine import RequestOutput
 from cachetier.report.events import SOURCES
 from cachetier.server.metrics import (
     pin_families,

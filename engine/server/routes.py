@@ -8,6 +8,9 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
 from cachetier.engine.server.async_engine import EngineDeadError
 from cachetier.engine.server.errors import APIError
 from cachetier.engine.server.metrics import CONTENT_TYPE
@@ -35,8 +38,6 @@ from cachetier.engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
 
 
 def usage_event(

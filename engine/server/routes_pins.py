@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.server.errors import APIError
 from cachetier.engine.server.routes import get_serving, require_api_key
 from cachetier.engine.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from cachetier.engine.server.serving import new_id
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
-
 from cachetier.errors import PinLimitError, TierUnavailableError
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])

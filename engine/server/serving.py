@@ -11,6 +11,10 @@ from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
 from cachetier.engine.llm_engine import RequestOutput
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.server.async_engine import AsyncEngine, EngineDeadError
@@ -25,9 +29,6 @@ from cachetier.engine.server.schemas import (
     Usage,
 )
 from cachetier.engine.server.text_stream import TextStream
-from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
 T = TypeVar("T")
 

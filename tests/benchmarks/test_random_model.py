@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cachetier.engine.llm import LLM
-from cachetier.engine.model_spec import ModelSpec
-from cachetier.engine.sampling import SamplingParams
 from safetensors.torch import load_file
 
 from benchmarks.support.random_model import make_random_model
+from cachetier.engine.llm import LLM
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.sampling import SamplingParams
 from tests.models import make_tiny_llama
 
 

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import pytest
-from cachetier.connectors.config import ConnectorConfig
 
+from cachetier.connectors.config import ConnectorConfig
 from cachetier.server.config import ServerConfig
 from cachetier.store.config import StoreConfig
 from cachetier.util.settings import (

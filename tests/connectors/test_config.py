@@ -7,6 +7,7 @@ import ast
 import logging
 
 import pytest
+
 from cachetier.connectors.config import (
     ALL_KEYS,
     PLUGIN_KEYS,

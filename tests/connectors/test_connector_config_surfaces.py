@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cachetier.connectors.config import ConnectorConfig, plugin_config
-from cachetier.connectors.vllm.launch import kv_transfer_config
 
 from cachetier.cli.main import build_parser, serve_config
+from cachetier.connectors.config import ConnectorConfig, plugin_config
+from cachetier.connectors.vllm.launch import kv_transfer_config
 from cachetier.server.config import load_config
 from cachetier.store.config import StoreConfig
 

@@ -93,10 +93,10 @@ def _engine_generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
 
 def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from cachetier.connectors.hf import HFCacheConnector
-    from cachetier.engine.llm import LLM
     from transformers import AutoModelForCausalLM
 
+    from cachetier.connectors.hf import HFCacheConnector
+    from cachetier.engine.llm import LLM
     from cachetier.store.config import StoreConfig, build_store
 
     folder = spec["model"]
@@ -125,8 +125,9 @@ def _run_torch(spec: dict[str, Any]) -> dict[str, Any]:
 def _run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     import gc
 
-    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
+
+    from cachetier.connectors.vllm.launch import kv_transfer_config
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     results: dict[str, Any] = {}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from cachetier.connectors.hf import HFCacheConnector
 
+from cachetier.connectors.hf import HFCacheConnector
 from cachetier.errors import TierUnavailableError
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock

@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from cachetier.connectors.lmcache.chunks import ChunkFormat
 
+from cachetier.connectors.lmcache.chunks import ChunkFormat
 from cachetier.primitives.keys import KVLayout
 from cachetier.primitives.kv_format import MLA_ARRANGEMENT
 from cachetier.util.landing import copy_pairs

@@ -6,9 +6,9 @@ import threading
 from pathlib import Path
 
 import torch
+
 from cachetier.connectors.reads import ThreadScratch, read_each
 from cachetier.connectors.records import payload_block
-
 from cachetier.primitives.keys import KVLayout, Namespace, hash_block
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.tiered import TieredStore

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cachetier.connectors.sglang.layouts import (
     HOST_POOL_AXES,
     MLA_HOST_POOL_AXES,
@@ -13,7 +14,6 @@ from cachetier.connectors.sglang.layouts import (
     page_shape,
 )
 from cachetier.kernels.paged_layouts import PagedBlocks
-
 from tests.connectors.sglang_pool import make_mha_pool, make_mla_pool
 
 L, PAGES, PAGE, H, D = 3, 5, 4, 2, 8

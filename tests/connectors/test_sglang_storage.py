@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from cachetier.connectors.sglang.storage import CacheTierStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from cachetier.connectors.sglang.storage import CacheTierStorage
 from tests.children import run_python
 from tests.connectors.sglang_pool import make_mha_pool, make_mla_pool
 from tests.server.live import TOKENS, ThreadServer, test_config

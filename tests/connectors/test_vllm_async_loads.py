@@ -58,8 +58,9 @@ SHORT = _prompt(20261129, SHORT_LEN)
 
 
 def _engine(spec: dict[str, Any], kv_extra: dict[str, Any] | None):
-    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM
+
+    from cachetier.connectors.vllm.launch import kv_transfer_config
 
     kwargs: dict[str, Any] = {}
     if kv_extra is not None:

@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cachetier.connectors.vllm.connector import CacheTierConnector  # noqa: E402
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+
+from cachetier.connectors.vllm.connector import CacheTierConnector  # noqa: E402
 
 
 def _config(extra: dict) -> VllmConfig:

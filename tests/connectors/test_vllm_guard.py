@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
-from cachetier.connectors.vllm.guard import verify_saved  # noqa: E402
-from cachetier.connectors.vllm.metadata import BlockTransfer, StoredBlocks  # noqa: E402
-from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
+from cachetier.connectors.vllm.guard import verify_saved  # noqa: E402
+from cachetier.connectors.vllm.metadata import BlockTransfer, StoredBlocks  # noqa: E402
+from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from cachetier.guard import GuardConfig, GuardSampler  # noqa: E402
 from cachetier.primitives.keys import KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402

@@ -40,8 +40,9 @@ OTHER = _prompt(7199)  # whose KV the third forgery serves
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     """The child: one vLLM engine, each request of ``spec["requests"]`` in turn."""
-    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
+
+    from cachetier.connectors.vllm.launch import kv_transfer_config
 
     kwargs: dict[str, Any] = {}
     if spec["kv_extra"] is not None:
@@ -74,7 +75,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _namespace(model_dir: Path, salt: str):
     from cachetier.engine.model_spec import ModelSpec
-
     from cachetier.primitives.fingerprint import model_fingerprint
     from cachetier.primitives.keys import KVLayout, Namespace
 

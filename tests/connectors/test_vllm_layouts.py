@@ -18,8 +18,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, resolve  # noqa: E402
-from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheTensor,
@@ -29,6 +27,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, MLA, resolve  # noqa: E402
+from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
 from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT, MLA_ARRANGEMENT  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -181,8 +181,8 @@ def test_fp8_records_carry_the_layers_scales() -> None:
     from types import SimpleNamespace
 
     import numpy as np
-    from cachetier.connectors.vllm.layouts import fp8_scales
 
+    from cachetier.connectors.vllm.layouts import fp8_scales
     from cachetier.primitives.keys import KVLayout
 
     names = ["a", "b"]

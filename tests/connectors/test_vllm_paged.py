@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cachetier.connectors.config import ConnectorConfig, open_store
 from cachetier.connectors.records import check_record
 from cachetier.connectors.vllm.launch import kv_transfer_config, serve_flag
 from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
 from cachetier.connectors.vllm.paged import PagedKV
 from cachetier.kernels.staging import payload_view
-
 from cachetier.primitives.keys import KVLayout, Namespace, block_keys, dtype_name
 from cachetier.primitives.kv_format import CANONICAL_ARRANGEMENT
 from cachetier.record import KVBlock

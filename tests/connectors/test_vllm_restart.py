@@ -46,8 +46,9 @@ def _prompt() -> list[int]:
 def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import gc
 
-    from cachetier.connectors.vllm.launch import kv_transfer_config
     from vllm import LLM, SamplingParams
+
+    from cachetier.connectors.vllm.launch import kv_transfer_config
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
     results = []
@@ -175,7 +176,6 @@ def stored(
 
 def _namespace(model_dir: Path):
     from cachetier.engine.model_spec import ModelSpec
-
     from cachetier.primitives.fingerprint import model_fingerprint
     from cachetier.primitives.keys import KVLayout, Namespace
 

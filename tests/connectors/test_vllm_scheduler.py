@@ -13,9 +13,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
-from cachetier.connectors.vllm.metadata import StoredBlocks  # noqa: E402
-from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
@@ -26,6 +23,9 @@ from vllm.v1.core.sched.output import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
+from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
+from cachetier.connectors.vllm.metadata import StoredBlocks  # noqa: E402
+from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store.costmodel import PrefillModel  # noqa: E402

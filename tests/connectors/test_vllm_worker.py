@@ -19,7 +19,6 @@ from cachetier.connectors.vllm.metadata import BlockTransfer, CacheTierConnector
 from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
 from cachetier.connectors.vllm.worker import CacheTierWorker  # noqa: E402
 from cachetier.kernels.staging import payload_view  # noqa: E402
-
 from cachetier.primitives.keys import BlockHash, KVLayout, Namespace, block_keys  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
 from cachetier.store.tiered import TieredStore  # noqa: E402

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+
 from cachetier.engine.block_manager import BlockManager
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.kv_cache import KVPool
@@ -16,7 +17,6 @@ from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.scheduler import ScheduledSeq, Scheduler
 from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
-
 from cachetier.primitives.keys import KVLayout, Namespace, record_layout
 from cachetier.report.events import EventLog
 from cachetier.store.costmodel import LoadPlan

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from cachetier.engine.block_manager import Block, BlockManager
 
+from cachetier.engine.block_manager import Block, BlockManager
 from cachetier.primitives.keys import BlockHash
 
 

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.llm_engine import RequestOutput
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.costmodel import LoadPlan

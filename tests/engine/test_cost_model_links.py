@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.throttled_link import SlowLink

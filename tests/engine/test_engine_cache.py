@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cachetier.engine.block_manager import BlockManager
 from cachetier.engine.config import FP8_KV_DTYPES, EngineConfig
 from cachetier.engine.kv_cache import KVPool, dequantize_blocks, store_kv_fp8
@@ -16,7 +17,6 @@ from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.weights import load_weights
-
 from cachetier.primitives.keys import block_keys
 from cachetier.store.config import StoreConfig, build_store
 

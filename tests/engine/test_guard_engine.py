@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.config import StoreConfig

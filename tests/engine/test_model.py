@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cachetier.engine.kv_cache import KVPool
 from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.weights import load_weights
-
 from tests.models import make_tiny_llama
 
 BLOCK = 16

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.model_spec import ModelSpec
 
 

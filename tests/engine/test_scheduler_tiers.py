@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cachetier.engine.tier_bridge import TierBridge
 
+from cachetier.engine.tier_bridge import TierBridge
 from cachetier.primitives.keys import BlockHash
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig, build_store

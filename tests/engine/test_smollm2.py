@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.smollm2 import (
     DEFAULT_MODEL_CACHE,
@@ -20,8 +22,6 @@ from cachetier.engine.smollm2 import (
     smollm2_gguf_path,
     smollm2_path,
 )
-from safetensors import safe_open
-
 from cachetier.primitives.fingerprint import model_fingerprint
 from tests.children import child_env, python_command, run_python_at_once
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cachetier.engine.model_spec import ModelSpec
-from cachetier.engine.weights import load_weights
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from cachetier.engine.model_spec import ModelSpec
+from cachetier.engine.weights import load_weights
 from tests.models import make_tiny_llama
 
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import (
     BATCH_MEDIA_TYPE,

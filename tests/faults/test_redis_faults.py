@@ -12,7 +12,6 @@ from pathlib import Path
 
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.primitives.keys import Namespace
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig

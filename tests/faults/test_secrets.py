@@ -20,9 +20,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from cachetier.connectors.config import ConnectorConfig
 from redis import exceptions as redis_exceptions
 
+from cachetier.connectors.config import ConnectorConfig
 from cachetier.primitives.keys import KVLayout, Namespace
 from cachetier.protocol.transfer_frames import hello
 from cachetier.server.config import load_config

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from cachetier.connectors.hf import HFCacheConnector
 from cachetier.connectors.vllm.layouts import CUDA_KV, MLA, VllmArrangement
 from cachetier.connectors.vllm.paged import PagedKV
-
 from cachetier.primitives.keys import KVLayout, dtype_name
 from cachetier.primitives.kv_format import MLA_ARRANGEMENT
 from cachetier.store.config import StoreConfig, build_store

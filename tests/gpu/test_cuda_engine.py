@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from cachetier.store.config import StoreConfig
 
 pytestmark = pytest.mark.cuda

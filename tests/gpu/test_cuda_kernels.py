@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cachetier.kernels import (
     DecodeInputs,
     gather_blocks,
@@ -20,7 +21,6 @@ from cachetier.kernels import (
     store_kvcache,
     store_kvcache_ref,
 )
-
 from tests.kernels.attention_cases import TOLERANCES, decode_batch, shared_prefix_batch
 
 pytestmark = pytest.mark.cuda

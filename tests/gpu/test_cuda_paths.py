@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cachetier.connectors.vllm.layouts import CUDA_KV, VllmArrangement
 from cachetier.connectors.vllm.paged import PagedKV
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 from cachetier.kernels.staging import HostStaging
-
 from cachetier.primitives.keys import KVLayout
 
 pytestmark = pytest.mark.cuda

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from cachetier.kernels import gather_blocks, scatter_blocks, store_kvcache
 
 DTYPES = [torch.float32, torch.float16]

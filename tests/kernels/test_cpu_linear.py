@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from cachetier.kernels.cpu_linear import _onednn_dtypes, _onednn_linear, linear, prepack
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+
 from cachetier.kernels.fused_ops import (
     native_fused_ops,
     rms_norm,

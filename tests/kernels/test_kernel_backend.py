@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-from cachetier.kernels import resolve_backend
 
 from cachetier import kernels
+from cachetier.kernels import resolve_backend
 
 
 def test_auto_picks_torch_for_cpu_tensors():

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
+
 from cachetier.kernels import DecodeInputs, paged_attention_decode, paged_attention_decode_ref
 from cachetier.kernels.native_paged_attention import (
     native_decode_kernel,
     paged_attention_decode_native,
 )
-
 from tests.kernels.attention_cases import (
     TOLERANCES,
     decode_batch,

@@ -4,6 +4,7 @@ reference, on every shape it is built for, and its refusals where it is not."""
 
 import pytest
 import torch
+
 from cachetier.kernels.native_prefill_attention import (
     PrefillChunk,
     native_prefill_kernel,

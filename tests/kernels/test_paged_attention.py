@@ -3,13 +3,13 @@
 
 import pytest
 import torch
+
 from cachetier.kernels import (
     DecodeInputs,
     common_prefix_blocks,
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-
 from tests.kernels.attention_cases import (
     NUM_KV_HEADS,
     TOLERANCES,

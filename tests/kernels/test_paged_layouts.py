@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 
 L, BS, H, D, NB = 3, 4, 2, 8, 6

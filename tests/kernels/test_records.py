@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cachetier.kernels.records import join_records, split_block
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 from cachetier.kernels.staging import HostStaging
 

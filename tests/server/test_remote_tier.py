@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from cachetier.connectors.config import ConnectorConfig
 
+from cachetier.connectors.config import ConnectorConfig
 from cachetier.primitives.keys import Namespace
 from cachetier.protocol.http_batch import BATCH_MEDIA_TYPE, batch_parts
 from cachetier.record import encode_parts

@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cachetier.engine.server.app import create_app
-from cachetier.engine.server.config import EngineServerConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from cachetier.engine.server.app import create_app
+from cachetier.engine.server.config import EngineServerConfig
 from tests.server.live import wait_healthy
 from tests.support import AppThread
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-
 from tests.engine.server.live import EngineServer, get, metric, post, post_raw, stream
 
 PROMPT = [(i * 7 + 3) % 250 for i in range(50)]  # 3 full blocks of 16 and 2 tokens

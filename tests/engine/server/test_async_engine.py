@@ -9,6 +9,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.config import EngineConfig
 from cachetier.engine.llm_engine import LLMEngine, RequestOutput
 from cachetier.engine.sampling import SamplingParams

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cachetier.engine.server.__main__ import server_config
 from cachetier.engine.server.config import EngineServerConfig
-
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig
 from tests.engine.server.live import post

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachetier.engine.llm import LLM
-
 from cachetier.primitives.keys import block_keys
 from cachetier.store.config import StoreConfig
 from tests.engine.server.live import EngineServer

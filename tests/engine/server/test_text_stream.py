@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cachetier.engine.server.text_stream import TextStream
 
 
