@@ -10,7 +10,7 @@
 FROM python:3.11-slim AS sidecar-build
 ENV PIP_NO_CACHE_DIR=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY scripts/setup_server.sh ./scripts/
 COPY cachetier ./cachetier
 COPY engine ./engine
@@ -42,7 +42,7 @@ ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     PYTHONUNBUFFERED=1
 
 WORKDIR /app
-COPY pyproject.toml Makefile README.md ./
+COPY pyproject.toml Makefile README.md LICENSE ./
 COPY scripts ./scripts
 COPY cachetier ./cachetier
 COPY engine ./engine

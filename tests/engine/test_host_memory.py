@@ -56,7 +56,9 @@ def test_later_steps_reuse_the_freed_activations_instead_of_faulting_pages_in() 
     first, second, _, *steady = kept["faults"]
     assert first >= PAGES_PER_STEP  # the first step faults its memory in once
     assert second < PAGES_PER_STEP // 2, kept  # the heap settles within a step or two
-    assert sum(steady) < PAGES_PER_STEP // 50, kept  # and then faults nothing in
+    # And then faults next to nothing in: now and then malloc places one of the step's 25
+    # tensors anew (8 MiB, 1/25 of a step), never the step's memory as without the setting.
+    assert sum(steady) <= PAGES_PER_STEP // 25, kept
 
     # The control, so this test fails if the setting does nothing: glibc's own thresholds give
     # the whole heap top back after the first step, and the second faults all of it in again.
