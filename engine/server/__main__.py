@@ -25,6 +25,7 @@ from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from cachetier.engine.server.app import create_app
 from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
 from cachetier.store.config import StoreConfig, env_values
+from cachetier.util.settings import add_flags, flag_values
 
 API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"
 
@@ -76,11 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu, cuda or cuda:N: where the weights, the KV pool and the forward live",
     )
-    tiers = p.add_argument_group("tiers (override CACHETIER_* variables)")
-    tiers.add_argument("--cpu-bytes", type=int, default=None, help="CPU tier capacity (0: none)")
-    tiers.add_argument("--disk-path", default=None, help="disk tier folder")
-    tiers.add_argument("--redis-url", default=None)
-    tiers.add_argument("--remote-url", default=None, help="a cachetier sidecar server")
+    # Every store setting, from its one declaration (secrets only from CACHETIER_*).
+    add_flags(p.add_argument_group("tiers (override CACHETIER_* variables)"), StoreConfig)
     limits = p.add_argument_group("limits")
     limits.add_argument("--max-prompt-tokens", type=int, default=None)
     limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
@@ -100,13 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 def store_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig | None:
     """The tiers of the environment and the flags; ``None`` if they name none."""
     values = env_values(StoreConfig, env)
-    flags = {
-        "cpu_bytes": args.cpu_bytes,
-        "disk_path": args.disk_path,
-        "redis_url": args.redis_url,
-        "remote_url": args.remote_url,
-    }
-    values.update({k: v for k, v in flags.items() if v is not None})
+    values.update(flag_values(StoreConfig, args))
     cpu_bytes = values.get("cpu_bytes", StoreConfig.cpu_bytes)
     if not (
         cpu_bytes or values.get("disk_path") or values.get("redis_url") or values.get("remote_url")

@@ -54,6 +54,19 @@ def test_tiers_come_from_the_environment_and_flags_win() -> None:
     with pytest.raises(SystemExit):
         server_config(["--block-size", "3"], {})
     assert server_config([], {})[0].engine_args["kv_load_policy"] == "cost"
+
+
+def test_every_store_setting_has_its_flag_and_a_bad_value_names_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--disk-path", "/tmp/kv", "--redis-timeout-s", "0.5", "--no-fsync", "--policy", "lru"]
+    config, _ = server_config(argv, {})
+    assert config.store == StoreConfig(
+        disk_path="/tmp/kv", redis_timeout_s=0.5, fsync=False, policy="lru"
+    )
+    with pytest.raises(SystemExit):
+        server_config(["--disk-path", "/tmp/kv", "--write-queue-blocks", "many"], {})
+    assert "--write-queue-blocks" in capsys.readouterr().err
     config, _ = server_config(["--kv-load-policy", "always"], {})
     assert config.engine_args["kv_load_policy"] == "always"
     with pytest.raises(SystemExit):
