@@ -21,13 +21,12 @@ Ratios:
 
 Every mode runs ``--repeats`` times (default 3), each in a fresh process, interleaved round by
 round; the figures are those of each mode's median run, and ``ttft_runs_s`` lists every run.
-One run of each is one sample of a shared machine: its 4k restart swung from 74 to 121 ms
-between back-to-back runs of one build. The restart from disk, the figure's subject and the
-cheapest run (no prefill of the prompt), runs ``--disk-runs`` times a round (default 3): on
-an AMD EPYC with AVX-512 here, 0.11-0.13 s most of the time and now and then 0.17-0.23 s, its
-restore and its suffix prefill both slower (such a run had no more page faults and no steal
-time, and one came right after a ``sync``), so three samples alone gave a median of 0.19 s
-once. A cold run (seconds of compute) averages such moments out by itself.
+One run of each is one sample of a shared machine, which can swing by half between
+back-to-back runs of one build. The restart from disk, the figure's subject and the cheapest
+run (no prefill of the prompt), runs ``--disk-runs`` times a round (default 3): now and then
+one such run is much slower, its restore and its suffix prefill both, so a median of few
+samples can land on one. A cold run (seconds of compute) averages such moments out by
+itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What one forward step costs, by new tokens and cached context: what the cost model fits.
 
 The cost model (``cachetier.store.costmodel.PrefillModel``) prices a step as ``c0 + c1 x tokens +
-c2 x attention``. Where that shape is wrong, its plans are too: on an H200 every step of the
-135M-parameter SmolLM2 cost 30-50 ms of host time whatever its size, so the warm-up fit saw
-tokens as almost free. This times single forwards of the engine's model (no scheduler, no
+c2 x attention``. Where that shape is wrong, its plans are too: on a fast GPU every step of
+the 135M-parameter SmolLM2 costs about the same host time whatever its size, so a warm-up fit
+sees tokens as almost free. This times single forwards of the engine's model (no scheduler, no
 tiers) at the shapes a restart meets, in one process:
 
 - ``forward_ms``: median milliseconds of one forward of ``n`` new tokens after ``c`` cached
