@@ -61,9 +61,8 @@ class ShadowVerifier:
             hit: the store's lookup of ``keys`` (in records).
             keys: the record keys looked up.
         """
-        tiers = {hit.tier_names[tier] for tier, _, _ in hit.spans}
-        drawn = [self.sampler.should_verify(name, self.namespace_id) for name in sorted(tiers)]
-        if not any(drawn):
+        tiers = (hit.tier_names[tier] for tier, _, _ in hit.spans)
+        if not self.sampler.should_verify_hit(tiers, self.namespace_id):
             return False
         with self._lock:
             self.stats.verified_requests += 1

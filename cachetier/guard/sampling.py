@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -73,3 +74,9 @@ class GuardSampler:
             if seen < self.config.first_hits:
                 return True
             return self._rng.random() < self.config.fraction
+
+    def should_verify_hit(self, tiers: Iterable[str], namespace: str) -> bool:
+        """Whether a hit spread over ``tiers`` is verified: a draw for each of its tiers (each
+        counts the hit as seen), verified if any draws it."""
+        drawn = [self.should_verify(tier, namespace) for tier in sorted(set(tiers))]
+        return any(drawn)

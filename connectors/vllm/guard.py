@@ -43,8 +43,7 @@ def draw(
     """
     if guard is None or not spans:
         return None
-    drawn = [guard.should_verify(tier, namespace_id) for tier in sorted({t for t, _ in spans})]
-    if not any(drawn):
+    if not guard.should_verify_hit((tier for tier, _ in spans), namespace_id):
         return None
     tiers: dict[BlockHash, str] = {}
     pos = 0
