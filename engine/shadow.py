@@ -42,11 +42,16 @@ class ShadowVerifier:
         store: the store whose tiers are verified (and which keeps the quarantines).
         namespace_id: the engine's storage namespace.
         sampler: which hits to verify.
+        writer: what the namespace's records claim to be (``Namespace.describe``), for the
+            guard's log line.
     """
 
-    def __init__(self, store: TieredStore, namespace_id: str, sampler: GuardSampler) -> None:
+    def __init__(
+        self, store: TieredStore, namespace_id: str, sampler: GuardSampler, writer: str = ""
+    ) -> None:
         self.store = store
         self.namespace_id = namespace_id
+        self.writer = writer
         self.sampler = sampler
         self.stats = ShadowStats()
         self.verdicts: list[Verdict] = []  # the mismatches found, for the engine's stats
@@ -85,7 +90,7 @@ class ShadowVerifier:
                 if tier is not None:
                     by_tier.setdefault(tier, []).append(record)
         for tier, computed in by_tier.items():
-            verdict = self.store.verify(self.namespace_id, tier, computed)
+            verdict = self.store.verify(self.namespace_id, tier, computed, self.writer)
             with self._lock:
                 self.stats.verified_blocks += verdict.compared
                 self.stats.mismatched_blocks += len(verdict.mismatches)

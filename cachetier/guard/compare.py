@@ -48,6 +48,8 @@ class BlockMismatch:
             first (at most eight).
         max_rel_error: the largest relative error of any layer and plane.
         reason: ``"values"``, or ``"shape"`` / ``"dtype"`` when the two cannot be compared.
+        format_version: the record format version the restored block was read from (0: not
+            read from a record).
     """
 
     key_hex: str
@@ -56,14 +58,16 @@ class BlockMismatch:
     worst: tuple[tuple[int, str, float], ...]
     max_rel_error: float
     reason: str = "values"
+    format_version: int = 0
 
     def describe(self) -> str:
         """One line for the log: which layers, K or V, and how far off."""
+        record = f"record format v{self.format_version}" if self.format_version else "record"
         if self.reason != "values":
-            return f"block {self.key_hex[:16]}: {self.reason} differs"
+            return f"block {self.key_hex[:16]} ({record}): {self.reason} differs"
         parts = ", ".join(f"layer {layer} {plane} {err:.3g}" for layer, plane, err in self.worst)
         return (
-            f"block {self.key_hex[:16]} ({self.dtype}): max relative error "
+            f"block {self.key_hex[:16]} ({self.dtype}, {record}): max relative error "
             f"{self.max_rel_error:.3g} > {self.tolerance:g} at {parts}"
         )
 
@@ -83,10 +87,11 @@ def compare_blocks(restored: KVBlock, computed: KVBlock) -> BlockMismatch | None
     """
     key_hex = restored.key.hex()
     tolerance = _tolerance(computed.dtype)
+    version = restored.format_version
     if restored.dtype != computed.dtype:
-        return BlockMismatch(key_hex, computed.dtype, tolerance, (), float("inf"), "dtype")
+        return BlockMismatch(key_hex, computed.dtype, tolerance, (), float("inf"), "dtype", version)
     if restored.shape != computed.shape or restored.num_tokens != computed.num_tokens:
-        return BlockMismatch(key_hex, computed.dtype, tolerance, (), float("inf"), "shape")
+        return BlockMismatch(key_hex, computed.dtype, tolerance, (), float("inf"), "shape", version)
     errors = relative_errors(restored, computed)  # [layers, planes]
     worst = float(errors.max()) if errors.size else 0.0
     if worst <= tolerance:
@@ -95,7 +100,7 @@ def compare_blocks(restored: KVBlock, computed: KVBlock) -> BlockMismatch | None
     ranked = sorted(past.tolist(), key=lambda lp: -errors[lp[0], lp[1]])[:8]
     names = PLANE_NAMES if errors.shape[1] == 2 else ("latent",)
     details = tuple((int(l), names[p], float(errors[l, p])) for l, p in ranked)  # noqa: E741
-    return BlockMismatch(key_hex, computed.dtype, tolerance, details, worst)
+    return BlockMismatch(key_hex, computed.dtype, tolerance, details, worst, "values", version)
 
 
 def relative_errors(restored: KVBlock, computed: KVBlock) -> np.ndarray:

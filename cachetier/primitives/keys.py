@@ -109,6 +109,13 @@ class KVLayout:
     head_dim: int
     arrangement: str = CANONICAL_ARRANGEMENT
 
+    def describe(self) -> str:
+        """The layout in one line for a log."""
+        return (
+            f"{self.dtype} blocks of {self.block_size} tokens, {self.num_layers} layers x "
+            f"{self.num_kv_heads} KV heads x {self.head_dim}, arrangement {self.arrangement}"
+        )
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
@@ -227,6 +234,13 @@ class Namespace:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    def describe(self) -> str:
+        """What the namespace's writers claim to be, in one line for a log: the parts of the
+        fingerprint a reader of another model, engine version or layout differs in."""
+        return (
+            f"model {self.model_fingerprint[:16]}, {self.layout.describe()}, tenant {self.tenant!r}"
+        )
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

@@ -32,6 +32,9 @@ class KVBlock:
             uncompressed record this block was read from and checked against, so encoding it
             again (a server answering a get) need not hash the payload again. It counts only
             while ``data`` and ``aux`` are still those very objects.
+        format_version: the record format version it was read from (``cachetier.record``), 0
+            for a block made in memory; the restore guard names it when a record is wrong, as
+            the first thing to suspect after an upgrade.
     """
 
     key: BlockHash
@@ -42,6 +45,7 @@ class KVBlock:
     data: Buffer
     aux: Buffer = b""
     verified: tuple[Buffer, Buffer, bytes] | None = field(default=None, compare=False, repr=False)
+    format_version: int = field(default=0, compare=False, repr=False)
 
     # Payload plus side data, counted once here: a connector's small gets read it per block.
     _nbytes: int = field(default=0, init=False, compare=False, repr=False)
@@ -107,7 +111,7 @@ def checked_block(*values: Any) -> KVBlock:
 
     Args:
         values: every slot, in ``KVBlock.__slots__`` order (``_nbytes`` last: payload plus
-            aux bytes).
+            aux bytes, after ``format_version``).
 
     Returns:
         The block.

@@ -308,6 +308,7 @@ def _build(
         data,
         aux_bytes,
         verified,
+        h.version,
         h.raw_len + len(aux_bytes),
     )
 

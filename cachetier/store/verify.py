@@ -82,13 +82,17 @@ class Verifier:
         with self._lock:
             _bump(self.stats.quarantined_lookups, tier)
 
-    def verify(self, tier: Tier, namespace: str, computed: Sequence[KVBlock]) -> Verdict:
+    def verify(
+        self, tier: Tier, namespace: str, computed: Sequence[KVBlock], writer: str = ""
+    ) -> Verdict:
         """Compare ``tier``'s records of ``computed``'s keys with ``computed``.
 
         Args:
             tier: the tier the hit was found in.
             namespace: the storage namespace.
             computed: records the engine computed for keys the tier was seen to hold.
+            writer: what the namespace's writers claim to be (``Namespace.describe``): a
+                record names no writer, so the log line says what its writer had to agree on.
 
         Returns:
             What was compared and found; a key the tier no longer holds is not compared.
@@ -113,10 +117,11 @@ class Verifier:
             tier.report_quarantine(namespace, found[0].describe())
         log.warning(
             "cachetier guard: tier %s served KV that does not match a recomputation in "
-            "namespace %s (%d of %d blocks differ; %s); namespace quarantined in that tier, "
+            "namespace %s%s (%d of %d blocks differ; %s); namespace quarantined in that tier, "
             "its compared records deleted. Lift with `cachetier quarantine lift`.",
             tier.name,
-            namespace,
+            namespace[:16],
+            f" [{writer}]" if writer else "",
             len(found),
             len(pairs),
             found[0].describe(),

@@ -55,7 +55,7 @@ def draw(
 
 
 def verify_saved(
-    store: TieredStore, transfer: BlockTransfer, records: Sequence[KVBlock]
+    store: TieredStore, transfer: BlockTransfer, records: Sequence[KVBlock], writer: str = ""
 ) -> list[tuple[str, str, str]]:
     """Compare the records of a save that a verified hit waits for with their tiers.
 
@@ -63,6 +63,7 @@ def verify_saved(
         store: the worker's tiers.
         transfer: the save, with ``verify_tiers``.
         records: the records vLLM computed for ``transfer.keys``.
+        writer: what the records claim to be (their layout), for the guard's log line.
 
     Returns:
         ``(tier, namespace id, reason)`` of each quarantine this began.
@@ -74,7 +75,7 @@ def verify_saved(
     began = []
     for tier, computed in by_tier.items():
         try:
-            verdict = store.verify(transfer.namespace_id, tier, computed)
+            verdict = store.verify(transfer.namespace_id, tier, computed, writer)
         except (CacheTierError, OSError, ValueError) as exc:
             logger.warning("cachetier guard: could not verify tier %s: %s", tier, exc)
             continue

@@ -334,7 +334,7 @@ class CacheTierWorker:
             transfer, start = pending.tag  # type: ignore[misc]
             records = self._records(transfer, pending.payloads)
             if transfer.verify_tiers:  # compared before storing: the tier's own record
-                began = verify_saved(self._store, transfer, records)
+                began = verify_saved(self._store, transfer, records, self._record_layout.describe())
                 with self._lock:
                     self._report.quarantined.extend(began)
             try:
