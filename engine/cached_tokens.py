@@ -54,4 +54,15 @@ def lookup_event(
         origin="engine",
         recomputed_tokens=seq.num_recomputed_hit_tokens,
         est_saved_s=seq.est_saved_s,
+        verified_tokens=seq.num_verified_tokens,
+        miss_tokens=_misses(seq),
     )
+
+
+def _misses(seq: Sequence) -> dict[str, int]:
+    """Tokens not served, by cause (``MISS_CAUSES``), where the lookup knows one."""
+    # A quarantined tier's blocks lie past the hit, so they never overlap the hit's tokens;
+    # the last prompt token is always computed, hence the cap.
+    room = max(seq.num_prompt_tokens - seq.num_cached_tokens - 1, 0)
+    lost = min(seq.num_quarantined_tokens, room)
+    return {"quarantined": lost} if lost else {}

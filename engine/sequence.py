@@ -84,6 +84,10 @@ class Sequence:
     # estimated the hit saved (against recomputing all of it).
     num_recomputed_hit_tokens: int = 0
     est_saved_s: float = 0.0
+    # Tier hits the restore guard drew to verify (computed, then compared with the tier), and
+    # tokens past the hit that a quarantined tier holds: the lookup event reports both.
+    num_verified_tokens: int = 0
+    num_quarantined_tokens: int = 0
     # The plan of its first admission: a refusal's real prefill time goes back to the model.
     load_plan: LoadPlan | None = None
     # (from, to): blocks loaded from the tiers sit at tokens [from, to), after blocks the

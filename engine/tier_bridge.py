@@ -95,7 +95,7 @@ class TierBridge:
         self._lock = threading.Lock()
         self._background: ThreadPoolExecutor | None = None
         self.shadow = (
-            ShadowVerifier(store, namespace.id, guard)
+            ShadowVerifier(store, namespace.id, guard, namespace.describe())
             if guard is not None and guard.config.enabled
             else None
         )
@@ -162,7 +162,8 @@ class TierBridge:
         """
         hit = self.store.lookup(self.namespace.id, keys)
         if hit.num_blocks and self.shadow is not None and self.shadow.take(hit, keys):
-            return PrefixHit(0, (), hit.tier_names)
+            verified = hit.num_blocks // self.records_per_block
+            return PrefixHit(0, (), hit.tier_names, verified_blocks=verified)
         return _in_blocks(hit, self.records_per_block)
 
     def restore(
@@ -327,6 +328,7 @@ def _in_blocks(hit: PrefixHit, per_block: int) -> PrefixHit:
     if per_block == 1:
         return hit
     num_blocks = hit.num_blocks // per_block
+    lost = hit.quarantined_blocks // per_block
     tiers = [0] * hit.num_blocks
     for tier, start, end in hit.spans:
         tiers[start:end] = [tier] * (end - start)
@@ -337,4 +339,4 @@ def _in_blocks(hit: PrefixHit, per_block: int) -> PrefixHit:
             spans[-1] = (tier, spans[-1][1], b + 1)
         else:
             spans.append((tier, b, b + 1))
-    return PrefixHit(num_blocks, tuple(spans), hit.tier_names)
+    return PrefixHit(num_blocks, tuple(spans), hit.tier_names, quarantined_blocks=lost)

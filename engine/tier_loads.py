@@ -118,6 +118,8 @@ class TierLoads:
         hit = self.bridge.lookup(self.records(seq, len(pool_ids), len(keys)))
         plan = self._plan(seq, hit, len(pool_ids) * self.block_size, cost)
         seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
+        seq.num_verified_tokens = hit.verified_blocks * self.block_size
+        seq.num_quarantined_tokens = hit.quarantined_blocks * self.block_size
         return PrefixLookup(keys, pool_ids, hit, plan)
 
     def _plan(

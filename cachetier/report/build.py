@@ -133,6 +133,8 @@ def headline(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
             loaded_tokens=figures["load_or_recompute"]["loaded_tokens"],
             recomputed_by_choice_tokens=figures["load_or_recompute"]["recomputed_by_choice_tokens"],
             cost_model_est_saved_s=figures["load_or_recompute"]["est_saved_s"],
+            verified_by_guard_tokens=figures["load_or_recompute"]["verified_by_guard_tokens"],
+            quarantined_tokens=figures["load_or_recompute"]["quarantined_tokens"],
         )
     if "capacity_curve" in figures:
         curve = figures["capacity_curve"]

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 SOURCES = ("pool", "cpu", "disk", "redis", "remote")
 """Where hit tokens can come from: the engine's own pool, then the tiers in lookup order."""
 
+MISS_CAUSES = ("quarantined",)
+"""Why tokens a tier holds were not served: ``quarantined``, the tier holds them but the restore
+guard quarantined the namespace there (``cachetier.store.verify``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class LookupEvent:
@@ -44,6 +48,9 @@ class LookupEvent:
             cost model estimated recomputing them faster than loading them.
         est_saved_s: seconds the cost model estimated the hit saved (against recomputing it
             all); 0 where no estimate was made.
+        verified_tokens: tokens the tiers held that the restore guard drew for verification:
+            computed instead of loaded, then compared with the tier's records.
+        miss_tokens: tokens not served, by cause (``MISS_CAUSES``); absent causes are 0.
     """
 
     time_s: float
@@ -56,6 +63,8 @@ class LookupEvent:
     origin: str = "engine"
     recomputed_tokens: int = 0
     est_saved_s: float = 0.0
+    verified_tokens: int = 0
+    miss_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A NaN or infinite time (JSON allows NaN) would wreck every plot over time, and a
@@ -70,6 +79,11 @@ class LookupEvent:
             raise ValueError(
                 f"recomputed_tokens must be in [0, num_tokens], got {self.recomputed_tokens}"
             )
+        if self.verified_tokens < 0 or self.verified_tokens > self.num_tokens:
+            raise ValueError(
+                f"verified_tokens must be in [0, num_tokens], got {self.verified_tokens}"
+            )
+        _check_misses(self.miss_tokens, self.num_tokens)
         if self.num_alignment_lost_tokens < 0:
             raise ValueError(
                 f"num_alignment_lost_tokens must be >= 0, got {self.num_alignment_lost_tokens}"
@@ -109,6 +123,8 @@ class LookupEvent:
                 # Only where a cost model spoke: logs without one stay as they were.
                 **({"recomputed_tokens": self.recomputed_tokens} if self.recomputed_tokens else {}),
                 **({"est_saved_s": round(self.est_saved_s, 6)} if self.est_saved_s else {}),
+                **({"verified_tokens": self.verified_tokens} if self.verified_tokens else {}),
+                **({"miss_tokens": misses} if (misses := _nonzero(self.miss_tokens)) else {}),
             },
             separators=(",", ":"),
         )
@@ -133,9 +149,23 @@ class LookupEvent:
                 origin=str(raw.get("origin", "engine")),
                 recomputed_tokens=int(raw.get("recomputed_tokens", 0)),
                 est_saved_s=float(raw.get("est_saved_s", 0.0)),
+                verified_tokens=int(raw.get("verified_tokens", 0)),
+                miss_tokens={str(k): int(v) for k, v in dict(raw.get("miss_tokens", {})).items()},
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a lookup event: {exc}") from exc
+
+
+def _nonzero(counts: Mapping[str, int]) -> dict[str, int]:
+    return {k: v for k, v in counts.items() if v}
+
+
+def _check_misses(misses: Mapping[str, int], num_tokens: int) -> None:
+    unknown = set(misses) - set(MISS_CAUSES)
+    if unknown:
+        raise ValueError(f"unknown miss causes {sorted(unknown)}; known: {MISS_CAUSES}")
+    if any(v < 0 for v in misses.values()) or sum(misses.values()) > num_tokens:
+        raise ValueError(f"miss token counts must be >= 0 and at most {num_tokens} in all")
 
 
 class EventLog:

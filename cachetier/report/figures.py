@@ -203,12 +203,19 @@ def _load_or_recompute(
             "from a tier) or recomputed by choice (reading them was estimated slower than "
             "computing them, e.g. a slow link). Estimated seconds saved is the model's own "
             "estimate per lookup: TTFT had the whole hit been recomputed, minus TTFT of the "
-            "chosen plan. Lookups logged without a cost model count as all loaded."
+            "chosen plan. Lookups logged without a cost model count as all loaded. Verified "
+            "by the guard: tier hits the restore guard drew, computed and compared with the "
+            "tier's records instead of loaded. Quarantined: tokens a tier held but may not serve, "
+            "because the guard found its records wrong for this namespace."
         ),
         "loaded_tokens": loaded,
         "recomputed_by_choice_tokens": recomputed,
         "num_lookups_with_recompute": sum(1 for e in events if e.recomputed_tokens),
         "est_saved_s": float(sum(e.est_saved_s for e in events)),
+        "verified_by_guard_tokens": sum(e.verified_tokens for e in events),
+        "num_lookups_verified": sum(1 for e in events if e.verified_tokens),
+        "quarantined_tokens": sum(e.miss_tokens.get("quarantined", 0) for e in events),
+        "num_lookups_quarantined": sum(1 for e in events if e.miss_tokens.get("quarantined")),
     }
 
 

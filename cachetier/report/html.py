@@ -214,6 +214,10 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
             "recomputed_by_choice_tokens",
             "num_lookups_with_recompute",
             "est_saved_s",
+            "verified_by_guard_tokens",
+            "num_lookups_verified",
+            "quarantined_tokens",
+            "num_lookups_quarantined",
         ]
         return ["figure", "value"], [[k, fig[k]] for k in keys]
     if name == "tier_counters":

@@ -221,12 +221,14 @@ class TieredStore(Tier):
         """
         check_namespace(namespace)
         spans: list[tuple[int, int, int]] = []
+        held: list[Tier] = []  # tiers the namespace is quarantined in
         pos = 0
         while pos < len(keys):
             for index, tier in enumerate(self._tiers):
                 if self.quarantines.holds(tier.name, namespace):
                     if pos == 0:  # counted once per lookup, where the run would begin
                         self.guard.count_quarantined_lookup(tier.name)
+                        held.append(tier)
                     continue
                 errors = tier.num_errors
                 start = time.perf_counter()
@@ -239,12 +241,17 @@ class TieredStore(Tier):
                     break
             else:
                 break
-        return PrefixHit(pos, tuple(spans), self._names)
+        # What the quarantined tiers would have added is asked only where there are any (a
+        # quarantine is rare): those blocks are misses of cause ``quarantined``.
+        lost = max((_held_prefix(t, namespace, keys[pos:]) for t in held), default=0)
+        return PrefixHit(pos, tuple(spans), self._names, quarantined_blocks=lost)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
 
-    def verify(self, namespace: str, tier_name: str, computed: Sequence[KVBlock]) -> Verdict:
+    def verify(
+        self, namespace: str, tier_name: str, computed: Sequence[KVBlock], writer: str = ""
+    ) -> Verdict:
         """Compare the records ``tier_name`` holds for ``computed``'s keys with ``computed``,
         and quarantine the namespace in that tier if they differ (``Verifier.verify``).
 
@@ -252,6 +259,7 @@ class TieredStore(Tier):
             namespace: storage namespace.
             tier_name: the tier the verified hit was found in.
             computed: records the engine computed for those keys.
+            writer: what the namespace's writers claim to be, for the log line.
 
         Returns:
             What was compared and found.
@@ -259,7 +267,7 @@ class TieredStore(Tier):
         check_namespace(namespace)
         for tier in self._tiers:
             if tier.name == tier_name:
-                return self.guard.verify(tier, namespace, computed)
+                return self.guard.verify(tier, namespace, computed, writer)
         raise ValueError(f"no tier named {tier_name!r}: the store has {list(self._names)}")
 
     def restore_prefix(
@@ -470,3 +478,9 @@ class TieredStore(Tier):
             writer.stop()
         for tier in self._tiers:
             tier.close()
+
+
+def _held_prefix(tier: Tier, namespace: str, keys: Sequence[BlockHash]) -> int:
+    """The leading blocks of ``keys`` a quarantined tier still holds (a tier's lookup counts
+    its own errors and answers 0, as in ``lookup``)."""
+    return tier.contains_prefix(namespace, keys) if keys else 0

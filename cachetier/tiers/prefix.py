@@ -17,11 +17,17 @@ class PrefixHit:
         num_blocks: length of the leading run present in some tier.
         spans: ``(tier index, start, end)`` ranges covering ``[0, num_blocks)`` in order.
         tier_names: names of the store's tiers, indexed like ``spans``.
+        quarantined_blocks: blocks past the run that a tier quarantined for the namespace
+            holds (``cachetier.store.verify``): misses of cause ``quarantined``.
+        verified_blocks: blocks of the run the restore guard drew for verification, which the
+            engine computes instead of loading (the hit itself is then reported empty).
     """
 
     num_blocks: int
     spans: tuple[tuple[int, int, int], ...]
     tier_names: tuple[str, ...]
+    quarantined_blocks: int = 0
+    verified_blocks: int = 0
 
     def blocks_per_tier(self) -> dict[str, int]:
         """How many of the leading blocks each tier holds (tiers with none are left out)."""

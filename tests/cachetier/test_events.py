@@ -110,3 +110,26 @@ def test_cost_model_fields_round_trip_and_stay_out_of_old_lines():
     plain = LookupEvent(1.0, "t", 900, {"disk": 800})
     assert "recomputed_tokens" not in plain.to_json() and "est_saved_s" not in plain.to_json()
     assert LookupEvent.from_json(plain.to_json()) == plain
+
+
+def test_guard_fields_round_trip_and_stay_out_of_old_lines():
+    guarded = LookupEvent(1.0, "t", 900, {"cpu": 160}, verified_tokens=320)
+    lost = LookupEvent(1.0, "t", 900, {"pool": 16}, miss_tokens={"quarantined": 640})
+    for event in (guarded, lost):
+        assert LookupEvent.from_json(event.to_json()) == event
+    plain = LookupEvent(1.0, "t", 900, {"disk": 800}).to_json()
+    assert "verified_tokens" not in plain and "miss_tokens" not in plain
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"miss_tokens": {"lost": 1}},
+        {"miss_tokens": {"quarantined": -1}},
+        {"miss_tokens": {"quarantined": 901}},
+        {"verified_tokens": 901},
+    ],
+)
+def test_bad_guard_fields_are_refused(fields):
+    with pytest.raises(ValueError):
+        LookupEvent(1.0, "t", 900, {}, **fields)

@@ -64,17 +64,20 @@ def test_a_forged_tier_is_quarantined_for_that_namespace_only(
     _on_disk_only(store, OTHER, theirs)
     keys = [b.key for b in computed]
     with caplog.at_level(logging.WARNING, logger="cachetier.store.verify"):
-        verdict = store.verify(NS.id, "disk", computed)
+        verdict = store.verify(NS.id, "disk", computed, writer=NS.describe())
     assert verdict.quarantined and verdict.compared == 4
     assert [m.key_hex for m in verdict.mismatches] == [b.key.hex() for b in computed[2:]]
     (line,) = [r.getMessage() for r in caplog.records]
     assert "tier disk" in line and "quarantine lift" in line and "layer" in line
+    # What the records claimed to be and the format they were read from, for the operator.
+    assert "model guarded-model" in line and "record format v2" in line
     # The compared records are gone from the disk, the namespace is passed over there, and
     # another tenant's namespace in the same tier is untouched.
     disk = store.tiers[1]
     assert disk.get_many(NS.id, keys) == [None] * 4
     _on_disk_only(store, NS, computed)  # even honest records are not served while it holds
-    assert store.lookup(NS.id, keys).num_blocks == 0
+    hit = store.lookup(NS.id, keys)
+    assert hit.num_blocks == 0 and hit.quarantined_blocks == 4  # misses of cause quarantined
     assert store.lookup(OTHER.id, [b.key for b in theirs]).num_blocks == 2
     guard = store.stats()["guard"]
     assert guard["mismatched_blocks"] == {"disk": 2} and guard["quarantines"] == {"disk": 1}
