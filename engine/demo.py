@@ -1,6 +1,10 @@
 """The main job: a long prompt on SmolLM2, cold; the engine process restarts; the same prompt
 again, warm from the disk tier. Prints TTFT cold vs warm, tokens restored per tier, hit rate.
 
+The restarted process first serves a short chat request that shares only the system prompt:
+the restore guard computes that first hit and compares it with the disk's records before the
+tier is trusted (``cachetier.guard``), so the long prompt after it is restored.
+
     python -m cachetier.engine.demo [--tokens 2048] [--data-dir DIR]
 
 Each run is a separate Python process (a real restart); the store is the embedded default,
@@ -47,8 +51,11 @@ def child(args: argparse.Namespace) -> None:
         smollm2_path(), store=store, kv_cache_bytes=1 << 30, num_threads=os.cpu_count()
     ) as llm:
         load_s = time.perf_counter() - started
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        if args.probe:  # another user's short question: only the system prompt is shared
+            llm.generate([llm.encode("Hello! Who keeps lighthouses?", chat=True)], greedy)
         prompt = build_prompt(llm, args.tokens)
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
+        out = llm.generate([prompt], greedy)[0]
         stats = llm.engine.stats()
     print(
         json.dumps(
@@ -62,12 +69,13 @@ def child(args: argparse.Namespace) -> None:
                 "load_s": load_s,
                 "restore_s": stats.get("restore_s", 0.0),
                 "saved_blocks": stats.get("saved_blocks", 0),
+                "guard": stats.get("guard", {}),
             }
         )
     )
 
 
-def run_child(data_dir: str, tokens: int, max_tokens: int) -> dict:
+def run_child(data_dir: str, tokens: int, max_tokens: int, probe: bool = False) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -79,6 +87,7 @@ def run_child(data_dir: str, tokens: int, max_tokens: int) -> dict:
         str(tokens),
         "--max-tokens",
         str(max_tokens),
+        *(["--probe"] if probe else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -97,6 +106,7 @@ def main() -> None:
         "--data-dir", default=None, help="disk tier folder (default: a fresh temp dir)"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -114,7 +124,13 @@ def main() -> None:
             "process exits"
         )
         print("2/2 engine process B (a restart: empty pool, empty CPU tier) ...", flush=True)
-        warm = run_child(data_dir, args.tokens, args.max_tokens)
+        warm = run_child(data_dir, args.tokens, args.max_tokens, probe=True)
+        guard = warm["guard"]
+        print(
+            f"    restore guard: the first hit (a short chat sharing the system prompt) was "
+            f"computed and compared, {guard.get('verified_blocks', 0)} block(s) verified, "
+            f"{guard.get('mismatched_blocks', 0)} mismatched"
+        )
         print(f"    TTFT {warm['ttft_s']:.2f} s, restored in {warm['restore_s']:.2f} s")
     prompt = warm["prompt_tokens"]
     hit = warm["cached_tokens"] / prompt

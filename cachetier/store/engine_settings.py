@@ -49,11 +49,13 @@ def record_tokens_setting() -> Any:
 def guard_setting() -> Any:
     """The ``guard`` field: whether sampled hits are verified (``cachetier.guard``)."""
     return setting(
-        False,
+        True,
         "verify sampled tier hits: compute them as misses and compare the tier's records with "
         "the computed KV; a mismatch quarantines the namespace in that tier (docs: the restore "
         "guard). Our engine and vLLM only: SGLang's and LMCache's plugins cannot turn a hit "
-        "into a computed request, and ignore it.",
+        "into a computed request, and ignore it. On by default: the first hit of each tier "
+        "and namespace after a start is computed once, so a wrong tier is caught before it "
+        "serves an answer.",
     )
 
 

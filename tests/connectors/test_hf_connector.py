@@ -271,7 +271,9 @@ def test_our_engine_and_the_hf_connector_share_blocks(
 
     # Engine first: its finished blocks serve the HF model.
     prompt = _prompt(70, seed=11)
-    engine = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE)
+    engine = LLM(
+        tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE, guard=False
+    )
     engine_out = engine.generate([prompt[0].tolist()], greedy)[0]
     engine.flush()
     out, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -283,7 +285,9 @@ def test_our_engine_and_the_hf_connector_share_blocks(
     prompt = _prompt(50, seed=12)
     _, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert info.num_saved_blocks == 3
-    fresh = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE)
+    fresh = LLM(
+        tiny_model_dir, store=store, kv_cache_bytes=4 * MiB, record_tokens=BLOCK_SIZE, guard=False
+    )
     restored = fresh.generate([prompt[0].tolist()], greedy)[0]
     assert restored.cached_tokens_by_source == {"cpu": 48}
     assert restored.token_ids == _greedy(tiny_model, prompt)[0, 50:].tolist()

@@ -35,7 +35,12 @@ def warm_engine(model: Path, tmp_path: Path, **kw: object) -> LLM:
     """An engine whose CPU tier holds PROMPT's blocks and whose pool does not."""
     store = build_store(StoreConfig(cpu_bytes=64 << 20))
     llm = LLM(
-        model, store=store, kv_cache_bytes=4 << 20, event_log=str(tmp_path / "ev.jsonl"), **kw
+        model,
+        store=store,
+        kv_cache_bytes=4 << 20,
+        event_log=str(tmp_path / "ev.jsonl"),
+        **kw,
+        guard=False,
     )
     llm.generate([PROMPT], GREEDY)
     llm.engine.blocks.clear_cache()
@@ -118,7 +123,13 @@ def linked_engine(
             RedisTierConfig(url=link.url("redis"), key_prefix=prefix, socket_timeout_s=60)
         )
         store = TieredStore([tier])
-        llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, max_num_batched_tokens=32)
+        llm = LLM(
+            tiny_model_dir,
+            store=store,
+            kv_cache_bytes=4 << 20,
+            max_num_batched_tokens=32,
+            guard=False,
+        )
         try:
             llm.generate([PROMPT], GREEDY)
             llm.flush()
@@ -292,11 +303,13 @@ def test_a_pool_that_copies_restores_times_the_copy_for_the_model(
     assert in_place.time_restore_copy() is None
     monkeypatch.setattr(cachetier.engine.llm_engine, "KVPool", CopyingPool)
     store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
-    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
+    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, guard=False) as llm:
         # Timed once at start, before any request.
         assert llm.engine.stats()["cost_model"]["copy"]["copies"] == 1
         llm.generate([PROMPT], GREEDY)
-    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_load_policy="always") as llm:
+    with LLM(
+        tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_load_policy="always", guard=False
+    ) as llm:
         out = llm.generate([PROMPT], GREEDY)[0]
         copy = llm.engine.stats()["cost_model"]["copy"]
     assert out.cached_tokens_by_source == {"disk": 288}
@@ -312,7 +325,7 @@ def test_a_restarted_engine_weighs_its_first_hit_with_the_kept_disk_speed(
     store = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"))
     measured_at_start: list[bool] = []
     for run in range(3):
-        with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
+        with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, guard=False) as llm:
             assert llm.store is not None
             measured_at_start.append(llm.store.rates.get("disk") is not None)
             cost = llm.engine.cost_model
@@ -344,14 +357,14 @@ def test_the_warm_up_measures_a_realistic_prompt_length(tiny_model_dir: Path) ->
     # warm-up's calibration forward is what lets a restarted engine, whose first requests
     # are hits, judge a prompt of a few hundred tokens.
     store = build_store(StoreConfig(cpu_bytes=1 << 20))
-    llm = LLM(tiny_model_dir, store=store)
+    llm = LLM(tiny_model_dir, store=store, guard=False)
     prefill = llm.engine.prefill_model
     assert prefill.measured_range[0] == 512
     assert prefill.covers(0, 347, llm.engine.config.max_num_batched_tokens)
     assert not prefill.covers(0, 513, llm.engine.config.max_num_batched_tokens)
     llm.close()
     # Never longer than a step may be.
-    small = LLM(tiny_model_dir, store=store, max_num_batched_tokens=384)
+    small = LLM(tiny_model_dir, store=store, max_num_batched_tokens=384, guard=False)
     assert small.engine.prefill_model.measured_range[0] == 384
     small.close()
     store.close()

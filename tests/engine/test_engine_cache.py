@@ -40,7 +40,7 @@ def test_pool_prefix_hit_gives_the_same_tokens(tiny_model_dir: Path) -> None:
 
 def test_cpu_tier_restore_after_the_pool_forgot(tiny_model_dir: Path) -> None:
     store = build_store(StoreConfig(cpu_bytes=64 << 20))
-    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20)
+    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, guard=False)
     llm.generate([PROMPT], GREEDY)
     assert llm.engine.blocks.clear_cache() > 0
     again = llm.generate([PROMPT], GREEDY)[0]
@@ -51,9 +51,9 @@ def test_cpu_tier_restore_after_the_pool_forgot(tiny_model_dir: Path) -> None:
 
 def test_disk_tier_restore_in_a_new_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = StoreConfig(cpu_bytes=64 << 20, disk_path=str(tmp_path / "disk"), fsync=False)
-    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, guard=False) as llm:
         llm.generate([PROMPT], GREEDY)
-    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, guard=False) as llm:
         out = llm.generate([PROMPT + [1, 2, 3]], GREEDY)[0]
     assert out.cached_tokens_by_source == {"disk": 144}
     assert out.token_ids == reference(tiny_model_dir, [PROMPT + [1, 2, 3]])[0]
@@ -66,10 +66,12 @@ def test_redis_tier_restore_in_a_new_engine(
         return TieredStore([RedisTier(RedisTierConfig(url=redis_url, key_prefix=redis_prefix))])
 
     first = store()
-    LLM(tiny_model_dir, store=first, kv_cache_bytes=4 << 20).generate([PROMPT], GREEDY)
+    LLM(tiny_model_dir, store=first, kv_cache_bytes=4 << 20, guard=False).generate([PROMPT], GREEDY)
     first.close()
     second = store()
-    out = LLM(tiny_model_dir, store=second, kv_cache_bytes=4 << 20).generate([PROMPT], GREEDY)[0]
+    out = LLM(tiny_model_dir, store=second, kv_cache_bytes=4 << 20, guard=False).generate(
+        [PROMPT], GREEDY
+    )[0]
     second.close()
     assert out.cached_tokens_by_source == {"redis": 144}
     assert out.token_ids == reference(tiny_model_dir, [PROMPT])[0]
@@ -78,7 +80,13 @@ def test_redis_tier_restore_in_a_new_engine(
 def test_evicted_blocks_reach_the_tier_and_come_back(tiny_model_dir: Path) -> None:
     store = build_store(StoreConfig(cpu_bytes=64 << 20))
     # A pool of 12 blocks: the second prompt evicts the first prompt's cached blocks.
-    llm = LLM(tiny_model_dir, store=store, kv_cache_bytes=12 * TINY_BLOCK_BYTES, block_size=16)
+    llm = LLM(
+        tiny_model_dir,
+        store=store,
+        kv_cache_bytes=12 * TINY_BLOCK_BYTES,
+        block_size=16,
+        guard=False,
+    )
     other = [(i * 11 + 5) % 250 for i in range(150)]
     llm.generate([PROMPT], GREEDY)
     llm.generate([other], GREEDY)
@@ -102,7 +110,7 @@ def test_blocks_of_another_model_dtype_or_record_size_are_never_used(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
-    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20) as llm:
+    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, guard=False) as llm:
         llm.generate([PROMPT], GREEDY)
     other_model = make_tiny_llama(tmp_path / "other", seed=1)
     variants = [
@@ -112,7 +120,7 @@ def test_blocks_of_another_model_dtype_or_record_size_are_never_used(
         (tiny_model_dir, {"tenant": "someone-else"}),
     ]
     for model, kw in variants:
-        with LLM(model, store=config, kv_cache_bytes=4 << 20, **kw) as llm:
+        with LLM(model, store=config, kv_cache_bytes=4 << 20, **kw, guard=False) as llm:
             out = llm.generate([PROMPT], GREEDY)[0]
         assert out.num_cached_tokens == 0, (model, kw)
 
@@ -127,9 +135,13 @@ def test_engines_of_other_block_sizes_share_records(
     tiny_model_dir: Path, tmp_path: Path, saver: int, restorer: int, cached: int
 ) -> None:
     config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
-    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=saver) as llm:
+    with LLM(
+        tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=saver, guard=False
+    ) as llm:
         llm.generate([PROMPT], GREEDY)
-    with LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=restorer) as llm:
+    with LLM(
+        tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=restorer, guard=False
+    ) as llm:
         out = llm.generate([PROMPT + [1, 2, 3]], GREEDY)[0]
     assert out.cached_tokens_by_source == {"disk": cached}
     assert out.token_ids == reference(tiny_model_dir, [PROMPT + [1, 2, 3]])[0]
@@ -140,7 +152,7 @@ def test_a_block_size_that_records_do_not_divide_is_refused_with_tiers(
 ) -> None:
     config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / "disk"), fsync=False)
     with pytest.raises(ValueError, match="block size 8 is not a multiple of record_tokens 16"):
-        LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=8)
+        LLM(tiny_model_dir, store=config, kv_cache_bytes=4 << 20, block_size=8, guard=False)
     # Without tiers nothing is keyed for sharing, and any block size runs.
     with LLM(tiny_model_dir, kv_cache_bytes=4 << 20, block_size=8) as llm:
         assert llm.generate([PROMPT], GREEDY)[0].token_ids
@@ -153,7 +165,7 @@ from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 model, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 store = StoreConfig(cpu_bytes=1 << 26, disk_path=disk)
-with LLM(model, store=store, kv_cache_bytes=4 << 20) as llm:
+with LLM(model, store=store, kv_cache_bytes=4 << 20, guard=False) as llm:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
 print(json.dumps({"tokens": out.token_ids, "by_source": out.cached_tokens_by_source}))
 """

@@ -77,7 +77,11 @@ def test_pool_and_stored_blocks_take_half_of_bf16_and_a_quarter_of_fp32(
     for kv_cache_dtype in ("auto", *FP8_KV_DTYPES):
         store = build_store(StoreConfig(cpu_bytes=64 << 20))
         llm = LLM(
-            tiny_model_dir, store=store, kv_cache_bytes=4 << 20, kv_cache_dtype=kv_cache_dtype
+            tiny_model_dir,
+            store=store,
+            kv_cache_bytes=4 << 20,
+            kv_cache_dtype=kv_cache_dtype,
+            guard=False,
         )
         llm.generate([PROMPT], GREEDY)
         llm.flush()
@@ -167,13 +171,13 @@ def test_fp8_blocks_restore_from_disk_in_a_new_engine(
 ) -> None:
     config = StoreConfig(cpu_bytes=64 << 20, disk_path=str(tmp_path / "disk"), fsync=False)
     kw = {"kv_cache_bytes": 4 << 20, "kv_cache_dtype": kv_cache_dtype}
-    with LLM(tiny_model_dir, store=config, **kw) as llm:
+    with LLM(tiny_model_dir, store=config, **kw, guard=False) as llm:
         first = llm.generate([PROMPT], GREEDY)[0]
         keys = block_keys(llm.engine.namespace, PROMPT)
         pool = llm.engine.pool
         ids = llm.engine.blocks.match_prefix(keys)
         saved = (pool.cache[ids].view(torch.uint8).clone(), pool.scales[ids].clone())
-    with LLM(tiny_model_dir, store=config, **kw) as llm:
+    with LLM(tiny_model_dir, store=config, **kw, guard=False) as llm:
         again = llm.generate([PROMPT], GREEDY)[0]
         pool = llm.engine.pool
         ids = llm.engine.blocks.match_prefix(keys)
@@ -190,12 +194,12 @@ def test_fp8_and_full_precision_blocks_never_mix(tiny_model_dir: Path, tmp_path:
     for index, (writer, reader) in enumerate(orders):
         config = StoreConfig(cpu_bytes=0, disk_path=str(tmp_path / f"d{index}"), fsync=False)
         with LLM(
-            tiny_model_dir, store=config, kv_cache_bytes=4 << 20, kv_cache_dtype=writer
+            tiny_model_dir, store=config, kv_cache_bytes=4 << 20, kv_cache_dtype=writer, guard=False
         ) as llm:
             llm.generate([PROMPT], GREEDY)
             writer_namespace = llm.engine.namespace
         with LLM(
-            tiny_model_dir, store=config, kv_cache_bytes=4 << 20, kv_cache_dtype=reader
+            tiny_model_dir, store=config, kv_cache_bytes=4 << 20, kv_cache_dtype=reader, guard=False
         ) as llm:
             out = llm.generate([PROMPT], GREEDY)[0]
             assert llm.engine.namespace.id != writer_namespace.id

@@ -16,6 +16,7 @@ from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
+from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.models import make_tiny_llama
@@ -151,9 +152,38 @@ def test_honest_records_pass_and_are_served_after_the_check(
     assert Stored(folder, namespace).records(PROMPT)  # nothing was deleted
 
 
-def test_a_guard_left_off_restores_every_hit(tiny_model_dir: Path, folder: Path) -> None:
+def test_a_guard_turned_off_restores_every_hit(tiny_model_dir: Path, folder: Path) -> None:
     _store_prompts(tiny_model_dir, folder, [PROMPT])
-    with LLM(tiny_model_dir, store=_config(folder), **POOL) as llm:
+    with LLM(tiny_model_dir, store=_config(folder), guard=False, **POOL) as llm:
         out = llm.generate([PROMPT + [1]], GREEDY)[0]
         assert out.cached_tokens_by_source == {"disk": 144}
         assert "guard" not in llm.engine.stats()
+
+
+def test_the_guard_is_on_by_default(tiny_model_dir: Path, folder: Path) -> None:
+    """Out of the box the first hit after a start is verified, later ones restored."""
+    _store_prompts(tiny_model_dir, folder, [PROMPT])
+    with LLM(tiny_model_dir, store=_config(folder), **POOL) as llm:
+        first = llm.generate([PROMPT + [1]], GREEDY)[0]
+        llm.engine.blocks.clear_cache()
+        second = llm.generate([PROMPT + [2]], GREEDY)[0]
+        assert first.cached_tokens_by_source == {}
+        assert second.cached_tokens_by_source == {"disk": 144}
+        assert llm.engine.stats()["guard"]["verified_blocks"] == 9
+
+
+def test_the_event_log_says_what_was_verified_and_what_a_quarantine_cost(
+    tiny_model_dir: Path, folder: Path, tmp_path: Path
+) -> None:
+    namespace = _store_prompts(tiny_model_dir, folder, [PROMPT, OTHER_TOKENS])
+    stored = Stored(folder, namespace)
+    records = stored.records(PROMPT)
+    stored.replace(records, _k_and_v_swapped(records, stored))
+    log = tmp_path / "lookups.jsonl"
+    with LLM(tiny_model_dir, store=_config(folder), event_log=str(log), **POOL, **GUARD) as llm:
+        llm.generate([PROMPT + [1]], GREEDY)  # verified: the forgery is caught
+        llm.generate([OTHER_TOKENS + [1]], GREEDY)  # held on disk, not served
+        llm.engine.close()
+    verified, lost = read_events(log, strict=True)
+    assert verified.verified_tokens == 144 and dict(verified.hit_tokens) == {}
+    assert dict(lost.miss_tokens) == {"quarantined": 144} and dict(lost.hit_tokens) == {}

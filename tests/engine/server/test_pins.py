@@ -23,7 +23,9 @@ def test_a_prompt_pinned_over_http_stays_through_a_flood(
     # Blocks of the tiny model are 8 KiB. A CPU tier of 24 may pin 12; a pool of 16 forgets
     # the system prompt during the flood, so its blocks must come back from the tier.
     store = StoreConfig(cpu_bytes=24 * BLOCK_BYTES, fsync=False)
-    server = make_server(store=store, engine_args={"kv_cache_bytes": 16 * BLOCK_BYTES})
+    server = make_server(
+        store=store, engine_args={"kv_cache_bytes": 16 * BLOCK_BYTES, "guard": False}
+    )
     status, answer = call_json(server.url, "POST", "/v1/pins", {"prompt": SYSTEM})
     assert status == 200, answer
     num_blocks = answer["num_prompt_tokens"] // 16

@@ -19,7 +19,10 @@ def test_cached_tokens_come_from_disk_after_a_restart(
     store = StoreConfig(cpu_bytes=64 << 20, disk_path=str(tmp_path / "disk"), fsync=False)
     log = tmp_path / "lookups.jsonl"
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-    server = make_server(store=store, engine_args={"event_log": str(log), "tenant": "t1"})
+    # The guard off: this is the restore; tests/engine/test_guard_engine.py has the guard's.
+    server = make_server(
+        store=store, engine_args={"event_log": str(log), "tenant": "t1", "guard": False}
+    )
     _, cold = post(server.url, "/v1/completions", body)
     server.stop()  # flushes the store: the blocks are on disk when it returns
 
