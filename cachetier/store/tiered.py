@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,13 +27,11 @@ from cachetier.record import KVBlock
 from cachetier.store.costmodel import TierRates
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
+from cachetier.store.writer import TierWriter
 from cachetier.tiers.base import Tier, check_namespace
 from cachetier.tiers.prefix import PrefixHit
-from cachetier.tiers.stats import TierStats
 from cachetier.util.landing import Destination
-from cachetier.util.parallel import BACKGROUND_NICE, become_background
-
-_STOP = object()
+from cachetier.util.parallel import BACKGROUND_NICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,74 +46,6 @@ class RestoredPrefix:
         for name in self.sources:
             out[name] = out.get(name, 0) + 1
         return out
-
-
-class _Writer:
-    """One background thread applying queued puts to one lower tier."""
-
-    def __init__(
-        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats, nice: int
-    ) -> None:
-        self.tier = tier
-        self._nice = nice
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._max_blocks = max_blocks
-        self._max_bytes = max_bytes
-        self._pending_blocks = 0
-        self._pending_bytes = 0
-        self._lock = threading.Lock()
-        self._stats = stats
-        self._thread = threading.Thread(
-            target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
-        )
-        self._thread.start()
-
-    def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
-        # Bytes too, not only blocks: 4096 blocks of 64 MiB would be 256 GiB of queue.
-        nbytes = sum(b.nbytes for b in blocks)
-        with self._lock:
-            if self._pending_blocks + len(blocks) > self._max_blocks or (
-                self._max_bytes is not None and self._pending_bytes + nbytes > self._max_bytes
-            ):
-                self._stats.add(rejected=len(blocks))
-                return False
-            self._pending_blocks += len(blocks)
-            self._pending_bytes += nbytes
-        self._queue.put((namespace, blocks, nbytes))
-        return True
-
-    def _run(self) -> None:
-        become_background(self._nice)
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                namespace, blocks, nbytes = item
-                try:
-                    self.tier.put_many(namespace, blocks)
-                except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
-                    self._stats.add(errors=len(blocks))
-                with self._lock:
-                    self._pending_blocks -= len(blocks)
-                    self._pending_bytes -= nbytes
-            finally:
-                self._queue.task_done()
-
-    def pending_blocks(self) -> int:
-        with self._lock:
-            return self._pending_blocks
-
-    def join(self, deadline: float | None) -> bool:
-        while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-        return True
-
-    def stop(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=5)
 
 
 class TieredStore(Tier):
@@ -164,7 +92,7 @@ class TieredStore(Tier):
         self._promote = promote
         self._names = tuple(tier.name for tier in self._tiers)
         self._writers = [
-            _Writer(t, write_queue_blocks, write_queue_bytes, self._stats, writer_nice)
+            TierWriter(t, write_queue_blocks, write_queue_bytes, self._stats, writer_nice)
             for t in self._tiers[1:]
         ]
         self._closed = False

@@ -1,0 +1,94 @@
+"""The store's writers: each lower tier gets its puts on a thread of its own, from a bounded
+queue, so a slow disk or link never holds up the engine's save; a full queue drops the put and
+counts it, rather than blocking or growing without end."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachetier.record import KVBlock
+from cachetier.tiers.base import Tier
+from cachetier.tiers.stats import TierStats
+from cachetier.util.parallel import become_background
+
+_STOP = object()
+
+
+class TierWriter:
+    """One background thread applying queued puts to one lower tier.
+
+    Args:
+        tier: the lower tier it writes.
+        max_blocks: most blocks queued before a put is dropped (counted ``rejected``).
+        max_bytes: most bytes queued before a put is dropped; ``None`` for no byte bound.
+        stats: the store's counters.
+        nice: the thread's CPU priority (``cachetier.util.parallel.become_background``).
+    """
+
+    def __init__(
+        self, tier: Tier, max_blocks: int, max_bytes: int | None, stats: TierStats, nice: int
+    ) -> None:
+        self.tier = tier
+        self._nice = nice
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._max_blocks = max_blocks
+        self._max_bytes = max_bytes
+        self._pending_blocks = 0
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._stats = stats
+        self._thread = threading.Thread(
+            target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
+        # Bytes too, not only blocks: 4096 blocks of 64 MiB would be 256 GiB of queue.
+        nbytes = sum(b.nbytes for b in blocks)
+        with self._lock:
+            if self._pending_blocks + len(blocks) > self._max_blocks or (
+                self._max_bytes is not None and self._pending_bytes + nbytes > self._max_bytes
+            ):
+                self._stats.add(rejected=len(blocks))
+                return False
+            self._pending_blocks += len(blocks)
+            self._pending_bytes += nbytes
+        self._queue.put((namespace, blocks, nbytes))
+        return True
+
+    def _run(self) -> None:
+        become_background(self._nice)
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                namespace, blocks, nbytes = item
+                try:
+                    self.tier.put_many(namespace, blocks)
+                except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
+                    self._stats.add(errors=len(blocks))
+                with self._lock:
+                    self._pending_blocks -= len(blocks)
+                    self._pending_bytes -= nbytes
+            finally:
+                self._queue.task_done()
+
+    def pending_blocks(self) -> int:
+        with self._lock:
+            return self._pending_blocks
+
+    def join(self, deadline: float | None) -> bool:
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
