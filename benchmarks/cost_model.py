@@ -117,7 +117,8 @@ def sweep_links(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]], di
         # A thin link needs more than the default 0.5 s to answer a read.
         config = RedisTierConfig(url=link.url("redis"), key_prefix=prefix, socket_timeout_s=30)
         store = TieredStore([RedisTier(config)])
-        llm = LLM(smollm2_path(), store=store, **engine_args)
+        # Every load decision is measured: no hit may be drawn by the restore guard.
+        llm = LLM(smollm2_path(), store=store, guard=False, **engine_args)
         try:
             first = ttft(llm, prompt)  # computes and saves every block, over the open link
             assert first.num_cached_tokens == 0, "the tier was not empty"
