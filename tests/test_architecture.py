@@ -279,7 +279,7 @@ LAYERS = (
     ("cachetier.primitives",),
     ("cachetier.record",),
     ("cachetier.protocol",),
-    ("cachetier.pins", "cachetier.tiers", "cachetier.guard"),
+    ("cachetier.pins", "cachetier.tiers", "cachetier.guard", "cachetier.admission"),
     ("cachetier.store",),
     ("cachetier.report",),
     ("cachetier.server",),
