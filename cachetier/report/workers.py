@@ -15,6 +15,7 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from cachetier.report.replay import ReplayResult, ReplayTrace, replay_belady, replay_tier
 
@@ -38,6 +39,11 @@ def run_job(trace: ReplayTrace, job: Job) -> ReplayResult:
     return replay_tier(trace, name, capacity)
 
 
+Runner = Callable[[ReplayTrace, Job], Any]
+"""Runs one job: ``run_job``, or a caller's own that also knows other replays (the report's
+admission replays)."""
+
+
 class CurveRunner:
     """Runs a list of jobs here and in ``num_workers - 1`` forked helpers.
 
@@ -45,13 +51,17 @@ class CurveRunner:
         trace: the keyed trace.
         jobs: the replays to run.
         num_workers: processes in all, this one included.
+        run: what runs one job (default ``run_job``); its results must pickle.
     """
 
-    def __init__(self, trace: ReplayTrace, jobs: Sequence[Job], num_workers: int) -> None:
+    def __init__(
+        self, trace: ReplayTrace, jobs: Sequence[Job], num_workers: int, run: Runner = run_job
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._trace = trace
         self._jobs = list(jobs)
+        self._run = run
         num_workers = min(num_workers, len(self._jobs))
         if "fork" not in multiprocessing.get_all_start_methods():
             num_workers = 1
@@ -63,7 +73,7 @@ class CurveRunner:
             reader, writer = ctx.Pipe(duplex=False)
             helper = ctx.Process(
                 target=_helper,
-                args=(trace, self._jobs, offset, num_workers, writer),
+                args=(trace, self._jobs, offset, num_workers, writer, run),
                 name="cachetier-report-replay",
                 daemon=True,
             )
@@ -76,17 +86,17 @@ class CurveRunner:
         """Process ids of the forked helpers (none when everything runs here)."""
         return [helper.pid for helper, _ in self._helpers if helper.pid is not None]
 
-    def run(self, on_done: Callable[[Job], None] | None = None) -> list[ReplayResult]:
+    def run(self, on_done: Callable[[Job], None] | None = None) -> list[Any]:
         """Run every job; returns when all are done.
 
         Args:
             on_done: called here with each job as its result arrives (a progress bar).
 
         Returns:
-            The results, in job order.
+            The results, in job order (``ReplayResult``s with ``run_job``).
         """
         done = on_done or (lambda job: None)
-        results: list[ReplayResult | None] = [None] * len(self._jobs)
+        results: list[Any] = [None] * len(self._jobs)
         readers = [reader for _, reader in self._helpers]
 
         def collect(timeout: float | None) -> None:
@@ -100,14 +110,14 @@ class CurveRunner:
                 done(self._jobs[index])
 
         for index in range(0, len(self._jobs), self._stride):
-            results[index] = run_job(self._trace, self._jobs[index])
+            results[index] = self._run(self._trace, self._jobs[index])
             done(self._jobs[index])
             collect(0)
         while readers:
             collect(None)
         for index, result in enumerate(results):
             if result is None:
-                results[index] = run_job(self._trace, self._jobs[index])
+                results[index] = self._run(self._trace, self._jobs[index])
                 done(self._jobs[index])
         for helper, reader in self._helpers:
             reader.close()
@@ -116,8 +126,8 @@ class CurveRunner:
 
 
 def _helper(
-    trace: ReplayTrace, jobs: list[Job], offset: int, stride: int, writer: Connection
+    trace: ReplayTrace, jobs: list[Job], offset: int, stride: int, writer: Connection, run: Runner
 ) -> None:
     with writer:
         for index in range(offset, len(jobs), stride):
-            writer.send((index, run_job(trace, jobs[index])))
+            writer.send((index, run(trace, jobs[index])))

@@ -42,3 +42,13 @@ def test_a_dead_helper_s_jobs_are_run_here(trace: ReplayTrace) -> None:
     os.kill(pid, signal.SIGKILL)
     results = runner.run()
     assert _hits(results) == _hits([run_job(trace, job) for job in JOBS])
+
+
+def _count_requests(trace: ReplayTrace, job: tuple[str, int]) -> tuple[str, int, int]:
+    return (*job, len(trace.requests))
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_runner_of_its_own_runs_every_job_once(trace: ReplayTrace, num_workers: int) -> None:
+    runner = CurveRunner(trace, JOBS, num_workers, _count_requests)
+    assert runner.run() == [(*job, len(tiny.REQUESTS)) for job in JOBS]
