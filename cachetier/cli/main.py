@@ -185,6 +185,12 @@ def add_report(subparsers: argparse._SubParsersAction) -> None:
         "--curve-policies", type=_str_list, help="policies on the curve (default: all)"
     )
     rep.add_argument(
+        "--admission-policies",
+        type=_policy_list,
+        help="admission policies replayed against store-all at each disk capacity of the curve "
+        "from --cpu-blocks up, comma-separated (default: all of them; 'none' skips them)",
+    )
+    rep.add_argument(
         "--jobs",
         type=int,
         default=DEFAULT_NUM_WORKERS,
@@ -212,6 +218,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _str_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() == "none" else _str_list(text)
 
 
 def run_report(args: argparse.Namespace) -> int:

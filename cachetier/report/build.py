@@ -97,6 +97,7 @@ def _settings(config: ReportConfig) -> dict[str, Any]:
             num_tenants=config.num_tenants,
             curve_capacities=list(config.curve_capacities),
             curve_policies=list(config.curve_policies),
+            admission_policies=list(config.admission_policies),
             num_workers=config.num_workers,
         )
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cachetier.admission import ADMISSION_POLICIES
 from cachetier.store.config import StoreConfig
 from cachetier.tiers.eviction import POLICIES
 
@@ -87,6 +88,8 @@ class ReportConfig:
         capacities: trace replay: capacities of the capacity curve, in blocks (the two tier
             capacities are added).
         curve_policies: trace replay: eviction policies drawn on the capacity curve.
+        admission_policies: trace replay: admission policies (``cachetier.admission``) replayed
+            against store-all at each disk capacity of the curve; empty for none.
         prefill_tokens_per_s: prefill speed that turns hit tokens into seconds saved.
         bin_s: width of the time bins of the over-time plots; ``None`` picks about 60 bins.
         num_workers: trace replay: processes running the capacity curve, this one included.
@@ -102,6 +105,7 @@ class ReportConfig:
     num_tenants: int = 1
     capacities: tuple[int, ...] = CURVE_CAPACITIES
     curve_policies: tuple[str, ...] = tuple(POLICIES)
+    admission_policies: tuple[str, ...] = ADMISSION_POLICIES
     prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
     bin_s: float | None = None
     num_workers: int = DEFAULT_NUM_WORKERS
@@ -120,6 +124,12 @@ class ReportConfig:
         for name in (self.policy, *self.curve_policies):
             if name not in POLICIES:
                 raise ValueError(f"eviction policy {name!r} is not one of {sorted(POLICIES)}")
+        for name in self.admission_policies:
+            if name not in ADMISSION_POLICIES:
+                raise ValueError(
+                    f"admission policy {name!r} is not one of {', '.join(ADMISSION_POLICIES)} "
+                    "(or 'none')"
+                )
         if self.num_workers < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.num_workers}")
         if self.num_tenants < 1:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from cachetier.report.admission_figure import admission_figure
 from cachetier.report.config import ReportConfig
 from cachetier.report.figures import ratio, time_bins
 from cachetier.report.hierarchy_replay import TIER_NAMES, TraceReplays
@@ -69,7 +70,8 @@ def add_trace_figures(
     config: ReportConfig,
     default_policy: str,
 ) -> None:
-    """Add the capacity curve, and the infinite cache and block counts to the lookup figures.
+    """Add the capacity curve, the admission figure (when admission policies were replayed),
+    and the infinite cache and block counts to the lookup figures.
 
     Args:
         figures: ``lookup_figures`` of ``replays.events``, changed in place.
@@ -125,6 +127,10 @@ def add_trace_figures(
         "conversation; the cache is shared, so tenants split the accounting only."
     )
     figures["capacity_curve"] = capacity_curve(replays, config, default_policy)
+    if replays.admission:
+        figures["admission"] = admission_figure(
+            replays.admission, replays.admission_capacities, config.cpu_blocks, config.policy
+        )
 
 
 def _breakdown(result: ReplayResult) -> dict[str, int]:

@@ -4,7 +4,8 @@
 Belady's offline policy, an infinite cache). This module builds on it for ``cachetier report``:
 ``replay_hierarchy`` runs the trace through a ``TieredStore`` of two tiers, as an engine's
 lookups would see them (which tier served which part of a prefix), and ``replay_for_report``
-adds the infinite-cache ceiling and the capacity curve's single-cache replays.
+adds the infinite-cache ceiling, the capacity curve's single-cache replays and the admission
+replays (``cachetier.report.admission_replay``: each admission policy at each disk capacity).
 
 Every hit is counted by real tier code. Payloads are the replay's 1-byte blocks, so capacities
 count blocks.
@@ -12,13 +13,17 @@ count blocks.
 
 from __future__ import annotations
 
+import functools
 import sys
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
+from cachetier.admission import AdmissionConfig
+from cachetier.report.admission_replay import AdmissionReplay, replay_admission
 from cachetier.report.config import ReportConfig
 from cachetier.report.events import LookupEvent
 from cachetier.report.replay import (
@@ -28,12 +33,15 @@ from cachetier.report.replay import (
     replay_infinite,
     usable_hit,
 )
-from cachetier.report.workers import CurveRunner, Job
+from cachetier.report.workers import CurveRunner, Job, run_job
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 
 TIER_NAMES = ("cpu", "disk")
 """Sources the two modelled tiers report hits under (``cachetier.report.events.SOURCES``)."""
+
+ADMISSION_JOB = "admission:"
+"""Prefix of a curve job's name that is an admission replay: ``"admission:second_hit"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +53,17 @@ class TraceReplays:
         hit_blocks: leading blocks each of those lookups hit.
         ceiling: the infinite cache.
         curve: replays by policy name (and ``"belady"``), one per curve capacity, ascending.
+        admission: replays by admission policy name (``"all"`` first, the baseline), one per
+            ``admission_capacities`` disk capacity; empty when none was asked for.
+        admission_capacities: the disk capacities of the admission replays, ascending.
     """
 
     events: tuple[LookupEvent, ...]
     hit_blocks: tuple[int, ...]
     ceiling: ReplayResult
     curve: dict[str, tuple[ReplayResult, ...]]
+    admission: dict[str, tuple[AdmissionReplay, ...]] = field(default_factory=dict)
+    admission_capacities: tuple[int, ...] = ()
 
 
 def tenant_of(request: TraceRequest, num_tenants: int) -> str:
@@ -123,13 +136,63 @@ def replay_hierarchy(
     return events, hits
 
 
-def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
-    """The two-tier replay, the ceiling, and every replay of the capacity curve, with a
-    progress bar on stderr (off when stderr is not a terminal or with ``config.quiet``).
+def admission_capacities(config: ReportConfig) -> tuple[int, ...]:
+    """The disk capacities the admission replays sweep: the curve's, from the CPU tier's up.
+
+    A disk tier smaller than the CPU tier above it holds nothing the CPU tier does not when
+    both take every block (LRU is inclusive), so store-all, the baseline, gains nothing there.
+
+    Args:
+        config: the curve capacities and the CPU tier's.
+
+    Returns:
+        The capacities, ascending; none when ``config.admission_policies`` is empty.
+    """
+    if not config.admission_policies:
+        return ()
+    return tuple(c for c in config.curve_capacities if c >= config.cpu_blocks)
+
+
+def admission_names(config: ReportConfig) -> tuple[str, ...]:
+    """The admission policies replayed: ``"all"`` (the baseline) and those asked for."""
+    if not config.admission_policies:
+        return ()
+    return tuple(dict.fromkeys(("all", *config.admission_policies)))
+
+
+def run_report_job(trace: ReplayTrace, job: Job, *, config: ReportConfig) -> Any:
+    """Run one replay of a report: a curve job (``run_job``) or an admission replay.
 
     Args:
         trace: the keyed trace.
-        config: tiers, tenants, curve capacities and policies, worker processes.
+        job: a curve job, or ``(ADMISSION_JOB + policy, disk capacity)``.
+        config: the CPU tier's capacity and the eviction policy of the admission replays.
+
+    Returns:
+        A ``ReplayResult`` or an ``AdmissionReplay``.
+    """
+    name, capacity = job
+    if not name.startswith(ADMISSION_JOB):
+        return run_job(trace, job)
+    admission = AdmissionConfig(admission_policy=name.removeprefix(ADMISSION_JOB))
+    return replay_admission(
+        trace,
+        admission,
+        cpu_blocks=config.cpu_blocks,
+        disk_blocks=capacity,
+        policy=config.policy,
+    )
+
+
+def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
+    """The two-tier replay, the ceiling, every replay of the capacity curve and the admission
+    replays, with a progress bar on stderr (off when stderr is not a terminal or with
+    ``config.quiet``).
+
+    Args:
+        trace: the keyed trace.
+        config: tiers, tenants, curve capacities and policies, admission policies, worker
+            processes.
 
     Returns:
         The replays.
@@ -137,8 +200,12 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
     capacities = config.curve_capacities
     curve_names = [*dict.fromkeys(config.curve_policies), "belady"]
     jobs = [(name, capacity) for name in curve_names for capacity in capacities]
+    disk_capacities = admission_capacities(config)
+    jobs += [(ADMISSION_JOB + n, c) for n in admission_names(config) for c in disk_capacities]
     # Built first: it forks its helpers before the bar and the store start their threads.
-    runner = CurveRunner(trace, jobs, config.num_workers)
+    runner = CurveRunner(
+        trace, jobs, config.num_workers, functools.partial(run_report_job, config=config)
+    )
     bar = tqdm(
         total=(2 + len(jobs)) * len(trace.requests),
         unit="req",
@@ -162,4 +229,10 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
 
         results = dict(zip(jobs, runner.run(done)))
     curve = {name: tuple(results[name, c] for c in capacities) for name in curve_names}
-    return TraceReplays(tuple(events), tuple(hit_blocks), ceiling, curve)
+    admission = {
+        name: tuple(results[ADMISSION_JOB + name, c] for c in disk_capacities)
+        for name in admission_names(config)
+    }
+    return TraceReplays(
+        tuple(events), tuple(hit_blocks), ceiling, curve, admission, disk_capacities
+    )

@@ -180,6 +180,18 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
             for i, c in enumerate(fig["capacities"])
         ]
         return ["capacity (blocks)", *names, "infinite"], rows
+    if name == "admission":
+        names = fig["policies"]
+        rows = [
+            [
+                f"{c:,}",
+                *(fig["block_hit_ratio"][n][i] for n in names),
+                *(fig["disk_written_vs_all"][n][i] for n in names if n != "all"),
+            ]
+            for i, c in enumerate(fig["capacities"])
+        ]
+        written = [f"{n} disk written / all" for n in names if n != "all"]
+        return ["disk capacity (blocks)", *(f"{n} hit ratio" for n in names), *written], rows
     if name == "per_tier":
         cols = ["source", "hit tokens", "share of prompt tokens"]
         return cols, [

@@ -51,6 +51,8 @@ def render_summary(doc: dict[str, Any]) -> str:
         lines.append(
             f"  default policy ({curve['default_policy']}) >= LRU at every capacity: {verdict}"
         )
+    if "admission" in figures:
+        lines += _admission_lines(figures["admission"])
     if "tier_counters" in figures:
         table = figures["tier_counters"]
         cols = table["columns"]
@@ -69,6 +71,22 @@ def render_summary(doc: dict[str, Any]) -> str:
         + (f" ({steps})" if steps else "")
     )
     return "\n".join(lines) + "\n"
+
+
+def _admission_lines(fig: dict[str, Any]) -> list[str]:
+    """Each admission policy's block hit ratio and disk writes against store-all's."""
+    names = fig["policies"]
+    lines = [
+        f"  admission, over {fig['cpu_blocks']:,} cpu blocks: block hit ratio (disk written / all)",
+        "    " + f"{'disk':>9}" + "".join(f"{n:>20}" for n in names),
+    ]
+    for i, capacity in enumerate(fig["capacities"]):
+        cells = [
+            f"{fig['block_hit_ratio'][n][i]:.4f} ({fig['disk_written_vs_all'][n][i]:.2f})"
+            for n in names
+        ]
+        lines.append("    " + f"{capacity:>9,}" + "".join(f"{c:>20}" for c in cells))
+    return lines
 
 
 def format_tokens(count: int) -> str:

@@ -73,8 +73,9 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "alignment",
         "capacity_curve",
         "load_or_recompute",
+        "admission",
     }
-    for name in ("hit_rate_over_time", "per_tier", "capacity_curve", "alignment"):
+    for name in ("hit_rate_over_time", "per_tier", "capacity_curve", "alignment", "admission"):
         assert f'<section id="{name}">' in html
     head = doc["headline"]
     assert head["num_lookups"] == 6 and head["num_tokens"] == tiny.NUM_TOKENS
@@ -88,6 +89,26 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "served from cache  5,120 (69.3%)" in out
     assert "default policy (lru) >= LRU at every capacity: yes" in out
+    admission = doc["figures"]["admission"]
+    assert admission["policies"] == ["all", "second_hit", "tinylfu"]
+    assert admission["capacities"] == [3, 100]  # the curve's, from the CPU tier's up
+    assert "admission, over 3 cpu blocks" in out
+    assert "disk capacity (blocks)" in html  # its table
+
+
+def test_admission_replays_can_be_left_out(tmp_path: Path) -> None:
+    trace = tiny.write_tiny_trace(tmp_path / "tiny.jsonl")
+    status, doc, _ = _report(
+        tmp_path, "--trace", str(trace), "--admission-policies", "none", "--capacities", "5"
+    )
+    assert status == 0 and doc is not None
+    assert "admission" not in doc["figures"] and "capacity_curve" in doc["figures"]
+    assert doc["settings"]["admission_policies"] == []
+    status, doc, _ = _report(
+        tmp_path, "--trace", str(trace), "--admission-policies", "tinylfu", "--capacities", "5"
+    )
+    assert status == 0 and doc is not None
+    assert doc["figures"]["admission"]["policies"] == ["all", "tinylfu"]
 
 
 def test_event_log_report_end_to_end(tmp_path: Path) -> None:
@@ -179,6 +200,7 @@ def test_stats_of_a_live_server(
         (None, ["--trace", "a", "--events", "b"], "not both"),
         (None, ["--trace", "a", "--policy", "fifo"], "'fifo' is not one of"),
         (None, ["--trace", "a", "--tenants", "0"], "--tenants must be >= 1"),
+        (None, ["--trace", "a", "--admission-policies", "lfu"], "admission policy 'lfu'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
