@@ -15,18 +15,19 @@ against writes. Why no filter is the default:
   the prompt continues an earlier one): in every group a minority of the new blocks is used
   again.
 - So a filter loses every hit on a block's second use that comes after the CPU tier dropped
-  it, and when the disk tier is larger than the CPU tier those are most of what the disk
-  serves. The replay shows filters writing a small fraction of store-all's blocks at every
-  capacity, gaining hits where the disk is about the CPU tier's size (one-hit blocks no longer
-  push reused ones out) and losing several points of hit rate on a disk a few times larger:
-  none stays within half a point of store-all at every capacity.
+  it, and those are most of what a disk tier serves once it is large enough to keep blocks
+  until their second use. The replay shows filters writing a small fraction of store-all's
+  blocks at every capacity, gaining hits on a disk too small to keep blocks that long anyway
+  (one-hit blocks no longer push reused ones out) and losing several points of hit rate on a
+  disk large enough: none stays within half a point of store-all at every capacity, whatever
+  the CPU tier's size.
 - A prefix computed once before a restart would not be on disk after it: the warm restart
   the disk tier exists for needs the first sighting written.
 
-Between the filters: ``second_hit`` (an exact window of distinct keys) keeps more hits than
-``tinylfu`` at the same ``admission_tracked_keys``; ``tinylfu`` writes less and takes about a
-third of the memory per key. Choose one where a lower tier's writes cost more than its hits:
-an SSD's endurance, a Redis's memory, a workload that seldom hits.
+Between the filters: on a large disk ``second_hit`` (an exact window of distinct keys) keeps
+more hits than ``tinylfu`` at the same ``admission_tracked_keys``; ``tinylfu`` writes less and
+takes about a third of the memory per key. Choose one where a lower tier's writes cost more
+than its hits: an SSD's endurance, a Redis's memory, a workload that seldom hits.
 """
 
 from cachetier.admission.config import (
