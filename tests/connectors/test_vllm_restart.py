@@ -55,7 +55,9 @@ def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
     for run in spec["runs"]:
         kwargs: dict[str, Any] = {}
         if run["kv_extra"] is not None:
-            kwargs["kv_transfer_config"] = kv_transfer_config(run["kv_extra"])
+            # The guard off unless a run names it: these runs check restores (the guard has
+            # its own tests, test_vllm_guard*.py).
+            kwargs["kv_transfer_config"] = kv_transfer_config({"guard": False, **run["kv_extra"]})
         llm = LLM(
             model=spec["model"],
             dtype="float32",
