@@ -25,7 +25,12 @@ from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from cachetier.engine.server.app import create_app
 from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
 from cachetier.store.config import StoreConfig, env_values
-from cachetier.util.settings import add_flags, flag_values
+from cachetier.store.engine_settings import (
+    guard_first_hits_setting,
+    guard_fraction_setting,
+    guard_setting,
+)
+from cachetier.util.settings import add_flags, build, flag_values
 
 API_KEY_ENV = "CACHETIER_ENGINE_API_KEY"
 
@@ -77,6 +82,24 @@ def _parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu, cuda or cuda:N: where the weights, the KV pool and the forward live",
     )
+    engine.add_argument(
+        "--guard",
+        action=argparse.BooleanOptionalAction,
+        default=guard_setting().default,
+        help="verify sampled tier hits by computing them (the restore guard; on by default)",
+    )
+    engine.add_argument(
+        "--guard-first-hits",
+        type=int,
+        default=guard_first_hits_setting().default,
+        help="hits verified per tier and namespace",
+    )
+    engine.add_argument(
+        "--guard-fraction",
+        type=float,
+        default=guard_fraction_setting().default,
+        help="share of later hits verified",
+    )
     # Every store setting, from its one declaration (secrets only from CACHETIER_*).
     add_flags(p.add_argument_group("tiers (override CACHETIER_* variables)"), StoreConfig)
     limits = p.add_argument_group("limits")
@@ -104,7 +127,7 @@ def store_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfi
         cpu_bytes or values.get("disk_path") or values.get("redis_url") or values.get("remote_url")
     ):
         return None
-    return StoreConfig(**values)  # type: ignore[arg-type]
+    return build(StoreConfig, values)  # nested settings (admission) into their configs
 
 
 def server_config(
@@ -132,6 +155,9 @@ def _config_of(
         "event_log": args.event_log,
         "kv_load_policy": args.kv_load_policy,
         "device": args.device,
+        "guard": args.guard,
+        "guard_first_hits": args.guard_first_hits,
+        "guard_fraction": args.guard_fraction,
     }
     try:
         config = EngineServerConfig(
