@@ -304,6 +304,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.running.remove(seq)
         if self.bridge is not None and self.config.enable_prefix_caching:
-            self.bridge.save([self.blocks.blocks[b] for b in seq.block_table])
+            blocks = [self.blocks.blocks[b] for b in seq.block_table]
+            self.bridge.save(blocks, seq.num_prompt_tokens)
         self.loads.release(seq)
         seq.block_table = []

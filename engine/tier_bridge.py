@@ -100,9 +100,22 @@ class TierBridge:
             else None
         )
 
-    def save(self, blocks: Sequence[Block]) -> None:
-        """Hand full, computed blocks not yet stored to the store (lower tiers write later)."""
-        todo = [b for b in blocks if b.key is not None and not b.stored]
+    def save(self, blocks: Sequence[Block], num_prompt_tokens: int | None = None) -> None:
+        """Hand full, computed blocks not yet stored to the store (lower tiers write later).
+
+        Args:
+            blocks: the blocks, a sequence's in its order where ``num_prompt_tokens`` is given.
+            num_prompt_tokens: the sequence's prompt length: blocks past it hold generated
+                tokens, which admission may treat apart; ``None`` (evicted blocks of no one
+                sequence): all prompt.
+        """
+        size = self.pool.layout.block_size
+        todo, generated = [], []
+        for index, b in enumerate(blocks):
+            if b.key is not None and not b.stored:
+                todo.append(b)
+                past = num_prompt_tokens is not None and (index + 1) * size > num_prompt_tokens
+                generated += [past] * self.records_per_block
         if not todo:
             return
         start = time.perf_counter()
@@ -116,7 +129,7 @@ class TierBridge:
         ]
         if self.shadow is not None:
             self.shadow.check(records)
-        self.store.put_many(self.namespace.id, records)
+        self.store.put_many(self.namespace.id, records, generated=generated)
         for b in todo:
             b.stored = True
         self.stats.saved_blocks += len(todo)

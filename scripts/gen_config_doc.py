@@ -27,6 +27,7 @@ OUT = ROOT / "docs" / "configuration.md"
 # (module, class, the settings' title), in the order the page shows them.
 SETTING_CLASSES = [
     ("cachetier.store.config", "StoreConfig", "Store settings"),
+    ("cachetier.admission.config", "AdmissionConfig", "Admission settings (the store's)"),
     ("cachetier.server.config", "ServerConfig", "Sidecar settings"),
     ("cachetier.connectors.config", "ConnectorConfig", "Engine plugin settings"),
 ]

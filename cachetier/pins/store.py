@@ -145,6 +145,10 @@ class StorePins:
                     self._pins.pop(namespace, None)
         return len(gone)
 
+    def holds(self, namespace: str, key: BlockHash) -> bool:
+        """Whether ``key`` is pinned in ``namespace`` (admission always writes pinned blocks)."""
+        return key in self._pins.get(namespace, {})  # dict reads are atomic under the GIL
+
     def listing(self, prefix: str = "") -> Pins:
         """Pinned keys by namespace, for the namespaces that start with ``prefix``."""
         with self._lock:

@@ -7,8 +7,18 @@ from typing import Any
 
 from cachetier.tiers.stats import COUNTERS
 
-COLUMNS = (*COUNTERS, "hit_rate", "latency_p50_ms", "latency_p99_ms", "used_bytes")
-"""Columns of the table: every ``TierStats`` counter, then derived figures (blank if absent)."""
+ADMISSION_COLUMNS = ("admitted", "refused", "bytes_refused")
+"""A lower tier's admission decisions (``TieredStore.stats()["admission"]``)."""
+COLUMNS = (
+    *COUNTERS,
+    "hit_rate",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "used_bytes",
+    *ADMISSION_COLUMNS,
+)
+"""Columns of the table: every ``TierStats`` counter, then derived figures and the admission
+decisions (blank if absent)."""
 
 
 def counters_table(stats: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -27,10 +37,15 @@ def counters_table(stats: Mapping[str, Any], source: str) -> dict[str, Any]:
         ValueError: ``stats`` holds no counters at all.
     """
     rows: list[list[Any]] = []
+    admission = _admission(stats)
     for group, key in (("tier", "tiers"), ("tenant", "tenants")):
         table = stats.get(key)
         if isinstance(table, Mapping):
-            rows += [[group, str(n), *_values(v)] for n, v in table.items() if _has_counters(v)]
+            rows += [
+                [group, str(n), *_values({**v, **admission.get(n, {})} if group == "tier" else v)]
+                for n, v in table.items()
+                if _has_counters(v)
+            ]
     if not rows and _has_counters(stats):
         rows.append(["tier", str(stats.get("tier", "store")), *_values(stats)])
     if not rows:
@@ -60,3 +75,12 @@ def _has_counters(value: object) -> bool:
 
 def _values(snapshot: Mapping[str, Any]) -> list[Any]:
     return [snapshot.get(column) for column in COLUMNS]
+
+
+def _admission(stats: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Each lower tier's admission counts, where the stats have them."""
+    admission = stats.get("admission")
+    tiers = admission.get("tiers") if isinstance(admission, Mapping) else None
+    if not isinstance(tiers, Mapping):
+        return {}
+    return {str(t): c for t, c in tiers.items() if isinstance(c, Mapping)}

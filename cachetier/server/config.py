@@ -254,7 +254,9 @@ class ServerConfig:
         Redis password masked (safe to print)."""
         out = {}
         for name, item in SETTINGS.items():
-            holder = self.store if item.path else self
+            holder: Any = self
+            for part in item.path:  # the nested configs that hold it, outermost first
+                holder = getattr(holder, part)
             out[name] = getattr(holder, name)
         out["redis_url"] = self.store.redis_url and redact_url(self.store.redis_url)
         out["remote_token"] = self.store.remote_token and "***"

@@ -151,6 +151,7 @@ class _StoreCollector(Collector):
         yield from tier_rate_families(stats["rates"])
         yield from store_health_families(stats)
         yield from guard_families(stats["guard"], len(self._service.store.quarantines.entries()))
+        yield from admission_families(stats)
         per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
         for name in _TENANT_COUNTERS:
             family = CounterMetricFamily(
@@ -191,6 +192,23 @@ def guard_families(guard: dict[str, dict[str, int]], held: int) -> Iterator[Metr
             family.add_metric([tier], count)
         yield family
     yield GaugeMetricFamily("cachetier_quarantines_held", "quarantines held now", value=held)
+
+
+def admission_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The admission policy's decisions by tier (``TieredStore.stats()["admission"]``): what
+    each lower tier wrote and what it was spared."""
+    tiers = stats.get("admission", {}).get("tiers", {})
+    docs = {
+        "admitted": "blocks a lower tier's admission let it write",
+        "refused": "blocks a lower tier's admission kept out",
+        "bytes_admitted": "bytes of the admitted blocks",
+        "bytes_refused": "bytes of the refused blocks: the writes saved",
+    }
+    for name, doc in docs.items():
+        family = CounterMetricFamily(f"cachetier_admission_{name}", doc, labels=["tier"])
+        for tier, counts in tiers.items():
+            family.add_metric([tier], counts[name])
+        yield family
 
 
 def pin_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:

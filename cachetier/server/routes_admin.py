@@ -73,6 +73,7 @@ async def stats(caller: CallerDep, service: ServiceDep) -> StatsPublic:
         tenants={t: service.tenant_stats(t) for t in service.tenant_names},
         tiers=store["tiers"],
         pending_writes=store["pending_writes"],
+        admission=store.get("admission"),
     )
 
 

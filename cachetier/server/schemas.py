@@ -91,6 +91,10 @@ class StatsPublic(BaseModel):
         default=None, description="per tier of the server (admin tenants only)"
     )
     pending_writes: dict[str, int] | None = None
+    admission: dict[str, Any] | None = Field(
+        default=None,
+        description="the admission policy and its decisions per lower tier (admin tenants only)",
+    )
 
 
 class PinsCreate(BaseModel):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachetier.admission import AdmissionConfig, make_admission_policy
 from cachetier.pins.registry import PinRegistry
 from cachetier.store.rates_file import RATES_FILE_NAME, RatesFile
 from cachetier.store.tiered import TieredStore
@@ -24,7 +25,14 @@ from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.eviction import POLICIES
 from cachetier.util.checks import fraction, positive_int
 from cachetier.util.redact import redacted_repr
-from cachetier.util.settings import ENV_PREFIX, build, env_values, parse_settings, setting
+from cachetier.util.settings import (
+    ENV_PREFIX,
+    build,
+    env_values,
+    nested,
+    parse_settings,
+    setting,
+)
 
 GiB = 1 << 30
 __all__ = ["ENV_PREFIX", "GiB", "StoreConfig", "build_store", "build_tiers", "env_values"]
@@ -163,6 +171,9 @@ class StoreConfig:
         None,
         "a JSON file that keeps the store's pins across restarts (``cachetier.pins.registry``); "
         "``None`` keeps them in memory only (the sidecar: ``<data_dir>/pins.json``).",
+    )
+    admission: AdmissionConfig = nested(
+        AdmissionConfig, "which blocks the tiers below the first write (``cachetier.admission``)."
     )
 
     def __repr__(self) -> str:
@@ -322,6 +333,7 @@ def build_store(config: StoreConfig) -> TieredStore:
             write_queue_bytes=config.write_queue_bytes,
             writer_nice=config.writer_nice,
             pin_registry=registry,
+            admission=make_admission_policy(config.admission),
             # The disk tier's measured speed, kept in its folder for the next process.
             rates_file=RatesFile(
                 Path(config.disk_path) / RATES_FILE_NAME, "disk", config.disk_file_mode

@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachetier.admission import AdmissionPolicy
 from cachetier.guard import QuarantineList
 from cachetier.pins.registry import PinRegistry, Pins
 from cachetier.pins.store import PinResult, StorePins
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
+from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
@@ -64,6 +66,8 @@ class TieredStore(Tier):
             now); ``None`` keeps pins in memory only.
         rates_file: where one tier's measured rate is kept across restarts
             (``cachetier.store.rates_file``): the store starts from it and keeps it up to date.
+        admission: which blocks the lower tiers write (``cachetier.admission``); ``None``
+            writes every block without counting.
     """
 
     name = "tiered"
@@ -78,6 +82,7 @@ class TieredStore(Tier):
         writer_nice: int = BACKGROUND_NICE,
         pin_registry: PinRegistry | None = None,
         rates_file: RatesFile | None = None,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         super().__init__()
         if not tiers:
@@ -108,6 +113,7 @@ class TieredStore(Tier):
             if kept is not None:
                 self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
+        self._admission = admission
         # Namespaces a tier may no longer serve (``cachetier.store.verify``): lookups pass
         # over a quarantined tier as if it held nothing.
         self.quarantines = QuarantineList()
@@ -126,14 +132,41 @@ class TieredStore(Tier):
     def used_bytes(self) -> int:
         return sum(tier.used_bytes for tier in self._tiers)
 
-    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+    def put_many(
+        self,
+        namespace: str,
+        blocks: Sequence[KVBlock],
+        *,
+        generated: Sequence[bool] | None = None,
+    ) -> int:
+        """Store ``blocks`` in the first tier now and queue them for the lower tiers that
+        admit them (``cachetier.admission``; every tier takes every block under ``all``).
+
+        Args:
+            namespace: storage namespace.
+            blocks: the blocks, those of one request.
+            generated: per block, whether it holds generated tokens (admission may treat
+                those apart); ``None``: prompt blocks.
+
+        Returns:
+            Blocks the first tier stored.
+        """
         check_namespace(namespace)
         if not blocks:
             return 0
         blocks = list(blocks)
         stored = self._tiers[0].put_many(namespace, blocks)
+        policy = self._admission
+        if policy is not None:
+            policy.record(b.key for b in blocks)
         for writer in self._writers:
-            writer.submit(namespace, blocks)
+            chosen = blocks
+            if policy is not None:
+                chosen = admitted(
+                    policy, writer.tier.name, namespace, blocks, generated, self._pins
+                )
+            if chosen:
+                writer.submit(namespace, chosen)
         self._stats.add(puts=len(blocks))
         return stored
 
@@ -393,6 +426,11 @@ class TieredStore(Tier):
         out["tiers"] = {tier.name: tier.stats() for tier in self._tiers}
         out["rates"] = self.rates.snapshot()
         out["guard"] = self.guard.stats.as_dict()
+        if self._admission is not None:
+            out["admission"] = {
+                "policy": self._admission.name,
+                "tiers": {t: a.as_dict() for t, a in self._admission.stats().items()},
+            }
         return out
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from cachetier.engine.llm_engine import RequestOutput
 from cachetier.report.events import SOURCES
 from cachetier.server.metrics import (
+    admission_families,
     pin_families,
     store_health_families,
     tier_counter_families,
@@ -214,3 +215,4 @@ class _EngineStoreCollector(Collector):
         yield from tier_counter_families(stats["tiers"])
         yield from pin_families(stats["tiers"])
         yield from store_health_families(stats)
+        yield from admission_families(stats)

@@ -54,9 +54,12 @@ def test_the_store_is_held_not_declared_again() -> None:
         assert own["store"].type == "StoreConfig"
         # ... and its flat namespace still takes every store setting by its own name.
         table = flat_settings(holder)
-        assert store_fields <= set(table)
-        assert all(table[name].owner is StoreConfig for name in store_fields)
-        assert all(table[name].path == ("store",) for name in store_fields)
+        store_settings = flat_settings(StoreConfig)  # its own and its nested configs' settings
+        assert set(store_settings) <= set(table)
+        assert all(
+            table[name].owner is setting.owner and table[name].path == ("store", *setting.path)
+            for name, setting in store_settings.items()
+        )
 
 
 @pytest.mark.parametrize("cls", [StoreConfig, *HOLDERS])
