@@ -12,11 +12,16 @@ sequences), one untimed warm-up request first, then all 32 requests in one ``gen
   is the last ``with`` run's: every prompt's full blocks are found there.
 
 ``without`` and ``with`` alternate (``--pairs`` of each) so that the machine's drift hits both.
+``with`` runs once per admission policy (``--admission-policies``, ``cachetier.admission``) in
+each round: a filter spares the disk the writes of blocks seen once, and its ``with_hits`` run
+shows what that costs a restart.
 
-    python -m benchmarks.vllm_overhead --json [--pairs 3]
+    python -m benchmarks.vllm_overhead --json [--pairs 3] [--admission-policies all,second_hit]
 
 Figures (last line):
-- ``connector_overhead_no_hits`` = median(with) / median(without) - 1 (target <= 0.05);
+- ``connector_overhead_no_hits`` = median(with) / median(without) - 1 (target <= 0.05), at
+  the default admission policy (``all``); ``..._by_policy`` for each policy, beside
+  ``with_hits_speedup_by_policy`` and ``with_hits_cached_tokens_by_policy``;
 - ``connector_overhead_breakdown``: seconds per connector hook in the median ``with`` run
   (``cachetier.connectors.vllm.timing``), and the disk tier's own write time on its background
   thread;
@@ -37,6 +42,7 @@ from typing import Any
 from benchmarks.support.output import emit
 from benchmarks.support.requests import OUTPUT_TOKENS, make_requests
 from benchmarks.support.vllm_batch import BLOCK_SIZE, run_batch
+from cachetier.admission import ADMISSION_POLICIES
 
 
 def breakdown(run: dict[str, Any]) -> dict[str, float]:
@@ -63,8 +69,18 @@ def main() -> None:
         default="{}",
         help="JSON of connector settings over the default CPU + disk tiers (experiments)",
     )
+    parser.add_argument(
+        "--admission-policies",
+        default=",".join(ADMISSION_POLICIES),
+        help="comma-separated admission policies to run the connector with (the first is the "
+        "headline figure's)",
+    )
     args = parser.parse_args()
     from cachetier.engine.smollm2 import smollm2_path
+
+    policies = [p for p in args.admission_policies.split(",") if p]
+    if not policies or set(policies) - set(ADMISSION_POLICIES):
+        parser.error(f"--admission-policies: some of {', '.join(ADMISSION_POLICIES)}")
 
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     requests = make_requests(args.num_requests, 49152, 0)
@@ -74,40 +90,81 @@ def main() -> None:
         "warmup": make_requests(1, 49152, 0, seed=1)[0][:64],
         "max_model_len": max(len(r) for r in requests) + OUTPUT_TOKENS + BLOCK_SIZE,
     }
-    runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-overhead-") as tmp:
-        workdir = Path(tmp)
-        disk = workdir / "disk-0"
-        for i in range(args.pairs):
-            runs["without"].append(run_batch({**base, "kv_extra": None}, workdir, f"without-{i}"))
-            disk = workdir / f"disk-{i}"
-            extra = {"cpu_bytes": 1 << 30, "disk_path": str(disk), **json.loads(args.extra)}
-            runs["with"].append(run_batch({**base, "kv_extra": extra}, workdir, f"with-{i}"))
-        hits = run_batch({**base, "kv_extra": extra}, workdir, "with_hits")
+        runs, hits_by_policy = run_rounds(
+            base, Path(tmp), args.pairs, policies, json.loads(args.extra)
+        )
+    result = summarize(runs, hits_by_policy, policies, requests)
+    emit(result, args.json)
+
+
+def run_rounds(
+    base: dict[str, Any], workdir: Path, pairs: int, policies: list[str], extra: dict[str, Any]
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """``pairs`` rounds of a ``without`` run and a ``with`` run per policy, each ``with`` in an
+    empty disk folder; then per policy a ``with_hits`` run over its last round's folder."""
+    runs: dict[str, list[dict[str, Any]]] = {"without": [], **{p: [] for p in policies}}
+    kv_extra: dict[str, dict[str, Any]] = {}
+    for i in range(pairs):
+        runs["without"].append(run_batch({**base, "kv_extra": None}, workdir, f"without-{i}"))
+        for policy in policies:
+            disk = workdir / f"disk-{policy}-{i}"
+            kv_extra[policy] = {
+                "cpu_bytes": 1 << 30,
+                "disk_path": str(disk),
+                "admission_policy": policy,
+                **extra,
+            }
+            spec = {**base, "kv_extra": kv_extra[policy]}
+            runs[policy].append(run_batch(spec, workdir, f"with-{policy}-{i}"))
+    hits = {
+        p: run_batch({**base, "kv_extra": kv_extra[p]}, workdir, f"with_hits-{p}") for p in policies
+    }
+    return runs, hits
+
+
+def summarize(
+    runs: dict[str, list[dict[str, Any]]],
+    hits_by_policy: dict[str, dict[str, Any]],
+    policies: list[str],
+    requests: list[list[int]],
+) -> dict[str, Any]:
+    """The figures of the module docstring, the first policy's as the headline."""
     without = statistics.median(r["seconds"] for r in runs["without"])
-    with_ = statistics.median(r["seconds"] for r in runs["with"])
-    median_with = sorted(runs["with"], key=lambda r: r["seconds"])[len(runs["with"]) // 2]
+    by_policy = {p: statistics.median(r["seconds"] for r in runs[p]) for p in policies}
+    head = policies[0]
+    with_, hits = by_policy[head], hits_by_policy[head]
+    median_with = sorted(runs[head], key=lambda r: r["seconds"])[len(runs[head]) // 2]
     reference = runs["without"][0]["tokens"]
-    everything = runs["without"] + runs["with"] + [hits]
-    result: dict[str, Any] = {
+    everything = [r for rs in runs.values() for r in rs] + list(hits_by_policy.values())
+    return {
         "model": "SmolLM2-135M-Instruct (fp32, vLLM-CPU, enforce_eager)",
         "requests": len(requests),
         "output_tokens": OUTPUT_TOKENS,
         "threads": os.environ["OMP_NUM_THREADS"],
         "without_s": [round(r["seconds"], 3) for r in runs["without"]],
-        "with_s": [round(r["seconds"], 3) for r in runs["with"]],
+        "headline_admission_policy": head,
+        "with_s": [round(r["seconds"], 3) for r in runs[head]],
         "without_cpu_s": [round(r["cpu_s"], 3) for r in runs["without"]],
-        "with_cpu_s": [round(r["cpu_s"], 3) for r in runs["with"]],
+        "with_cpu_s": [round(r["cpu_s"], 3) for r in runs[head]],
         "without_machine_cpu_s": runs["without"][0]["machine_cpu_s"],
         "with_hits_s": round(hits["seconds"], 3),
         "connector_overhead_no_hits": round(with_ / without - 1, 4),
         "connector_overhead_breakdown": breakdown(median_with),
         "with_hits_speedup": round(without / hits["seconds"], 3),
         "with_hits_cached_tokens": hits["num_cached_tokens"],
-        "no_hits_cached_tokens": max(r["num_cached_tokens"] for r in runs["with"]),
+        "no_hits_cached_tokens": max(r["num_cached_tokens"] for r in runs[head]),
+        "connector_overhead_no_hits_by_policy": {
+            p: round(t / without - 1, 4) for p, t in by_policy.items()
+        },
+        "with_hits_speedup_by_policy": {
+            p: round(without / h["seconds"], 3) for p, h in hits_by_policy.items()
+        },
+        "with_hits_cached_tokens_by_policy": {
+            p: h["num_cached_tokens"] for p, h in hits_by_policy.items()
+        },
         "outputs_identical": all(r["tokens"] == reference for r in everything),
     }
-    emit(result, args.json)
 
 
 if __name__ == "__main__":
