@@ -11,10 +11,15 @@ from cachetier.report.events import LookupEvent
 
 
 def account_cached_tokens(
-    seq: Sequence, num_pool_blocks: int, sources: list[str], block_size: int
+    seq: Sequence,
+    num_pool_blocks: int,
+    sources: list[str],
+    block_size: int,
+    num_keys: int | None = None,
 ) -> None:
     """Set the sequence's cached tokens, in all and by source, from the pool blocks its lookup
-    found and the source tier of each block restored after them."""
+    found and the source tier of each block restored after them; and, given the number of
+    full blocks its lookup could use (``num_keys``), the tokens it missed by cause."""
     seq.num_cached_tokens = (num_pool_blocks + len(sources)) * block_size
     by_source: dict[str, int] = {}
     if num_pool_blocks:
@@ -22,6 +27,8 @@ def account_cached_tokens(
     for name in sources:
         by_source[name] = by_source.get(name, 0) + block_size
     seq.cached_tokens_by_source = by_source
+    if num_keys is not None:
+        seq.miss_tokens_by_cause = _misses(seq, num_keys, block_size)
 
 
 def lookup_event(
@@ -55,14 +62,27 @@ def lookup_event(
         recomputed_tokens=seq.num_recomputed_hit_tokens,
         est_saved_s=seq.est_saved_s,
         verified_tokens=seq.num_verified_tokens,
-        miss_tokens=_misses(seq),
+        miss_tokens=seq.miss_tokens_by_cause,
     )
 
 
-def _misses(seq: Sequence) -> dict[str, int]:
-    """Tokens not served, by cause (``MISS_CAUSES``), where the lookup knows one."""
-    # A quarantined tier's blocks lie past the hit, so they never overlap the hit's tokens;
-    # the last prompt token is always computed, hence the cap.
-    room = max(seq.num_prompt_tokens - seq.num_cached_tokens - 1, 0)
-    lost = min(seq.num_quarantined_tokens, room)
-    return {"quarantined": lost} if lost else {}
+def _misses(seq: Sequence, num_keys: int, block_size: int) -> dict[str, int]:
+    """The prompt tokens not served, by cause (``MISS_CAUSES``): every one has one.
+
+    - ``partial_block``: the tokens past the last full block the lookup could use (a cache of
+      whole blocks cannot serve them; a prompt of whole blocks computes its last for logits);
+    - ``too_slow``: hit blocks the cost model chose to recompute;
+    - the rest of the full blocks: the cause of the tiers' run ending (``PrefixHit``), or
+      ``never_stored`` where no tier was asked. A restore that delivered fewer blocks than
+      its lookup found counts as ``tier_down``: the tier did not deliver what it held.
+    """
+    full = num_keys * block_size
+    rest = full - seq.num_cached_tokens - seq.num_verified_tokens - seq.num_recomputed_hit_tokens
+    held = seq.num_stored_blocks >= num_keys > 0  # the lookup found every full block
+    cause = seq.miss_cause or ("tier_down" if held else "never_stored")
+    misses = {
+        "partial_block": seq.num_prompt_tokens - full,
+        "too_slow": seq.num_recomputed_hit_tokens,
+        cause: max(rest, 0),
+    }
+    return {k: v for k, v in misses.items() if v}

@@ -45,7 +45,9 @@ class RequestOutput:
     engine's own blocks) or a tier name (``cpu``, ``disk``, ``redis``, ``remote``).
     ``ttft_breakdown`` says where ``ttft_s`` went (``cachetier.engine.sequence.TTFT_PARTS`` and
     ``other_s``); ``num_recomputed_hit_tokens`` are tokens the tiers held that the cost model
-    chose to recompute.
+    chose to recompute. ``miss_tokens_by_cause`` says why the other prompt tokens were not
+    served from cache (``cachetier.report.events.MISS_CAUSES``), and ``miss_tier`` which tier
+    the cause concerns where one does (the tier that evicted them, that is down...).
     """
 
     request_id: str
@@ -60,6 +62,8 @@ class RequestOutput:
     text: str = ""
     ttft_breakdown: dict[str, float] = field(default_factory=dict)
     num_recomputed_hit_tokens: int = 0
+    miss_tokens_by_cause: dict[str, int] = field(default_factory=dict)
+    miss_tier: str = ""
 
 
 def engine_device(name: str) -> torch.device:
@@ -332,6 +336,8 @@ class LLMEngine:
             ttft_s=seq.ttft_s,
             ttft_breakdown=seq.ttft_breakdown(),
             num_recomputed_hit_tokens=seq.num_recomputed_hit_tokens,
+            miss_tokens_by_cause=dict(seq.miss_tokens_by_cause),
+            miss_tier=seq.miss_tier,
         )
 
     def stats(self) -> dict[str, Any]:

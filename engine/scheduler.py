@@ -217,7 +217,9 @@ class Scheduler:
         restore_s: float,
     ) -> None:
         """Record where a request's cached tokens came from, once its restore is in."""
-        account_cached_tokens(seq, num_pool_blocks, sources, self.block_size)
+        caching = self.config.enable_prefix_caching
+        num_keys = len(keys) if caching else None  # no lookup, no miss to explain
+        account_cached_tokens(seq, num_pool_blocks, sources, self.block_size, num_keys)
         # Logged once per request: a preempted sequence re-admitted later looks its prefix up
         # again, but that is the engine's doing, not a new request's.
         if self.events is not None and self.config.enable_prefix_caching:

@@ -88,6 +88,11 @@ class Sequence:
     # tokens past the hit that a quarantined tier holds: the lookup event reports both.
     num_verified_tokens: int = 0
     num_quarantined_tokens: int = 0
+    # Why the tiers' run ended where it did (``PrefixHit.miss_cause``), and the tier concerned.
+    miss_cause: str = ""
+    miss_tier: str = ""
+    # Prompt tokens not served from cache, by cause (``cached_tokens._misses``).
+    miss_tokens_by_cause: dict[str, int] = field(default_factory=dict)
     # The plan of its first admission: a refusal's real prefill time goes back to the model.
     load_plan: LoadPlan | None = None
     # (from, to): blocks loaded from the tiers sit at tokens [from, to), after blocks the

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -352,4 +352,4 @@ def _in_blocks(hit: PrefixHit, per_block: int) -> PrefixHit:
             spans[-1] = (tier, spans[-1][1], b + 1)
         else:
             spans.append((tier, b, b + 1))
-    return PrefixHit(num_blocks, tuple(spans), hit.tier_names, quarantined_blocks=lost)
+    return replace(hit, num_blocks=num_blocks, spans=tuple(spans), quarantined_blocks=lost)

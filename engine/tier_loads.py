@@ -120,6 +120,7 @@ class TierLoads:
         seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
         seq.num_verified_tokens = hit.verified_blocks * self.block_size
         seq.num_quarantined_tokens = hit.quarantined_blocks * self.block_size
+        seq.miss_cause, seq.miss_tier = hit.miss_cause, hit.miss_tier
         return PrefixLookup(keys, pool_ids, hit, plan)
 
     def _plan(

@@ -136,6 +136,10 @@ def headline(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
             cost_model_est_saved_s=figures["load_or_recompute"]["est_saved_s"],
             verified_by_guard_tokens=figures["load_or_recompute"]["verified_by_guard_tokens"],
             quarantined_tokens=figures["load_or_recompute"]["quarantined_tokens"],
+            miss_tokens_by_cause=dict(
+                zip(figures["why_missed"]["causes"], figures["why_missed"]["miss_tokens"])
+            ),
+            unexplained_miss_tokens=figures["why_missed"]["unexplained_tokens"],
         )
     if "capacity_curve" in figures:
         curve = figures["capacity_curve"]

@@ -24,9 +24,21 @@ log = logging.getLogger(__name__)
 SOURCES = ("pool", "cpu", "disk", "redis", "remote")
 """Where hit tokens can come from: the engine's own pool, then the tiers in lookup order."""
 
-MISS_CAUSES = ("quarantined",)
-"""Why tokens a tier holds were not served: ``quarantined``, the tier holds them but the restore
-guard quarantined the namespace there (``cachetier.store.verify``)."""
+MISS_CAUSES = (
+    "never_stored",
+    "evicted",
+    "not_admitted",
+    "write_dropped",
+    "namespace_mismatch",
+    "corrupt",
+    "too_slow",
+    "tier_down",
+    "partial_block",
+    "quarantined",
+)
+"""Why prompt tokens were not served from cache, one cause each (docs/operations.md, "Why a
+miss missed"): ``quarantined`` is a tier the restore guard quarantined for the namespace
+(``cachetier.store.verify``)."""
 
 
 @dataclass(frozen=True, slots=True)

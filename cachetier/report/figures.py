@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cachetier.report.events import SOURCES, LookupEvent
+from cachetier.report.events import MISS_CAUSES, SOURCES, LookupEvent
 
 MAX_TENANTS_PLOTTED = 20  # the rest are drawn as one "other" bar; the JSON keeps all
 _NICE_BIN_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
@@ -103,6 +103,7 @@ def lookup_figures(
         "saved": _saved(bins, total_hits, saved_s, restore, prefill_tokens_per_s, prefill_source),
         "alignment": _alignment(events, num_tokens, hits, sources, lost),
         "load_or_recompute": _load_or_recompute(events, hits),
+        "why_missed": _why_missed(events, num_tokens, int(total_hits.sum())),
     }
 
 
@@ -216,6 +217,30 @@ def _load_or_recompute(
         "num_lookups_verified": sum(1 for e in events if e.verified_tokens),
         "quarantined_tokens": sum(e.miss_tokens.get("quarantined", 0) for e in events),
         "num_lookups_quarantined": sum(1 for e in events if e.miss_tokens.get("quarantined")),
+    }
+
+
+def _why_missed(events: Sequence[LookupEvent], num_tokens: int, hit_tokens: int) -> dict[str, Any]:
+    by_cause = {c: sum(e.miss_tokens.get(c, 0) for e in events) for c in MISS_CAUSES}
+    verified = sum(e.verified_tokens for e in events)
+    missed = num_tokens - hit_tokens
+    # Logs written before causes were recorded leave their misses unexplained, and say so.
+    unexplained = missed - verified - sum(by_cause.values())
+    return {
+        "title": "Why misses missed",
+        "how": (
+            "Prompt tokens not served from cache, by cause: never_stored (no tier ever held "
+            "them), evicted, not_admitted (admission kept them out), write_dropped (a full "
+            "write queue), namespace_mismatch (held under another model, layout or tenant), "
+            "corrupt, too_slow (the cost model recomputed them), tier_down, partial_block (past "
+            "the last full block), quarantined (the restore guard). Verified: computed to check "
+            "a tier. Unexplained: misses of lookups logged without a cause."
+        ),
+        "causes": list(MISS_CAUSES),
+        "miss_tokens": [by_cause[c] for c in MISS_CAUSES],
+        "share_of_misses": [by_cause[c] / missed if missed else 0.0 for c in MISS_CAUSES],
+        "verified_tokens": verified,
+        "unexplained_tokens": max(unexplained, 0),
     }
 
 

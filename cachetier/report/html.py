@@ -232,6 +232,14 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
             "num_lookups_quarantined",
         ]
         return ["figure", "value"], [[k, fig[k]] for k in keys]
+    if name == "why_missed":
+        rows = [
+            [c, n, round(share, 4)]
+            for c, n, share in zip(fig["causes"], fig["miss_tokens"], fig["share_of_misses"])
+        ]
+        rows += [["verified", fig["verified_tokens"], ""]]
+        rows += [["unexplained", fig["unexplained_tokens"], ""]]
+        return ["cause", "tokens", "share of misses"], rows
     if name == "tier_counters":
         return fig["columns"], fig["rows"]
     return None

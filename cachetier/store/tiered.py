@@ -183,6 +183,7 @@ class TieredStore(Tier):
         check_namespace(namespace)
         spans: list[tuple[int, int, int]] = []
         held: list[Tier] = []  # tiers the namespace is quarantined in
+        down: list[str] = []  # tiers whose lookup failed
         pos = 0
         while pos < len(keys):
             for index, tier in enumerate(self._tiers):
@@ -196,6 +197,8 @@ class TieredStore(Tier):
                 found = tier.contains_prefix(namespace, keys[pos:])
                 if tier.num_errors == errors:
                     self.rates.observe_latency(tier.name, time.perf_counter() - start)
+                else:
+                    down.append(tier.name)
                 if found:
                     spans.append((index, pos, pos + found))
                     pos += found
@@ -205,7 +208,44 @@ class TieredStore(Tier):
         # What the quarantined tiers would have added is asked only where there are any (a
         # quarantine is rare): those blocks are misses of cause ``quarantined``.
         lost = max((_held_prefix(t, namespace, keys[pos:]) for t in held), default=0)
-        return PrefixHit(pos, tuple(spans), self._names, quarantined_blocks=lost)
+        cause, where = "", ""
+        if pos < len(keys):
+            quarantined = held[0].name if lost else None
+            cause, where = self.why_missed(namespace, keys[pos], quarantined, down)
+        return PrefixHit(
+            pos,
+            tuple(spans),
+            self._names,
+            quarantined_blocks=lost,
+            miss_cause=cause,
+            miss_tier=where,
+        )
+
+    def why_missed(
+        self,
+        namespace: str,
+        key: BlockHash,
+        quarantined: str | None = None,
+        down: Sequence[str] = (),
+    ) -> tuple[str, str]:
+        """The cause of a key's miss (``cachetier.report.events.MISS_CAUSES``) and its tier.
+
+        Args:
+            namespace: storage namespace.
+            key: the first key of the lookup that no tier served.
+            quarantined: a quarantined tier that holds it, if any.
+            down: tiers whose lookup just failed.
+
+        Returns:
+            ``(cause, tier)``: ``quarantined`` or ``tier_down`` first (what the lookup saw),
+            then what the store remembers of the key (evicted, refused, dropped, corrupt),
+            else ``never_stored``.
+        """
+        if quarantined is not None:
+            return "quarantined", quarantined
+        if down:
+            return "tier_down", down[0]
+        return "never_stored", ""
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks

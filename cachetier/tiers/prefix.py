@@ -21,6 +21,9 @@ class PrefixHit:
             holds (``cachetier.store.verify``): misses of cause ``quarantined``.
         verified_blocks: blocks of the run the restore guard drew for verification, which the
             engine computes instead of loading (the hit itself is then reported empty).
+        miss_cause: why the key after the run was not served (``cachetier.misses`` causes:
+            ``never_stored``, ``evicted``, ``tier_down``...); ``""`` when every key hit.
+        miss_tier: the tier the cause concerns (the one that evicted it, is down...), or ``""``.
     """
 
     num_blocks: int
@@ -28,6 +31,8 @@ class PrefixHit:
     tier_names: tuple[str, ...]
     quarantined_blocks: int = 0
     verified_blocks: int = 0
+    miss_cause: str = ""
+    miss_tier: str = ""
 
     def blocks_per_tier(self) -> dict[str, int]:
         """How many of the leading blocks each tier holds (tiers with none are left out)."""

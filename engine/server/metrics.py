@@ -28,6 +28,9 @@ from cachetier.server.metrics import (
 )
 
 PREFIX = "cachetier_engine_"
+# Miss causes that concern no tier (the engine's own choices and block alignment).
+_TIERLESS = frozenset({"partial_block", "too_slow", "never_stored"})
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. CPU inference: a first token takes tens of ms (cached) to tens of seconds (long cold
 # prompts); a decode step of a small model a few ms to a few hundred.
@@ -72,6 +75,11 @@ class EngineMetrics:
             "prefix_cache_hits",
             "Prompt tokens served from cache, by source (the pool or a tier)",
             ("source",),
+        )
+        self._misses = counter(
+            "prefix_cache_misses",
+            "Prompt tokens not served from cache, by cause and the tier it concerns",
+            ("cause", "tier"),
         )
         self._success = counter(
             "request_success", "Requests finished, by finish reason", ("finished_reason",)
@@ -118,6 +126,11 @@ class EngineMetrics:
             self._queries.labels(name).inc(num_prompt)
             for source, num in output.cached_tokens_by_source.items():
                 self._hits.labels(name, source).inc(num)
+            for cause, num in output.miss_tokens_by_cause.items():
+                # Only the run's own cause has a tier; the fixed ones (partial_block,
+                # too_slow) concern none.
+                tier = output.miss_tier if cause not in _TIERLESS else ""
+                self._misses.labels(name, cause, tier).inc(num)
         else:
             self._tpot.labels(name).observe(now - previous_token_s)
         self._generation_tokens.labels(name).inc(len(output.new_token_ids))

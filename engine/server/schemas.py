@@ -147,6 +147,13 @@ class CacheInfo(BaseModel):
     cached_tokens_by_source: dict[str, int] = Field(
         description="pool (the engine's own KV blocks), cpu, disk, redis or remote -> tokens"
     )
+    miss_tokens_by_cause: dict[str, int] = Field(
+        default_factory=dict,
+        description="prompt tokens not served from cache, by cause: never_stored, evicted, "
+        "not_admitted, write_dropped, namespace_mismatch, corrupt, too_slow, tier_down, "
+        "partial_block, quarantined",
+    )
+    miss_tier: str = Field(default="", description="the tier the miss's cause concerns, if any")
 
 
 class CompletionChoice(_Answer):

@@ -56,7 +56,11 @@ def usage_of(output: RequestOutput) -> Usage:
 
 
 def cache_info_of(output: RequestOutput) -> CacheInfo:
-    return CacheInfo(cached_tokens_by_source=dict(output.cached_tokens_by_source))
+    return CacheInfo(
+        cached_tokens_by_source=dict(output.cached_tokens_by_source),
+        miss_tokens_by_cause=dict(output.miss_tokens_by_cause),
+        miss_tier=output.miss_tier,
+    )
 
 
 def sse(body: BaseModel | str) -> str:

@@ -73,6 +73,7 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "alignment",
         "capacity_curve",
         "load_or_recompute",
+        "why_missed",
         "admission",
     }
     for name in ("hit_rate_over_time", "per_tier", "capacity_curve", "alignment", "admission"):

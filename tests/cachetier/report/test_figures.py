@@ -158,3 +158,17 @@ def test_load_or_recompute_counts_the_cost_models_choices() -> None:
     assert fig["recomputed_by_choice_tokens"] == 640
     assert fig["num_lookups_with_recompute"] == 1
     assert fig["est_saved_s"] == pytest.approx(2.5)
+
+
+def test_why_missed_sums_each_cause_and_says_what_old_logs_leave_unexplained() -> None:
+    events = [
+        LookupEvent(1.0, "a", 100, {"pool": 32}, miss_tokens={"evicted": 64, "partial_block": 4}),
+        LookupEvent(2.0, "a", 100, {}, verified_tokens=96, miss_tokens={"partial_block": 4}),
+        LookupEvent(3.0, "b", 50, {"disk": 16}),  # a log line from before causes were recorded
+    ]
+    fig = lookup_figures(events, prefill_tokens_per_s=100.0, prefill_source="a test")["why_missed"]
+    by_cause = dict(zip(fig["causes"], fig["miss_tokens"]))
+    assert by_cause["evicted"] == 64 and by_cause["partial_block"] == 8
+    assert sum(by_cause.values()) == 72 and fig["verified_tokens"] == 96
+    assert fig["unexplained_tokens"] == 250 - 48 - 72 - 96
+    assert fig["share_of_misses"][fig["causes"].index("evicted")] == pytest.approx(64 / 202)

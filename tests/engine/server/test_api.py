@@ -57,7 +57,13 @@ def test_a_repeated_prompt_reports_cached_tokens(shared_server: EngineServer) ->
     _, second = post(shared_server.url, "/v1/completions", body)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
-    assert second["cachetier"] == {"cached_tokens_by_source": {"pool": 48}}
+    # 50 tokens: 3 full blocks served, the 2 past them a cache of whole blocks cannot serve.
+    assert second["cachetier"] == {
+        "cached_tokens_by_source": {"pool": 48},
+        "miss_tokens_by_cause": {"partial_block": 2},
+        "miss_tier": "",
+    }
+    assert first["cachetier"]["miss_tokens_by_cause"] == {"never_stored": 48, "partial_block": 2}
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     hits = metric(shared_server.url, "cachetier_engine_prefix_cache_hits_total", source="pool")
     assert hits - hits_before == 48

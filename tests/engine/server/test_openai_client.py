@@ -23,7 +23,8 @@ def test_the_openai_client_works(shared_server: EngineServer) -> None:
     assert again.choices[0].message.content == first.choices[0].message.content
     # The template makes a 45-token prompt: its 2 full blocks come from the pool.
     assert again.usage.prompt_tokens_details.cached_tokens == 32
-    assert again.model_extra["cachetier"] == {"cached_tokens_by_source": {"pool": 32}}
+    assert again.model_extra["cachetier"]["cached_tokens_by_source"] == {"pool": 32}
+    assert again.model_extra["cachetier"]["miss_tokens_by_cause"] == {"partial_block": 13}
 
     chunks = list(
         client.chat.completions.create(

@@ -31,6 +31,6 @@ def test_smollm2_chat_streamed_and_cached(
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     # Every full block but a last one that ends the prompt (recomputed for its logits).
     assert cached == (first["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
-    assert second["cachetier"] == {"cached_tokens_by_source": {"pool": cached}}
+    assert second["cachetier"]["cached_tokens_by_source"] == {"pool": cached}
     events = stream(server.url, "/v1/chat/completions", body)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == text
