@@ -63,6 +63,7 @@ def test_a_slow_tier_is_recomputed_with_the_same_tokens(
     out = llm.generate([PROMPT], GREEDY)[0]
     assert out.cached_tokens_by_source == {}
     assert out.num_recomputed_hit_tokens == 288
+    assert out.miss_tokens_by_cause["too_slow"] == 288  # every held block: the link's fault
     assert out.token_ids == reference(tiny_model_dir)
     llm.engine.close()
     # What the tier holds is not written to it again: 19 full blocks (18 of prompt, one of

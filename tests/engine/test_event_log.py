@@ -77,3 +77,28 @@ def test_no_log_without_prefix_caching(tiny_model_dir: Path, tmp_path: Path) -> 
 def test_an_empty_event_log_path_is_refused() -> None:
     with pytest.raises(ValueError, match="event_log"):
         EngineConfig(model="m", event_log=" ")
+
+
+def test_a_tier_that_is_down_is_the_cause_of_its_misses(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A Redis that refuses connections: the lookup fails, the request computes, and the event
+    and the output say the misses were the tier's being down, not a prefix never seen."""
+    log = tmp_path / "lookups.jsonl"
+    # Port 1 on the loopback: nothing listens, every connection is refused at once.
+    store = StoreConfig(cpu_bytes=0, redis_url="redis://127.0.0.1:1/0", redis_timeout_s=0.2)
+    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20, event_log=str(log)) as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+        llm.engine.close()
+    assert out.miss_tokens_by_cause == {"tier_down": 144, "partial_block": 6}
+    assert out.miss_tier == "redis"
+    (event,) = read_events(log, strict=True)
+    assert dict(event.miss_tokens) == {"tier_down": 144, "partial_block": 6}
+
+
+def test_a_prompt_no_tier_ever_held_was_never_stored(tiny_model_dir: Path, tmp_path: Path) -> None:
+    store = StoreConfig(cpu_bytes=64 << 20, disk_path=str(tmp_path / "disk"), fsync=False)
+    with LLM(tiny_model_dir, store=store, kv_cache_bytes=4 << 20) as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.miss_tokens_by_cause == {"never_stored": 144, "partial_block": 6}
+    assert out.miss_tier == ""
