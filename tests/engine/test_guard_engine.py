@@ -12,13 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.support.forgeries import (
+    Stored,
+    another_arrangement,
+    k_and_v_swapped,
+    values,
+    values_of,
+)
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
-from cachetier.primitives.keys import Namespace, block_keys
+from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig
-from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.models import make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -30,43 +36,16 @@ GUARD = {"guard": True, "guard_first_hits": 1, "guard_fraction": 0.0}
 Forgery = Callable[[list[KVBlock], "Stored"], list[np.ndarray]]
 
 
-class Stored:
-    """What a disk-only store in ``folder`` holds for one engine's namespace."""
-
-    def __init__(self, folder: Path, namespace: Namespace) -> None:
-        self.namespace = namespace
-        self.disk = DiskTier(DiskTierConfig(str(folder), 1 << 30, fsync=False))
-
-    def records(self, tokens: list[int]) -> list[KVBlock]:
-        got = self.disk.get_many(self.namespace.id, block_keys(self.namespace, tokens))
-        assert all(r is not None for r in got), "the engine stored every full block"
-        return [r for r in got if r is not None]
-
-    def replace(self, records: list[KVBlock], payloads: list[np.ndarray]) -> None:
-        """Rewrite ``records`` with ``payloads``: same keys, fingerprint, dtype and shape."""
-        forged = [
-            KVBlock(r.key, r.fingerprint, r.dtype, r.shape, r.num_tokens, p.tobytes())
-            for r, p in zip(records, payloads, strict=True)
-        ]
-        self.disk.delete(self.namespace.id, [r.key for r in records])
-        assert self.disk.put_many(self.namespace.id, forged) == len(forged)
-
-
-def _values(record: KVBlock) -> np.ndarray:
-    return np.frombuffer(record.data, dtype=record.dtype).reshape(record.shape)
-
-
 def _k_and_v_swapped(records: list[KVBlock], _: Stored) -> list[np.ndarray]:
-    return [np.ascontiguousarray(_values(r)[:, ::-1]) for r in records]
+    return k_and_v_swapped(records)
 
 
 def _another_arrangement(records: list[KVBlock], _: Stored) -> list[np.ndarray]:
-    # [layers, tokens, K/V, heads, dim] bytes labelled canonical.
-    return [np.ascontiguousarray(_values(r).transpose(0, 2, 1, 3, 4)) for r in records]
+    return another_arrangement(records)
 
 
 def _other_tokens(records: list[KVBlock], stored: Stored) -> list[np.ndarray]:
-    return [_values(r) for r in stored.records(OTHER_TOKENS)[: len(records)]]
+    return values_of(stored.records(OTHER_TOKENS))(records)
 
 
 @pytest.fixture
@@ -129,7 +108,7 @@ def test_another_models_kv_under_this_models_fingerprint_is_caught(
     # The other model's KV for the same tokens, re-keyed into this model's namespace: what a
     # fingerprint set by hand to the same value for two models would store.
     stored.replace(
-        stored.records(PROMPT), [_values(r) for r in Stored(folder, theirs).records(PROMPT)]
+        stored.records(PROMPT), [values(r) for r in Stored(folder, theirs).records(PROMPT)]
     )
     outs, stats = _guarded_run(tiny_model_dir, folder, PROMPT)
     assert [o.token_ids for o in outs] == [_cold(tiny_model_dir, PROMPT)] * 2

@@ -1,0 +1,80 @@
+"""Forged records that pass every checksum, for the restore guard's benchmark and tests.
+
+Each forgery rewrites the records a real engine stored on a real disk tier: the same keys,
+fingerprint, dtype and shape, freshly checksummed, holding KV that is wrong for its tokens:
+
+- ``k_and_v_swapped``: a writer that stores K where V belongs;
+- ``another_arrangement``: ``[layers, tokens, K/V, heads, dim]`` bytes labelled canonical (a
+  layout converter's bug);
+- ``other_tokens``: the right model's KV of another prompt under this prompt's keys;
+- another model's KV under this model's fingerprint (a fingerprint set by hand): made by the
+  caller, who stores the same prompt with the other model and passes its records' values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from cachetier.primitives.keys import Namespace, block_keys
+from cachetier.record import KVBlock
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+
+
+class Stored:
+    """What a disk-only store in ``folder`` holds for one engine's namespace.
+
+    Args:
+        folder: the disk tier's folder.
+        namespace: the engine's namespace.
+    """
+
+    def __init__(self, folder: Path, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.disk = DiskTier(DiskTierConfig(str(folder), 1 << 30, fsync=False))
+
+    def records(self, tokens: list[int]) -> list[KVBlock]:
+        """The records of every full block of ``tokens`` (all must be stored)."""
+        got = self.disk.get_many(self.namespace.id, block_keys(self.namespace, tokens))
+        if any(r is None for r in got):
+            raise AssertionError("the engine stored every full block")
+        return [r for r in got if r is not None]
+
+    def replace(self, records: list[KVBlock], payloads: list[np.ndarray]) -> None:
+        """Rewrite ``records`` with ``payloads``: same keys, fingerprint, dtype and shape."""
+        forged = [
+            KVBlock(r.key, r.fingerprint, r.dtype, r.shape, r.num_tokens, p.tobytes())
+            for r, p in zip(records, payloads, strict=True)
+        ]
+        self.disk.delete(self.namespace.id, [r.key for r in records])
+        if self.disk.put_many(self.namespace.id, forged) != len(forged):
+            raise AssertionError("the forged records were not stored")
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+def values(record: KVBlock) -> np.ndarray:
+    """A record's payload as an array of its dtype and shape."""
+    return np.frombuffer(record.data, dtype=record.dtype).reshape(record.shape)
+
+
+def k_and_v_swapped(records: list[KVBlock]) -> list[np.ndarray]:
+    """K where V belongs and V where K does."""
+    return [np.ascontiguousarray(values(r)[:, ::-1]) for r in records]
+
+
+def another_arrangement(records: list[KVBlock]) -> list[np.ndarray]:
+    """``[layers, tokens, K/V, heads, dim]`` bytes labelled canonical."""
+    return [np.ascontiguousarray(values(r).transpose(0, 2, 1, 3, 4)) for r in records]
+
+
+def values_of(records: list[KVBlock]) -> Callable[[list[KVBlock]], list[np.ndarray]]:
+    """A forgery that puts ``records``' values (another prompt's, another model's) in place."""
+
+    def forge(forged: list[KVBlock]) -> list[np.ndarray]:
+        return [values(r) for r in records[: len(forged)]]
+
+    return forge
