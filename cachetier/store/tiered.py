@@ -27,6 +27,7 @@ from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
+from cachetier.store.miss_ledger import MissLedger, why_missed
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
 from cachetier.store.writer import TierWriter
@@ -114,6 +115,8 @@ class TieredStore(Tier):
                 self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
         self._admission = admission
+        # Keys let go (refused, dropped): a later miss of one names its cause.
+        self.misses = MissLedger()
         # Namespaces a tier may no longer serve (``cachetier.store.verify``): lookups pass
         # over a quarantined tier as if it held nothing.
         self.quarantines = QuarantineList()
@@ -159,14 +162,19 @@ class TieredStore(Tier):
         policy = self._admission
         if policy is not None:
             policy.record(b.key for b in blocks)
+        self.misses.forget(b.key for b in blocks)
         for writer in self._writers:
             chosen = blocks
             if policy is not None:
                 chosen = admitted(
                     policy, writer.tier.name, namespace, blocks, generated, self._pins
                 )
-            if chosen:
-                writer.submit(namespace, chosen)
+                if len(chosen) < len(blocks):  # remembered: a later miss says why
+                    kept = {id(b) for b in chosen}
+                    refused = (b.key for b in blocks if id(b) not in kept)
+                    self.misses.note(refused, "not_admitted", writer.tier.name)
+            if chosen and not writer.submit(namespace, chosen):
+                self.misses.note((b.key for b in chosen), "write_dropped", writer.tier.name)
         self._stats.add(puts=len(blocks))
         return stored
 
@@ -228,24 +236,8 @@ class TieredStore(Tier):
         quarantined: str | None = None,
         down: Sequence[str] = (),
     ) -> tuple[str, str]:
-        """The cause of a key's miss (``cachetier.report.events.MISS_CAUSES``) and its tier.
-
-        Args:
-            namespace: storage namespace.
-            key: the first key of the lookup that no tier served.
-            quarantined: a quarantined tier that holds it, if any.
-            down: tiers whose lookup just failed.
-
-        Returns:
-            ``(cause, tier)``: ``quarantined`` or ``tier_down`` first (what the lookup saw),
-            then what the store remembers of the key (evicted, refused, dropped, corrupt),
-            else ``never_stored``.
-        """
-        if quarantined is not None:
-            return "quarantined", quarantined
-        if down:
-            return "tier_down", down[0]
-        return "never_stored", ""
+        """The cause of ``key``'s miss and its tier (``miss_ledger.why_missed``)."""
+        return why_missed(self.misses, key, quarantined, down)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks

@@ -56,7 +56,27 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
     )
-    engine = p.add_argument_group("engine")
+    _add_engine_args(p.add_argument_group("engine"))
+    # Every store setting, from its one declaration (secrets only from CACHETIER_*).
+    add_flags(p.add_argument_group("tiers (override CACHETIER_* variables)"), StoreConfig)
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None)
+    limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    limits.add_argument("--max-concurrent-requests", type=int, default=256)
+    limits.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight get to finish on SIGTERM",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    return p
+
+
+def _add_engine_args(engine: argparse._ArgumentGroup) -> None:
+    """The engine's own flags (``EngineConfig``'s)."""
     engine.add_argument("--dtype", default="float32", choices=MODEL_DTYPES)
     engine.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     engine.add_argument("--kv-cache-dtype", default="auto")
@@ -100,22 +120,6 @@ def _parser() -> argparse.ArgumentParser:
         default=guard_fraction_setting().default,
         help="share of later hits verified",
     )
-    # Every store setting, from its one declaration (secrets only from CACHETIER_*).
-    add_flags(p.add_argument_group("tiers (override CACHETIER_* variables)"), StoreConfig)
-    limits = p.add_argument_group("limits")
-    limits.add_argument("--max-prompt-tokens", type=int, default=None)
-    limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    limits.add_argument("--max-concurrent-requests", type=int, default=256)
-    limits.add_argument(
-        "--graceful-timeout",
-        type=float,
-        default=30.0,
-        help="seconds requests in flight get to finish on SIGTERM",
-    )
-    p.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
-    )
-    return p
 
 
 def store_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig | None:
