@@ -36,6 +36,13 @@ ABOUT = {
         "load-everything and the cost model run interleaved; `regret` is the cost model's TTFT "
         "over the better of the other two (1.0: it chose the better)."
     ),
+    "guard": (
+        "The restore guard: forgeries that pass every checksum (our engine: four, a tiny "
+        "Llama; vLLM-CPU: three, through its test), false quarantines over honest SmolLM2 "
+        "restarts in fp32 and bf16 verifying every hit, and the overhead at the default "
+        "sampling: `guard_overhead` the steady state, `guard_overhead_first_batch` a fresh "
+        "process's first batch of 8 short requests, which computes its one verified hit."
+    ),
     "peers": (
         "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "
         "ratio is LMCache's median time over ours (> 1: we are faster). Only the headline "
