@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,8 @@ class TieredStore(Tier):
         self._admission = admission
         # Keys let go (refused, dropped): a later miss of one names its cause.
         self.misses = MissLedger()
+        for tier in self._tiers:
+            tier.listen_evictions(self._evicted_by(tier.name))
         # Namespaces a tier may no longer serve (``cachetier.store.verify``): lookups pass
         # over a quarantined tier as if it held nothing.
         self.quarantines = QuarantineList()
@@ -228,6 +230,12 @@ class TieredStore(Tier):
             miss_cause=cause,
             miss_tier=where,
         )
+
+    def _evicted_by(self, tier: str) -> Callable[[str, BlockHash], None]:
+        def note(namespace: str, key: BlockHash) -> None:
+            self.misses.note([key], "evicted", tier)
+
+        return note
 
     def why_missed(
         self,

@@ -39,6 +39,9 @@ _MAX_CHECKED = 4096
 EvictCallback = Callable[[str, KVBlock], None]
 """Called with (namespace, block) for each block a tier evicts, so a store can spill it down."""
 
+EvictionListener = Callable[[str, BlockHash], None]
+"""Told (namespace, key) of each block a tier evicts, so a later miss can say why."""
+
 
 def check_namespace(namespace: str, *, prefix: str = "") -> str:
     """Validate a storage namespace (it becomes a folder name and a Redis key prefix).
@@ -93,9 +96,17 @@ class Tier(ABC):
     the page cache are the cores' own work, and run no faster beside a forward on a CPU
     (``benchmarks/overlap.py``)."""
 
+    eviction_listener: EvictionListener | None = None
+    """Told of each key this tier evicts (``listen_evictions``); tiers that evict by their own
+    accounting (CPU, disk) tell it, a Redis evicting by its own policy cannot."""
+
     def __init__(self, *, clock: Clock = time.monotonic) -> None:
         self._stats = TierStats()
         self._corrupt_log = LogThrottle(CORRUPT_LOG_INTERVAL_S, clock)
+
+    def listen_evictions(self, listener: EvictionListener) -> None:
+        """Tell ``listener`` (namespace, key) of each block this tier evicts from now on."""
+        self.eviction_listener = listener
 
     @abstractmethod
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:

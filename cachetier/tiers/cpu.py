@@ -107,6 +107,10 @@ class CPUTier(Tier):
             skipped_present=skipped,
         )
         self._stats.observe(time.perf_counter() - start)
+        listener = self.eviction_listener
+        if listener is not None:
+            for ns, block in evicted:
+                listener(ns, block.key)
         if self._on_evict is not None:
             # Outside the lock: the callback may block on a bounded queue.
             for ns, block in evicted:

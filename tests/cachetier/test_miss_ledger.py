@@ -103,3 +103,22 @@ def test_an_admission_refusal_is_the_cause_and_a_later_write_clears_it(tmp_path:
         assert store.flush(timeout=10)
         assert store.lookup(NS.id, keys).num_blocks == 2
         assert store.why_missed(NS.id, keys[0]) == ("never_stored", "")
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_block_a_full_tier_evicted_misses_as_evicted_by_it(tmp_path: Path, tier: str) -> None:
+    blocks = make_blocks(NS, 12)
+    one = blocks[0].nbytes
+    if tier == "cpu":
+        store = TieredStore([CPUTier(CPUTierConfig(4 * one))])
+    else:
+        disk = DiskTier(DiskTierConfig(str(tmp_path / "d"), 6 * (one + 512), fsync=False))
+        store = TieredStore([CPUTier(CPUTierConfig(1)), disk])
+    with store:
+        for block in blocks:  # one request each: the oldest go first
+            store.put_many(NS.id, [block])
+            assert store.flush(timeout=10)
+        hit = store.lookup(NS.id, [blocks[0].key])
+        assert hit.num_blocks == 0
+        assert (hit.miss_cause, hit.miss_tier) == ("evicted", tier)
+        assert store.lookup(NS.id, [blocks[-1].key]).num_blocks == 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cachetier.errors import TierUnavailableError
@@ -63,6 +63,8 @@ class SharedFolder(FolderView):
     def __init__(self, config: DiskTierConfig, stats: TierStats) -> None:
         super().__init__(config, stats)
         self.spares = SparePool(self.owner_id, config.spare_limit, config.spare_idle_limit_s)
+        # Told the (namespace, key) slots this process evicts (``DiskTier.listen_evictions``).
+        self.on_evicted: Callable[[list[Slot]], None] | None = None
 
     def close(self) -> None:
         if len(self.spares):
@@ -118,6 +120,7 @@ class SharedFolder(FolderView):
         """
         evicted = 0
         spared: set[Slot] = set()
+        gone: list[Slot] = []  # for the tier's eviction listener
         try:
             spares = self.spares
             while True:
@@ -151,6 +154,7 @@ class SharedFolder(FolderView):
                     return "scan"
                 if covered < room and len(spares) < records and self._keep_spare(path, st, state):
                     evicted += 1
+                    gone.append(slot)
                     continue
                 try:
                     os.unlink(path)
@@ -161,10 +165,13 @@ class SharedFolder(FolderView):
                     continue
                 state.committed_bytes -= min(st.st_size, state.committed_bytes)
                 evicted += 1
+                gone.append(slot)
             return "ok"
         finally:
             if evicted:
                 self._stats.add(evictions=evicted)
+            if gone and self.on_evicted is not None:
+                self.on_evicted(gone)
 
     def admit(self, nbytes: int, count: int = 1) -> Admission | None:
         """Make room for a batch of ``count`` records, ``nbytes`` in all, and reserve it.

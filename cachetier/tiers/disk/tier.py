@@ -37,7 +37,7 @@ from typing import Any
 from cachetier.errors import TierUnavailableError
 from cachetier.primitives.keys import HASH_BYTES, BlockHash
 from cachetier.record import Buffer, Compression, KVBlock, encode_parts
-from cachetier.tiers.base import Tier, check_namespace
+from cachetier.tiers.base import EvictionListener, Tier, check_namespace
 from cachetier.tiers.disk.config import DiskTierConfig
 from cachetier.tiers.disk.files import SUFFIX, ensure_dir, fsync_dir, stamp_file, temp_name
 from cachetier.tiers.disk.folder import Admission, Landing, SharedFolder
@@ -87,6 +87,15 @@ class DiskTier(Tier):
                 self._root,
                 self.filesystem,
             )
+
+    def listen_evictions(self, listener: EvictionListener) -> None:
+        super().listen_evictions(listener)
+
+        def tell(slots: list[Slot]) -> None:
+            for namespace, key in slots:
+                listener(namespace, BlockHash(key))
+
+        self._folder.on_evicted = tell
 
     @property
     def root(self) -> Path:
