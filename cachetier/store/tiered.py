@@ -119,6 +119,7 @@ class TieredStore(Tier):
         self.misses = MissLedger()
         for tier in self._tiers:
             tier.listen_evictions(self._evicted_by(tier.name))
+            tier.corrupt_listener = self._lost_by(tier.name, "corrupt")
         # Namespaces a tier may no longer serve (``cachetier.store.verify``): lookups pass
         # over a quarantined tier as if it held nothing.
         self.quarantines = QuarantineList()
@@ -232,10 +233,11 @@ class TieredStore(Tier):
         )
 
     def _evicted_by(self, tier: str) -> Callable[[str, BlockHash], None]:
-        def note(namespace: str, key: BlockHash) -> None:
-            self.misses.note([key], "evicted", tier)
+        lost = self._lost_by(tier, "evicted")
+        return lambda namespace, key: lost(key)
 
-        return note
+    def _lost_by(self, tier: str, cause: str) -> Callable[[BlockHash], None]:
+        return lambda key: self.misses.note([key], cause, tier)
 
     def why_missed(
         self,

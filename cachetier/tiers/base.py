@@ -104,6 +104,9 @@ class Tier(ABC):
         self._stats = TierStats()
         self._corrupt_log = LogThrottle(CORRUPT_LOG_INTERVAL_S, clock)
 
+    corrupt_listener: Callable[[BlockHash], None] | None = None
+    """Told the key of each record this tier finds corrupt (and drops)."""
+
     def listen_evictions(self, listener: EvictionListener) -> None:
         """Tell ``listener`` (namespace, key) of each block this tier evicts from now on."""
         self.eviction_listener = listener
@@ -259,6 +262,8 @@ class Tier(ABC):
         """Say that this tier found the record of ``key`` corrupt (it is a miss, and is
         dropped): a WARNING, at most one per ``CORRUPT_LOG_INTERVAL_S``, which says how many
         more were found since the last one. The caller counts it in ``corrupt``."""
+        if self.corrupt_listener is not None:
+            self.corrupt_listener(key)
         count = self._corrupt_log.note()
         if count is None:
             return

@@ -15,6 +15,7 @@ from cachetier.store.miss_ledger import CAUSES, WAYS, MissLedger
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+from tests.cachetier.tier_harness import flip_file
 from tests.support import SMALL_LAYOUT, make_blocks
 
 NS = Namespace("ledger-model", SMALL_LAYOUT)
@@ -122,3 +123,16 @@ def test_a_block_a_full_tier_evicted_misses_as_evicted_by_it(tmp_path: Path, tie
         assert hit.num_blocks == 0
         assert (hit.miss_cause, hit.miss_tier) == ("evicted", tier)
         assert store.lookup(NS.id, [blocks[-1].key]).num_blocks == 1
+
+
+def test_a_record_found_corrupt_misses_as_corrupt(tmp_path: Path) -> None:
+    with _stack(tmp_path / "d") as store:
+        blocks = make_blocks(NS, 1)
+        store.put_many(NS.id, blocks)
+        assert store.flush(timeout=10)
+        disk = store.tiers[1]
+        assert isinstance(disk, DiskTier)
+        flip_file(disk.path_of(NS.id, blocks[0].key))
+        assert store.get_many(NS.id, [blocks[0].key]) == [None]  # read, refused, dropped
+        hit = store.lookup(NS.id, [blocks[0].key])
+        assert (hit.num_blocks, hit.miss_cause, hit.miss_tier) == (0, "corrupt", "disk")

@@ -67,7 +67,7 @@ def _counted(tier: Tier, counter: str) -> int:
     return stats.get(counter, 0) + sum(t[counter] for t in stats.get("tiers", {}).values())
 
 
-def _flip_file(path: Path) -> None:
+def flip_file(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -88,7 +88,7 @@ def disk_harness(tmp: Path) -> TierHarness:
 
     def corrupt(tier: Tier, ns: str, key: BlockHash) -> None:
         assert isinstance(tier, DiskTier)
-        _flip_file(tier.path_of(ns, key))
+        flip_file(tier.path_of(ns, key))
 
     return TierHarness(
         make=lambda cap: DiskTier(DiskTierConfig(str(root), cap, fsync=False)),
@@ -184,7 +184,7 @@ def remote_harness(tmp: Path, *, transfer: bool = False) -> TierHarness:
         server.restart()  # the server's CPU tier forgets: the read reaches the disk copy
         name = key.hex()
         blocks = Path(server.config.data_dir) / "blocks"
-        _flip_file(blocks / f"t.alice.{ns}" / name[:2] / f"{name}.ctkv")
+        flip_file(blocks / f"t.alice.{ns}" / name[:2] / f"{name}.ctkv")
 
     def count(counter: str) -> int:
         _, _, body = call(server.url, "GET", "/v1/stats", token=TOKENS["ops"])
