@@ -87,11 +87,11 @@ class MissLedger:
             now = self._minutes()
             for key in keys:
                 row, fp = self._place(key)
-                hit = np.flatnonzero(self._fps[row] == fp)
-                if not hit.size:
+                ways = self._fps[row].tolist()  # four Python ints: cheaper than numpy's compare
+                if int(fp) not in ways:
                     out.append(None)
                     continue
-                word = int(self._info[row, int(hit[0])])
+                word = int(self._info[row, ways.index(int(fp))])
                 cause, tier = CAUSES[word >> 28], self._tiers[(word >> 24) & 0xF]
                 out.append(Remembered(cause, tier, 60.0 * (now - (word & 0xFFFFFF))))
         return out
