@@ -43,6 +43,11 @@ ABOUT = {
         "sampling: `guard_overhead` the steady state, `guard_overhead_first_batch` a fresh "
         "process's first batch of 8 short requests, which computes its one verified hit."
     ),
+    "why_miss": (
+        "Why a miss missed, at a million keys in the store's miss ledger: the explanation of a "
+        "lookup's first missed key against the bare lookup of a 2,048-token prompt's 128 keys "
+        "over a CPU and a disk tier (medians of alternating rounds), and the ledger's memory."
+    ),
     "peers": (
         "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "
         "ratio is LMCache's median time over ours (> 1: we are faster). Only the headline "
