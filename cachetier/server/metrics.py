@@ -186,11 +186,7 @@ def guard_families(guard: dict[str, dict[str, int]], held: int) -> Iterator[Metr
         "quarantines": "namespaces quarantined in a tier after a mismatch",
         "quarantined_lookups": "lookups that passed over a tier quarantined for the namespace",
     }
-    for name, doc in docs.items():
-        family = CounterMetricFamily(f"cachetier_guard_{name}", doc, labels=["tier"])
-        for tier, count in guard.get(name, {}).items():
-            family.add_metric([tier], count)
-        yield family
+    yield from _counters_by_tier("cachetier_guard_", docs, guard)
     yield GaugeMetricFamily("cachetier_quarantines_held", "quarantines held now", value=held)
 
 
@@ -204,10 +200,18 @@ def admission_families(stats: dict[str, Any]) -> Iterator[Metric]:
         "bytes_admitted": "bytes of the admitted blocks",
         "bytes_refused": "bytes of the refused blocks: the writes saved",
     }
+    by_name = {name: {tier: counts[name] for tier, counts in tiers.items()} for name in docs}
+    yield from _counters_by_tier("cachetier_admission_", docs, by_name)
+
+
+def _counters_by_tier(
+    prefix: str, docs: dict[str, str], counts: dict[str, dict[str, int]]
+) -> Iterator[Metric]:
+    """A counter family per name of ``docs``, one series per tier of ``counts[name]``."""
     for name, doc in docs.items():
-        family = CounterMetricFamily(f"cachetier_admission_{name}", doc, labels=["tier"])
-        for tier, counts in tiers.items():
-            family.add_metric([tier], counts[name])
+        family = CounterMetricFamily(f"{prefix}{name}", doc, labels=["tier"])
+        for tier, count in counts.get(name, {}).items():
+            family.add_metric([tier], count)
         yield family
 
 
