@@ -87,6 +87,9 @@ class Sequence:
     # Tier hits the restore guard drew to verify (computed, then compared with the tier), and
     # tokens past the hit that a quarantined tier holds: the lookup event reports both.
     num_verified_tokens: int = 0
+    # The guard's draw for its hit (``None``: no hit yet): made once per request, however
+    # often a queued request is looked up again; ``True``: it is computed and compared.
+    guard_draw: bool | None = None
     num_quarantined_tokens: int = 0
     # Why the tiers' run ended where it did (``PrefixHit.miss_cause``), and the tier concerned.
     miss_cause: str = ""

@@ -162,11 +162,13 @@ class TierBridge:
             for key, piece in zip(keys, pieces, strict=True)
         ]
 
-    def lookup(self, keys: Sequence[BlockHash]) -> PrefixHit:
+    def lookup(self, keys: Sequence[BlockHash], *, may_verify: bool = True) -> PrefixHit:
         """Which leading pool blocks the store holds, and in which tier (no data is read).
 
         Args:
             keys: the record keys of those blocks, ``records_per_block`` per block.
+            may_verify: whether the guard may draw this hit (a request is drawn once, at its
+                first hit: a queued request is looked up again at each step it waits).
 
         Returns:
             The hit in whole pool blocks (a block counts where every record of it is held),
@@ -174,7 +176,8 @@ class TierBridge:
             verification (the request computes it, and its saves are compared).
         """
         hit = self.store.lookup(self.namespace.id, keys)
-        if hit.num_blocks and self.shadow is not None and self.shadow.take(hit, keys):
+        shadow = self.shadow if may_verify else None
+        if hit.num_blocks and shadow is not None and shadow.take(hit, keys):
             verified = hit.num_blocks // self.records_per_block
             return PrefixHit(0, (), hit.tier_names, verified_blocks=verified)
         return _in_blocks(hit, self.records_per_block)

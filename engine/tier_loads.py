@@ -115,7 +115,13 @@ class TierLoads:
         load of it (by ``cost``; all of it without one)."""
         if self.bridge is None:
             return PrefixLookup(keys, pool_ids)
-        hit = self.bridge.lookup(self.records(seq, len(pool_ids), len(keys)))
+        hit = self.bridge.lookup(
+            self.records(seq, len(pool_ids), len(keys)), may_verify=seq.guard_draw is None
+        )
+        if seq.guard_draw is None and (hit.num_blocks or hit.verified_blocks):
+            seq.guard_draw = bool(hit.verified_blocks)  # decided once, at its first hit
+        elif seq.guard_draw and hit.num_blocks:  # drawn: computed however often it is asked
+            hit = PrefixHit(0, (), hit.tier_names, verified_blocks=hit.num_blocks)
         plan = self._plan(seq, hit, len(pool_ids) * self.block_size, cost)
         seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
         seq.num_verified_tokens = hit.verified_blocks * self.block_size

@@ -91,6 +91,10 @@ class _Tracked:
     # A hit the guard drew: each hit record's key and the tier that held it, until vLLM's
     # computed block of that key is saved and compared (``cachetier.connectors.vllm.guard``).
     verify: dict[BlockHash, str] = field(default_factory=dict)
+    # Whether the guard has drawn for this request's hit: vLLM asks a waiting request's match
+    # again at every step it stays queued, and a draw at each ask would verify far more than
+    # ``guard_fraction`` of requests.
+    guard_drawn: bool = False
 
 
 class CacheTierScheduler:
@@ -239,6 +243,10 @@ class CacheTierScheduler:
     def _drawn(
         self, tracked: _Tracked, spans: list[tuple[str, int]], keys: list[BlockHash]
     ) -> bool:
+        if tracked.guard_drawn:
+            return False
+        if spans:  # one draw per request, at its first hit
+            tracked.guard_drawn = True
         verify = draw(self._guard, tracked.namespace.id, spans, keys)
         if verify is None:
             return False

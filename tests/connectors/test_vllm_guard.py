@@ -101,6 +101,19 @@ def test_a_drawn_hit_is_computed_and_its_saves_name_the_tier(store: TieredStore)
     assert sched.get_num_new_matched_tokens(other, 0) == (3 * BS, False)
 
 
+def test_a_request_is_drawn_once_however_often_vllm_asks(store: TieredStore) -> None:
+    """vLLM asks a queued request's match at every step; drawing at each ask would verify
+    far more than ``guard_fraction`` of requests (half here: 50 asks would all but surely
+    flip the answer at least once)."""
+    sched = _scheduler(store, GuardConfig(first_hits=0, fraction=0.5, seed=0))
+    request = _request("r", 3 * BS + 5)
+    ns = sched.namespace(None)
+    store.put_many(ns.id, _records(ns, request))
+    store.flush()
+    answers = {sched.get_num_new_matched_tokens(request, 0) for _ in range(50)}
+    assert answers == {(3 * BS, False)}  # this seed's first draw is no: it stays loaded
+
+
 def test_no_guard_loads_every_hit(store: TieredStore) -> None:
     sched = _scheduler(store, None)
     request = _request("r", 2 * BS + 1)

@@ -173,8 +173,8 @@ def test_a_tail_that_arrives_short_is_computed(redis_engine: LLM, tiny_model_dir
     assert bridge is not None and store is not None
     lookup = bridge.lookup
 
-    def lookup_then_evict(keys: list[bytes]) -> PrefixHit:
-        hit = lookup(keys)
+    def lookup_then_evict(keys: list[bytes], **kw: bool) -> PrefixHit:
+        hit = lookup(keys, **kw)
         store.delete(bridge.namespace.id, list(keys[15 : hit.num_blocks]))
         return hit
 

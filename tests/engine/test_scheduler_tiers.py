@@ -135,9 +135,9 @@ def test_fewer_blocks_than_looked_up_arrive_and_the_rest_is_computed(
     bridge = bridge_of(run)
     lookup = bridge.lookup
 
-    def lookup_then_delete(keys: list[BlockHash]) -> PrefixHit:
+    def lookup_then_delete(keys: list[BlockHash], **kw: bool) -> PrefixHit:
         # Another engine's eviction between the lookup and the read: blocks 2 and 3 go.
-        hit = lookup(keys)
+        hit = lookup(keys, **kw)
         cpu_store.delete(bridge.namespace.id, list(keys[2:]))
         return hit
 
