@@ -54,7 +54,9 @@ def test_later_steps_reuse_the_freed_activations_instead_of_faulting_pages_in() 
     kept = _steps("keep")
     assert kept["kept"] == [True, True]  # set once per process; the answer is remembered
     first, second, _, *steady = kept["faults"]
-    assert first >= PAGES_PER_STEP  # the first step faults its memory in once
+    # The first step faults its memory in once (nearly all of it: pages the allocator kept
+    # from the process's start are reused without a fault).
+    assert first >= PAGES_PER_STEP * 3 // 4
     assert second < PAGES_PER_STEP // 2, kept  # the heap settles within a step or two
     # And then faults next to nothing in: now and then malloc places one of the step's 25
     # tensors anew (8 MiB, 1/25 of a step), never the step's memory as without the setting.
