@@ -47,6 +47,7 @@ class MissLedger:
         self._table = KeyTable(tracked_keys)
         self._noted = np.zeros(self._table.num_slots, dtype=np.uint32)
         self._age = np.zeros(self._table.num_slots, dtype=np.float16)
+        self._noted_view = memoryview(self._noted).cast("B").cast("I")
         self._tiers: list[str] = []
         self._tier_ids: dict[str, int] = {}
         self._clock = clock
@@ -124,10 +125,26 @@ class MissLedger:
         with self._lock:
             now = self._clock() - self._epoch
             if len(keys) <= SMALL_BATCH:
-                slots = [self._table.find(*self._table.place(key)) for key in keys]
-            else:
-                slots = self._table.find_many(*self._table.place_many(keys)).tolist()
-            return [None if slot < 0 else self._entry(slot, now) for slot in slots]
+                slots = [self._table.find(key) for key in keys]
+                return [None if slot < 0 else self._entry(slot, now) for slot in slots]
+            found = self._table.find_many(*self._table.place_many(keys))
+            out: list[MissCause | None] = [None] * len(keys)
+            hits = np.flatnonzero(found >= 0)
+            slots = found[hits]
+            fields = zip(
+                hits.tolist(),
+                self._table.tags[slots].tolist(),
+                self._age[slots].tolist(),
+                self._noted[slots].tolist(),
+            )
+            # Keys let go together share their entry's fields: one MissCause serves them all.
+            made: dict[tuple[int, float, int], MissCause] = {}
+            for i, tag, age_min, noted in fields:
+                cause = made.get((tag, age_min, noted))
+                if cause is None:
+                    cause = made[tag, age_min, noted] = self._cause(tag, age_min, noted, now)
+                out[i] = cause
+            return out
 
     def forget(self, keys: Iterable[BlockHash]) -> int:
         """Drop what is remembered of ``keys``: they are stored again, so a later miss of one
@@ -142,10 +159,11 @@ class MissLedger:
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
             if len(keys) <= SMALL_BATCH:
-                places = [self._table.place(key) for key in keys]
+                for key in keys:  # every key checked before any is forgotten
+                    self._table.place(key)
                 forgotten = 0
-                for place in places:
-                    slot = self._table.find(*place)
+                for key in keys:
+                    slot = self._table.find(key)
                     self._table.clear(slot)
                     forgotten += slot >= 0
                 return forgotten
@@ -154,14 +172,16 @@ class MissLedger:
             return int(np.count_nonzero(np.unique(found) >= 0))
 
     def _entry(self, slot: int, now: float) -> MissCause:
-        tag = int(self._table.tags[slot])
-        age_min = float(self._age[slot])
-        ago = max(now - int(self._noted[slot]), 0.0)
+        return self._cause(
+            self._table.tag(slot), float(self._age[slot]), self._noted_view[slot], now
+        )
+
+    def _cause(self, tag: int, age_min: float, noted: int, now: float) -> MissCause:
         return MissCause(
             LEDGER_CAUSES[(tag >> 8) - 1],
             self._tiers[tag & 0xFF],
             None if math.isnan(age_min) else age_min * 60.0,
-            f"{ago:.0f} s ago",
+            f"{max(now - noted, 0.0):.0f} s ago",
         )
 
     def _tier_id(self, tier: str) -> int:

@@ -73,18 +73,28 @@ class KeyTable:
         fps = words[:, 0].astype(np.uint64, copy=False)
         return words[:, 1] % np.uint64(self.num_sets), fps
 
-    def find(self, row: int, fp: int, exclude_tag: int = 0) -> int:
-        """The slot of a live entry of fingerprint ``fp`` in set ``row`` whose tag is not
-        ``exclude_tag``, or -1."""
-        base = row * WAYS
-        fps, tags = self._fp_view, self._tag_view
+    def find(self, key: BlockHash, exclude_tag: int = 0) -> int:
+        """The slot of a live entry of ``key``'s fingerprint in its set whose tag is not
+        ``exclude_tag``, or -1. The per-key path: most lookups miss, and leave at ``not in``."""
+        if len(key) != HASH_BYTES:
+            raise ValueError(f"a block key is {HASH_BYTES} bytes, got {len(key)}")
+        base = int.from_bytes(key[8:16], "little") % self.num_sets * WAYS
+        fp = int.from_bytes(key[:8], "little")
+        ways = self._fp_view[base : base + WAYS].tolist()
+        if fp not in ways:
+            return -1
+        tags = self._tag_view
         for slot in range(base, base + WAYS):
-            if fps[slot] == fp and tags[slot] and tags[slot] != exclude_tag:
+            if ways[slot - base] == fp and tags[slot] and tags[slot] != exclude_tag:
                 return slot
         return -1
 
+    def tag(self, slot: int) -> int:
+        """The tag of a slot, as a Python int."""
+        return self._tag_view[slot]
+
     def find_many(self, rows: np.ndarray, fps: np.ndarray, exclude_tag: int = 0) -> np.ndarray:
-        """``find`` for each key: an int64 array of slots, -1 where none."""
+        """``find`` for keys placed by ``place_many``: an int64 array of slots, -1 where none."""
         slots = rows.astype(np.int64)[:, None] * WAYS + np.arange(WAYS)  # [n, WAYS]
         tags = self.tags[slots]
         match = (self.fps[slots] == fps[:, None]) & (tags != 0) & (tags != exclude_tag)

@@ -71,6 +71,8 @@ class TokenIndex:
         self._max_descriptors = max_descriptors
         self._descriptors: list[NamespaceDescriptor] = []  # id - 1 -> descriptor
         self._ids: dict[NamespaceDescriptor, int] = {}
+        self._asking: NamespaceDescriptor | None = None  # the last asker, and its id
+        self._asking_id = 0
         self._lock = threading.Lock()
 
     @property
@@ -116,8 +118,9 @@ class TokenIndex:
                     return 0
                 self._descriptors.append(descriptor)
                 tag = self._ids[descriptor] = len(self._descriptors)
+                self._asking = None
             if len(keys) <= SMALL_BATCH:
-                for row, fp in [self._table.place(key) for key in keys]:
+                for row, fp in [self._table.place(key) for key in keys]:  # all checked first
                     self._table.put(row, fp, tag, match_tag=True)
                 return len(keys)
             rows, fps = self._table.place_many(keys)
@@ -135,20 +138,31 @@ class TokenIndex:
         Returns:
             The other namespace's descriptor, or ``None`` when none is remembered.
         """
-        (held,) = self.holders([key], asking)
-        return held
+        with self._lock:
+            slot = self._table.find(key, self._id_of(asking))
+            return None if slot < 0 else self._descriptors[self._table.tag(slot) - 1]
 
     def holders(
         self, keys: Sequence[BlockHash], asking: NamespaceDescriptor
     ) -> list[NamespaceDescriptor | None]:
         """``holder`` for each of ``keys``, in one pass under the lock."""
+        with self._lock:
+            mine = self._id_of(asking)
+            by_id = (None, *self._descriptors)  # a tag is a descriptor's id, 0 is none
+            if len(keys) <= SMALL_BATCH:
+                slots = [self._table.find(key, mine) for key in keys]  # all checked first
+                return [by_id[self._table.tag(s)] if s >= 0 else None for s in slots]
+            found = self._table.find_many(*self._table.place_many(keys), mine)
+            tags = np.where(found >= 0, self._table.tags[found], 0)  # -1 read a slot: masked
+            return [by_id[t] for t in tags.tolist()]
+
+    def _id_of(self, asking: NamespaceDescriptor) -> int:
+        # Called under the lock. 0: it stored nothing, so every holder is another. The last
+        # asker is kept by identity (hashing a descriptor costs more than the search); a new
+        # descriptor's registration clears it.
         if not isinstance(asking, NamespaceDescriptor):
             raise TypeError(f"asking must be a NamespaceDescriptor, got {type(asking).__name__}")
-        with self._lock:
-            mine = self._ids.get(asking, 0)  # 0: it stored nothing, every holder is another
-            if len(keys) <= SMALL_BATCH:
-                slots = [self._table.find(*self._table.place(key), mine) for key in keys]
-            else:
-                slots = self._table.find_many(*self._table.place_many(keys), mine).tolist()
-            tags = self._table.tags
-            return [None if s < 0 else self._descriptors[int(tags[s]) - 1] for s in slots]
+        if asking is self._asking:
+            return self._asking_id
+        self._asking, self._asking_id = asking, self._ids.get(asking, 0)
+        return self._asking_id
