@@ -46,9 +46,11 @@ ABOUT = {
         "each, too short for this machine's noise: read `on_s` and `off_s` with it."
     ),
     "why_miss": (
-        "Why a miss missed, at a million keys in the store's miss ledger: the explanation of a "
-        "lookup's first missed key against the bare lookup of a 2,048-token prompt's 128 keys "
-        "over a CPU and a disk tier (medians of alternating rounds), and the ledger's memory."
+        "Why a miss missed, at a million keys in each of `cachetier.misses`' ledger and "
+        "token index: the first missed key's explanation against a 2,048-token prompt's "
+        "lookup of 128 keys answered from the CPU tier (`why_miss_overhead`) and after a "
+        "restart, from disk (`why_miss_overhead_restart`), medians of alternating rounds. "
+        "The store is still wired to `cachetier.store.miss_ledger` (12.25 bytes a key)."
     ),
     "peers": (
         "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "
