@@ -19,26 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from cachetier.misses.causes import MISS_CAUSES
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("pool", "cpu", "disk", "redis", "remote")
 """Where hit tokens can come from: the engine's own pool, then the tiers in lookup order."""
 
-MISS_CAUSES = (
-    "never_stored",
-    "evicted",
-    "not_admitted",
-    "write_dropped",
-    "namespace_mismatch",
-    "corrupt",
-    "too_slow",
-    "tier_down",
-    "partial_block",
-    "quarantined",
-)
-"""Why prompt tokens were not served from cache, one cause each (docs/operations.md, "Why a
-miss missed"): ``quarantined`` is a tier the restore guard quarantined for the namespace
-(``cachetier.store.verify``)."""
+# Why prompt tokens were not served from cache, one cause each (docs/operations.md, "Why a miss
+# missed"); the one list lives with the miss structures.
+__all__ = ["MISS_CAUSES", "SOURCES", "EventLog", "LookupEvent", "read_events"]
 
 
 @dataclass(frozen=True, slots=True)
