@@ -55,6 +55,25 @@ class Stored:
     def close(self) -> None:
         self.disk.close()
 
+    def __enter__(self) -> Stored:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def vllm_namespace(model_dir: Path, cache_salt: str, record_tokens: int = 16) -> Namespace:
+    """The namespace the vLLM connector stores an fp32 request of ``cache_salt`` under, for
+    the model in ``model_dir`` (its fingerprint, records of ``record_tokens`` tokens, no
+    tenant)."""
+    from cachetier.engine.model_spec import ModelSpec
+    from cachetier.primitives.fingerprint import model_fingerprint
+    from cachetier.primitives.keys import KVLayout
+
+    spec = ModelSpec.from_folder(model_dir)
+    layout = KVLayout("float32", record_tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    return Namespace(model_fingerprint(model_dir), layout, f"\0{cache_salt}")
+
 
 def values(record: KVBlock) -> np.ndarray:
     """A record's payload as an array of its dtype and shape."""

@@ -1,22 +1,65 @@
-"""benchmarks.guard at its quick size: every forgery of our engine is caught within the
-default first verified hit, and no answer differs from a cold one (no timings are checked)."""
+"""benchmarks.guard's pieces at a tiny size: every forgery is caught within the default first
+verified hit and no answer differs from a cold one, an honest restart verifying every hit
+quarantines nothing, and the overhead rounds report their figures. No timing is checked."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from benchmarks.guard import run
+from benchmarks.guard import DEFAULT_GUARD, run
+from benchmarks.support.guard_engine import engine_overhead, honest_restart
+from benchmarks.support.guard_rounds import ARMS
+from benchmarks.support.guard_vllm import SALTS, vllm_forgeries
 
 pytestmark = [pytest.mark.slow]
 
+# Prompts of the tiny model's vocabulary (256 tokens), 3 to 6 full blocks of 16 each.
+TINY_REQUESTS = [[(i * k + 3) % 250 for i in range(40 + 16 * k)] for k in (3, 5, 7)]
 
-def test_the_quick_run_catches_every_forgery() -> None:
-    args = argparse.Namespace(quick=True, no_vllm=True, pairs=1, num_requests=2)
+
+def _check_cases(cases: list[dict], engine: str) -> None:
+    assert {c["forgery"] for c in cases} == set(SALTS)
+    for case in cases:
+        assert case["engine"] == engine
+        assert case["detected"] and case["verified_requests_to_detect"] == 1, case
+        assert case["outputs_differing_from_cold"] == 0, case
+        assert case["served_from_tiers"] == 0, case  # verified first, quarantined after
+
+
+def test_the_quick_run_catches_every_forgery_of_our_engine(tmp_path: Path) -> None:
+    args = argparse.Namespace(quick=True, no_vllm=False, work_dir=str(tmp_path))
     result = run(args)
-    assert result["forgeries"] == result["forgeries_detected"] == 4
+    assert result["forgeries"] == result["forgeries_detected"] == len(SALTS)
     assert result["outputs_after_quarantine_differ_from_cold"] == 0
-    names = {c["forgery"] for c in result["engine_forgeries"]}
-    assert names == {"k_and_v_swapped", "another_arrangement", "other_tokens", "another_model"}
-    assert all(c["served_from_tiers"] == 0 for c in result["engine_forgeries"])
+    assert result["vllm_forgeries_not_run"] == list(SALTS)  # --quick: our engine only
+    assert result["guard_defaults"] == DEFAULT_GUARD
+    _check_cases(result["forgery_cases"], "ours")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_honest_restart_verifying_every_hit_quarantines_nothing(
+    tiny_model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    row = honest_restart(tiny_model_dir, tmp_path, dtype, TINY_REQUESTS)
+    assert row["verified_requests"] == len(TINY_REQUESTS)
+    assert row["verified_blocks"] == sum(len(r) // 16 for r in TINY_REQUESTS)
+    assert row["false_quarantines"] == row["mismatched_blocks"] == 0
+
+
+def test_the_overhead_rounds_report_every_arm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = engine_overhead(tiny_model_dir, tmp_path, TINY_REQUESTS, 2, DEFAULT_GUARD, 4)
+    assert set(out["engine_batch_s"]) == set(ARMS)
+    assert all(len(seconds) == 2 for seconds in out["engine_batch_s"].values())
+    for figure in ("guard_overhead_engine", "guard_first_batch_overhead_engine"):
+        low, high = out[f"{figure}_interval"]
+        assert low <= out[figure] <= high
+    assert out["engine_restored_tokens_per_batch"] > 0  # the batches' hits were restores
+
+
+@pytest.mark.vllm
+@pytest.mark.model
+def test_every_forgery_is_caught_through_vllm(smollm2_dir: Path, tmp_path: Path) -> None:
+    _check_cases(vllm_forgeries(smollm2_dir, tmp_path, DEFAULT_GUARD), "vllm")

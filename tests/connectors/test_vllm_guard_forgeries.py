@@ -15,9 +15,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
+from benchmarks.support.forgeries import (
+    Stored,
+    another_arrangement,
+    k_and_v_swapped,
+    values_of,
+    vllm_namespace,
+)
 from tests.children import run_spec_module, spec_main
 
 BLOCK_SIZE = 32
@@ -73,50 +79,18 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     return {"outputs": out}
 
 
-def _namespace(model_dir: Path, salt: str):
-    from cachetier.engine.model_spec import ModelSpec
-    from cachetier.primitives.fingerprint import model_fingerprint
-    from cachetier.primitives.keys import KVLayout, Namespace
-
-    spec = ModelSpec.from_folder(model_dir)
-    layout = KVLayout("float32", 16, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    return Namespace(model_fingerprint(model_dir), layout, f"\0{salt}")
-
-
 def _forge(disk: Path, model_dir: Path) -> None:
     """Rewrite each prompt's records on disk as its forgery, keeping keys and fingerprints."""
-    from cachetier.primitives.keys import block_keys
-    from cachetier.record import KVBlock
-    from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
-
-    with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
-        for salt, tokens in PROMPTS.items():
-            ns = _namespace(model_dir, salt)
-            records = tier.get_many(ns.id, block_keys(ns, tokens))
-            assert all(r is not None for r in records), f"{salt}: not every record was stored"
-            values = [np.frombuffer(r.data, dtype="<f4").reshape(r.shape) for r in records]
+    for salt, tokens in PROMPTS.items():
+        with Stored(disk, vllm_namespace(model_dir, salt)) as stored:
+            records = stored.records(tokens)
             if salt == "kv-swapped":
-                forged = [v[:, ::-1] for v in values]
-            elif salt == "arrangement":  # [layers, tokens, K/V, heads, dim] labelled canonical
-                forged = [v.transpose(0, 2, 1, 3, 4).reshape(v.shape) for v in values]
+                forged = k_and_v_swapped(records)
+            elif salt == "arrangement":
+                forged = another_arrangement(records)
             else:
-                others = tier.get_many(ns.id, block_keys(ns, OTHER))
-                forged = [np.frombuffer(o.data, dtype="<f4").reshape(o.shape) for o in others]
-            tier.delete(ns.id, [r.key for r in records])
-            tier.put_many(
-                ns.id,
-                [
-                    KVBlock(
-                        r.key,
-                        r.fingerprint,
-                        r.dtype,
-                        r.shape,
-                        r.num_tokens,
-                        np.ascontiguousarray(f).tobytes(),
-                    )
-                    for r, f in zip(records, forged, strict=True)
-                ],
-            )
+                forged = values_of(stored.records(OTHER))(records)
+            stored.replace(records, forged)
 
 
 def test_forgeries_are_caught_through_the_connector_and_never_served(
