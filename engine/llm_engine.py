@@ -46,8 +46,10 @@ class RequestOutput:
     ``ttft_breakdown`` says where ``ttft_s`` went (``cachetier.engine.sequence.TTFT_PARTS`` and
     ``other_s``); ``num_recomputed_hit_tokens`` are tokens the tiers held that the cost model
     chose to recompute. ``miss_tokens_by_cause`` says why the other prompt tokens were not
-    served from cache (``cachetier.report.events.MISS_CAUSES``), and ``miss_tier`` which tier
-    the cause concerns where one does (the tier that evicted them, that is down...).
+    served from cache (``cachetier.report.events.MISS_CAUSES``), ``miss_tier`` which tier
+    the cause concerns where one does (the tier that evicted them, that is down...) and
+    ``miss_detail`` the cause in words (how old an evicted block was, what part of a
+    mismatched namespace differs).
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class RequestOutput:
     num_recomputed_hit_tokens: int = 0
     miss_tokens_by_cause: dict[str, int] = field(default_factory=dict)
     miss_tier: str = ""
+    miss_detail: str = ""
 
 
 def engine_device(name: str) -> torch.device:
@@ -338,6 +341,7 @@ class LLMEngine:
             num_recomputed_hit_tokens=seq.num_recomputed_hit_tokens,
             miss_tokens_by_cause=dict(seq.miss_tokens_by_cause),
             miss_tier=seq.miss_tier,
+            miss_detail=seq.miss_detail,
         )
 
     def stats(self) -> dict[str, Any]:

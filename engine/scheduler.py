@@ -307,6 +307,6 @@ class Scheduler:
         self.running.remove(seq)
         if self.bridge is not None and self.config.enable_prefix_caching:
             blocks = [self.blocks.blocks[b] for b in seq.block_table]
-            self.bridge.save(blocks, seq.num_prompt_tokens)
+            self.bridge.save(blocks, seq.num_prompt_tokens, seq.token_ids)
         self.loads.release(seq)
         seq.block_table = []

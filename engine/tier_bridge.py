@@ -23,6 +23,7 @@ from cachetier.engine.shadow import ShadowVerifier
 from cachetier.guard import GuardSampler
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import payload_tensor, payload_view
+from cachetier.misses import NamespaceDescriptor
 from cachetier.primitives.keys import (
     BlockHash,
     Namespace,
@@ -99,8 +100,15 @@ class TierBridge:
             if guard is not None and guard.config.enabled
             else None
         )
+        # The namespace's parts, for telling a miss of tokens held under another namespace.
+        self.descriptor = NamespaceDescriptor.from_namespace(namespace)
 
-    def save(self, blocks: Sequence[Block], num_prompt_tokens: int | None = None) -> None:
+    def save(
+        self,
+        blocks: Sequence[Block],
+        num_prompt_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
         """Hand full, computed blocks not yet stored to the store (lower tiers write later).
 
         Args:
@@ -108,7 +116,14 @@ class TierBridge:
             num_prompt_tokens: the sequence's prompt length: blocks past it hold generated
                 tokens, which admission may treat apart; ``None`` (evicted blocks of no one
                 sequence): all prompt.
+            token_ids: the sequence's tokens, where ``blocks`` are a sequence's from its start:
+                noted by token so that another namespace's miss of them is told
+                (``NamespaceWatch``).
         """
+        if token_ids is not None:
+            keyed = next((i for i, b in enumerate(blocks) if b.key is None), len(blocks))
+            full = keyed * self.pool.layout.block_size
+            self.store.namespaces.stored(self.descriptor, token_ids[:full])
         size = self.pool.layout.block_size
         todo, generated = [], []
         for index, b in enumerate(blocks):
@@ -162,13 +177,23 @@ class TierBridge:
             for key, piece in zip(keys, pieces, strict=True)
         ]
 
-    def lookup(self, keys: Sequence[BlockHash], *, may_verify: bool = True) -> PrefixHit:
+    def lookup(
+        self,
+        keys: Sequence[BlockHash],
+        *,
+        may_verify: bool = True,
+        token_ids: Sequence[int] | None = None,
+        first_record: int = 0,
+    ) -> PrefixHit:
         """Which leading pool blocks the store holds, and in which tier (no data is read).
 
         Args:
             keys: the record keys of those blocks, ``records_per_block`` per block.
             may_verify: whether the guard may draw this hit (a request is drawn once, at its
                 first hit: a queued request is looked up again at each step it waits).
+            token_ids: the sequence's tokens: with them a miss of tokens held under another
+                namespace says ``namespace_mismatch`` and what differs.
+            first_record: the index in the sequence of ``keys[0]``'s record.
 
         Returns:
             The hit in whole pool blocks (a block counts where every record of it is held),
@@ -176,6 +201,16 @@ class TierBridge:
             verification (the request computes it, and its saves are compared).
         """
         hit = self.store.lookup(self.namespace.id, keys)
+        if token_ids is not None:
+            mismatch = self.store.namespaces.explain(
+                self.descriptor,
+                token_ids,
+                first_record + hit.num_blocks,
+                len(keys) - hit.num_blocks,
+                hit.miss_cause,
+            )
+            if mismatch is not None:
+                hit = replace(hit, miss_cause=mismatch.cause, miss_detail=mismatch.detail)
         shadow = self.shadow if may_verify else None
         if hit.num_blocks and shadow is not None and shadow.take(hit, keys):
             verified = hit.num_blocks // self.records_per_block

@@ -116,7 +116,10 @@ class TierLoads:
         if self.bridge is None:
             return PrefixLookup(keys, pool_ids)
         hit = self.bridge.lookup(
-            self.records(seq, len(pool_ids), len(keys)), may_verify=seq.guard_draw is None
+            self.records(seq, len(pool_ids), len(keys)),
+            may_verify=seq.guard_draw is None,
+            token_ids=seq.token_ids,
+            first_record=len(pool_ids) * self.records_per_block,
         )
         if seq.guard_draw is None and (hit.num_blocks or hit.verified_blocks):
             seq.guard_draw = bool(hit.verified_blocks)  # decided once, at its first hit
@@ -126,7 +129,11 @@ class TierLoads:
         seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
         seq.num_verified_tokens = hit.verified_blocks * self.block_size
         seq.num_quarantined_tokens = hit.quarantined_blocks * self.block_size
-        seq.miss_cause, seq.miss_tier = hit.miss_cause, hit.miss_tier
+        seq.miss_cause, seq.miss_tier, seq.miss_detail = (
+            hit.miss_cause,
+            hit.miss_tier,
+            hit.miss_detail,
+        )
         return PrefixLookup(keys, pool_ids, hit, plan)
 
     def _plan(

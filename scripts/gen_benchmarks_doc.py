@@ -49,8 +49,7 @@ ABOUT = {
         "Why a miss missed, at a million keys in each of `cachetier.misses`' ledger and "
         "token index: the first missed key's explanation against a 2,048-token prompt's "
         "lookup of 128 keys answered from the CPU tier (`why_miss_overhead`) and after a "
-        "restart, from disk (`why_miss_overhead_restart`), medians of alternating rounds. "
-        "The store is still wired to `cachetier.store.miss_ledger` (12.25 bytes a key)."
+        "restart, from disk (`why_miss_overhead_restart`), medians of alternating rounds."
     ),
     "peers": (
         "Our tiers against LMCache 0.5.6's, the same chunks through each in one process; a "

@@ -13,7 +13,7 @@ The store and the engine feed and ask them; nothing here knows a tier or a store
 from cachetier.misses.alarm import MismatchAlarm
 from cachetier.misses.causes import LEDGER_CAUSES, MISS_CAUSES, MissCause
 from cachetier.misses.descriptor import NamespaceDescriptor
-from cachetier.misses.ledger import MissLedger
+from cachetier.misses.ledger import MissLedger, why_missed
 from cachetier.misses.token_index import TokenIndex, token_keys
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "NamespaceDescriptor",
     "TokenIndex",
     "token_keys",
+    "why_missed",
 ]

@@ -64,3 +64,9 @@ class MissCause:
             raise TypeError(f"tier must be a tier name (str), got {type(self.tier).__name__}")
         if self.age_s is not None and not self.age_s >= 0:
             raise ValueError(f"age_s must be >= 0 seconds or None, got {self.age_s}")
+
+    def in_words(self) -> str:
+        """The detail for logs and answers; an eviction's says how old the block was then."""
+        if self.age_s is None:
+            return self.detail
+        return f"evicted {self.age_s:.0f} s after it was stored or last read, {self.detail}"

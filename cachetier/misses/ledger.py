@@ -215,3 +215,25 @@ def _ages_min(stored_at: float | Sequence[float] | None, count: int, now: float)
     if np.isnan(times).any():
         raise ValueError("stored_at must not hold NaN (pass None where it is unknown)")
     return np.clip((now - times) / 60.0, 0.0, _MAX_AGE_MIN).tolist()
+
+
+def why_missed(
+    ledger: MissLedger, key: BlockHash, quarantined: str | None, down: Sequence[str]
+) -> MissCause:
+    """The cause of a lookup's first unserved key: what the lookup itself saw first (a
+    quarantined tier holding it, a tier whose lookup failed), then what ``ledger`` remembers
+    of the key, else ``never_stored`` (a namespace mismatch is told by the caller, which knows
+    the tokens: ``TokenIndex``).
+
+    Args:
+        ledger: the store's ledger.
+        key: the key.
+        quarantined: a quarantined tier that holds it, if any.
+        down: tiers whose lookup just failed.
+    """
+    if quarantined is not None:
+        return MissCause("quarantined", quarantined)
+    if down:
+        return MissCause("tier_down", down[0])
+    (known,) = ledger.explain([key])
+    return known if known is not None else MissCause("never_stored")

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from cachetier.misses.descriptor import NamespaceDescriptor
-from cachetier.misses.table import SMALL_BATCH, KeyTable
+from cachetier.misses.table import SMALL_BATCH, WAYS, KeyTable
 from cachetier.primitives.keys import HASH_BYTES, BlockHash, chain_keys
 from cachetier.util.checks import positive_int
 
@@ -112,13 +112,9 @@ class TokenIndex:
             )
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
-            tag = self._ids.get(descriptor)
-            if tag is None:
-                if len(self._descriptors) >= self._max_descriptors:
-                    return 0
-                self._descriptors.append(descriptor)
-                tag = self._ids[descriptor] = len(self._descriptors)
-                self._asking = None
+            tag = self._register(descriptor)
+            if not tag:
+                return 0
             if len(keys) <= SMALL_BATCH:
                 for row, fp in [self._table.place(key) for key in keys]:  # all checked first
                     self._table.put(row, fp, tag, match_tag=True)
@@ -155,6 +151,60 @@ class TokenIndex:
             found = self._table.find_many(*self._table.place_many(keys), mine)
             tags = np.where(found >= 0, self._table.tags[found], 0)  # -1 read a slot: masked
             return [by_id[t] for t in tags.tolist()]
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[NamespaceDescriptor]]:
+        """Its live entries, to keep them across a restart (``cachetier.misses.token_file``).
+
+        Returns:
+            Each entry's set (uint64) and fingerprint (uint64), its descriptor's index into
+            the returned descriptors (uint16), and those descriptors.
+        """
+        with self._lock:
+            slots = np.flatnonzero(self._table.tags)
+            rows = (slots // WAYS).astype(np.uint64)
+            ids = self._table.tags[slots].astype(np.uint16) - np.uint16(1)
+            return rows, self._table.fps[slots].copy(), ids, list(self._descriptors)
+
+    def merge(
+        self,
+        rows: np.ndarray,
+        fps: np.ndarray,
+        ids: np.ndarray,
+        descriptors: Sequence[NamespaceDescriptor],
+    ) -> int:
+        """Add entries another index of the same size gave (``entries``); its descriptors
+        are registered here (those past ``max_descriptors`` are dropped with their entries).
+
+        Returns:
+            How many entries were added.
+        """
+        if not len(rows) == len(fps) == len(ids):
+            raise ValueError("rows, fps and ids must have one entry each")
+        if len(rows) and (
+            int(rows.max()) >= self._table.num_sets or int(ids.max()) >= len(descriptors)
+        ):
+            raise ValueError("entries of another table size or descriptor list")
+        with self._lock:
+            tags = np.zeros(len(descriptors) + 1, dtype=np.uint16)
+            for i, descriptor in enumerate(descriptors):
+                tags[i] = self._register(descriptor)
+            mapped = tags[ids.astype(np.int64)]
+            keep = mapped != 0
+            self._table.put_many(
+                rows[keep].astype(np.uint64), fps[keep].astype(np.uint64), mapped[keep], True
+            )
+            return int(np.count_nonzero(keep))
+
+    def _register(self, descriptor: NamespaceDescriptor) -> int:
+        # Called under the lock: the descriptor's id, 0 when max_descriptors are known.
+        tag = self._ids.get(descriptor)
+        if tag is None:
+            if len(self._descriptors) >= self._max_descriptors:
+                return 0
+            self._descriptors.append(descriptor)
+            tag = self._ids[descriptor] = len(self._descriptors)
+            self._asking = None
+        return tag
 
     def _id_of(self, asking: NamespaceDescriptor) -> int:
         # Called under the lock. 0: it stored nothing, so every holder is another. The last

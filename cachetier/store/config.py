@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from cachetier.admission import AdmissionConfig, make_admission_policy
+from cachetier.misses.token_file import FOLDER_NAME, TokenFiles
 from cachetier.pins.registry import PinRegistry
+from cachetier.store.namespace_watch import NamespaceWatch
 from cachetier.store.rates_file import RATES_FILE_NAME, RatesFile
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.base import Tier
@@ -172,6 +174,17 @@ class StoreConfig:
         "a JSON file that keeps the store's pins across restarts (``cachetier.pins.registry``); "
         "``None`` keeps them in memory only (the sidecar: ``<data_dir>/pins.json``).",
     )
+    miss_tracked_keys: int = setting(
+        1 << 20,
+        "keys the store remembers to say why a miss missed: keys let go (evicted, refused, "
+        "dropped, corrupt; 16.25 bytes each) and token-only keys of stored blocks "
+        "(``namespace_mismatch``; 10.25 bytes each, kept in the disk folder across restarts).",
+    )
+    mismatch_alarm_share: float = setting(
+        0.5,
+        "share of recently missed blocks held under another namespace (model, dtype, block "
+        "size, format, tenant) above which the store logs once what differs, in [0, 1).",
+    )
     admission: AdmissionConfig = nested(
         AdmissionConfig, "which blocks the tiers below the first write (``cachetier.admission``)."
     )
@@ -188,6 +201,8 @@ class StoreConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         fraction("max_pinned_fraction", self.max_pinned_fraction)
+        fraction("mismatch_alarm_share", self.mismatch_alarm_share)
+        positive_int("miss_tracked_keys", self.miss_tracked_keys)
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
         if not (self.cpu_bytes or self.has_disk or self.redis_url or self.remote_url):
@@ -334,6 +349,14 @@ def build_store(config: StoreConfig) -> TieredStore:
             writer_nice=config.writer_nice,
             pin_registry=registry,
             admission=make_admission_policy(config.admission),
+            miss_tracked_keys=config.miss_tracked_keys,
+            namespaces=NamespaceWatch(
+                config.miss_tracked_keys,
+                config.mismatch_alarm_share,
+                TokenFiles(Path(config.disk_path) / FOLDER_NAME, config.disk_file_mode)
+                if config.has_disk
+                else None,
+            ),
             # The disk tier's measured speed, kept in its folder for the next process.
             rates_file=RatesFile(
                 Path(config.disk_path) / RATES_FILE_NAME, "disk", config.disk_file_mode

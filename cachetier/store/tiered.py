@@ -21,13 +21,14 @@ from typing import Any
 
 from cachetier.admission import AdmissionPolicy
 from cachetier.guard import QuarantineList
+from cachetier.misses import MissCause, MissLedger, why_missed
 from cachetier.pins.registry import PinRegistry, Pins
 from cachetier.pins.store import PinResult, StorePins
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
-from cachetier.store.miss_ledger import MissLedger, why_missed
+from cachetier.store.namespace_watch import NamespaceWatch
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
 from cachetier.store.writer import TierWriter
@@ -69,6 +70,9 @@ class TieredStore(Tier):
             (``cachetier.store.rates_file``): the store starts from it and keeps it up to date.
         admission: which blocks the lower tiers write (``cachetier.admission``); ``None``
             writes every block without counting.
+        miss_tracked_keys: keys the why-miss ledger and token index remember at most.
+        namespaces: where tokens stored under other namespaces are told (kept across
+            restarts where it has files); ``None``: one in memory.
     """
 
     name = "tiered"
@@ -84,6 +88,8 @@ class TieredStore(Tier):
         pin_registry: PinRegistry | None = None,
         rates_file: RatesFile | None = None,
         admission: AdmissionPolicy | None = None,
+        miss_tracked_keys: int = 1 << 20,
+        namespaces: NamespaceWatch | None = None,
     ) -> None:
         super().__init__()
         if not tiers:
@@ -115,8 +121,10 @@ class TieredStore(Tier):
                 self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
         self._admission = admission
-        # Keys let go (refused, dropped): a later miss of one names its cause.
-        self.misses = MissLedger()
+        # Keys let go (evicted, refused, dropped, corrupt): a later miss of one names its
+        # cause; the same tokens under another namespace are told by ``namespaces``.
+        self.misses = MissLedger(miss_tracked_keys)
+        self.namespaces = namespaces or NamespaceWatch(miss_tracked_keys)
         for tier in self._tiers:
             tier.listen_evictions(self._evicted_by(tier.name))
             tier.corrupt_listener = self._lost_by(tier.name, "corrupt")
@@ -219,35 +227,27 @@ class TieredStore(Tier):
         # What the quarantined tiers would have added is asked only where there are any (a
         # quarantine is rare): those blocks are misses of cause ``quarantined``.
         lost = max((_held_prefix(t, namespace, keys[pos:]) for t in held), default=0)
-        cause, where = "", ""
+        miss = MissCause("never_stored")
         if pos < len(keys):
-            quarantined = held[0].name if lost else None
-            cause, where = self.why_missed(namespace, keys[pos], quarantined, down)
+            miss = why_missed(self.misses, keys[pos], held[0].name if lost else None, down)
         return PrefixHit(
             pos,
             tuple(spans),
             self._names,
             quarantined_blocks=lost,
-            miss_cause=cause,
-            miss_tier=where,
+            miss_cause=miss.cause if pos < len(keys) else "",
+            miss_tier=miss.tier,
+            miss_detail=miss.in_words(),
         )
 
-    def _evicted_by(self, tier: str) -> Callable[[str, BlockHash], None]:
-        lost = self._lost_by(tier, "evicted")
-        return lambda namespace, key: lost(key)
+    def _evicted_by(self, tier: str) -> Callable[[str, BlockHash, float | None], None]:
+        def evicted(namespace: str, key: BlockHash, stamp: float | None) -> None:
+            self.misses.note([key], "evicted", tier, stored_at=stamp)
+
+        return evicted
 
     def _lost_by(self, tier: str, cause: str) -> Callable[[BlockHash], None]:
         return lambda key: self.misses.note([key], cause, tier)
-
-    def why_missed(
-        self,
-        namespace: str,
-        key: BlockHash,
-        quarantined: str | None = None,
-        down: Sequence[str] = (),
-    ) -> tuple[str, str]:
-        """The cause of ``key``'s miss and its tier (``miss_ledger.why_missed``)."""
-        return why_missed(self.misses, key, quarantined, down)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
@@ -482,6 +482,7 @@ class TieredStore(Tier):
         if self._rates_file is not None and self._rates_measured:
             self._rates_file.save(self.rates.get(self._rates_file.tier), force=True)
         self.flush(timeout=30)
+        self.namespaces.close()
         for writer in self._writers:
             writer.stop()
         for tier in self._tiers:

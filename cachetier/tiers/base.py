@@ -39,8 +39,10 @@ _MAX_CHECKED = 4096
 EvictCallback = Callable[[str, KVBlock], None]
 """Called with (namespace, block) for each block a tier evicts, so a store can spill it down."""
 
-EvictionListener = Callable[[str, BlockHash], None]
-"""Told (namespace, key) of each block a tier evicts, so a later miss can say why."""
+EvictionListener = Callable[[str, BlockHash, float | None], None]
+"""Told (namespace, key, stamp) of each block a tier evicts, so a later miss can say why:
+``stamp`` is when the block was stored (the CPU tier) or last stored or read (the disk tier, by
+its file's mtime), in Unix seconds, ``None`` where the tier does not know."""
 
 
 def check_namespace(namespace: str, *, prefix: str = "") -> str:

@@ -54,6 +54,8 @@ class CPUTier(Tier):
         super().__init__()
         self._config = config
         self._blocks: dict[tuple[str, bytes], KVBlock] = {}
+        # When each block was stored: an eviction tells its age (``Tier.eviction_listener``).
+        self._stored_at: dict[tuple[str, bytes], float] = {}
         self._policy = make_policy(config.policy)
         self._used = 0
         self._lock = threading.Lock()
@@ -72,7 +74,8 @@ class CPUTier(Tier):
         check_namespace(namespace)
         start = time.perf_counter()
         owned = [_owned(block) for block in blocks]
-        evicted: list[tuple[str, KVBlock]] = []
+        evicted: list[tuple[str, KVBlock, float | None]] = []
+        now = time.time()
         stored = rejected = nbytes = skipped = 0
         with self._lock:
             for block in owned:
@@ -88,6 +91,7 @@ class CPUTier(Tier):
                     continue
                 self._pins.place(self._policy, slot, size, replaces=False)
                 self._blocks[slot] = block
+                self._stored_at[slot] = now
                 self._used += size
                 stored += 1
                 nbytes += size
@@ -98,7 +102,8 @@ class CPUTier(Tier):
                     assert victim is not None, "capacity exceeded with nothing left to evict"
                     gone = self._blocks.pop(victim)  # type: ignore[call-overload]
                     self._used -= gone.nbytes
-                    evicted.append((victim[0], gone))  # type: ignore[index]
+                    stamp = self._stored_at.pop(victim, None)  # type: ignore[call-overload]
+                    evicted.append((victim[0], gone, stamp))  # type: ignore[index]
         self._stats.add(
             puts=stored,
             bytes_in=nbytes,
@@ -109,11 +114,11 @@ class CPUTier(Tier):
         self._stats.observe(time.perf_counter() - start)
         listener = self.eviction_listener
         if listener is not None:
-            for ns, block in evicted:
-                listener(ns, block.key)
+            for ns, block, stamp in evicted:
+                listener(ns, block.key, stamp)
         if self._on_evict is not None:
             # Outside the lock: the callback may block on a bounded queue.
-            for ns, block in evicted:
+            for ns, block, _ in evicted:
                 self._on_evict(ns, block)
         return stored + skipped
 
@@ -151,6 +156,7 @@ class CPUTier(Tier):
             for key in keys:
                 block = self._blocks.pop((namespace, key), None)
                 if block is not None:
+                    self._stored_at.pop((namespace, key), None)
                     self._pins.leave((namespace, key))
                     self._policy.remove((namespace, key))
                     self._used -= block.nbytes

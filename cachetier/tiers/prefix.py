@@ -24,6 +24,8 @@ class PrefixHit:
         miss_cause: why the key after the run was not served (``cachetier.misses`` causes:
             ``never_stored``, ``evicted``, ``tier_down``...); ``""`` when every key hit.
         miss_tier: the tier the cause concerns (the one that evicted it, is down...), or ``""``.
+        miss_detail: the cause in words for logs and answers: how old an evicted block was,
+            which part of a mismatched namespace differs; ``""`` where there is nothing to add.
     """
 
     num_blocks: int
@@ -33,6 +35,7 @@ class PrefixHit:
     verified_blocks: int = 0
     miss_cause: str = ""
     miss_tier: str = ""
+    miss_detail: str = ""
 
     def blocks_per_tier(self) -> dict[str, int]:
         """How many of the leading blocks each tier holds (tiers with none are left out)."""

@@ -154,6 +154,11 @@ class CacheInfo(BaseModel):
         "partial_block, quarantined",
     )
     miss_tier: str = Field(default="", description="the tier the miss's cause concerns, if any")
+    miss_detail: str = Field(
+        default="",
+        description="the cause in words: how old an evicted block was, which part of a "
+        "mismatched namespace (model, dtype, block size, format, tenant) differs",
+    )
 
 
 class CompletionChoice(_Answer):

@@ -60,6 +60,7 @@ def cache_info_of(output: RequestOutput) -> CacheInfo:
         cached_tokens_by_source=dict(output.cached_tokens_by_source),
         miss_tokens_by_cause=dict(output.miss_tokens_by_cause),
         miss_tier=output.miss_tier,
+        miss_detail=output.miss_detail,
     )
 
 

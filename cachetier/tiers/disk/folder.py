@@ -64,7 +64,7 @@ class SharedFolder(FolderView):
         super().__init__(config, stats)
         self.spares = SparePool(self.owner_id, config.spare_limit, config.spare_idle_limit_s)
         # Told the (namespace, key) slots this process evicts (``DiskTier.listen_evictions``).
-        self.on_evicted: Callable[[list[Slot]], None] | None = None
+        self.on_evicted: Callable[[list[tuple[Slot, int]]], None] | None = None
 
     def close(self) -> None:
         if len(self.spares):
@@ -120,7 +120,7 @@ class SharedFolder(FolderView):
         """
         evicted = 0
         spared: set[Slot] = set()
-        gone: list[Slot] = []  # for the tier's eviction listener
+        gone: list[tuple[Slot, int]] = []  # with their mtimes, for the eviction listener
         try:
             spares = self.spares
             while True:
@@ -154,7 +154,7 @@ class SharedFolder(FolderView):
                     return "scan"
                 if covered < room and len(spares) < records and self._keep_spare(path, st, state):
                     evicted += 1
-                    gone.append(slot)
+                    gone.append((slot, st.st_mtime_ns))
                     continue
                 try:
                     os.unlink(path)
@@ -165,7 +165,7 @@ class SharedFolder(FolderView):
                     continue
                 state.committed_bytes -= min(st.st_size, state.committed_bytes)
                 evicted += 1
-                gone.append(slot)
+                gone.append((slot, st.st_mtime_ns))
             return "ok"
         finally:
             if evicted:

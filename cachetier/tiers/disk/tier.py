@@ -91,9 +91,9 @@ class DiskTier(Tier):
     def listen_evictions(self, listener: EvictionListener) -> None:
         super().listen_evictions(listener)
 
-        def tell(slots: list[Slot]) -> None:
-            for namespace, key in slots:
-                listener(namespace, BlockHash(key))
+        def tell(slots: list[tuple[Slot, int]]) -> None:
+            for (namespace, key), mtime_ns in slots:
+                listener(namespace, BlockHash(key), mtime_ns / 1e9)
 
         self._folder.on_evicted = tell
 

@@ -62,6 +62,7 @@ def test_a_repeated_prompt_reports_cached_tokens(shared_server: EngineServer) ->
         "cached_tokens_by_source": {"pool": 48},
         "miss_tokens_by_cause": {"partial_block": 2},
         "miss_tier": "",
+        "miss_detail": "",
     }
     assert first["cachetier"]["miss_tokens_by_cause"] == {"never_stored": 48, "partial_block": 2}
     assert second["choices"][0]["text"] == first["choices"][0]["text"]

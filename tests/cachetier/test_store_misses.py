@@ -1,17 +1,16 @@
-"""The store's memory of keys it let go, and the causes its lookups give from it: real tiers,
-a real full write queue and a real admission refusal."""
+"""The causes a store's lookups give for the keys it let go (``cachetier.misses.MissLedger``):
+real tiers, a real full write queue, a real admission refusal, real evictions and a real
+corrupt record."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
 from cachetier.admission import make_admission_policy
 from cachetier.admission.config import AdmissionConfig
-from cachetier.primitives.keys import BlockHash, Namespace
-from cachetier.store.miss_ledger import CAUSES, WAYS, MissLedger
+from cachetier.primitives.keys import Namespace
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
@@ -19,62 +18,6 @@ from tests.cachetier.tier_harness import flip_file
 from tests.support import SMALL_LAYOUT, make_blocks
 
 NS = Namespace("ledger-model", SMALL_LAYOUT)
-
-
-def _key(i: int) -> BlockHash:
-    return BlockHash(i.to_bytes(4, "little") * 8)
-
-
-def test_a_noted_key_is_explained_until_forgotten() -> None:
-    ledger = MissLedger(64)
-    ledger.note([_key(1), _key(2)], "evicted", "disk")
-    ledger.note([_key(3)], "write_dropped", "redis")
-    got = ledger.explain([_key(1), _key(3), _key(4)])
-    assert [(g.cause, g.tier) if g else None for g in got] == [
-        ("evicted", "disk"),
-        ("write_dropped", "redis"),
-        None,
-    ]
-    assert got[0] is not None and got[0].age_s == 0.0
-    ledger.forget([_key(1)])
-    assert ledger.explain([_key(1)]) == [None]
-
-
-def test_it_stays_within_its_bound_and_never_explains_a_key_by_another() -> None:
-    ledger = MissLedger(8)  # two sets of four ways
-    keys = [_key(i) for i in range(1000)]
-    ledger.note(keys, "not_admitted", "disk")
-    explained = [k for k, g in zip(keys, ledger.explain(keys)) if g is not None]
-    assert len(explained) <= 8 and explained  # the newest of each set survive
-    assert ledger.explain([_key(5000 + i) for i in range(100)]) == [None] * 100
-
-
-def test_memory_at_a_million_keys_is_stated_by_its_tables() -> None:
-    assert MissLedger(1_000_000).nbytes == 1_000_000 * 12 + 1_000_000 // WAYS
-
-
-def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError):
-        MissLedger(0)
-    with pytest.raises(ValueError):
-        MissLedger(8).note([_key(1)], "lost", "disk")
-    assert "corrupt" in CAUSES
-
-
-def test_threads_note_and_explain_at_once() -> None:
-    ledger = MissLedger(4096)
-
-    def work(base: int) -> None:
-        for i in range(200):
-            ledger.note([_key(base + i)], "evicted", "cpu")
-            ledger.explain([_key(base + i)])
-
-    threads = [threading.Thread(target=work, args=(n * 1000,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sum(g is not None for g in ledger.explain([_key(i) for i in range(200)])) > 0
 
 
 def _stack(folder: Path, **kw: object) -> TieredStore:
@@ -103,7 +46,7 @@ def test_an_admission_refusal_is_the_cause_and_a_later_write_clears_it(tmp_path:
         store.put_many(NS.id, blocks)  # seen twice: written
         assert store.flush(timeout=10)
         assert store.lookup(NS.id, keys).num_blocks == 2
-        assert store.why_missed(NS.id, keys[0]) == ("never_stored", "")
+        assert store.misses.explain(keys) == [None, None]  # forgotten once written
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
@@ -122,6 +65,7 @@ def test_a_block_a_full_tier_evicted_misses_as_evicted_by_it(tmp_path: Path, tie
         hit = store.lookup(NS.id, [blocks[0].key])
         assert hit.num_blocks == 0
         assert (hit.miss_cause, hit.miss_tier) == ("evicted", tier)
+        assert hit.miss_detail.startswith("evicted ") and "s ago" in hit.miss_detail
         assert store.lookup(NS.id, [blocks[-1].key]).num_blocks == 1
 
 
