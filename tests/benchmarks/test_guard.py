@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.guard import DEFAULT_GUARD, run
+from benchmarks.guard import DEFAULT_GUARD, expected_overhead, run
 from benchmarks.support.guard_engine import engine_overhead, honest_restart
 from benchmarks.support.guard_rounds import ARMS
 from benchmarks.support.guard_vllm import SALTS, vllm_forgeries
@@ -63,3 +63,15 @@ def test_the_overhead_rounds_report_every_arm(tiny_model_dir: Path, tmp_path: Pa
 @pytest.mark.model
 def test_every_forgery_is_caught_through_vllm(smollm2_dir: Path, tmp_path: Path) -> None:
     _check_cases(vllm_forgeries(smollm2_dir, tmp_path, DEFAULT_GUARD), "vllm")
+
+
+def test_the_expected_overhead_scales_the_first_batch_by_the_draws() -> None:
+    figures = {
+        "guard_first_batch_overhead_engine": 0.2,
+        "guard_first_batch_overhead_engine_interval": [0.1, 0.3],
+    }
+    out = expected_overhead(figures, 16)
+    # 16 requests drawn at 0.1% each, a drawn one costing what the first batch's did
+    assert out["guard_overhead_expected_engine"] == pytest.approx(16 * 0.001 * 0.2)
+    assert out["guard_overhead_expected_engine_interval"] == pytest.approx([0.0016, 0.0048])
+    assert out["guard_overhead_expected"] == out["guard_overhead_expected_engine"]
