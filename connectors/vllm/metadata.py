@@ -29,6 +29,8 @@ class BlockTransfer:
         block_ids: vLLM block ids, in sequence order.
         verify_tiers: for a save, the tier whose record of each key a verified hit waits to
             compare with what vLLM computed (``""`` for none); empty when none does.
+        generated: for a save, whether each record holds generated tokens (admission may
+            treat those apart, ``cachetier.admission``); empty when all are prompt.
     """
 
     req_id: str
@@ -37,6 +39,7 @@ class BlockTransfer:
     keys: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     verify_tiers: tuple[str, ...] = ()
+    generated: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         num_keys, num_blocks = len(self.keys), len(self.block_ids)
@@ -44,6 +47,8 @@ class BlockTransfer:
             raise ValueError(f"{num_keys} keys for {num_blocks} block ids")
         if self.verify_tiers and len(self.verify_tiers) != num_keys:
             raise ValueError(f"{len(self.verify_tiers)} verify tiers for {num_keys} keys")
+        if self.generated and len(self.generated) != num_keys:
+            raise ValueError(f"{len(self.generated)} generated flags for {num_keys} keys")
 
     @property
     def per_block(self) -> int:

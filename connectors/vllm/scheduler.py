@@ -473,6 +473,9 @@ class CacheTierScheduler:
         n = self._per_block
         keys = self._keys_upto(tracked, num_full * n)[start * n : num_full * n]
         verify = tuple(tracked.verify.pop(k, "") for k in keys) if tracked.verify else ()
+        # A record whose end is past the prompt holds generated tokens (as our engine marks).
+        size, prompt = self._record_layout.block_size, tracked.request.num_prompt_tokens
+        generated = tuple((r + 1) * size > prompt for r in range(start * n, num_full * n))
         meta.saves.append(
             BlockTransfer(
                 tracked.request.request_id,
@@ -481,6 +484,7 @@ class CacheTierScheduler:
                 tuple(keys),
                 tuple(tracked.block_ids[start:num_full]),
                 verify if any(verify) else (),
+                generated if any(generated) else (),
             )
         )
         tracked.num_stored_blocks = num_full

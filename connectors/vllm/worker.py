@@ -338,7 +338,9 @@ class CacheTierWorker:
                 with self._lock:
                     self._report.quarantined.extend(began)
             try:
-                stored = self._store.put_many(transfer.namespace_id, records)
+                stored = self._store.put_many(
+                    transfer.namespace_id, records, generated=transfer.generated or None
+                )
             except (CacheTierError, OSError) as exc:
                 logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
                 stored = 0

@@ -159,6 +159,7 @@ def test_plan_loads_the_hit_and_saves_what_the_step_completes(store: TieredStore
     assert load.keys == tuple(keys[1:3]) and load.block_ids == (41, 42)
     (save,) = meta.saves  # blocks 3 and 4 become full this step; the partial block 5 does not
     assert save.keys == tuple(keys[3:5]) and save.block_ids == (43, 44)
+    assert save.generated == ()  # all prompt
 
     # Decode: the step that computes token 6 * BS - 1 completes block 5 (prompt + outputs).
     request.append_output_token_ids(list(range(1000, 1000 + BS - 10)))
@@ -168,6 +169,7 @@ def test_plan_loads_the_hit_and_saves_what_the_step_completes(store: TieredStore
     (save,) = meta.saves
     full = block_keys(ns, list(request.all_token_ids))
     assert save.keys == (full[5],) and save.block_ids == (45,)
+    assert save.generated == (True,)  # it ends past the prompt: admission may treat it apart
     assert sched.request_finished(request) == (False, None)
     assert sched.build_connector_meta(_cached_step(request, None, 6 * BS, 1)).saves == []
 
