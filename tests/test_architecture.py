@@ -285,6 +285,7 @@ LAYERS = (
         "cachetier.guard",
         "cachetier.admission",
         "cachetier.misses",
+        "cachetier.kvindex",
     ),
     ("cachetier.store",),
     ("cachetier.report",),
