@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cachetier.engine.llm import maybe_tokenizer
 from cachetier.engine.llm_engine import LLMEngine
-from cachetier.engine.server import routes, routes_pins
+from cachetier.engine.server import routes, routes_fleet, routes_pins
 from cachetier.engine.server.async_engine import AsyncEngine
 from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
 from cachetier.engine.server.errors import body_refused_answer, install_error_handlers
@@ -118,5 +118,6 @@ def create_app(config: EngineServerConfig) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(routes.v1)
     app.include_router(routes_pins.v1)
+    app.include_router(routes_fleet.v1)
     install_error_handlers(app)
     return app

@@ -1,0 +1,66 @@
+"""``GET /v1/fleet/state``: what a KV-aware router needs of this replica (behind the API key).
+
+A router in front of several replicas (``cachetier route``) estimates each one's time to first
+token from its load, from where the prompt's blocks are held (the prefix index, fed by KV
+events) and from this replica's own measured rates. This route gives the load and the rates,
+and the namespace blocks are keyed under, so the router computes the same block keys as the
+replica and its publishers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+
+from cachetier.engine.server.routes import get_serving, require_api_key
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+class FleetState(BaseModel):
+    object: str = "fleet.state"
+    model: str
+    num_in_flight: int = Field(description="requests this server is answering now")
+    num_running: int = Field(description="sequences in the engine's batch at its last step")
+    num_waiting: int = Field(description="sequences queued at its last step")
+    max_num_seqs: int = Field(description="the most sequences one batch runs")
+    namespace: dict[str, Any] | None = Field(
+        description="model_fingerprint, layout (dtype, block_size, num_layers, num_kv_heads, "
+        "head_dim, arrangement) and tenant: block keys are chained from it; null without tiers"
+    )
+    prefill: dict[str, Any] | None = Field(
+        description="the engine's measured prefill model (cost model), null before any"
+    )
+    tiers: dict[str, Any] = Field(
+        default_factory=dict, description="each tier's measured latency and read speed"
+    )
+
+
+@v1.get("/fleet/state", response_model=FleetState)
+async def fleet_state(request: Request) -> FleetState:
+    serving = get_serving(request)
+    stats = serving.engine.stats()
+    engine = serving.engine.engine
+    bridge = engine.bridge
+    namespace = None
+    if bridge is not None:
+        ns = bridge.namespace
+        namespace = {
+            "model_fingerprint": ns.model_fingerprint,
+            "layout": asdict(ns.layout),
+            "tenant": ns.tenant,
+        }
+    cost = stats.get("cost_model") or {}
+    return FleetState(
+        model=serving.config.model_name,
+        num_in_flight=serving.num_in_flight,
+        num_running=stats["num_running"],
+        num_waiting=stats["num_waiting"],
+        max_num_seqs=engine.config.max_num_seqs,
+        namespace=namespace,
+        prefill=cost.get("prefill"),
+        tiers=cost.get("tiers") or {},
+    )
