@@ -19,7 +19,7 @@ STDLIB = set(sys.stdlib_module_names)
 
 # Modules of cachetier that serve HTTP (and the CLI that starts them); the core never imports them.
 # ``cachetier.protocol``, what the server and the remote tier both speak, is core, not edge.
-EDGE = {"cachetier.server", "cachetier.tiers.remote", "cachetier.cli"}
+EDGE = {"cachetier.server", "cachetier.router", "cachetier.tiers.remote", "cachetier.cli"}
 HTTP_LIBS = {"fastapi", "uvicorn", "aiohttp", "starlette", "prometheus_client"}
 # The one place that turns a StoreConfig into tiers may name the remote tier, inside a function
 # only: importing the core still never imports the edge
@@ -289,7 +289,7 @@ LAYERS = (
     ),
     ("cachetier.store",),
     ("cachetier.report",),
-    ("cachetier.server",),
+    ("cachetier.server", "cachetier.router"),
     ("cachetier.cli",),
 )
 

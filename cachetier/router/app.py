@@ -1,0 +1,224 @@
+"""The router's HTTP app: an OpenAI-compatible proxy in front of N engine replicas.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not) are tokenized
+(``prompt``), given to the policy (``decide``: ``cachetier.router.decide``), which orders the
+replicas that are up, and forwarded to the first that answers (``proxy``). ``GET /v1/models``
+goes to any replica that is up; ``/healthz`` is 200 while one is; ``/metrics`` counts every
+decision, retry and refusal. Each decision is logged with its estimates (logger
+``cachetier.router``, at debug).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.background import BackgroundTask
+
+from cachetier.router.config import RouterConfig
+from cachetier.router.prompt import PromptTokens
+from cachetier.router.proxy import NoReplicaError, forward
+from cachetier.router.replicas import Replica, ReplicaSet
+
+log = logging.getLogger("cachetier.router")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The replicas to try, best first, and what the policy estimated of each."""
+
+    order: Sequence[Replica]
+    estimates: dict[str, float] = field(default_factory=dict)
+
+
+Decide = Callable[[list[int] | None, str | None, Sequence[Replica]], RouteDecision]
+"""(prompt token ids or None, session id or None, the replicas that are up) -> decision."""
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, replicas: ReplicaSet, policy: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.routed = Counter(
+            "cachetier_router_requests", "requests routed", ["policy", "replica"], registry=r
+        )
+        self.retries = Counter(
+            "cachetier_router_retries", "replicas that failed before answering", registry=r
+        )
+        self.unrouted = Counter(
+            "cachetier_router_unrouted_requests", "requests no replica answered", registry=r
+        )
+        self.estimate = Histogram(
+            "cachetier_router_estimated_ttft_seconds",
+            "the chosen replica's estimated time to first token",
+            ["policy"],
+            registry=r,
+        )
+        up = Gauge(
+            "cachetier_router_replica_up", "1 while in the rotation", ["replica"], registry=r
+        )
+        for replica in replicas.replicas:
+            up.labels(replica.name).set_function(lambda rep=replica: float(rep.up))
+        for replica in replicas.replicas:
+            self.routed.labels(policy, replica.name)
+
+
+class Router:
+    """What every request needs: the settings, the replicas, the policy and the metrics."""
+
+    def __init__(self, config: RouterConfig, decide: Decide, prompt: PromptTokens | None) -> None:
+        self.config = config
+        self.decide = decide
+        self.replicas = ReplicaSet(config.replicas, config.replica_api_key, config.poll_interval_s)
+        self.metrics = RouterMetrics(self.replicas, config.policy)
+        self.tokens = prompt if prompt is not None else PromptTokens(config.model)
+        self.headers = {"Content-Type": "application/json"}
+        if config.replica_api_key:
+            self.headers["Authorization"] = f"Bearer {config.replica_api_key}"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def route(self, request: Request) -> Response:
+        """Tokenize, decide, forward; the answer streams back as the replica sends it."""
+        config, metrics = self.config, self.metrics
+        refused = _refusal(request, config)
+        if refused is not None:
+            return refused
+        body = await _body(request, config.max_body_bytes)
+        if body is None:
+            return _error(413, f"the body is over {config.max_body_bytes} bytes")
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(parsed, dict):
+            return _error(400, "the body is not a JSON object")
+        path = request.url.path
+        session_id = request.headers.get("x-session-id") or _str(parsed.get("user"))
+        decision = self.decide(self.tokens.of(path, parsed), session_id, self.replicas.up())
+        assert self.session is not None, "the lifespan opens the session"
+        try:
+            answer = await forward(
+                self.session, self.replicas, decision.order, path, body, self.headers
+            )
+        except NoReplicaError as exc:
+            metrics.unrouted.inc()
+            return _error(503, str(exc), "server_error")
+        metrics.routed.labels(config.policy, answer.replica.name).inc()
+        metrics.retries.inc(answer.retries)
+        chosen = decision.estimates.get(answer.replica.name)
+        if chosen is not None:
+            metrics.estimate.labels(config.policy).observe(chosen)
+        log.debug(
+            "routed to %s (%s, %d retries): estimates %s",
+            answer.replica.name,
+            config.policy,
+            answer.retries,
+            {k: round(v, 4) for k, v in decision.estimates.items()},
+        )
+        return StreamingResponse(
+            answer.body(),
+            answer.status,
+            headers=answer.headers,
+            background=BackgroundTask(answer.close),
+        )
+
+    async def models(self, request: Request) -> Response:
+        """Any replica's model list (they serve one model)."""
+        refused = _refusal(request, self.config)
+        if refused is not None:
+            return refused
+        assert self.session is not None, "the lifespan opens the session"
+        for replica in self.replicas.up():
+            try:
+                async with self.session.get(
+                    replica.url + "/v1/models", headers=self.headers
+                ) as resp:
+                    return Response(await resp.read(), resp.status, media_type="application/json")
+            except aiohttp.ClientError as exc:
+                self.replicas.mark_failed(replica, f"{type(exc).__name__}: {exc}")
+        return _error(503, "no replica is up", "server_error")
+
+
+def create_app(config: RouterConfig, decide: Decide, prompt: PromptTokens | None = None) -> FastAPI:
+    """The router app; its lifespan polls the replicas and holds the client session."""
+    router = Router(config, decide, prompt)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=config.request_timeout_s)
+        router.session = aiohttp.ClientSession(timeout=timeout)
+        await router.replicas.start()
+        try:
+            yield
+        finally:
+            await router.replicas.close()
+            await router.session.close()
+
+    app = FastAPI(title="cachetier router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        up = len(router.replicas.up())
+        return JSONResponse({"replicas_up": up}, 200 if up else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    for path in ROUTED_PATHS:
+        app.add_api_route(path, router.route, methods=["POST"])
+    app.add_api_route("/v1/models", router.models, methods=["GET"])
+    return app
+
+
+def _refusal(request: Request, config: RouterConfig) -> Response | None:
+    if config.api_key is None:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), config.api_key.encode()
+    ):
+        return None
+    return _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>'")
+
+
+async def _body(request: Request, limit: int) -> bytes | None:
+    """The body, or ``None`` once it passes ``limit`` (read no further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

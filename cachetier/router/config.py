@@ -1,0 +1,64 @@
+"""The router's settings (``cachetier route``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachetier.util.checks import positive_int
+from cachetier.util.redact import redacted_repr
+
+POLICIES = ("tier_aware", "pool_only", "least_loaded", "session_affinity", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Where the router listens, which replicas it fronts and how it chooses.
+
+    Args:
+        replicas: the replicas' base URLs (``http://host:port``), our engine servers or
+            ``vllm serve`` with the connector.
+        model: the model folder whose tokenizer and chat template the replicas use (``None``:
+            text prompts are routed on load alone).
+        policy: one of ``POLICIES`` (``cachetier.fleet``).
+        max_imbalance: a replica whose load passes this multiple of the mean is passed over
+            unless every replica is past it.
+        host: address to listen on.
+        port: port to listen on (0: any free port, reported at start).
+        api_key: the key clients must send (``Authorization: Bearer``); ``None`` for none.
+        replica_api_key: the key sent to the replicas.
+        poll_interval_s: how often each replica's health and state are asked.
+        max_body_bytes: the largest request body taken (413 past it).
+        request_timeout_s: the longest a replica may take to send its answer's head.
+    """
+
+    replicas: tuple[str, ...]
+    model: str | None = None
+    policy: str = "tier_aware"
+    max_imbalance: float = 1.3
+    host: str = "127.0.0.1"
+    port: int = 8480
+    api_key: str | None = field(default=None, repr=False)
+    replica_api_key: str | None = field(default=None, repr=False)
+    poll_interval_s: float = 1.0
+    max_body_bytes: int = 8 << 20
+    request_timeout_s: float = 600.0
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("a router needs at least one replica URL")
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.max_imbalance >= 1.0:
+            raise ValueError(f"max_imbalance must be >= 1, got {self.max_imbalance}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        positive_int("max_body_bytes", self.max_body_bytes)
+        for name in ("poll_interval_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

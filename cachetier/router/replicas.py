@@ -1,0 +1,143 @@
+"""The replicas behind the router: which are up, how loaded, and what each has measured.
+
+A poller asks every replica's ``/healthz`` and ``GET /v1/fleet/state`` (our engine server) each
+``poll_interval_s``. A replica that fails to answer, or answers a request with an error before
+its first byte (``mark_failed``), leaves the rotation; it comes back at its next good poll. A
+replica without the state route (``vllm serve`` with our connector) is still routed to, by its
+load as the router counts it (the requests it is proxying there) and the rates of the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from cachetier.primitives.keys import KVLayout, Namespace
+
+log = logging.getLogger("cachetier.router")
+
+
+@dataclass(slots=True)
+class Replica:
+    """One replica as the router sees it."""
+
+    name: str
+    url: str
+    up: bool = False
+    in_flight: int = 0  # requests the router is proxying to it now
+    state: dict[str, Any] = field(default_factory=dict)  # its last /v1/fleet/state
+    namespace: Namespace | None = None
+    last_ok: float = 0.0
+    failures: int = 0
+
+    @property
+    def load(self) -> int:
+        """What the router weighs as its queue: its own count of sequences running and
+        waiting when it reports them, else the requests proxied to it."""
+        reported = self.state.get("num_running", 0) + self.state.get("num_waiting", 0)
+        return max(reported, self.in_flight)
+
+
+class ReplicaSet:
+    """Every replica, polled in the background.
+
+    Args:
+        urls: the replicas' base URLs (``http://host:port``).
+        api_key: sent as a bearer token to each replica (its ``--api-key``).
+        poll_interval_s: how often each replica is asked.
+        timeout_s: how long a poll may take before the replica counts as down.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        api_key: str | None = None,
+        poll_interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("a router needs at least one replica URL")
+        self.replicas = [Replica(f"r{i}", url.rstrip("/")) for i, url in enumerate(urls)]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.poll_interval_s = poll_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def by_name(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.name == name)
+
+    def up(self) -> list[Replica]:
+        return [r for r in self.replicas if r.up]
+
+    async def start(self) -> None:
+        """Poll once (so the first request finds the replicas that answer), then on a timer."""
+        self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        await self.poll()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def poll(self) -> None:
+        """Ask every replica now."""
+        await asyncio.gather(*(self._poll_one(r) for r in self.replicas))
+
+    def mark_failed(self, replica: Replica, reason: str) -> None:
+        """A request to ``replica`` failed before its first byte: out of the rotation until
+        its next good poll."""
+        if replica.up:
+            log.warning(
+                "replica %s (%s) leaves the rotation: %s", replica.name, replica.url, reason
+            )
+        replica.up = False
+        replica.failures += 1
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.poll()
+
+    async def _poll_one(self, replica: Replica) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/healthz") as resp:
+                healthy = resp.status == 200
+            state: dict[str, Any] = {}
+            if healthy:
+                async with self._session.get(replica.url + "/v1/fleet/state") as resp:
+                    if resp.status == 200:
+                        state = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            healthy, state = False, {}
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "its health check failed"
+        if healthy:
+            if not replica.up:
+                log.info("replica %s (%s) is in the rotation", replica.name, replica.url)
+            replica.up, replica.last_ok = True, time.monotonic()
+            replica.state = state
+            replica.namespace = _namespace(state) or replica.namespace
+        else:
+            self.mark_failed(replica, reason)
+
+
+def _namespace(state: dict[str, Any]) -> Namespace | None:
+    raw = state.get("namespace")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return Namespace(raw["model_fingerprint"], KVLayout(**raw["layout"]), raw.get("tenant", ""))
+    except (KeyError, TypeError, ValueError):
+        return None

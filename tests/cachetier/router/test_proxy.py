@@ -1,0 +1,65 @@
+"""The router as a proxy, over real HTTP to a real engine server: answers pass through streamed
+or not, a replica that refuses connections is retried past and leaves the rotation, bad bodies
+and missing keys are refused at the router, and every decision is counted in /metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from tests.cachetier.router.conftest import DEAD_REPLICA
+from tests.engine.server.live import EngineServer, get, metric, post, post_raw, stream
+from tests.support import AppThread
+
+PROMPT = [(i * 7 + 3) % 250 for i in range(40)]
+BODY = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+
+
+def test_an_answer_through_the_router_equals_the_replicas(
+    replica: EngineServer, make_router: Callable[..., AppThread]
+) -> None:
+    router = make_router([replica.url])
+    status, direct = post(replica.url, "/v1/completions", BODY)
+    status_r, routed = post(router.url, "/v1/completions", BODY)
+    assert status == status_r == 200
+    assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    assert post(router.url, "/v1/chat/completions", chat)[0] == 200
+    events = stream(router.url, "/v1/completions", {**BODY, "stream": True})
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    status, models = get(router.url, "/v1/models")
+    assert status == 200 and json.loads(models)["data"][0]["id"] == "tiny"
+
+
+def test_a_dead_replica_is_retried_past_and_leaves_the_rotation(
+    replica: EngineServer, make_router: Callable[..., AppThread]
+) -> None:
+    router = make_router([DEAD_REPLICA, replica.url], poll_interval_s=60)
+    status, _ = post(router.url, "/v1/completions", BODY)
+    assert status == 200
+    assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 0
+    assert metric(router.url, "cachetier_router_requests_total", replica="r1") == 1
+    assert json.loads(get(router.url, "/healthz")[1]) == {"replicas_up": 1}
+
+
+def test_with_no_replica_up_the_client_gets_503(make_router: Callable[..., AppThread]) -> None:
+    router = make_router([DEAD_REPLICA])
+    status, body = post(router.url, "/v1/completions", BODY)
+    assert status == 503 and "no replica answered" in body["error"]["message"]
+    assert get(router.url, "/healthz")[0] == 503
+    assert metric(router.url, "cachetier_router_unrouted_requests_total") == 1
+
+
+def test_bad_bodies_and_missing_keys_are_refused_at_the_router(
+    replica: EngineServer, make_router: Callable[..., AppThread]
+) -> None:
+    router = make_router([replica.url], api_key="router-key-0001", max_body_bytes=4096)
+    assert post(router.url, "/v1/completions", BODY)[0] == 401
+    auth = {"Authorization": "Bearer router-key-0001"}
+    assert post_raw(router.url, "/v1/completions", b"{not json", **auth)[0] == 400
+    assert post_raw(router.url, "/v1/completions", b"[1, 2]", **auth)[0] == 400
+    huge = json.dumps({"prompt": "x" * 10_000}).encode()
+    assert post_raw(router.url, "/v1/completions", huge, **auth)[0] == 413
+    chunked = [b"x" * 3000, b"y" * 3000]  # no Content-Length: counted as it arrives
+    assert post_raw(router.url, "/v1/completions", chunked, **auth)[0] == 413
+    assert post_raw(router.url, "/v1/completions", json.dumps(BODY).encode(), **auth)[0] == 200
