@@ -156,8 +156,11 @@ PLUGIN_SECRETS = {"remote_token": "CACHETIER_REMOTE_TOKEN"}
 PLUGIN_KEYS = ALL_KEYS - set(PLUGIN_SECRETS)
 """The keys a plugin (LMCache's ``extra_config``, SGLang's extra config) accepts."""
 VLLM_KEYS = ALL_KEYS - {"fail_on_start_error"}
-"""The keys vLLM's ``kv_connector_extra_config`` accepts (vLLM redacts what it logs, and
-cannot serve without its connector: ``fail_on_start_error`` would promise what it cannot do)."""
+"""The settings of vLLM's connector (vLLM cannot serve without its connector:
+``fail_on_start_error`` would promise what it cannot do)."""
+VLLM_PLUGIN_KEYS = VLLM_KEYS - set(PLUGIN_SECRETS)
+"""The keys vLLM's ``kv_connector_extra_config`` accepts: not the secrets, which ``vllm serve``
+would log with it (``plugin_config``)."""
 
 
 def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
@@ -175,19 +178,26 @@ def open_store(config: ConnectorConfig, *, with_cpu: bool) -> TieredStore:
 
 
 def plugin_config(
-    settings: Mapping[str, Any], env: Mapping[str, str], *, source: str
+    settings: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    source: str,
+    keys: Collection[str] = PLUGIN_KEYS,
 ) -> ConnectorConfig:
     """A plugin's settings from an engine config that the engine logs, secrets from the
     environment.
 
-    SGLang logs its server arguments and LMCache its config, the plugin's settings among
-    them, and a command line is readable by every user of the node: the sidecar's token and a
-    Redis password come from ``CACHETIER_REMOTE_TOKEN`` and ``CACHETIER_REDIS_URL`` instead.
+    SGLang logs its server arguments, LMCache its config and ``vllm serve`` its
+    ``--kv-transfer-config`` (vLLM redacts only its own API key and tokens), the plugin's
+    settings among them, and a command line is readable by every user of the node: the
+    sidecar's token and a Redis password come from ``CACHETIER_REMOTE_TOKEN`` and
+    ``CACHETIER_REDIS_URL`` instead.
 
     Args:
-        settings: the plugin's keys of the engine's config (``PLUGIN_KEYS``).
+        settings: the plugin's keys of the engine's config (``keys``).
         env: the process environment.
         source: where the settings were given, for error messages.
+        keys: the keys the engine's config may hold (``PLUGIN_KEYS``; vLLM's: ``VLLM_PLUGIN_KEYS``).
 
     Returns:
         The config.
@@ -202,7 +212,7 @@ def plugin_config(
                 f"{key} in {source} would be logged by the engine: set {variable} in its "
                 "environment instead"
             )
-    check_keys(own, PLUGIN_KEYS, source=source)
+    check_keys(own, keys, source=source)
     if url_secrets(own.get("redis_url")):
         raise ValueError(
             f"a redis_url with a password in {source} would be logged by the engine: set "

@@ -84,7 +84,8 @@ SURFACES = [
     (
         "vLLM",
         '`kv_connector_extra_config={"redis_url": "redis://..."}`',
-        "the store's and the plugin's settings but `fail_on_start_error`",
+        "the store's and the plugin's settings but `fail_on_start_error` and `remote_token` "
+        "(from `CACHETIER_REMOTE_TOKEN`; `vllm serve` logs this dict)",
     ),
     (
         "SGLang",

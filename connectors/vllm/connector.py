@@ -17,6 +17,7 @@ is plain data, so they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from cachetier.connectors.config import ConnectorConfig, model_folder_fingerprint, open_store
+from cachetier.connectors.config import (
+    VLLM_PLUGIN_KEYS,
+    model_folder_fingerprint,
+    open_store,
+    plugin_config,
+)
 from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
 from cachetier.connectors.vllm.scheduler import CacheTierScheduler
@@ -93,8 +99,12 @@ class CacheTierConnector(KVConnectorBase_V1):
     ) -> None:
         if kv_cache_config is None:
             raise ValueError("CacheTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
-        config = ConnectorConfig.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config
+        # Secrets from the environment: ``vllm serve`` logs its kv_transfer_config.
+        config = plugin_config(
+            self._kv_transfer_config.kv_connector_extra_config or {},
+            os.environ,
+            source="kv_connector_extra_config",
+            keys=VLLM_PLUGIN_KEYS,
         )
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:

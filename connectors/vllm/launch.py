@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cachetier.connectors.config import ConnectorConfig
+from cachetier.connectors.config import VLLM_PLUGIN_KEYS, plugin_config
 
 CONNECTOR_NAME = "CacheTierConnector"
 CONNECTOR_MODULE = "cachetier.connectors.vllm.connector"
@@ -27,7 +27,8 @@ def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
         The dict for ``LLM(kv_transfer_config=...)``; ``json.dumps`` of it is the value of
         ``vllm serve --kv-transfer-config``.
     """
-    ConnectorConfig.from_extra_config(extra_config)
+    # Checked as the connector will check it, secrets refused: vLLM logs this dict.
+    plugin_config(extra_config, {}, source="kv_connector_extra_config", keys=VLLM_PLUGIN_KEYS)
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachetier.connectors.config import ConnectorConfig, open_store
+from cachetier.connectors.config import (
+    VLLM_PLUGIN_KEYS,
+    ConnectorConfig,
+    open_store,
+    plugin_config,
+)
 from cachetier.connectors.records import check_record
 from cachetier.connectors.vllm.launch import kv_transfer_config, serve_flag
 from cachetier.connectors.vllm.layouts import CPU_VEC, CUDA_KV, VllmArrangement
@@ -166,6 +171,33 @@ def test_kv_transfer_config_turns_the_connector_on() -> None:
     assert '"kv_connector":"CacheTierConnector"' in serve_flag({"disk_path": "/tmp/kv"})
     with pytest.raises(ValueError):
         kv_transfer_config({"tiers": "cpu"})
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (
+            {"remote_url": "http://127.0.0.1:8470", "remote_token": "t" * 20},
+            "CACHETIER_REMOTE_TOKEN",
+        ),
+        ({"redis_url": "redis://:hunter2-pass@127.0.0.1:6379/0"}, "CACHETIER_REDIS_URL"),
+        ({"disk_path": "/tmp/kv", "fail_on_start_error": False}, "fail_on_start_error"),
+    ],
+)
+def test_secrets_vllm_would_log_are_refused_in_its_config(extra: dict, match: str) -> None:
+    """``vllm serve`` logs its --kv-transfer-config unredacted: secrets go in the environment."""
+    with pytest.raises(ValueError, match=match) as caught:
+        kv_transfer_config(extra)
+    assert "t" * 20 not in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+def test_the_vllm_connector_takes_its_secrets_from_the_environment() -> None:
+    extra = {"remote_url": "http://127.0.0.1:8470", "cpu_bytes": 1 << 20}
+    env = {"CACHETIER_REMOTE_TOKEN": "s" * 24, "CACHETIER_REDIS_URL": "redis://:pw-1234@h:6379/0"}
+    config = plugin_config(extra, env, source="kv_connector_extra_config", keys=VLLM_PLUGIN_KEYS)
+    assert config.store.remote_token == "s" * 24
+    assert config.store.redis_url == "redis://:pw-1234@h:6379/0"
+    assert "s" * 24 not in repr(config) and "pw-1234" not in repr(config)
 
 
 def test_open_store_stacks_the_configured_tiers(
