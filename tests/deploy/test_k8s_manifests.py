@@ -401,7 +401,9 @@ def test_vllm_runs_as_vllm_serve_reads_it(base: list[dict], tokens: dict) -> Non
     assert given.keys() == documented.keys() and args.kv_transfer_config.kv_connector
     assert all(given[k] == v for k, v in documented.items() if k != "kv_connector_extra_config")
     extra = given["kv_connector_extra_config"]
-    assert extra["redis_url"] == env["CACHETIER_REDIS_URL"]
+    ours = _environment(_pod(base, "engine")["containers"][0], base, tokens)
+    assert extra["remote_url"] == ours["CACHETIER_REMOTE_URL"] and "remote_token" not in extra
+    assert env["CACHETIER_REMOTE_TOKEN"] == ours["CACHETIER_REMOTE_TOKEN"]
     # The model folder the init container converts, on the volume both mount.
     init_env = _environment(init, base, tokens)
     assert args.model_tag == f"{init_env[MODEL_CACHE_ENV]}/{SMOLLM2_FOLDER_NAME}"
@@ -410,8 +412,9 @@ def test_vllm_runs_as_vllm_serve_reads_it(base: list[dict], tokens: dict) -> Non
     python, flag, code = _argv(init, init_env)
     for node in (n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.ImportFrom)):
         assert all(hasattr(importlib.import_module(node.module), a.name) for a in node.names)
-    # vLLM's variables, and those launch.py sets for vLLM-CPU.
-    _check_variables(container, set(vllm.envs.environment_variables) | set(vllm_cpu_env({})))
+    # vLLM's variables, those launch.py sets for vLLM-CPU, and the connector's token.
+    known = {*vllm.envs.environment_variables, *vllm_cpu_env({}), "CACHETIER_REMOTE_TOKEN"}
+    _check_variables(container, known)
     assert env["VLLM_API_KEY"] == tokens["engine-api-key"] and (python, flag) == ("python", "-c")
     assert _memory(container)[0] >= (int(env["VLLM_CPU_KVCACHE_SPACE"]) << 30) + extra["cpu_bytes"]
 
