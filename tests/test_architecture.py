@@ -288,7 +288,7 @@ LAYERS = (
         "cachetier.kvindex",
     ),
     ("cachetier.store",),
-    ("cachetier.report",),
+    ("cachetier.report", "cachetier.fleet"),
     ("cachetier.server", "cachetier.router"),
     ("cachetier.cli",),
 )

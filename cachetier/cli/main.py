@@ -17,6 +17,7 @@ from typing import Any
 
 from cachetier.cli.pins import add_pin, add_pins, add_unpin
 from cachetier.cli.quarantine import add_quarantine
+from cachetier.cli.route import add_route
 from cachetier.util.settings import add_flags, flag_values
 
 
@@ -297,6 +298,7 @@ SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
     add_unpin,
     add_pins,
     add_quarantine,
+    add_route,
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -125,3 +126,16 @@ def run_reporting_ports(
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def exit_cleanly_after_graceful_stop() -> None:
+    """Make a SIGTERM or SIGINT that uvicorn has turned into a graceful stop end the process
+    with status 0: uvicorn restores the handlers it found and raises the signal again once
+    requests in flight finished and the lifespan ended, and supervisors and `docker compose
+    stop` read a death by signal as a failure."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_zero)
+
+
+def _exit_zero(signum: int, frame: object) -> None:
+    raise SystemExit(0)

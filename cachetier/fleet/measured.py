@@ -90,6 +90,10 @@ def cost_model_from_snapshot(
     """
     # Never probing: a probe is the engine's read of a tier it has avoided, and an estimate
     # that changed with the wall clock would make a decision depend on more than its inputs.
+    # Not logged: a decision plans for every replica, and no engine runs those plans.
     return CostModel(
-        tier_rates_from_snapshot(tiers), prefill_from_snapshot(prefill), probe_interval_s=math.inf
+        tier_rates_from_snapshot(tiers),
+        prefill_from_snapshot(prefill),
+        probe_interval_s=math.inf,
+        log_refusals=False,
     )

@@ -41,10 +41,13 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """The replicas to try, best first, and what the policy estimated of each."""
+    """The replicas to try, best first, what the policy estimated of each (TTFT, seconds),
+    and the prefill work each would take on (added to the chosen one's queue until its
+    answer ends)."""
 
     order: Sequence[Replica]
     estimates: dict[str, float] = field(default_factory=dict)
+    work_s: dict[str, float] = field(default_factory=dict)
 
 
 Decide = Callable[[list[int] | None, str | None, Sequence[Replica]], RouteDecision]
@@ -118,6 +121,7 @@ class Router:
             answer = await forward(
                 self.session, self.replicas, decision.order, path, body, self.headers
             )
+            answer.take_work(decision.work_s.get(answer.replica.name, 0.0))
         except NoReplicaError as exc:
             metrics.unrouted.inc()
             return _error(503, str(exc), "server_error")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cachetier.fleet import POLICIES as FLEET_POLICIES
 from cachetier.util.checks import positive_int
 from cachetier.util.redact import redacted_repr
 
-POLICIES = ("tier_aware", "pool_only", "least_loaded", "session_affinity", "round_robin")
+POLICIES = tuple(FLEET_POLICIES)
 
 
 @dataclass(frozen=True, slots=True)

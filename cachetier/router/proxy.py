@@ -36,6 +36,12 @@ class Upstream:
     response: aiohttp.ClientResponse
     retries: int
     closed: bool = False
+    work_s: float = 0.0
+
+    def take_work(self, seconds: float) -> None:
+        """Count ``seconds`` of estimated prefill in the replica's queue until this ends."""
+        self.work_s = max(seconds, 0.0)
+        self.replica.pending_s += self.work_s
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body's chunks; the answer is closed when they end, however they end."""
@@ -52,6 +58,7 @@ class Upstream:
             self.closed = True
             self.response.close()
             self.replica.in_flight -= 1
+            self.replica.pending_s = max(self.replica.pending_s - self.work_s, 0.0)
 
 
 class NoReplicaError(Exception):

@@ -31,7 +31,9 @@ class Replica:
     url: str
     up: bool = False
     in_flight: int = 0  # requests the router is proxying to it now
+    pending_s: float = 0.0  # the estimated prefill of those requests: its queue's work
     state: dict[str, Any] = field(default_factory=dict)  # its last /v1/fleet/state
+    version: int = 0  # counts the polls that brought a state
     namespace: Namespace | None = None
     last_ok: float = 0.0
     failures: int = 0
@@ -128,6 +130,7 @@ class ReplicaSet:
                 log.info("replica %s (%s) is in the rotation", replica.name, replica.url)
             replica.up, replica.last_ok = True, time.monotonic()
             replica.state = state
+            replica.version += 1
             replica.namespace = _namespace(state) or replica.namespace
         else:
             self.mark_failed(replica, reason)

@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping
 
 import uvicorn
 
-from cachetier.cli.ports import bound_port, run_reporting_ports
+from cachetier.cli.ports import (
+    bound_port,
+    exit_cleanly_after_graceful_stop,
+    run_reporting_ports,
+)
 from cachetier.engine.config import KV_LOAD_POLICIES, MODEL_DTYPES
 from cachetier.engine.server.app import create_app
 from cachetier.engine.server.config import SMOLLM2, EngineServerConfig
@@ -182,10 +185,6 @@ def _config_of(
     return config, args.graceful_timeout
 
 
-def _exit_after_graceful_stop(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -200,11 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             config.host,
         )
     # uvicorn turns SIGTERM / SIGINT into a graceful stop: no new connections, requests in
-    # flight finish, then the lifespan's shutdown stops the engine and flushes the store. It
-    # then restores the handlers it found and raises the signal again: these make that a
-    # clean exit (status 0), which is what supervisors and `docker compose stop` expect.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_after_graceful_stop)
+    # flight finish, then the lifespan's shutdown stops the engine and flushes the store.
+    exit_cleanly_after_graceful_stop()
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),

@@ -27,6 +27,7 @@ class FleetState(BaseModel):
     num_running: int = Field(description="sequences in the engine's batch at its last step")
     num_waiting: int = Field(description="sequences queued at its last step")
     max_num_seqs: int = Field(description="the most sequences one batch runs")
+    max_num_batched_tokens: int = Field(description="the most tokens one step computes")
     namespace: dict[str, Any] | None = Field(
         description="model_fingerprint, layout (dtype, block_size, num_layers, num_kv_heads, "
         "head_dim, arrangement) and tenant: block keys are chained from it; null without tiers"
@@ -60,7 +61,10 @@ async def fleet_state(request: Request) -> FleetState:
         num_running=stats["num_running"],
         num_waiting=stats["num_waiting"],
         max_num_seqs=engine.config.max_num_seqs,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
         namespace=namespace,
-        prefill=cost.get("prefill"),
+        # Without tiers there is no cost model, but the prefill speed is still measured (the
+        # warm-up's forwards): a router weighs the recompute on every replica.
+        prefill=cost.get("prefill") or engine.prefill_model.snapshot(),
         tiers=cost.get("tiers") or {},
     )

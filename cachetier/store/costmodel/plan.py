@@ -164,6 +164,8 @@ class CostModel:
         probe_interval_s: a tier the plans have avoided for this long gets one block read
             anyway, so that a link that became fast again is noticed.
         clock: monotonic seconds.
+        log_refusals: log each refusal (a router weighing every replica's plan for every
+            request plans what no engine runs, and turns it off).
     """
 
     def __init__(
@@ -175,8 +177,10 @@ class CostModel:
         enabled: bool = True,
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        log_refusals: bool = True,
     ) -> None:
         self.rates = rates
+        self.log_refusals = log_refusals
         self.prefill = prefill
         self.copy = copy
         self.enabled = enabled
@@ -257,7 +261,7 @@ class CostModel:
             chosen.compute_s,
             margin,
         )
-        if plan.refused:
+        if plan.refused and self.log_refusals:
             _log_refusal(plan, request_id)
         return plan
 
