@@ -45,6 +45,15 @@ ABOUT = {
         "load-everything and the cost model run interleaved; `regret` is the cost model's TTFT "
         "over the better of the other two (1.0: it chose the better)."
     ),
+    "fleet_sim": (
+        "The router's policies driven by the conversation trace over simulated fleets of 16 "
+        "and 64 replicas (pool, node-local disk and a shared tier each, LRU; prefill and tier "
+        "rates from `cost_model.json` and `restart.json`; the same `cachetier.fleet` code the "
+        "router runs). Mean, p50 and p99 TTFT over every request, against round robin in the "
+        "same run, and `load_imbalance` = max / mean requests per replica. Absolute seconds "
+        "are indicative: the prefill model is extrapolated past the 2,066-token steps it was "
+        "fitted on, and decode is a fixed second."
+    ),
     "guard": (
         "The restore guard: forgeries that pass every checksum (four each through our engine, a "
         "tiny Llama, and vLLM-CPU, SmolLM2), false quarantines over honest SmolLM2 restarts in "
