@@ -102,7 +102,15 @@ def _views(
         num_requests, pending_s = replica.load_at(request.arrival_s)
         media = replica.media(request.blocks, shared_run)
         views.append(
-            ReplicaView(replica.name, media, num_requests, pending_s, cost, chunk_tokens=chunk)
+            ReplicaView(
+                replica.name,
+                media,
+                num_requests,
+                pending_s,
+                cost,
+                chunk_tokens=chunk,
+                num_routed=replica.num_routed,
+            )
         )
     return views
 

@@ -84,9 +84,15 @@ def _decide(
 
 
 def over_bound(up: Sequence[ReplicaView], max_imbalance: float) -> frozenset[str]:
-    """Replicas whose load exceeds ``max_imbalance`` times the mean load of ``up``.
+    """Replicas whose load exceeds ``max_imbalance`` times the mean load of ``up``, or whose
+    requests routed lately reach ``max_imbalance`` times their mean plus one.
 
-    The least loaded replica is never above the mean, so at least one always remains.
+    The second bound is the one a fleet's balance is judged by (requests per replica over
+    time): cache affinity alone keeps sending a prompt family to the replica that served it,
+    and a replica that never served holds nothing, so it would never be chosen while the
+    others keep up. The slack of one keeps small counts from tripping it. Neither bound
+    excludes the replica at the bottom of its own measure; when the two together would
+    exclude every replica, only the load bound applies.
 
     Args:
         up: the replicas that are up.
@@ -100,7 +106,9 @@ def over_bound(up: Sequence[ReplicaView], max_imbalance: float) -> frozenset[str
     mean = sum(v.num_requests for v in up) / len(up)
     over = frozenset(v.name for v in up if v.num_requests > max_imbalance * mean)
     assert len(over) < len(up), "the least loaded replica is within any bound >= 1"
-    return over
+    routed = sum(v.num_routed for v in up) / len(up)
+    busy = frozenset(v.name for v in up if v.num_routed >= max_imbalance * routed + 1)
+    return over | busy if len(over | busy) < len(up) else over
 
 
 def round_robin(

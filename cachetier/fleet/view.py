@@ -64,6 +64,8 @@ class ReplicaView:
         up: whether it is in the rotation (a replica that is down is never chosen).
         prefix_only: its engine takes loaded blocks only as a leading run (vLLM).
         overlap_tiers: tiers its engine reads beside a recompute (``CostModel.plan``).
+        num_routed: requests routed to it lately (the router's count, decayed as it goes;
+            the simulator's, whole): the bound on how the fleet's work is spread over time.
     """
 
     name: str
@@ -75,6 +77,7 @@ class ReplicaView:
     up: bool = True
     prefix_only: bool = False
     overlap_tiers: frozenset[str] = frozenset()
+    num_routed: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -86,6 +89,8 @@ class ReplicaView:
         if not (math.isfinite(self.pending_s) and self.pending_s >= 0):
             raise ValueError(f"pending_s must be a finite number >= 0, got {self.pending_s!r}")
         positive_int("chunk_tokens", self.chunk_tokens)
+        if not (math.isfinite(self.num_routed) and self.num_routed >= 0):
+            raise ValueError(f"num_routed must be a finite number >= 0, got {self.num_routed!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +100,8 @@ class RoutingConfig:
     Args:
         max_imbalance: ``tier_aware`` and ``pool_only`` pass over a replica whose load
             (``num_requests``) exceeds this multiple of the mean load of the replicas that are
-            up, unless every replica does.
+            up, or whose ``num_routed`` reaches it times their mean plus one
+            (``policies.over_bound``).
     """
 
     max_imbalance: float = 1.3

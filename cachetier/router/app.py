@@ -125,6 +125,7 @@ class Router:
         except NoReplicaError as exc:
             metrics.unrouted.inc()
             return _error(503, str(exc), "server_error")
+        self.replicas.count_routed(answer.replica)
         metrics.routed.labels(config.policy, answer.replica.name).inc()
         metrics.retries.inc(answer.retries)
         chosen = decision.estimates.get(answer.replica.name)

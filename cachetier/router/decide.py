@@ -71,6 +71,7 @@ class FleetDecider:
                 pending_s=r.pending_s,
                 cost=self._cost(r),
                 chunk_tokens=int(r.state.get("max_num_batched_tokens", 2048)),
+                num_routed=r.routed,
             )
             for r in up
         ]

@@ -21,6 +21,8 @@ import aiohttp
 from cachetier.primitives.keys import KVLayout, Namespace
 
 log = logging.getLogger("cachetier.router")
+ROUTED_DECAY = 0.998
+"""Per request routed: a count's half-life is about 350 requests."""
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class Replica:
     up: bool = False
     in_flight: int = 0  # requests the router is proxying to it now
     pending_s: float = 0.0  # the estimated prefill of those requests: its queue's work
+    routed: float = 0.0  # requests routed to it, decayed (``ReplicaSet.count_routed``)
     state: dict[str, Any] = field(default_factory=dict)  # its last /v1/fleet/state
     version: int = 0  # counts the polls that brought a state
     namespace: Namespace | None = None
@@ -94,6 +97,14 @@ class ReplicaSet:
     async def poll(self) -> None:
         """Ask every replica now."""
         await asyncio.gather(*(self._poll_one(r) for r in self.replicas))
+
+    def count_routed(self, replica: Replica) -> None:
+        """Count a request routed to ``replica``; every count decays, so the balance the
+        policies keep is that of recent traffic (a replica back from a restart is not sent
+        the whole backlog of what it missed)."""
+        for other in self.replicas:
+            other.routed *= ROUTED_DECAY
+        replica.routed += 1.0
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """A request to ``replica`` failed before its first byte: out of the rotation until

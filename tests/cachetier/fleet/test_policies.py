@@ -4,6 +4,8 @@ down and to replicas that tie."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cachetier.fleet import POLICIES, RoutingConfig, decide, over_bound
@@ -133,6 +135,18 @@ def test_a_load_at_the_bound_is_within_it() -> None:
     views = [view("a", (), 13), view("b", (), 7)]  # mean 10: 13 is exactly 1.3 times it
     assert over_bound(views, 1.3) == frozenset()
     assert over_bound([view("a"), view("b")], 1.3) == frozenset()  # an idle fleet
+
+
+def test_a_replica_routed_too_much_lately_is_passed_over_until_the_others_catch_up() -> None:
+    views = [view("a", ("pool",) * 8), view("b"), view("c")]
+    counts = {"a": 20.0, "b": 10.0, "c": 0.0}  # mean 10: a is at 2x, past 1.3 x 10 + 1
+    views = [dataclasses.replace(v, num_routed=counts[v.name]) for v in views]
+    assert over_bound(views, 1.3) == {"a"}
+    decision = decide("tier_aware", request(), views)
+    assert decision is not None and decision.replica != "a" and decision.skipped == ("a",)
+    # when the two bounds together would pass over every replica, only the load bound holds
+    loaded = [dataclasses.replace(v, num_requests=0 if v.name == "a" else 9) for v in views]
+    assert over_bound(loaded, 1.3) == {"b", "c"}
 
 
 def test_an_unmeasured_replica_comes_after_the_measured_ones() -> None:
