@@ -278,7 +278,7 @@ LAYERS = (
     ("cachetier.errors", "cachetier.util"),
     ("cachetier.primitives",),
     ("cachetier.record",),
-    ("cachetier.protocol",),
+    ("cachetier.protocol", "cachetier.kvevents"),
     (
         "cachetier.pins",
         "cachetier.tiers",
