@@ -54,6 +54,9 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._on_evict = on_evict
         self._on_allocate = on_allocate
+        # Told of each block newly indexed by its key (its KV computed or restored): the
+        # engine publishes it as a KV event (``LLMEngine.publish_events``).
+        self.on_register: Callable[[Block], None] | None = None
         self.num_evicted = 0
 
     @property
@@ -148,7 +151,8 @@ class BlockManager:
         block.record_keys = record_keys
         block.stored = block.stored or stored
         # A second block with the same content stays usable by its owner but is not indexed.
-        self._cached.setdefault(key, block_id)
+        if self._cached.setdefault(key, block_id) == block_id and self.on_register is not None:
+            self.on_register(block)
 
     def clear_cache(self) -> int:
         """Forget every cached key of free blocks (e.g. to force tier restores in tests)."""

@@ -24,8 +24,9 @@ from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
 from cachetier.engine.weights import load_weights
 from cachetier.guard import GuardSampler
+from cachetier.kvevents import MEDIUM_GPU, TierEvents
 from cachetier.primitives.fingerprint import model_fingerprint
-from cachetier.primitives.keys import Namespace, record_layout, torch_dtype
+from cachetier.primitives.keys import BlockHash, Namespace, record_layout, torch_dtype
 from cachetier.report.events import EventLog
 from cachetier.store.costmodel import CopyRate, CostModel, PrefillModel
 from cachetier.store.tiered import TieredStore
@@ -159,6 +160,7 @@ class LLMEngine:
             if store is not None
             else None
         )
+        self.kv_events: TierEvents | None = None  # the pool's KV events (``publish_events``)
         self.blocks = BlockManager(
             self.pool.num_blocks,
             on_evict=self._on_evict,
@@ -185,9 +187,18 @@ class LLMEngine:
         if self.events is not None:
             self.events.close()
 
+    def publish_events(self, events: TierEvents) -> None:
+        """Publish the pool's blocks as KV events from now on (medium ``GPU``, as vLLM names
+        its pool): a router's prefix index learns what this engine can compute from."""
+        self.kv_events = events
+        self.blocks.on_register = lambda block: events.stored(MEDIUM_GPU, _pool_keys(block))
+
     def _on_evict(self, blocks: list[Block]) -> None:
         if self.bridge is not None:
             self.bridge.save(blocks)
+        if self.kv_events is not None:
+            keys = [k for b in blocks if b.key is not None for k in _pool_keys(b)]
+            self.kv_events.removed(MEDIUM_GPU, keys)
 
     def add_request(
         self,
@@ -406,3 +417,9 @@ def _cost_model(
         return prefill, None
     cost = CostModel(store.rates, prefill, copy=copy_rate, enabled=config.kv_load_policy == "cost")
     return prefill, cost
+
+
+def _pool_keys(block: Block) -> list[BlockHash]:
+    """The record keys a pool block holds (its own key where it is one record)."""
+    assert block.key is not None, "only keyed blocks are published"
+    return list(block.record_keys) if block.record_keys else [block.key]

@@ -87,7 +87,9 @@ def run_route(args: argparse.Namespace) -> int:
 
     try:
         config = route_config(args)
-        app = create_app(config, FleetDecider(config.policy, PrefixIndex(), config.max_imbalance))
+        index = PrefixIndex()
+        decide = FleetDecider(config.policy, index, config.max_imbalance)
+        app = create_app(config, decide, index=index)
     except (OSError, ValueError) as exc:
         print(f"cachetier route: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -30,7 +30,9 @@ from prometheus_client import (
 )
 from starlette.background import BackgroundTask
 
+from cachetier.kvindex import PrefixIndex
 from cachetier.router.config import RouterConfig
+from cachetier.router.events import EventFeed
 from cachetier.router.prompt import PromptTokens
 from cachetier.router.proxy import NoReplicaError, forward
 from cachetier.router.replicas import Replica, ReplicaSet
@@ -162,8 +164,14 @@ class Router:
         return _error(503, "no replica is up", "server_error")
 
 
-def create_app(config: RouterConfig, decide: Decide, prompt: PromptTokens | None = None) -> FastAPI:
-    """The router app; its lifespan polls the replicas and holds the client session."""
+def create_app(
+    config: RouterConfig,
+    decide: Decide,
+    prompt: PromptTokens | None = None,
+    index: PrefixIndex | None = None,
+) -> FastAPI:
+    """The router app; its lifespan polls the replicas, holds the client session and, with an
+    ``index`` (the one ``decide`` reads), feeds it the replicas' KV events."""
     router = Router(config, decide, prompt)
 
     @asynccontextmanager
@@ -171,9 +179,15 @@ def create_app(config: RouterConfig, decide: Decide, prompt: PromptTokens | None
         timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=config.request_timeout_s)
         router.session = aiohttp.ClientSession(timeout=timeout)
         await router.replicas.start()
+        feed = EventFeed(router.replicas, index) if index is not None else None
+        if feed is not None:
+            feed.start()
+        app.state.feed = feed
         try:
             yield
         finally:
+            if feed is not None:
+                feed.close()
             await router.replicas.close()
             await router.session.close()
 

@@ -37,16 +37,18 @@ class Replica:
     routed: float = 0.0  # requests routed to it, decayed (``ReplicaSet.count_routed``)
     state: dict[str, Any] = field(default_factory=dict)  # its last /v1/fleet/state
     version: int = 0  # counts the polls that brought a state
+    polled_in_flight: int = 0  # ``in_flight`` when that state was asked for
     namespace: Namespace | None = None
     last_ok: float = 0.0
     failures: int = 0
 
     @property
     def load(self) -> int:
-        """What the router weighs as its queue: its own count of sequences running and
-        waiting when it reports them, else the requests proxied to it."""
+        """What the router weighs as its queue: the requests it proxies there now (exact),
+        plus what the replica reported running and waiting beyond those the router had in
+        flight when it asked (other clients': a report is up to a poll interval old)."""
         reported = self.state.get("num_running", 0) + self.state.get("num_waiting", 0)
-        return max(reported, self.in_flight)
+        return max(reported - self.polled_in_flight, 0) + self.in_flight
 
 
 class ReplicaSet:
@@ -127,6 +129,7 @@ class ReplicaSet:
             async with self._session.get(replica.url + "/healthz") as resp:
                 healthy = resp.status == 200
             state: dict[str, Any] = {}
+            in_flight = replica.in_flight
             if healthy:
                 async with self._session.get(replica.url + "/v1/fleet/state") as resp:
                     if resp.status == 200:
@@ -140,7 +143,7 @@ class ReplicaSet:
             if not replica.up:
                 log.info("replica %s (%s) is in the rotation", replica.name, replica.url)
             replica.up, replica.last_ok = True, time.monotonic()
-            replica.state = state
+            replica.state, replica.polled_in_flight = state, in_flight
             replica.version += 1
             replica.namespace = _namespace(state) or replica.namespace
         else:

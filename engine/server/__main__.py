@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
     limits.add_argument("--max-concurrent-requests", type=int, default=256)
     limits.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish the pool's blocks as KV events for a router (GET /v1/fleet/state: where)",
+    )
+    limits.add_argument(
         "--graceful-timeout",
         type=float,
         default=30.0,
@@ -178,6 +183,7 @@ def _config_of(
             max_prompt_tokens=args.max_prompt_tokens,
             max_request_bytes=args.max_request_bytes,
             max_concurrent_requests=args.max_concurrent_requests,
+            kv_events=args.kv_events,
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -4,6 +4,7 @@ engine and its thread, and the metrics registry."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from cachetier.engine.server.errors import body_refused_answer, install_error_ha
 from cachetier.engine.server.metrics import EngineMetrics
 from cachetier.engine.server.serving import OpenAIServing
 from cachetier.engine.smollm2 import smollm2_path
+from cachetier.kvevents import KVEventPublisher, PublisherConfig, TierEvents
 from cachetier.server.body_limit import install_body_limit
 from cachetier.store.config import build_store
 from cachetier.store.tiered import TieredStore
@@ -57,6 +59,22 @@ def _open_engine(config: EngineServerConfig) -> tuple[LLMEngine, TieredStore | N
     return engine, store, maybe_tokenizer(folder)
 
 
+def _publisher(config: EngineServerConfig, engine: LLMEngine) -> KVEventPublisher | None:
+    """The pool's KV-event publisher, on the server's host at ports the OS picks."""
+    if not config.kv_events:
+        return None
+    host = "[::]" if ":" in config.host else config.host
+    publisher = KVEventPublisher(
+        PublisherConfig(
+            replica=f"{config.model_name}-{os.getpid()}",
+            endpoint=f"tcp://{host}:0",
+            replay_endpoint=f"tcp://{host}:0",
+        )
+    )
+    engine.publish_events(TierEvents(publisher))
+    return publisher
+
+
 def create_app(config: EngineServerConfig) -> FastAPI:
     """Build the server's app.
 
@@ -72,6 +90,7 @@ def create_app(config: EngineServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         # Loading weights and opening the disk tier block: not on the event loop.
         engine, store, tokenizer = await run_in_threadpool(_open_engine, config)
+        publisher = _publisher(config, engine)
         engine_thread = AsyncEngine(engine)
         try:
             metrics = EngineMetrics(
@@ -88,6 +107,7 @@ def create_app(config: EngineServerConfig) -> FastAPI:
                 metrics,
                 engine.max_model_len,
                 engine.spec.vocab_size,
+                kv_events=publisher,
             )
             pool = engine.pool
             log.info(
@@ -106,6 +126,8 @@ def create_app(config: EngineServerConfig) -> FastAPI:
         finally:
             await run_in_threadpool(engine_thread.shutdown)
             engine.close()
+            if publisher is not None:
+                publisher.close()
             if store is not None:
                 # Waits for every queued write to the lower tiers: a restart finds the blocks.
                 await run_in_threadpool(store.close)

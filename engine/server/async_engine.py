@@ -139,9 +139,11 @@ class AsyncEngine:
             while self._take_work():
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 now = time.perf_counter()  # after the step: its tokens exist from now on
+                # Before the outputs go out: a client told its request finished, who asks at
+                # once (a router polling /v1/fleet/state), must not see it still running.
+                self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out, now)
-                self._stats = self.engine.stats()
         except BaseException as exc:
             # The engine's state is unknown after a failed step: stop, fail every request.
             log.exception("engine step failed; the engine is stopped")

@@ -37,6 +37,8 @@ class EngineServerConfig:
         max_concurrent_requests: generations in flight at once: a request that arrives with this
             many running gets 429 (requests arriving together may pass it by a few).
         log_level: uvicorn's log level.
+        kv_events: publish the engine pool's blocks as KV events (vLLM's wire format, ZMQ PUB
+            and replay on ports the OS picks, on ``host``); ``GET /v1/fleet/state`` says where.
     """
 
     model: str = SMOLLM2
@@ -50,6 +52,7 @@ class EngineServerConfig:
     max_request_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
     log_level: str = "info"
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if not self.model.strip():

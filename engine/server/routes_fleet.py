@@ -28,15 +28,20 @@ class FleetState(BaseModel):
     num_waiting: int = Field(description="sequences queued at its last step")
     max_num_seqs: int = Field(description="the most sequences one batch runs")
     max_num_batched_tokens: int = Field(description="the most tokens one step computes")
-    namespace: dict[str, Any] | None = Field(
+    namespace: dict[str, Any] = Field(
         description="model_fingerprint, layout (dtype, block_size, num_layers, num_kv_heads, "
-        "head_dim, arrangement) and tenant: block keys are chained from it; null without tiers"
+        "head_dim, arrangement) and tenant: block keys are chained from it"
     )
     prefill: dict[str, Any] | None = Field(
         description="the engine's measured prefill model (cost model), null before any"
     )
     tiers: dict[str, Any] = Field(
         default_factory=dict, description="each tier's measured latency and read speed"
+    )
+    kv_events: dict[str, Any] | None = Field(
+        None,
+        description="where the pool's KV events are published: endpoint (ZMQ PUB), "
+        "replay_endpoint, epoch; null unless the server runs with --kv-events",
     )
 
 
@@ -45,14 +50,19 @@ async def fleet_state(request: Request) -> FleetState:
     serving = get_serving(request)
     stats = serving.engine.stats()
     engine = serving.engine.engine
-    bridge = engine.bridge
-    namespace = None
-    if bridge is not None:
-        ns = bridge.namespace
-        namespace = {
-            "model_fingerprint": ns.model_fingerprint,
-            "layout": asdict(ns.layout),
-            "tenant": ns.tenant,
+    ns = engine.namespace  # the pool's keys and the tiers' records are chained from it
+    namespace = {
+        "model_fingerprint": ns.model_fingerprint,
+        "layout": asdict(ns.layout),
+        "tenant": ns.tenant,
+    }
+    publisher = serving.kv_events
+    events = None
+    if publisher is not None:
+        events = {
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "epoch": publisher.epoch,
         }
     cost = stats.get("cost_model") or {}
     return FleetState(
@@ -67,4 +77,5 @@ async def fleet_state(request: Request) -> FleetState:
         # warm-up's forwards): a router weighs the recompute on every replica.
         prefill=cost.get("prefill") or engine.prefill_model.snapshot(),
         tiers=cost.get("tiers") or {},
+        kv_events=events,
     )

@@ -91,6 +91,7 @@ class OpenAIServing:
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0  # touched on the event loop only
+    kv_events: Any = None  # the pool's KVEventPublisher, with ``EngineServerConfig.kv_events``
 
     @property
     def max_prompt_tokens(self) -> int:
