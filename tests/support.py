@@ -211,8 +211,13 @@ def wait_ports_file(
 
 def spawn_serve(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """``cachetier serve *args`` in a child process with ``env``, its output piped (text)."""
+    return spawn_cli("serve", args, env)
+
+
+def spawn_cli(command: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """``cachetier <command> *args`` in a child process with ``env``, its output piped."""
     return subprocess.Popen(
-        [sys.executable, "-m", "cachetier.cli.main", "serve", *args],
+        [sys.executable, "-m", "cachetier.cli.main", command, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

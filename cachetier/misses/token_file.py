@@ -21,8 +21,8 @@ import json
 import logging
 import os
 import uuid
-from zipfile import BadZipFile
 from pathlib import Path
+from zipfile import BadZipFile
 
 import numpy as np
 

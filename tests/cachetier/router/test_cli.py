@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.engine.server.live import EngineServer, post
-from tests.support import end_process, wait_ports_file
+from tests.support import end_process, spawn_cli, wait_ports_file
 
 ROUTER_KEY = "router-secret-key-0001"
 
 
 def _route(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cachetier.cli.main", "route", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_cli("route", args, env)
 
 
 def test_the_router_command_routes_and_keeps_its_key_to_itself(
