@@ -95,6 +95,7 @@ class Sequence:
     miss_cause: str = ""
     miss_tier: str = ""
     miss_detail: str = ""  # the cause in words (``PrefixHit.miss_detail``)
+    looked_up: bool = False  # whether the tiers were asked for it yet
     # Prompt tokens not served from cache, by cause (``cached_tokens._misses``).
     miss_tokens_by_cause: dict[str, int] = field(default_factory=dict)
     # The plan of its first admission: a refusal's real prefill time goes back to the model.

@@ -115,10 +115,14 @@ class TierLoads:
         load of it (by ``cost``; all of it without one)."""
         if self.bridge is None:
             return PrefixLookup(keys, pool_ids)
+        # A waiting sequence is looked up again at each step: its miss is told (and counted by
+        # the mismatch alarm) once, at its first lookup.
+        first = not seq.looked_up
+        seq.looked_up = True
         hit = self.bridge.lookup(
             self.records(seq, len(pool_ids), len(keys)),
             may_verify=seq.guard_draw is None,
-            token_ids=seq.token_ids,
+            token_ids=seq.token_ids if first else None,
             first_record=len(pool_ids) * self.records_per_block,
         )
         if seq.guard_draw is None and (hit.num_blocks or hit.verified_blocks):
@@ -129,11 +133,13 @@ class TierLoads:
         seq.num_stored_blocks = len(pool_ids) + hit.num_blocks
         seq.num_verified_tokens = hit.verified_blocks * self.block_size
         seq.num_quarantined_tokens = hit.quarantined_blocks * self.block_size
-        seq.miss_cause, seq.miss_tier, seq.miss_detail = (
-            hit.miss_cause,
-            hit.miss_tier,
-            hit.miss_detail,
-        )
+        told = seq.miss_cause == "namespace_mismatch" and hit.miss_cause == "never_stored"
+        if not told:  # a mismatch told at the first lookup stands for the same tokens
+            seq.miss_cause, seq.miss_tier, seq.miss_detail = (
+                hit.miss_cause,
+                hit.miss_tier,
+                hit.miss_detail,
+            )
         return PrefixLookup(keys, pool_ids, hit, plan)
 
     def _plan(
