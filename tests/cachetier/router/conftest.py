@@ -15,9 +15,6 @@ from cachetier.router.replicas import Replica
 from tests.engine.server.live import EngineServer, chat_model, server_config
 from tests.support import AppThread
 
-# Nothing listens on port 1 of the loopback: a connection there is refused at once.
-DEAD_REPLICA = "http://127.0.0.1:1"
-
 
 def in_given_order(
     tokens: list[int] | None, session: str | None, up: Sequence[Replica]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from tests.cachetier.router.conftest import DEAD_REPLICA
 from tests.engine.server.live import EngineServer, get, metric, post, post_raw, stream
-from tests.support import AppThread
+from tests.support import AppThread, refusing_port
 
 PROMPT = [(i * 7 + 3) % 250 for i in range(40)]
 BODY = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
@@ -34,20 +33,22 @@ def test_an_answer_through_the_router_equals_the_replicas(
 def test_a_dead_replica_is_retried_past_and_leaves_the_rotation(
     replica: EngineServer, make_router: Callable[..., AppThread]
 ) -> None:
-    router = make_router([DEAD_REPLICA, replica.url], poll_interval_s=60)
-    status, _ = post(router.url, "/v1/completions", BODY)
-    assert status == 200
-    assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 0
-    assert metric(router.url, "cachetier_router_requests_total", replica="r1") == 1
-    assert json.loads(get(router.url, "/healthz")[1]) == {"replicas_up": 1}
+    with refusing_port() as dead:  # bound, never listening: connections are refused
+        router = make_router([f"http://127.0.0.1:{dead}", replica.url], poll_interval_s=60)
+        status, _ = post(router.url, "/v1/completions", BODY)
+        assert status == 200
+        assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 0
+        assert metric(router.url, "cachetier_router_requests_total", replica="r1") == 1
+        assert json.loads(get(router.url, "/healthz")[1]) == {"replicas_up": 1}
 
 
 def test_with_no_replica_up_the_client_gets_503(make_router: Callable[..., AppThread]) -> None:
-    router = make_router([DEAD_REPLICA])
-    status, body = post(router.url, "/v1/completions", BODY)
-    assert status == 503 and "no replica answered" in body["error"]["message"]
-    assert get(router.url, "/healthz")[0] == 503
-    assert metric(router.url, "cachetier_router_unrouted_requests_total") == 1
+    with refusing_port() as dead:
+        router = make_router([f"http://127.0.0.1:{dead}"])
+        status, body = post(router.url, "/v1/completions", BODY)
+        assert status == 503 and "no replica answered" in body["error"]["message"]
+        assert get(router.url, "/healthz")[0] == 503
+        assert metric(router.url, "cachetier_router_unrouted_requests_total") == 1
 
 
 def test_bad_bodies_and_missing_keys_are_refused_at_the_router(
