@@ -15,11 +15,11 @@ from cachetier.primitives.keys import (
 )
 from cachetier.record import Compression, KVBlock, decode_record, encode_record
 from cachetier.store.config import StoreConfig, build_store
-from cachetier.store.tiered import RestoredPrefix, TieredStore
+from cachetier.store.tiered import TieredStore
 from cachetier.tiers.base import Tier
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
-from cachetier.tiers.prefix import PrefixHit
+from cachetier.tiers.prefix import PrefixHit, RestoredPrefix
 
 __all__ = [
     "BlockHash",

@@ -56,7 +56,7 @@ class BlockManager:
         self._on_allocate = on_allocate
         # Told of each block newly indexed by its key (its KV computed or restored): the
         # engine publishes it as a KV event (``LLMEngine.publish_events``).
-        self.on_register: Callable[[Block], None] | None = None
+        self.on_register: Callable[[Block, BlockHash | None, Sequence[int]], None] | None = None
         self.num_evicted = 0
 
     @property
@@ -143,16 +143,19 @@ class BlockManager:
         *,
         stored: bool = False,
         record_keys: tuple[BlockHash, ...] = (),
+        parent: BlockHash | None = None,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Record that ``block_id`` holds the full, computed block named ``key`` (stored as
-        the records ``record_keys`` where it holds several)."""
+        the records ``record_keys`` where it holds several); ``parent`` (the block before it
+        in its sequence) and ``token_ids`` are passed on to ``on_register``."""
         block = self.blocks[block_id]
         block.key = key
         block.record_keys = record_keys
         block.stored = block.stored or stored
         # A second block with the same content stays usable by its owner but is not indexed.
         if self._cached.setdefault(key, block_id) == block_id and self.on_register is not None:
-            self.on_register(block)
+            self.on_register(block, parent, token_ids)
 
     def clear_cache(self) -> int:
         """Forget every cached key of free blocks (e.g. to force tier restores in tests)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.primitives.keys import BlockHash, Namespace, record_layout, torch_dtype
 from cachetier.report.events import EventLog
 from cachetier.store.costmodel import CopyRate, CostModel, PrefillModel
+from cachetier.store.events import publish_store
 from cachetier.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -187,11 +189,36 @@ class LLMEngine:
         if self.events is not None:
             self.events.close()
 
-    def publish_events(self, events: TierEvents) -> None:
-        """Publish the pool's blocks as KV events from now on (medium ``GPU``, as vLLM names
-        its pool): a router's prefix index learns what this engine can compute from."""
+    def publish_events(self, events: TierEvents, *, announce: bool = True) -> int:
+        """Publish the pool's blocks (medium ``GPU``, as vLLM names its pool) and the tiers'
+        (each under its name) as KV events from now on: a router's prefix index learns what
+        this engine can compute from, and load.
+
+        Args:
+            events: where the events go; the pool's blocks' tokens are noted in its
+                ``tokens``, so that the tiers' events of the same blocks carry them too.
+            announce: first announce what the tiers hold (a restarted pod's disk).
+
+        Returns:
+            How many keys were announced.
+        """
         self.kv_events = events
-        self.blocks.on_register = lambda block: events.stored(MEDIUM_GPU, _pool_keys(block))
+        size = self.namespace.block_size  # a record's tokens: a pool block may be several
+
+        def registered(block: Block, parent: BlockHash | None, token_ids: Seq[int]) -> None:
+            keys = _pool_keys(block)
+            if len(token_ids) == len(keys) * size:
+                # A block of several records: its first record's parent is not ``parent``.
+                parents = [parent if len(keys) == 1 else None, *keys[:-1]]
+                for i, key in enumerate(keys):
+                    events.tokens.note(key, parents[i], token_ids[i * size : (i + 1) * size])
+            events.stored_keys(MEDIUM_GPU, keys, size)
+
+        self.blocks.on_register = registered
+        if self.bridge is None:
+            return 0
+        store = self.bridge.store
+        return publish_store(store.block_events, store.tiers, events, size, announce=announce)
 
     def _on_evict(self, blocks: list[Block]) -> None:
         if self.bridge is not None:

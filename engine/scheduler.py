@@ -298,6 +298,8 @@ class Scheduler:
                     seq.block_keys[index],
                     stored=index < seq.num_stored_blocks,
                     record_keys=self.loads.block_records(seq, index),
+                    parent=seq.block_keys[index - 1] if index else None,
+                    token_ids=seq.block_token_ids(index, bs),
                 )
 
     def finish(self, seq: Sequence, reason: str) -> None:

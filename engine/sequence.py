@@ -118,6 +118,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        """The tokens of block ``index`` (without joining the whole sequence's lists)."""
+        start, end = index * block_size, (index + 1) * block_size
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt[start:] + self.output_token_ids[max(start - len(prompt), 0) :])[
+            : end - start
+        ]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -33,8 +33,8 @@ from cachetier.primitives.keys import (
 )
 from cachetier.record import KVBlock
 from cachetier.store.costmodel import CopyRate
-from cachetier.store.tiered import RestoredPrefix, TieredStore
-from cachetier.tiers.prefix import PrefixHit
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.prefix import PrefixHit, RestoredPrefix
 
 log = logging.getLogger(__name__)
 

@@ -101,6 +101,18 @@ class TierLoads:
         n = self.records_per_block
         return seq.record_keys[start * n : end * n]
 
+    def _register(self, seq: Sequence, index: int, block_id: int, key: BlockHash) -> None:
+        """Index a restored block in the prefix cache, with what its KV events tell."""
+        bs = self.block_size
+        self.blocks.register(
+            block_id,
+            key,
+            stored=True,
+            record_keys=self.block_records(seq, index),
+            parent=seq.block_keys[index - 1] if index else None,
+            token_ids=seq.block_token_ids(index, bs),
+        )
+
     def block_records(self, seq: Sequence, index: int) -> tuple[BlockHash, ...]:
         """What ``BlockManager.register`` keeps of block ``index``'s records: nothing where
         the block is one record (its key names it)."""
@@ -244,8 +256,7 @@ class TierLoads:
             seq.add_time("restore_read_s", restored.read_s)
             seq.add_time("restore_copy_s", restored.copy_s)
         for i, (key, block_id) in enumerate(zip(keys, block_ids[: len(sources)])):
-            record_keys = self.block_records(seq, first_index + i)
-            self.blocks.register(block_id, key, stored=True, record_keys=record_keys)
+            self._register(seq, first_index + i, block_id, key)
         return sources, restored.read_s + restored.copy_s
 
     def finish(self, seq: Sequence) -> Restored | None:
@@ -267,8 +278,7 @@ class TierLoads:
         waited = 0.0 if since is None else time.perf_counter() - since
         arrived = len(restored.sources)
         for i, (key, block_id) in enumerate(zip(pending.keys, pending.block_ids[:arrived])):
-            records = self.block_records(seq, pending.first_block_index + i)
-            self.blocks.register(block_id, key, stored=True, record_keys=records)
+            self._register(seq, pending.first_block_index + i, block_id, key)
         seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
         if pending.first:
             # What the TTFT paid for the restore is the wait from the head's end, not the read

@@ -46,6 +46,14 @@ def add_route(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8480, help="0: any free port (printed)")
     p.add_argument("--ports-file", help="write the bound port there as JSON once listening")
     p.add_argument("--poll-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--reconcile-interval-s",
+        type=float,
+        default=5.0,
+        help="how often the prefix index is checked against the replicas' digests",
+    )
+    p.add_argument("--shared-events", help="a sidecar's KV-event endpoint (its kv_events setting)")
+    p.add_argument("--shared-events-replay", help="that sidecar's replay endpoint")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run_route)
 
@@ -65,6 +73,9 @@ def route_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         api_key=env.get(ROUTER_KEY_ENV) or None,
         replica_api_key=env.get(REPLICA_KEY_ENV) or None,
         poll_interval_s=args.poll_interval_s,
+        reconcile_interval_s=args.reconcile_interval_s,
+        shared_events=args.shared_events,
+        shared_events_replay=args.shared_events_replay,
     )
 
 

@@ -8,12 +8,15 @@ Wiring a tier is a few lines where its blocks come and go::
     events.cleared("disk")                   # after a clear
     tier.listen_evictions(events.on_evicted("disk"))
 
-Nothing here blocks or raises for a full queue: the publisher drops and counts.
+Nothing here blocks or raises for a full queue: the publisher drops and counts. What the
+events said is kept in ``held`` (``HeldKeys``) whether or not they went out, so a consumer
+that compares digests finds a lost event; ``tokens`` (``KeyTokens``) supplies the token ids of
+keys this process computed, for consumers that index by their own hash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from cachetier.kvevents.events import (
@@ -24,6 +27,8 @@ from cachetier.kvevents.events import (
     check_keys,
     check_medium,
 )
+from cachetier.kvevents.held import HeldKeys
+from cachetier.kvevents.tokens import KeyTokens
 from cachetier.primitives.keys import BlockHash
 
 
@@ -38,10 +43,16 @@ class TierEvents:
 
     Args:
         sink: the publisher the events are queued on.
+        held: where what the events say is held is kept (a new one by default).
+        tokens: the token ids of keys, where known (``stored_keys`` reads it).
     """
 
-    def __init__(self, sink: EventSink) -> None:
+    def __init__(
+        self, sink: EventSink, held: HeldKeys | None = None, tokens: KeyTokens | None = None
+    ) -> None:
         self._sink = sink
+        self.held = held if held is not None else HeldKeys()
+        self.tokens = tokens if tokens is not None else KeyTokens()
 
     def stored(
         self,
@@ -84,7 +95,46 @@ class TierEvents:
         event = BlockStored(
             hashes, parent, tuple(int(t) for t in token_ids), block_size, check_medium(medium)
         )
+        self.held.add(medium, hashes)
         return self._sink.publish([event])
+
+    def stored_keys(self, medium: str, keys: Sequence[BlockHash], block_size: int = 0) -> bool:
+        """``keys`` are now held in ``medium``, with their parent and tokens where ``tokens``
+        knows every one of them (blocks this process computed or restored), else keys only.
+
+        Args:
+            medium: the tier's medium name.
+            keys: the blocks' keys, in chain order.
+            block_size: tokens per block.
+
+        Returns:
+            False when the publisher dropped the event.
+        """
+        sent = True
+        for run, parent, token_ids in self.tokens.runs(keys, block_size):
+            sent &= self.stored(medium, run, parent, token_ids, block_size)
+        return sent
+
+    def snapshot(self, medium: str, keys: Iterable[BlockHash], chunk: int = 1024) -> int:
+        """Announce what a persistent tier holds (at start, so that a restarted process's
+        blocks are routable at once), in events of ``chunk`` keys, without tokens (a record
+        keeps none; consumers match by key).
+
+        Returns:
+            How many keys were announced.
+        """
+        check_medium(medium)
+        count = 0
+        batch: list[BlockHash] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) == chunk:
+                self.stored(medium, batch)
+                count, batch = count + len(batch), []
+        if batch:
+            self.stored(medium, batch)
+            count += len(batch)
+        return count
 
     def removed(self, medium: str, keys: Sequence[BlockHash]) -> bool:
         """``keys`` are no longer held in ``medium`` (evicted, deleted, found corrupt).
@@ -98,7 +148,9 @@ class TierEvents:
         """
         if not keys:
             return True
-        return self._sink.publish([BlockRemoved(check_keys(keys), check_medium(medium))])
+        hashes = check_keys(keys)
+        self.held.remove(medium, hashes)
+        return self._sink.publish([BlockRemoved(hashes, check_medium(medium))])
 
     def cleared(self, medium: str) -> bool:
         """``medium`` holds nothing any more.
@@ -109,7 +161,8 @@ class TierEvents:
         Returns:
             False when the publisher dropped the event.
         """
-        return self._sink.publish([AllBlocksCleared(check_medium(medium))])
+        self.held.clear(check_medium(medium))
+        return self._sink.publish([AllBlocksCleared(medium)])
 
     def on_evicted(self, medium: str) -> Callable[[str, BlockHash, float | None], None]:
         """A tier's eviction listener (``Tier.listen_evictions``) publishing each evicted key.

@@ -16,9 +16,15 @@ What keeps it right when events are lost:
   is reported to the caller (``apply`` returns False), who replays or resyncs; events of an
   older epoch are dropped (a process that is gone), and a new epoch clears what the replica's
   previous process published;
-- ``digest`` is what a publisher computes over what it holds (count and an XOR of key heads):
-  equal digests mean the index agrees with it, and ``resync`` replaces a medium's holdings;
+- ``digest`` is what a publisher computes over what it holds (count and an XOR of key heads,
+  ``cachetier.kvevents.HeldKeys``): equal digests mean the index agrees with it, and
+  ``resync`` replaces a medium's holdings (``cachetier.router.reconcile`` does both on a
+  timer);
 - ``expire`` forgets replicas not heard from (events or ``touch``) within ``forget_after_s``.
+
+Blocks a replica stores in a shared tier (Redis, the sidecar: ``SHARED_MEDIA``) are held for
+every replica: they are kept under ``SHARED`` whoever published them, and outlive the
+publisher's restart (the tier did not restart).
 
 Thread-safe: a subscriber thread applies events while the router asks.
 """
@@ -30,12 +36,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from cachetier.kvevents.held import key_digest
 from cachetier.primitives.keys import BlockHash
 
 POOL_MEDIA = frozenset({"gpu", "pool"})
 """Media an engine computes from: loaded for free."""
 SHARED = "*"
 """The replica name of holdings every replica reads (a sidecar's, a Redis's)."""
+SHARED_MEDIA = frozenset({"sidecar", "remote", "redis"})
+"""Media every replica reads: a replica's events of them go under ``SHARED``."""
 MEDIUM_ORDER = ("gpu", "pool", "cpu", "disk", "sidecar", "remote", "redis")
 """The order a replica prefers to read a block from (the first that holds it wins)."""
 
@@ -77,17 +86,6 @@ class _Replica:
     seq: int = -1
     heard: float = 0.0
     media: dict[str, set[bytes]] = field(default_factory=dict)
-
-
-def key_digest(keys: Iterable[bytes]) -> tuple[int, int]:
-    """``(count, XOR of each key's first 8 bytes)``: what a publisher and the index both
-    compute over a medium's keys; equal digests mean they hold the same set (but for a
-    2^-64 chance)."""
-    count = acc = 0
-    for key in keys:
-        count += 1
-        acc ^= int.from_bytes(key[:8], "little")
-    return count, acc
 
 
 class PrefixIndex:
@@ -149,7 +147,13 @@ class PrefixIndex:
             state.seq = max(state.seq, seq)
             state.heard = self._clock()
             for kind, medium, keys in changes:
-                _change(state, kind, medium.lower(), keys)
+                medium = medium.lower()
+                if medium in SHARED_MEDIA and replica != SHARED:
+                    shared = self._replicas.setdefault(SHARED, _Replica(0))
+                    shared.heard = state.heard
+                    _change(shared, kind, medium, keys)
+                else:
+                    _change(state, kind, medium, keys)
             return in_order
 
     def resync(self, replica: str, epoch: int, medium: str, keys: Iterable[bytes]) -> None:
@@ -169,6 +173,19 @@ class PrefixIndex:
             state = self._replicas.get(replica)
             held = state.media.get(medium.lower(), set()) if state else set()
             return key_digest(held)
+
+    def epoch(self, replica: str) -> int | None:
+        """The epoch the index holds ``replica``'s blocks under; ``None`` if none."""
+        with self._lock:
+            state = self._replicas.get(replica)
+            return None if state is None else state.epoch
+
+    def digests(self, replica: str) -> dict[str, tuple[int, int]]:
+        """``key_digest`` of each medium the index holds for ``replica``."""
+        with self._lock:
+            state = self._replicas.get(replica)
+            media = dict(state.media) if state is not None else {}
+            return {medium: key_digest(held) for medium, held in media.items()}
 
     def touch(self, replica: str) -> None:
         """A replica answered (a health check): it is not forgotten yet."""

@@ -35,6 +35,7 @@ from cachetier.router.config import RouterConfig
 from cachetier.router.events import EventFeed
 from cachetier.router.prompt import PromptTokens
 from cachetier.router.proxy import NoReplicaError, forward
+from cachetier.router.reconcile import Reconciler
 from cachetier.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("cachetier.router")
@@ -84,6 +85,22 @@ class RouterMetrics:
             up.labels(replica.name).set_function(lambda rep=replica: float(rep.up))
         for replica in replicas.replicas:
             self.routed.labels(policy, replica.name)
+
+    def watch_index(self, feed: EventFeed, reconciler: Reconciler) -> None:
+        """Export the index's event and reconcile counters."""
+        r = self.registry
+        for name, help_text, read in (
+            ("kv_event_batches", "KV event batches applied", lambda: feed.num_batches),
+            ("kv_event_batches_missed", "batches lost for good", lambda: feed.num_missed),
+            (
+                "index_resyncs",
+                "media resynced from a digest mismatch",
+                lambda: reconciler.num_resyncs,
+            ),
+        ):
+            Gauge(f"cachetier_router_{name}", help_text, registry=r).set_function(
+                lambda read=read: float(read())
+            )
 
 
 class Router:
@@ -179,13 +196,22 @@ def create_app(
         timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=config.request_timeout_s)
         router.session = aiohttp.ClientSession(timeout=timeout)
         await router.replicas.start()
-        feed = EventFeed(router.replicas, index) if index is not None else None
-        if feed is not None:
+        shared = None
+        if config.shared_events is not None:
+            shared = (config.shared_events, config.shared_events_replay)
+        feed = EventFeed(router.replicas, index, shared) if index is not None else None
+        reconciler = None
+        if feed is not None and index is not None:
             feed.start()
-        app.state.feed = feed
+            reconciler = Reconciler(router.replicas, index, config.reconcile_interval_s)
+            reconciler.start()
+            router.metrics.watch_index(feed, reconciler)
+        app.state.feed, app.state.reconciler = feed, reconciler
         try:
             yield
         finally:
+            if reconciler is not None:
+                await reconciler.close()
             if feed is not None:
                 feed.close()
             await router.replicas.close()
@@ -203,10 +229,32 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/fleet/index")
+    async def fleet_index(request: Request) -> JSONResponse:
+        """What the index holds of each replica: epoch and, per medium, count and digest."""
+        refused = _refusal(request, config)
+        if refused is not None:
+            return refused
+        if index is None:
+            return _error(404, "this router keeps no prefix index (its policy reads none)")
+        return JSONResponse({"replicas": describe_index(index)})
+
     for path in ROUTED_PATHS:
         app.add_api_route(path, router.route, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     return app
+
+
+def describe_index(index: PrefixIndex) -> dict[str, dict[str, object]]:
+    """Per replica: the epoch its blocks are held under and each medium's count and digest."""
+    out: dict[str, dict[str, object]] = {}
+    for name in index.replicas:
+        media = {
+            medium: {"count": count, "xor": f"{acc:016x}"}
+            for medium, (count, acc) in index.digests(name).items()
+        }
+        out[name] = {"epoch": index.epoch(name), "media": media}
+    return out
 
 
 def _refusal(request: Request, config: RouterConfig) -> Response | None:

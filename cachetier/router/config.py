@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cachetier.fleet import POLICIES as FLEET_POLICIES
+from cachetier.kvevents.config import check_endpoint
 from cachetier.util.checks import positive_int
 from cachetier.util.redact import redacted_repr
 
@@ -28,6 +29,12 @@ class RouterConfig:
         api_key: the key clients must send (``Authorization: Bearer``); ``None`` for none.
         replica_api_key: the key sent to the replicas.
         poll_interval_s: how often each replica's health and state are asked.
+        reconcile_interval_s: how often the prefix index is checked against each replica's
+            digests and resynced where they differ: the longest a lost KV event leaves it
+            wrong.
+        shared_events: a sidecar's KV-event endpoint (its ``kv_events``): blocks every
+            replica can load; ``None`` for none.
+        shared_events_replay: that sidecar's replay endpoint (its ``kv_events_replay``).
         max_body_bytes: the largest request body taken (413 past it).
         request_timeout_s: the longest a replica may take to send its answer's head.
     """
@@ -41,6 +48,9 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     replica_api_key: str | None = field(default=None, repr=False)
     poll_interval_s: float = 1.0
+    reconcile_interval_s: float = 5.0
+    shared_events: str | None = None
+    shared_events_replay: str | None = None
     max_body_bytes: int = 8 << 20
     request_timeout_s: float = 600.0
 
@@ -60,6 +70,10 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         positive_int("max_body_bytes", self.max_body_bytes)
-        for name in ("poll_interval_s", "request_timeout_s"):
+        if self.shared_events is not None:
+            check_endpoint("shared_events", self.shared_events)
+        if self.shared_events_replay is not None:
+            check_endpoint("shared_events_replay", self.shared_events_replay)
+        for name in ("poll_interval_s", "reconcile_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -5,7 +5,8 @@ One thread follows every such publisher (ZMQ sockets belong to the thread that u
 opens a ``KVEventSubscriber`` per replica, applies each delivered batch to the index under the
 router's name for that replica, and reopens a subscriber when the replica reports another
 endpoint or epoch (a restart). A publisher bound to every address (``0.0.0.0``) is reached at
-the host the router reaches the replica at.
+the host the router reaches the replica at. A sidecar's events (``shared``) are followed as
+replica ``*``: what every replica can load.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from urllib.parse import urlsplit
 
 from cachetier.kvevents import KVEventSubscriber, SubscriberConfig
-from cachetier.kvindex import PrefixIndex
+from cachetier.kvindex import SHARED, PrefixIndex
 from cachetier.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("cachetier.router")
@@ -29,11 +30,19 @@ class EventFeed:
     Args:
         replicas: the router's replicas (their reported ``kv_events`` are read each pass).
         index: where the events go.
+        shared: a sidecar's PUB endpoint and replay endpoint (or ``None``), whose events
+            are every replica's; ``None`` for none.
     """
 
-    def __init__(self, replicas: ReplicaSet, index: PrefixIndex) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        index: PrefixIndex,
+        shared: tuple[str, str | None] | None = None,
+    ) -> None:
         self.replicas = replicas
         self.index = index
+        self._shared = shared
         self.num_batches = 0
         self.num_missed = 0
         self._subs: dict[str, tuple[tuple[str, str | None, int], KVEventSubscriber]] = {}
@@ -68,6 +77,8 @@ class EventFeed:
     def _sync(self) -> None:
         """Open, reopen or close subscribers to match what the replicas report."""
         wanted = {r.name: _where(r) for r in self.replicas.replicas}
+        if self._shared is not None:
+            wanted[SHARED] = (*self._shared, 0)
         for name, (where, sub) in list(self._subs.items()):
             if wanted.get(name) != where:
                 sub.close()

@@ -77,6 +77,12 @@ class ReplicaSet:
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The poller's session (with the replicas' API key), open between start and close."""
+        assert self._session is not None, "start() opens the session"
+        return self._session
+
     def by_name(self, name: str) -> Replica:
         return next(r for r in self.replicas if r.name == name)
 

@@ -18,6 +18,7 @@ from cachetier.server import routes_admin, routes_blocks, routes_pins, routes_qu
 from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, route_limit
+from cachetier.server.events import shared_publisher
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
@@ -59,6 +60,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         # Opening the disk tier scans its folder: not on the event loop.
         store = await run_in_threadpool(build_store, config.store)
         service = BlockService(config, store)
+        try:
+            service.publisher = await run_in_threadpool(shared_publisher, config, store)
+        except (ValueError, OSError):
+            await run_in_threadpool(service.close)
+            raise
         transfer: TransferServer | None = None
         if config.transfer_port is not None or config.transfer_socket:
             transfer = TransferServer(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cachetier.kvevents.config import check_endpoint
 from cachetier.server.tenants_config import (
     OPEN_TENANT,
     check_tenants,
@@ -124,6 +125,16 @@ class ServerConfig:
         "Unix socket path the block transfer protocol also listens on, for engines on the same "
         "host (share its folder with their pods); ``None`` for none.",
     )
+    kv_events: str | None = setting(
+        None,
+        "ZMQ endpoint (``tcp://host:port``; port 0 for a free one, logged) where the server "
+        "publishes the blocks its last tier holds as KV events (vLLM's wire format), under "
+        "replica ``*`` and medium ``remote``: every engine reading this server can load them "
+        "(``cachetier route --shared-events``). ``None`` publishes none.",
+    )
+    kv_events_replay: str | None = setting(
+        None, "ZMQ endpoint answering replay requests for ``kv_events``; ``None`` for none."
+    )
     transfer_connections: int = setting(
         64, "most transfer connections served at once (after their hello)."
     )
@@ -211,6 +222,12 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: give both for TLS, or neither")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        if self.kv_events is not None:
+            check_endpoint("kv_events", self.kv_events)
+        if self.kv_events_replay is not None:
+            if self.kv_events is None:
+                raise ValueError("kv_events_replay needs kv_events (the events it replays)")
+            check_endpoint("kv_events_replay", self.kv_events_replay)
         check_tenants(self)
         if not isinstance(self.store, StoreConfig):
             raise TypeError(f"store must be a StoreConfig, got {type(self.store).__name__}")

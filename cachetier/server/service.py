@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachetier.errors import CorruptBlockError
+from cachetier.kvevents import KVEventPublisher
 from cachetier.pins.store import PinResult
 from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.transfer_frames import TransferAddress
@@ -48,6 +49,8 @@ class BlockService:
         self.transfer: TransferAddress | None = None
         # Upload bytes held right now, over HTTP and the transfer port together.
         self.inflight = ByteBudget(config.max_inflight_bytes)
+        # The KV events of what the store holds (``server.events``), where configured.
+        self.publisher: KVEventPublisher | None = None
 
     def store_upload(
         self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
@@ -147,6 +150,9 @@ class BlockService:
         if self.config.sync_puts:
             # Each tier in turn, before the answer: an acknowledged block is in every tier.
             stored = {t.name: t.put_many(scope.storage, blocks) for t in self.store.tiers}
+            keys = [b.key for b in blocks]
+            for name in stored:  # the store's own puts tell its listeners; these bypass it
+                self.store.block_events.tell("stored", name, scope.storage, keys)
         else:
             stored = {self.store.tiers[0].name: self.store.put_many(scope.storage, blocks)}
         nbytes = sum(b.nbytes for b in blocks)
@@ -300,4 +306,6 @@ class BlockService:
         """Flush queued writes to the lower tiers and close them."""
         if not self._closed.is_set():
             self._closed.set()
+            if self.publisher is not None:
+                self.publisher.close()
             self.store.close()

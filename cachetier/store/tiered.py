@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cachetier.admission import AdmissionPolicy
@@ -28,28 +27,15 @@ from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
+from cachetier.store.events import BlockEvents
 from cachetier.store.namespace_watch import NamespaceWatch
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
 from cachetier.store.writer import TierWriter
 from cachetier.tiers.base import Tier, check_namespace
-from cachetier.tiers.prefix import PrefixHit
+from cachetier.tiers.prefix import PrefixHit, RestoredPrefix
 from cachetier.util.landing import Destination
 from cachetier.util.parallel import BACKGROUND_NICE
-
-
-@dataclass(frozen=True, slots=True)
-class RestoredPrefix:
-    """Blocks restored for the leading keys, and which tier each came from."""
-
-    blocks: tuple[KVBlock, ...]
-    sources: tuple[str, ...]
-
-    def blocks_per_tier(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name in self.sources:
-            out[name] = out.get(name, 0) + 1
-        return out
 
 
 class TieredStore(Tier):
@@ -103,10 +89,14 @@ class TieredStore(Tier):
         self._tiers = list(tiers)
         self._promote = promote
         self._names = tuple(tier.name for tier in self._tiers)
+        # Which tier took or let go of which keys (``publish_store`` makes KV events of it).
+        self.block_events = BlockEvents()
         self._writers = [
             TierWriter(t, write_queue_blocks, write_queue_bytes, self._stats, writer_nice)
             for t in self._tiers[1:]
         ]
+        for writer in self._writers:
+            writer.on_written = self._stored_in(writer.tier.name)
         self._closed = False
         # Every tier's measured latency and read speed, from the lookups and gets below: what
         # a cost model weighs a load against a recompute with.
@@ -170,6 +160,7 @@ class TieredStore(Tier):
             return 0
         blocks = list(blocks)
         stored = self._tiers[0].put_many(namespace, blocks)
+        self.block_events.tell("stored", self._names[0], namespace, [b.key for b in blocks])
         policy = self._admission
         if policy is not None:
             policy.record(b.key for b in blocks)
@@ -243,11 +234,19 @@ class TieredStore(Tier):
     def _evicted_by(self, tier: str) -> Callable[[str, BlockHash, float | None], None]:
         def evicted(namespace: str, key: BlockHash, stamp: float | None) -> None:
             self.misses.note([key], "evicted", tier, stored_at=stamp)
+            self.block_events.tell("removed", tier, namespace, [key])
 
         return evicted
 
     def _lost_by(self, tier: str, cause: str) -> Callable[[BlockHash], None]:
-        return lambda key: self.misses.note([key], cause, tier)
+        def lost(key: BlockHash) -> None:
+            self.misses.note([key], cause, tier)
+            self.block_events.tell("removed", tier, "", [key])
+
+        return lost
+
+    def _stored_in(self, tier: str) -> Callable[[str, Sequence[BlockHash]], None]:
+        return lambda namespace, keys: self.block_events.tell("stored", tier, namespace, keys)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         return self.lookup(namespace, keys).num_blocks
@@ -374,6 +373,8 @@ class TieredStore(Tier):
                     promoted.append(block)
             if promoted and index > 0 and self._promote and dests is None:
                 self._tiers[0].put_many(namespace, promoted)
+                first = [b.key for b in promoted]
+                self.block_events.tell("stored", self._names[0], namespace, first)
                 for writer in self._writers[: index - 1]:
                     writer.submit(namespace, promoted)
             missing = still
@@ -384,10 +385,14 @@ class TieredStore(Tier):
 
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         self.flush()
+        for name in self._names:
+            self.block_events.tell("removed", name, namespace, keys)
         return max((tier.delete(namespace, keys) for tier in self._tiers), default=0)
 
     def clear(self, namespace: str) -> int:
         self.flush()
+        for name in self._names:
+            self.block_events.tell("cleared", name, namespace, ())
         return max((tier.clear(namespace) for tier in self._tiers), default=0)
 
     def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:

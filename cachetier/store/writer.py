@@ -7,9 +7,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import KVBlock
 from cachetier.tiers.base import Tier
 from cachetier.tiers.stats import TierStats
@@ -41,6 +42,8 @@ class TierWriter:
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._stats = stats
+        # Told ``(namespace, keys)`` of each put the tier took (the store's block events).
+        self.on_written: Callable[[str, Sequence[BlockHash]], None] | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
         )
@@ -72,6 +75,9 @@ class TierWriter:
                     self.tier.put_many(namespace, blocks)
                 except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
                     self._stats.add(errors=len(blocks))
+                else:
+                    if self.on_written is not None:
+                        self.on_written(namespace, [b.key for b in blocks])
                 with self._lock:
                     self._pending_blocks -= len(blocks)
                     self._pending_bytes -= nbytes

@@ -164,6 +164,12 @@ class Tier(ABC):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
         return land_in(self.get_many(namespace, keys), dests)
 
+    def held_keys(self) -> list[tuple[str, BlockHash]] | None:
+        """Every ``(namespace, key)`` the tier holds, where it keeps them in memory (CPU,
+        disk): what a KV-event publisher announces at start. ``None`` where listing them
+        would scan a server (Redis, the sidecar)."""
+        return None
+
     @abstractmethod
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         """How many leading keys are stored (without reading the blocks).

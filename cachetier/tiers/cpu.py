@@ -139,6 +139,10 @@ class CPUTier(Tier):
         self._stats.record_get(time.perf_counter() - start, hits, len(keys) - hits, nbytes)
         return out
 
+    def held_keys(self) -> list[tuple[str, BlockHash]]:
+        with self._lock:
+            return [(ns, BlockHash(key)) for ns, key in self._blocks]
+
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         check_namespace(namespace)
         count = 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachetier.record import KVBlock
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
@@ -43,4 +45,18 @@ class PrefixHit:
         for tier, start, end in self.spans:
             name = self.tier_names[tier]
             out[name] = out.get(name, 0) + end - start
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredPrefix:
+    """Blocks restored for the leading keys, and which tier each came from."""
+
+    blocks: tuple[KVBlock, ...]
+    sources: tuple[str, ...]
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.sources:
+            out[name] = out.get(name, 0) + 1
         return out

@@ -69,7 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--kv-events",
         action="store_true",
-        help="publish the pool's blocks as KV events for a router (GET /v1/fleet/state: where)",
+        help="publish the pool's and tiers' blocks as KV events for a router "
+        "(GET /v1/fleet/state: where)",
+    )
+    limits.add_argument(
+        "--kv-events-queue",
+        type=int,
+        default=10_000,
+        help="event batches queued for the publisher at most (past it: dropped, counted)",
     )
     limits.add_argument(
         "--graceful-timeout",
@@ -184,6 +191,7 @@ def _config_of(
             max_request_bytes=args.max_request_bytes,
             max_concurrent_requests=args.max_concurrent_requests,
             kv_events=args.kv_events,
+            kv_events_queue=args.kv_events_queue,
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -69,6 +69,7 @@ def _publisher(config: EngineServerConfig, engine: LLMEngine) -> KVEventPublishe
             replica=f"{config.model_name}-{os.getpid()}",
             endpoint=f"tcp://{host}:0",
             replay_endpoint=f"tcp://{host}:0",
+            max_queue_batches=config.kv_events_queue,
         )
     )
     engine.publish_events(TierEvents(publisher))

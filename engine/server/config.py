@@ -37,8 +37,11 @@ class EngineServerConfig:
         max_concurrent_requests: generations in flight at once: a request that arrives with this
             many running gets 429 (requests arriving together may pass it by a few).
         log_level: uvicorn's log level.
-        kv_events: publish the engine pool's blocks as KV events (vLLM's wire format, ZMQ PUB
-            and replay on ports the OS picks, on ``host``); ``GET /v1/fleet/state`` says where.
+        kv_events: publish the engine pool's and the tiers' blocks as KV events (vLLM's wire
+            format, ZMQ PUB and replay on ports the OS picks, on ``host``), after announcing
+            what the tiers hold; ``GET /v1/fleet/state`` says where.
+        kv_events_queue: batches of events waiting for the publisher's thread at most; past
+            it events are dropped and counted (a router's index heals by reconciling).
     """
 
     model: str = SMOLLM2
@@ -53,6 +56,7 @@ class EngineServerConfig:
     max_concurrent_requests: int = 256
     log_level: str = "info"
     kv_events: bool = False
+    kv_events_queue: int = 10_000
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -73,7 +77,7 @@ class EngineServerConfig:
         object.__setattr__(self, "engine_args", MappingProxyType(dict(self.engine_args)))
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (or leave it unset for no auth)")
-        for name in ("max_request_bytes", "max_concurrent_requests"):
+        for name in ("max_request_bytes", "max_concurrent_requests", "kv_events_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
+from cachetier.engine.server.errors import APIError
 from cachetier.engine.server.routes import get_serving, require_api_key
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -43,6 +44,24 @@ class FleetState(BaseModel):
         description="where the pool's KV events are published: endpoint (ZMQ PUB), "
         "replay_endpoint, epoch; null unless the server runs with --kv-events",
     )
+    kv_digest: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per medium, what this replica's KV events say it holds: count and xor "
+        "(hex of the XOR of each key's first 8 bytes, little-endian); an index whose digest "
+        "differs fetches the keys from /v1/fleet/blocks",
+    )
+
+
+MAX_LISTED_KEYS = 1 << 18
+"""Keys one ``/v1/fleet/blocks`` answer lists at most (17 MiB of JSON)."""
+
+
+class FleetBlocks(BaseModel):
+    object: str = "fleet.blocks"
+    medium: str
+    epoch: int = Field(description="the KV events' epoch these keys belong to")
+    keys: list[str] = Field(description="block keys, hex")
+    truncated: bool = Field(description="more are held than were listed")
 
 
 @v1.get("/fleet/state", response_model=FleetState)
@@ -63,7 +82,13 @@ async def fleet_state(request: Request) -> FleetState:
             "endpoint": publisher.endpoint,
             "replay_endpoint": publisher.replay_endpoint,
             "epoch": publisher.epoch,
+            "num_dropped_events": publisher.stats().num_dropped_events,
         }
+    held = engine.kv_events.held if engine.kv_events is not None else None
+    digest = {
+        medium: {"count": count, "xor": f"{acc:016x}"}
+        for medium, (count, acc) in (held.digests() if held is not None else {}).items()
+    }
     cost = stats.get("cost_model") or {}
     return FleetState(
         model=serving.config.model_name,
@@ -78,4 +103,29 @@ async def fleet_state(request: Request) -> FleetState:
         prefill=cost.get("prefill") or engine.prefill_model.snapshot(),
         tiers=cost.get("tiers") or {},
         kv_events=events,
+        kv_digest=digest,
+    )
+
+
+@v1.get("/fleet/blocks", response_model=FleetBlocks)
+async def fleet_blocks(
+    request: Request,
+    medium: str = Query(min_length=1, max_length=64),
+    limit: int = Query(MAX_LISTED_KEYS, ge=1, le=MAX_LISTED_KEYS),
+) -> FleetBlocks:
+    """The keys this replica's KV events say ``medium`` holds: what an index resyncs from."""
+    serving = get_serving(request)
+    events = serving.engine.engine.kv_events
+    if events is None or serving.kv_events is None:
+        raise APIError(
+            404,
+            "this server publishes no KV events: start it with --kv-events",
+            type="not_found_error",
+        )
+    keys = events.held.keys(medium, limit + 1)
+    return FleetBlocks(
+        medium=medium,
+        epoch=serving.kv_events.epoch,
+        keys=[k.hex() for k in keys[:limit]],
+        truncated=len(keys) > limit,
     )

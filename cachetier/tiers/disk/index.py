@@ -110,6 +110,9 @@ class LocalIndex:
         self._used -= size
         return slot, IndexEntry(size, self._stamps.pop(slot))  # type: ignore[return-value,call-overload]
 
+    def slots(self) -> list[Slot]:
+        return list(self._sizes)
+
     def slots_of(self, namespace: str) -> list[Slot]:
         return [slot for slot in self._sizes if slot[0] == namespace]
 

@@ -386,6 +386,12 @@ class DiskTier(Tier):
         self._stats.record_get(time.perf_counter() - start, hits, len(keys) - hits, nbytes)
         return out
 
+    def held_keys(self) -> list[tuple[str, BlockHash]]:
+        """The records this process's view of the folder holds (those other processes wrote
+        since its last scan are not among them)."""
+        with self._folder.lock:
+            return [(ns, BlockHash(key)) for ns, key in self._folder.index.slots()]
+
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         check_namespace(namespace)
         # The file, not the index, is the truth: another process sharing the folder may have
