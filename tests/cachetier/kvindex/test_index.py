@@ -92,3 +92,15 @@ def test_silent_replicas_are_forgotten_and_a_touch_keeps_one() -> None:
     assert index.replicas == ["b"]
     with pytest.raises(ValueError):
         PrefixIndex(forget_after_s=0)
+
+
+def test_shared_media_are_held_for_every_replica_and_outlive_a_restart() -> None:
+    index = PrefixIndex()
+    keys = [bytes([i]) * 32 for i in range(4)]
+    assert index.apply("a", 1, 0, [("stored", "redis", keys[:2]), ("stored", "disk", keys[2:])])
+    assert index.holdings(keys[:2], ["b"])[0].media == ("redis", "redis")
+    index.apply("a", 2, 0, [])  # a's restart: its own disk is forgotten, Redis is not
+    (held,) = index.holdings(keys, ["a"])
+    assert held.media == ("redis", "redis")
+    assert index.digests("a") == {} and index.epoch("a") == 2
+    assert index.digests(SHARED) == {"redis": key_digest(keys[:2])}
