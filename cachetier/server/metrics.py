@@ -160,6 +160,15 @@ class _StoreCollector(Collector):
             for tenant, figures in per_tenant.items():
                 family.add_metric([tenant], figures[name])
             yield family
+        causes = CounterMetricFamily(
+            "cachetier_tenant_lookup_misses",
+            "blocks each tenant's lookups missed, by cause and the tier it concerns",
+            labels=["tenant", "cause", "tier"],
+        )
+        for tenant, counts in self._service.misses_by_cause().items():
+            for (cause, tier), count in sorted(counts.items()):
+                causes.add_metric([tenant, cause, tier], count)
+        yield causes
 
 
 def tier_counter_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -44,6 +44,10 @@ class BlockService:
         names = [*config.tenants, *([OPEN_TENANT] if config.open_mode else [])]
         # Fixed at start: a tenant exists only if the config names it.
         self._tenant_stats = {name: TierStats() for name in names}
+        # Blocks each tenant's lookups missed, by (cause, tier): a few series per tenant, as
+        # causes are a fixed list and tiers a handful.
+        self._misses: dict[str, dict[tuple[str, str], int]] = {name: {} for name in names}
+        self._misses_lock = threading.Lock()
         self._closed = threading.Event()
         # Where the block transfer protocol listens, once it does (for ``/v1/limits``).
         self.transfer: TransferAddress | None = None
@@ -218,7 +222,19 @@ class BlockService:
         Returns:
             The store's ``PrefixHit``.
         """
-        return self.store.lookup(scope.storage, keys)
+        hit = self.store.lookup(scope.storage, keys)
+        missed = len(keys) - hit.num_blocks
+        if missed and hit.miss_cause:
+            cause = (hit.miss_cause, hit.miss_tier or "")
+            with self._misses_lock:
+                counts = self._misses[scope.tenant]
+                counts[cause] = counts.get(cause, 0) + missed
+        return hit
+
+    def misses_by_cause(self) -> dict[str, dict[tuple[str, str], int]]:
+        """Per tenant, the blocks its lookups missed by (cause, tier) (``cachetier.misses``)."""
+        with self._misses_lock:
+            return {tenant: dict(counts) for tenant, counts in self._misses.items()}
 
     def delete(self, scope: Scope, keys: Sequence[BlockHash]) -> int:
         """Remove blocks from every tier.

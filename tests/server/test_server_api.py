@@ -214,3 +214,23 @@ def test_redis_behind_the_server(
     server.restart()
     got = get_batch(server.url, own_namespace.id, [b.key for b in blocks])
     assert [bytes(g.data) for g in got if g] == [bytes(b.data) for b in blocks]
+
+
+def test_each_tenants_misses_are_counted_by_cause(
+    make_server: Callable[..., ThreadServer], own_namespace: Namespace
+) -> None:
+    server = make_server()
+    ns = own_namespace.id
+    blocks = make_blocks(own_namespace, 4)
+    put_batch(server.url, ns, blocks[:2])
+    keys = {"keys": [b.key.hex() for b in blocks]}
+    for _ in range(2):  # two blocks never stored, twice
+        call_json(server.url, "POST", f"/v1/namespaces/{ns}/lookup", keys, token=ALICE)
+    _, _, body = call(server.url, "GET", "/metrics", token=TOKENS["ops"])
+    samples = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+        if s.name == "cachetier_tenant_lookup_misses_total"
+    }
+    assert samples == {(("cause", "never_stored"), ("tenant", "alice"), ("tier", "")): 4}
