@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 from cachetier.kvindex import PrefixIndex
 from cachetier.router.config import RouterConfig
 from cachetier.router.events import EventFeed
+from cachetier.router.lookup import lookup_answer
 from cachetier.router.prompt import PromptTokens
 from cachetier.router.proxy import NoReplicaError, forward
 from cachetier.router.reconcile import Reconciler
@@ -124,14 +125,10 @@ class Router:
         if refused is not None:
             return refused
         body = await _body(request, config.max_body_bytes)
-        if body is None:
-            return _error(413, f"the body is over {config.max_body_bytes} bytes")
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return _error(400, "the body is not JSON")
-        if not isinstance(parsed, dict):
-            return _error(400, "the body is not a JSON object")
+        parsed = _json_object(body, config.max_body_bytes)
+        if isinstance(parsed, Response):
+            return parsed
+        assert body is not None
         path = request.url.path
         session_id = request.headers.get("x-session-id") or _str(parsed.get("user"))
         decision = self.decide(self.tokens.of(path, parsed), session_id, self.replicas.up())
@@ -239,6 +236,27 @@ def create_app(
             return _error(404, "this router keeps no prefix index (its policy reads none)")
         return JSONResponse({"replicas": describe_index(index)})
 
+    @app.post("/v1/fleet/lookup")
+    async def fleet_lookup(request: Request) -> Response:
+        """Where a prompt's blocks are held, per replica (``cachetier.router.lookup``)."""
+        refused = _refusal(request, config)
+        if refused is not None:
+            return refused
+        if index is None:
+            return _error(404, "this router keeps no prefix index (its policy reads none)")
+        parsed = _json_object(await _body(request, config.max_body_bytes), config.max_body_bytes)
+        if isinstance(parsed, Response):
+            return parsed
+        path = ROUTED_PATHS[1] if "messages" in parsed else ROUTED_PATHS[0]
+        tokens = router.tokens.of(path, parsed)
+        if not tokens:
+            return _error(
+                400,
+                "no prompt token ids: send 'prompt' as token ids, or text or 'messages' to a "
+                "router started with --model",
+            )
+        return JSONResponse(lookup_answer(index, router.replicas.replicas, tokens))
+
     for path in ROUTED_PATHS:
         app.add_api_route(path, router.route, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
@@ -280,6 +298,19 @@ async def _body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _json_object(body: bytes | None, limit: int) -> dict | Response:
+    """The body as a JSON object, or the error to answer."""
+    if body is None:
+        return _error(413, f"the body is over {limit} bytes")
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return _error(400, "the body is not JSON")
+    if not isinstance(parsed, dict):
+        return _error(400, "the body is not a JSON object")
+    return parsed
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

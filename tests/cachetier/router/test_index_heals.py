@@ -106,6 +106,15 @@ def test_an_index_that_lost_events_agrees_again_within_the_reconcile_period(
         status, raw = get(router.url, "/v1/fleet/index")
         held = json.loads(raw)["replicas"]["r0"]
         assert status == 200 and held["epoch"] == epoch and held["media"]["disk"]["count"] == 6
+        # Anyone may ask the index where a prompt's blocks are.
+        status, answer = post(router.url, "/v1/fleet/lookup", {"prompt": PROMPT})
+        (r0,) = answer["replicas"].values()
+        assert status == 200 and answer["num_tokens"] == len(PROMPT)
+        assert r0["num_blocks"] == 6 and r0["cached_tokens"] == 96 and r0["up"]
+        assert r0["spans"] == [{"medium": "gpu", "blocks": 6}]
+        status, answer = post(router.url, "/v1/fleet/lookup", {"prompt": "text, no --model"})
+        assert status == 400 and "--model" in answer["error"]["message"]
+        assert post(router.url, "/v1/fleet/lookup", [1, 2])[0] == 400
     finally:
         router.stop()
         server.stop()
