@@ -17,6 +17,7 @@ them go into one shared set, which no single replica's digest describes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -27,6 +28,10 @@ from cachetier.kvindex.index import SHARED_MEDIA
 from cachetier.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("cachetier.router")
+MAX_STATE_BYTES = 1 << 20
+"""The most of a replica's ``/v1/fleet/state`` read."""
+MAX_BLOCKS_BYTES = 32 << 20
+"""The most of a ``/v1/fleet/blocks`` answer read (its 262,144 keys take 17 MiB)."""
 
 
 class Reconciler:
@@ -77,9 +82,16 @@ class Reconciler:
         session = self.replicas.session
         try:
             async with session.get(replica.url + "/v1/fleet/state") as resp:
-                state = await resp.json() if resp.status == 200 else {}
+                state = await _read_json(resp, MAX_STATE_BYTES) if resp.status == 200 else {}
             return await self._compare(session, replica, state)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as exc:
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            ValueError,
+            TypeError,
+            KeyError,
+            AttributeError,
+        ) as exc:  # a replica answering nonsense is logged and tried again next round
             self.num_errors += 1
             log.warning("reconciling replica %s: %s: %s", replica.name, type(exc).__name__, exc)
             return 0
@@ -125,9 +137,25 @@ class Reconciler:
         async with session.get(url, params={"medium": medium}) as resp:
             if resp.status != 200:
                 raise ValueError(f"/v1/fleet/blocks answered {resp.status}")
-            body = await resp.json()
+            body = await _read_json(resp, MAX_BLOCKS_BYTES)
         if body.get("truncated"):
             log.warning(
                 "replica %s lists only part of %s: the index holds that part", replica.name, medium
             )
-        return [bytes.fromhex(k) for k in body["keys"]]
+        keys = [bytes.fromhex(k) for k in body["keys"]]
+        if any(len(k) != 32 for k in keys):
+            raise ValueError("/v1/fleet/blocks listed a key that is not 32 bytes")
+        return keys
+
+
+async def _read_json(resp: aiohttp.ClientResponse, limit: int) -> Any:
+    """The answer's JSON, read up to ``limit`` bytes: a replica that sends more is refused
+    before it is all held."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"{resp.url.path} answered more than {limit} bytes")
+        chunks.append(chunk)
+    return json.loads(b"".join(chunks))

@@ -92,3 +92,21 @@ def test_the_routers_probe_is_a_route_of_its_app(base: list[dict]) -> None:
     for probe in (p["httpGet"] for p in probes if "httpGet" in p):
         scope = {"type": "http", "method": "GET", "path": probe["path"], "root_path": ""}
         assert any(r.matches(scope)[0] is Match.FULL for r in app.routes), probe["path"]
+
+
+def test_only_the_router_reaches_the_engines_kv_events(base: list[dict]) -> None:
+    """Events carry prompts' token ids on ports the engine picks: the NetworkPolicy lets
+    anyone reach the HTTP port and only the router's pods the rest."""
+    engines = workloads(base)["engine"]
+    router = workloads(base)["engine-router"]
+    (policy,) = [o for o in base if o["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == engines["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    anyone, routers = spec["ingress"]
+    assert "from" not in anyone and anyone["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert "ports" not in routers
+    (source,) = routers["from"]
+    assert source["podSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    (engine,) = pod_spec(base, "engine")["containers"]
+    assert "--kv-events" in engine["args"] and "http" in container_ports(engine)

@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from fastapi import FastAPI, Response
+
 from cachetier.kvindex import PrefixIndex
 from cachetier.primitives.keys import KVLayout, Namespace, block_keys
 from cachetier.router.app import create_app
@@ -132,3 +135,41 @@ def test_a_replica_that_is_down_leaves_the_index(router_model_dir: Path, tmp_pat
     finally:
         router.stop()
         server.stop()
+
+
+def _lying_replica(blocks: Callable[[], Response]) -> AppThread:
+    """A replica that reports a digest it cannot back: its key list is ``blocks()``."""
+    app = FastAPI()
+    app.get("/healthz")(lambda: {"ok": True})
+    state = {
+        "kv_events": {"endpoint": "tcp://127.0.0.1:9", "replay_endpoint": None, "epoch": 7},
+        "kv_digest": {"disk": {"count": 3, "xor": "00000000000000ff"}},
+    }
+    app.get("/v1/fleet/state")(lambda: state)
+    app.get("/v1/fleet/blocks")(blocks)
+    server = AppThread(lambda: app, name="lying replica")
+    server.start_thread()
+    return server
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        lambda: Response(b'{"keys": ["' + b"00" * (20 << 20) + b'"]}'),  # 40 MiB of one key
+        lambda: {"medium": "disk", "keys": ["abcd"], "truncated": False},  # 2 bytes, not 32
+        lambda: {"keys": ["not hex"]},
+        lambda: Response(b"[]"),
+    ],
+)
+def test_a_replica_that_lies_leaves_the_index_clean(blocks: Callable[[], Response]) -> None:
+    liar = _lying_replica(blocks)
+    index = PrefixIndex()
+    router = _router([liar.url], index, reconcile_s=0.2)
+    try:
+        reconciler = router._server.config.app.state.reconciler  # type: ignore[union-attr]
+        _wait(lambda: reconciler.num_errors >= 2, what="two refused rounds")
+        assert index.digests("r0") == {} and reconciler.num_resyncs == 0
+        assert get(router.url, "/healthz")[0] == 200  # still serving
+    finally:
+        router.stop()
+        liar.stop()
