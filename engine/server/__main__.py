@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
         help="event batches queued for the publisher at most (past it: dropped, counted)",
     )
     limits.add_argument(
+        "--kv-events-endpoint",
+        help="where the events' PUB socket binds (tcp://host:port); default: --host, any port",
+    )
+    limits.add_argument(
+        "--kv-events-replay-endpoint", help="where the replay socket binds; default as above"
+    )
+    limits.add_argument(
         "--graceful-timeout",
         type=float,
         default=30.0,
@@ -192,6 +199,8 @@ def _config_of(
             max_concurrent_requests=args.max_concurrent_requests,
             kv_events=args.kv_events,
             kv_events_queue=args.kv_events_queue,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -67,8 +67,8 @@ def _publisher(config: EngineServerConfig, engine: LLMEngine) -> KVEventPublishe
     publisher = KVEventPublisher(
         PublisherConfig(
             replica=f"{config.model_name}-{os.getpid()}",
-            endpoint=f"tcp://{host}:0",
-            replay_endpoint=f"tcp://{host}:0",
+            endpoint=config.kv_events_endpoint or f"tcp://{host}:0",
+            replay_endpoint=config.kv_events_replay_endpoint or f"tcp://{host}:0",
             max_queue_batches=config.kv_events_queue,
         )
     )

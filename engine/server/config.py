@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cachetier.engine.config import EngineConfig
+from cachetier.kvevents.config import check_endpoint
 from cachetier.store.config import StoreConfig
 
 SMOLLM2 = "smollm2"
@@ -42,6 +43,9 @@ class EngineServerConfig:
             what the tiers hold; ``GET /v1/fleet/state`` says where.
         kv_events_queue: batches of events waiting for the publisher's thread at most; past
             it events are dropped and counted (a router's index heals by reconciling).
+        kv_events_endpoint: where the events' PUB socket binds (``tcp://host:port``, for an
+            indexer configured with a fixed address); ``None``: ``host``, a port the OS picks.
+        kv_events_replay_endpoint: where the replay socket binds; ``None`` as above.
     """
 
     model: str = SMOLLM2
@@ -57,6 +61,8 @@ class EngineServerConfig:
     log_level: str = "info"
     kv_events: bool = False
     kv_events_queue: int = 10_000
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -77,6 +83,9 @@ class EngineServerConfig:
         object.__setattr__(self, "engine_args", MappingProxyType(dict(self.engine_args)))
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (or leave it unset for no auth)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, name) is not None:
+                check_endpoint(name, getattr(self, name))
         for name in ("max_request_bytes", "max_concurrent_requests", "kv_events_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -39,6 +39,19 @@ def test_config_checks_its_values() -> None:
     with pytest.raises(TypeError):
         config.engine_args["block_size"] = 16  # type: ignore[index]
     assert "secret" not in repr(EngineServerConfig(api_key="secret"))
+    with pytest.raises(ValueError, match="kv_events_queue"):
+        EngineServerConfig(kv_events_queue=0)
+    with pytest.raises(ValueError, match="kv_events_endpoint"):
+        EngineServerConfig(kv_events_endpoint="http://127.0.0.1:5557")
+
+
+def test_kv_events_flags() -> None:
+    argv = ["--kv-events", "--kv-events-queue", "8", "--kv-events-endpoint", "tcp://0.0.0.0:5557"]
+    argv += ["--kv-events-replay-endpoint", "tcp://0.0.0.0:5558"]
+    config, _ = server_config(argv, {})
+    assert config.kv_events and config.kv_events_queue == 8
+    assert config.kv_events_endpoint == "tcp://0.0.0.0:5557"
+    assert config.kv_events_replay_endpoint == "tcp://0.0.0.0:5558"
 
 
 def test_tiers_come_from_the_environment_and_flags_win() -> None:
