@@ -54,6 +54,14 @@ def add_route(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--shared-events", help="a sidecar's KV-event endpoint (its kv_events setting)")
     p.add_argument("--shared-events-replay", help="that sidecar's replay endpoint")
+    p.add_argument(
+        "--replica-events",
+        action="append",
+        default=[],
+        metavar="NAME=ENDPOINT[,REPLAY]",
+        help="a vllm serve replica's KV events (its --kv-events-config endpoints); NAME is "
+        "r0 for the first --replica (repeatable)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run_route)
 
@@ -76,6 +84,7 @@ def route_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         reconcile_interval_s=args.reconcile_interval_s,
         shared_events=args.shared_events,
         shared_events_replay=args.shared_events_replay,
+        replica_events=tuple(args.replica_events),
     )
 
 

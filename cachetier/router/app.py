@@ -196,7 +196,9 @@ def create_app(
         shared = None
         if config.shared_events is not None:
             shared = (config.shared_events, config.shared_events_replay)
-        feed = EventFeed(router.replicas, index, shared) if index is not None else None
+        feed = None
+        if index is not None:
+            feed = EventFeed(router.replicas, index, shared, config.events_of())
         reconciler = None
         if feed is not None and index is not None:
             feed.start()

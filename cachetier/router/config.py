@@ -35,6 +35,9 @@ class RouterConfig:
         shared_events: a sidecar's KV-event endpoint (its ``kv_events``): blocks every
             replica can load; ``None`` for none.
         shared_events_replay: that sidecar's replay endpoint (its ``kv_events_replay``).
+        replica_events: ``NAME=ENDPOINT[,REPLAY]`` for replicas that do not say where their
+            events are (``vllm serve`` with its ``--kv-events-config``): replica ``NAME``
+            (``r0`` for the first ``replicas`` URL) publishes there in vLLM's framing.
         max_body_bytes: the largest request body taken (413 past it).
         request_timeout_s: the longest a replica may take to send its answer's head.
     """
@@ -51,6 +54,7 @@ class RouterConfig:
     reconcile_interval_s: float = 5.0
     shared_events: str | None = None
     shared_events_replay: str | None = None
+    replica_events: tuple[str, ...] = ()
     max_body_bytes: int = 8 << 20
     request_timeout_s: float = 600.0
 
@@ -70,6 +74,7 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         positive_int("max_body_bytes", self.max_body_bytes)
+        self.events_of()  # checks each entry
         if self.shared_events is not None:
             check_endpoint("shared_events", self.shared_events)
         if self.shared_events_replay is not None:
@@ -77,3 +82,25 @@ class RouterConfig:
         for name in ("poll_interval_s", "reconcile_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def events_of(self) -> dict[str, tuple[str, str | None]]:
+        """``replica_events`` as replica name -> (endpoint, replay endpoint or ``None``).
+
+        Raises:
+            ValueError: an entry is not ``NAME=ENDPOINT[,REPLAY]`` naming a replica.
+        """
+        names = {f"r{i}" for i in range(len(self.replicas))}
+        out: dict[str, tuple[str, str | None]] = {}
+        for entry in self.replica_events:
+            name, _, where = entry.partition("=")
+            if name not in names or not where:
+                raise ValueError(
+                    f"replica_events entry {entry!r} must be NAME=ENDPOINT[,REPLAY] with NAME "
+                    f"one of {sorted(names)}"
+                )
+            endpoint, _, replay = where.partition(",")
+            check_endpoint("replica_events", endpoint)
+            if replay:
+                check_endpoint("replica_events", replay)
+            out[name] = (endpoint, replay or None)
+        return out

@@ -6,7 +6,9 @@ opens a ``KVEventSubscriber`` per replica, applies each delivered batch to the i
 router's name for that replica, and reopens a subscriber when the replica reports another
 endpoint or epoch (a restart). A publisher bound to every address (``0.0.0.0``) is reached at
 the host the router reaches the replica at. A sidecar's events (``shared``) are followed as
-replica ``*``: what every replica can load.
+replica ``*``: what every replica can load. A replica whose events are configured
+(``RouterConfig.replica_events``: ``vllm serve`` says nowhere where they are) is followed in
+vLLM's framing (no topic of ours), filed under the router's name for it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class EventFeed:
         index: where the events go.
         shared: a sidecar's PUB endpoint and replay endpoint (or ``None``), whose events
             are every replica's; ``None`` for none.
+        fixed: replica name -> its (vLLM) publisher's endpoint and replay endpoint.
     """
 
     def __init__(
@@ -39,13 +42,15 @@ class EventFeed:
         replicas: ReplicaSet,
         index: PrefixIndex,
         shared: tuple[str, str | None] | None = None,
+        fixed: dict[str, tuple[str, str | None]] | None = None,
     ) -> None:
         self.replicas = replicas
         self.index = index
         self._shared = shared
+        self._fixed = dict(fixed or {})
         self.num_batches = 0
         self.num_missed = 0
-        self._subs: dict[str, tuple[tuple[str, str | None, int], KVEventSubscriber]] = {}
+        self._subs: dict[str, tuple[_Where, KVEventSubscriber]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-kv-events", daemon=True)
 
@@ -77,8 +82,10 @@ class EventFeed:
     def _sync(self) -> None:
         """Open, reopen or close subscribers to match what the replicas report."""
         wanted = {r.name: _where(r) for r in self.replicas.replicas}
+        for name, (endpoint, replay) in self._fixed.items():
+            wanted[name] = (endpoint, replay, 0, "")
         if self._shared is not None:
-            wanted[SHARED] = (*self._shared, 0)
+            wanted[SHARED] = (*self._shared, 0, "kv@")
         for name, (where, sub) in list(self._subs.items()):
             if wanted.get(name) != where:
                 sub.close()
@@ -86,16 +93,22 @@ class EventFeed:
         for name, where in wanted.items():
             if where is None or name in self._subs:
                 continue
-            endpoint, replay, _ = where
+            endpoint, replay, _, topic = where
+            # vLLM's frames name no replica: the subscriber files them under this one's name.
+            config = SubscriberConfig(endpoint, replay, topic, name if not topic else None)
             try:
-                sub = KVEventSubscriber(SubscriberConfig(endpoint, replay))
+                sub = KVEventSubscriber(config)
             except (ValueError, OSError) as exc:  # zmq's errors are OSErrors
                 log.warning("replica %s's KV events at %s: %s", name, endpoint, exc)
                 continue
             self._subs[name] = (where, sub)
 
 
-def _where(replica: Replica) -> tuple[str, str | None, int] | None:
+_Where = tuple[str, str | None, int, str]
+"""(endpoint, replay endpoint, epoch, topic prefix) of one replica's publisher."""
+
+
+def _where(replica: Replica) -> _Where | None:
     raw = replica.state.get("kv_events")
     if not isinstance(raw, dict) or not isinstance(raw.get("endpoint"), str):
         return None
@@ -105,6 +118,7 @@ def _where(replica: Replica) -> tuple[str, str | None, int] | None:
         _reachable(raw["endpoint"], host),
         _reachable(replay, host) if isinstance(replay, str) else None,
         int(raw.get("epoch") or 0),
+        "kv@",
     )
 
 
