@@ -13,6 +13,9 @@ Turn it on with::
 instance per role: the scheduler's plans loads and saves (``cachetier.connectors.vllm.scheduler``),
 the worker's copies whole blocks (``cachetier.connectors.vllm.worker``); the metadata between them
 is plain data, so they may live in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or two.
+
+Where vLLM publishes KV events (``--kv-events-config``), what the tiers store and let go of is
+published with vLLM's own events, each tier as its medium (``cachetier.connectors.vllm.events``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    get_kv_cache_spec_kind,
+)
 
 from cachetier.connectors.config import (
     VLLM_PLUGIN_KEYS,
     model_folder_fingerprint,
     open_store,
     plugin_config,
+)
+from cachetier.connectors.vllm.events import (
+    SchedulerEvents,
+    VllmEventSink,
+    kv_events_enabled,
 )
 from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
@@ -44,7 +56,10 @@ from cachetier.connectors.vllm.worker import CacheTierWorker
 from cachetier.guard import GuardSampler
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -77,6 +92,7 @@ class CacheTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._scheduler: CacheTierScheduler | None = None
         self._worker: CacheTierWorker | None = None
+        self._events: SchedulerEvents | None = None
         try:
             self._start(vllm_config, role, kv_cache_config)
         except Exception as exc:
@@ -120,6 +136,7 @@ class CacheTierConnector(KVConnectorBase_V1):
                 "(evicted, corrupt) fails its request; set it to 'recompute' to recompute it",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
+        publish = kv_events_enabled(vllm_config)  # else nothing is collected
         if role == KVConnectorRole.SCHEDULER:
             fingerprint = config.model_fingerprint or _model_fingerprint(vllm_config)
             self._scheduler = CacheTierScheduler(
@@ -136,7 +153,13 @@ class CacheTierConnector(KVConnectorBase_V1):
                 load_async=config.load_async,
                 record_tokens=config.record_tokens,
                 guard=GuardSampler(config.guard_config()) if config.guard else None,
+                with_tokens=publish,
             )
+            # The worker publishes every tier's changes, the shared ones included: its store
+            # holds the same disk, Redis and sidecar tiers as this side's, which only looks
+            # keys up (it stores, evicts and deletes nothing), so publishing this side's too
+            # would tell each of those blocks twice.
+            self._events = SchedulerEvents() if publish else None
             logger.info(
                 "cachetier scheduler: model %s..., layout %s, tenant %r",
                 fingerprint[:12],
@@ -144,8 +167,14 @@ class CacheTierConnector(KVConnectorBase_V1):
                 config.tenant,
             )
         else:
+            store = open_store(config, with_cpu=True)
+            kind = get_kv_cache_spec_kind(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
             self._worker = CacheTierWorker(
-                open_store(config, with_cpu=True), arrangement, layer_names, config.record_tokens
+                store,
+                arrangement,
+                layer_names,
+                config.record_tokens,
+                events=VllmEventSink.for_store(store, kind.value) if publish else None,
             )
 
     @property
@@ -211,6 +240,11 @@ class CacheTierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
 
+    @timed("get_kv_connector_kv_cache_events")
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """The tiers' KV events since the last step (where vLLM publishes KV events)."""
+        return self._worker.take_kv_events() if self._worker is not None else None
+
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
@@ -251,6 +285,12 @@ class CacheTierConnector(KVConnectorBase_V1):
     @timed("update_connector_output")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._require_scheduler().update_connector_output(connector_output.kv_connector_worker_meta)
+        if self._events is not None:
+            self._events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' tier events of this step, for vLLM to publish beside its own."""
+        return self._events.take() if self._events is not None else ()
 
     @timed("request_finished")
     def request_finished(

@@ -31,6 +31,10 @@ class BlockTransfer:
             compare with what vLLM computed (``""`` for none); empty when none does.
         generated: for a save, whether each record holds generated tokens (admission may
             treat those apart, ``cachetier.admission``); empty when all are prompt.
+        token_ids: the records' tokens, the same number per key, where vLLM publishes KV
+            events (their ``BlockStored`` carry them, ``events.note_tokens``); else empty.
+        parent: the key before ``keys[0]`` in the request's chain (``None`` for its first
+            record), sent with ``token_ids``.
     """
 
     req_id: str
@@ -40,6 +44,8 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
     verify_tiers: tuple[str, ...] = ()
     generated: tuple[bool, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    parent: BlockHash | None = None
 
     def __post_init__(self) -> None:
         num_keys, num_blocks = len(self.keys), len(self.block_ids)
@@ -49,6 +55,8 @@ class BlockTransfer:
             raise ValueError(f"{len(self.verify_tiers)} verify tiers for {num_keys} keys")
         if self.generated and len(self.generated) != num_keys:
             raise ValueError(f"{len(self.generated)} generated flags for {num_keys} keys")
+        if self.token_ids and (not num_keys or len(self.token_ids) % num_keys):
+            raise ValueError(f"{len(self.token_ids)} token ids for {num_keys} keys")
 
     @property
     def per_block(self) -> int:

@@ -74,8 +74,7 @@ class _Tracked:
     keys: list[BlockHash] = field(default_factory=list)  # of its first full records
     block_ids: list[int] = field(default_factory=list)  # vLLM block ids, in token order
     num_stored_blocks: int = 0  # leading blocks known stored (hit, loaded or saved)
-    # (first block, num blocks, tokens by tier)
-    hit: tuple[int, int, dict[str, int]] = (0, 0, {})
+    hit: tuple[int, int, dict[str, int]] = (0, 0, {})  # first block, num blocks, tokens by tier
     hit_async: bool = False  # the hit is loaded beside the forwards
     # First block the worker failed to load or store: no hit reaches past it again. vLLM asks
     # again after an async load that failed (the request starts over from its local hit), and
@@ -115,6 +114,7 @@ class CacheTierScheduler:
         record_tokens: tokens per record (``ConnectorConfig.record_tokens``); vLLM's block
             size must be a multiple of it.
         guard: which hits to verify by letting vLLM compute them (``None``: none).
+        with_tokens: send loads' and saves' tokens to the worker, for vLLM's KV events.
     """
 
     def __init__(
@@ -130,9 +130,11 @@ class CacheTierScheduler:
         load_async: str = "network",
         record_tokens: int = DEFAULT_RECORD_TOKENS,
         guard: GuardSampler | None = None,
+        with_tokens: bool = False,
     ) -> None:
         check_load_async(load_async)
         self._store = store
+        self._with_tokens = with_tokens
         self._guard = guard
         # The worker's quarantines (it reports them): the store's lookups honour them, and the
         # worker's CPU tier, which this side sees through its index only, is checked here.
@@ -269,10 +271,10 @@ class CacheTierScheduler:
     ) -> None:
         """Plan the load of the hit into the blocks vLLM just allocated."""
         tracked = self._requests.get(request.request_id)
+        if tracked is None and cacheable(request):
+            tracked = self._track(request)
         if tracked is None:
-            tracked = self._track(request) if cacheable(request) else None
-            if tracked is None:
-                return
+            return
         first, num_hit, _ = tracked.hit
         tracked.num_stored_blocks = max(tracked.num_stored_blocks, first, tracked.num_known_stored)
         if not num_external_tokens:
@@ -289,6 +291,7 @@ class CacheTierScheduler:
             tracked.namespace.fingerprint,
             tuple(tracked.keys[first * n : (first + num_blocks) * n]),
             tuple(block_ids[first : first + num_blocks]),
+            **self._chain(tracked, first * n, (first + num_blocks) * n),
         )
         if tracked.hit_async:
             # vLLM does not schedule the request until the worker reports it loaded, so the
@@ -358,11 +361,8 @@ class CacheTierScheduler:
                         tracked.failed_from = bad
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its full blocks were saved in the steps that computed them.
-
-        Returns:
-            ``(False, None)``: vLLM may free the blocks now (no save is pending).
-        """
+        """Forget the request. Its full blocks were saved in the steps that computed them, so
+        ``(False, None)``: vLLM may free them now (no save is pending)."""
         self._requests.pop(request.request_id, None)
         return False, None
 
@@ -442,6 +442,14 @@ class CacheTierScheduler:
             tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
         return tracked.keys
 
+    def _chain(self, tracked: _Tracked, first: int, end: int) -> dict[str, Any]:
+        """``token_ids`` and ``parent`` of records ``[first, end)``, if KV events want them."""
+        if not self._with_tokens:
+            return {}
+        size = self._record_layout.block_size
+        tokens = tuple(tracked.request.all_token_ids[first * size : end * size])
+        return {"token_ids": tokens, "parent": tracked.keys[first - 1] if first else None}
+
     def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> list[tuple[str, int]]:
         """``(tier, blocks)`` runs of the leading stored ``keys``, in order."""
         num_hit = 0
@@ -485,6 +493,7 @@ class CacheTierScheduler:
                 tuple(tracked.block_ids[start:num_full]),
                 verify if any(verify) else (),
                 generated if any(generated) else (),
+                **self._chain(tracked, start * n, num_full * n),
             )
         )
         tracked.num_stored_blocks = num_full

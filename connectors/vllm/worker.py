@@ -29,6 +29,12 @@ from vllm.logger import init_logger
 
 from cachetier.connectors.records import check_record
 from cachetier.connectors.vllm import timing
+from cachetier.connectors.vllm.events import (
+    CacheTierKVEvents,
+    VllmEventSink,
+    note_tokens,
+    watch_store,
+)
 from cachetier.connectors.vllm.guard import verify_saved
 from cachetier.connectors.vllm.layouts import VllmArrangement
 from cachetier.connectors.vllm.metadata import (
@@ -57,6 +63,8 @@ class CacheTierWorker:
         arrangement: how this run's KV cells map onto canonical blocks.
         layer_names: attention layers in model order (the order of layers inside a record).
         record_tokens: tokens per record; vLLM's block size must be a multiple of it.
+        events: where the store's block changes go as KV events, when vLLM publishes them
+            (``cachetier.connectors.vllm.events``); ``None``: nothing is collected.
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class CacheTierWorker:
         arrangement: VllmArrangement,
         layer_names: Sequence[str],
         record_tokens: int = DEFAULT_RECORD_TOKENS,
+        events: VllmEventSink | None = None,
     ) -> None:
         self._store = store
         self._arrangement = arrangement
@@ -86,6 +95,10 @@ class CacheTierWorker:
         self._lock = threading.Lock()
         self._loader: ThreadPoolExecutor | None = None
         self._finished_loads: set[str] = set()
+        self._events = events
+        self._tier_events = (
+            None if events is None else watch_store(store, events, self._record_layout.block_size)
+        )
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], aux: bytes = b"") -> None:
         """Take vLLM's per-layer KV tensors (checked against the layout).
@@ -204,6 +217,11 @@ class CacheTierWorker:
             return report
         return None
 
+    def take_kv_events(self) -> CacheTierKVEvents | None:
+        """The tiers' KV events since the last call, for vLLM to publish (``None``: none)."""
+        events = self._events.take() if self._events is not None else []
+        return CacheTierKVEvents(events) if events else None
+
     def take_stats(self) -> CacheTierConnectorStats | None:
         """Counters since the last call (``None`` if nothing happened)."""
         with self._lock:
@@ -228,6 +246,10 @@ class CacheTierWorker:
     def _load_one(self, transfer: BlockTransfer, *, asynchronous: bool = False) -> None:
         paged = self._require_paged()
         start = time.perf_counter()
+        if self._tier_events is not None:
+            # A block restored from a lower tier is promoted into the first: its event there
+            # carries these tokens.
+            note_tokens(self._tier_events.tokens, transfer)
         try:
             restored = self._store.restore_prefix(
                 transfer.namespace_id, list(transfer.keys), fingerprint=transfer.fingerprint
@@ -337,6 +359,8 @@ class CacheTierWorker:
                 began = verify_saved(self._store, transfer, records, self._record_layout.describe())
                 with self._lock:
                     self._report.quarantined.extend(began)
+            if self._tier_events is not None:
+                note_tokens(self._tier_events.tokens, transfer)
             try:
                 stored = self._store.put_many(
                     transfer.namespace_id, records, generated=transfer.generated or None
