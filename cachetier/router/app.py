@@ -231,21 +231,19 @@ def create_app(
     @app.get("/v1/fleet/index")
     async def fleet_index(request: Request) -> JSONResponse:
         """What the index holds of each replica: epoch and, per medium, count and digest."""
-        refused = _refusal(request, config)
+        refused = _index_refusal(request, config, index)
         if refused is not None:
             return refused
-        if index is None:
-            return _error(404, "this router keeps no prefix index (its policy reads none)")
+        assert index is not None, "refused above"
         return JSONResponse({"replicas": describe_index(index)})
 
     @app.post("/v1/fleet/lookup")
     async def fleet_lookup(request: Request) -> Response:
         """Where a prompt's blocks are held, per replica (``cachetier.router.lookup``)."""
-        refused = _refusal(request, config)
+        refused = _index_refusal(request, config, index)
         if refused is not None:
             return refused
-        if index is None:
-            return _error(404, "this router keeps no prefix index (its policy reads none)")
+        assert index is not None, "refused above"
         parsed = _json_object(await _body(request, config.max_body_bytes), config.max_body_bytes)
         if isinstance(parsed, Response):
             return parsed
@@ -300,6 +298,16 @@ async def _body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _index_refusal(
+    request: Request, config: RouterConfig, index: PrefixIndex | None
+) -> Response | None:
+    """The answer to a request for the index it may not have, or ``None`` to go on."""
+    refused = _refusal(request, config)
+    if refused is None and index is None:
+        return _error(404, "this router keeps no prefix index (its policy reads none)")
+    return refused
 
 
 def _json_object(body: bytes | None, limit: int) -> dict | Response:
