@@ -115,7 +115,9 @@ class TierEvents:
             sent &= self.stored(medium, run, parent, token_ids, block_size)
         return sent
 
-    def snapshot(self, medium: str, keys: Iterable[BlockHash], chunk: int = 1024) -> int:
+    def snapshot(
+        self, medium: str, keys: Iterable[BlockHash], chunk: int = 1024, block_size: int = 0
+    ) -> int:
         """Announce what a persistent tier holds (at start, so that a restarted process's
         blocks are routable at once), in events of ``chunk`` keys, without tokens (a record
         keeps none; consumers match by key).
@@ -129,10 +131,10 @@ class TierEvents:
         for key in keys:
             batch.append(key)
             if len(batch) == chunk:
-                self.stored(medium, batch)
+                self.stored(medium, batch, block_size=block_size)
                 count, batch = count + len(batch), []
         if batch:
-            self.stored(medium, batch)
+            self.stored(medium, batch, block_size=block_size)
             count += len(batch)
         return count
 

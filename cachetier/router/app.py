@@ -193,18 +193,7 @@ def create_app(
         timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=config.request_timeout_s)
         router.session = aiohttp.ClientSession(timeout=timeout)
         await router.replicas.start()
-        shared = None
-        if config.shared_events is not None:
-            shared = (config.shared_events, config.shared_events_replay)
-        feed = None
-        if index is not None:
-            feed = EventFeed(router.replicas, index, shared, config.events_of())
-        reconciler = None
-        if feed is not None and index is not None:
-            feed.start()
-            reconciler = Reconciler(router.replicas, index, config.reconcile_interval_s)
-            reconciler.start()
-            router.metrics.watch_index(feed, reconciler)
+        feed, reconciler = _follow_events(router, index) if index is not None else (None, None)
         app.state.feed, app.state.reconciler = feed, reconciler
         try:
             yield
@@ -298,6 +287,20 @@ async def _body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _follow_events(router: Router, index: PrefixIndex) -> tuple[EventFeed, Reconciler]:
+    """Start feeding ``index`` the replicas' (and a sidecar's) KV events, and reconciling it."""
+    config = router.config
+    shared = None
+    if config.shared_events is not None:
+        shared = (config.shared_events, config.shared_events_replay)
+    feed = EventFeed(router.replicas, index, shared, config.events_of())
+    feed.start()
+    reconciler = Reconciler(router.replicas, index, config.reconcile_interval_s)
+    reconciler.start()
+    router.metrics.watch_index(feed, reconciler)
+    return feed, reconciler
 
 
 def _index_refusal(

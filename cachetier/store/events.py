@@ -54,6 +54,18 @@ class BlockEvents:
                 logger.exception("a block listener failed on %s %s in %s", kind, tier, namespace)
 
 
+def tell_cleared(events: BlockEvents, tiers: Sequence[Tier], namespace: str) -> None:
+    """Tell that ``namespace`` is about to be cleared in every tier: as the removal of its keys
+    where a tier can list them, so that other namespaces' blocks stay known; as a clear of the
+    whole tier where it cannot (Redis, the sidecar)."""
+    for tier in tiers:
+        held = tier.held_keys()
+        if held is None:
+            events.tell("cleared", tier.name, namespace, ())
+        else:
+            events.tell("removed", tier.name, namespace, [k for ns, k in held if ns == namespace])
+
+
 def publish_store(
     events: BlockEvents,
     tiers: Sequence[Tier],
@@ -97,5 +109,6 @@ def publish_store(
     for tier in tiers if announce else ():
         held = tier.held_keys() if tier.name in names else None
         if held:
-            announced += tier_events.snapshot(names[tier.name], (key for _, key in held))
+            keys = (key for _, key in held)
+            announced += tier_events.snapshot(names[tier.name], keys, block_size=block_size)
     return announced

@@ -27,7 +27,7 @@ from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
-from cachetier.store.events import BlockEvents
+from cachetier.store.events import BlockEvents, tell_cleared
 from cachetier.store.namespace_watch import NamespaceWatch
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
@@ -391,8 +391,7 @@ class TieredStore(Tier):
 
     def clear(self, namespace: str) -> int:
         self.flush()
-        for name in self._names:
-            self.block_events.tell("cleared", name, namespace, ())
+        tell_cleared(self.block_events, self._tiers, namespace)
         return max((tier.clear(namespace) for tier in self._tiers), default=0)
 
     def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:

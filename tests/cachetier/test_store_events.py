@@ -3,12 +3,13 @@ KV events by ``publish_store`` (a CPU tier over a disk tier, both real)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from cachetier.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, TierEvents
+from cachetier.kvevents import BlockRemoved, BlockStored, KVEvent, TierEvents
 from cachetier.kvevents.held import key_digest
 from cachetier.primitives.keys import BlockHash, Namespace
 from cachetier.store.events import publish_store
@@ -58,8 +59,14 @@ def test_puts_are_told_per_tier_as_each_takes_them(tmp_path: Path, namespace: Na
         ("removed", "cpu", namespace.id, keys[:1]),
         ("removed", "disk", namespace.id, keys[:1]),
     ]
-    store.clear(namespace.id)
-    assert [c[:2] for c in changes[4:]] == [("cleared", "cpu"), ("cleared", "disk")]
+    tenant = dataclasses.replace(namespace, tenant="other")  # another namespace, same tiers
+    store.put_many(tenant.id, make_blocks(tenant, 1))
+    assert store.flush(timeout=10)
+    store.clear(namespace.id)  # its keys are told as removed: the other namespace's stay
+    assert changes[6:] == [
+        ("removed", "cpu", namespace.id, keys[1:]),
+        ("removed", "disk", namespace.id, keys[1:]),
+    ]
     store.close()
 
 
@@ -103,14 +110,18 @@ def test_a_reopened_store_announces_its_disk_then_publishes_changes(
     assert publish_store(store.block_events, store.tiers, events, namespace.block_size) == 5
     (snapshot,) = sink.events
     assert isinstance(snapshot, BlockStored) and snapshot.medium == "disk"
+    assert snapshot.block_size == namespace.block_size
     assert sorted(snapshot.block_hashes) == sorted(b.key for b in blocks)
     more = make_blocks(namespace, 2, seed=1)
     store.put_many(namespace.id, more)
     assert store.flush(timeout=10)
     assert [e.medium for e in sink.events[1:]] == ["cpu", "disk"]
     store.clear(namespace.id)
-    assert sink.events[-2:] == [AllBlocksCleared("cpu"), AllBlocksCleared("disk")]
-    assert events.held.digests() == {}
+    assert [(type(e), e.medium) for e in sink.events[-2:]] == [
+        (BlockRemoved, "cpu"),
+        (BlockRemoved, "disk"),
+    ]
+    assert events.held.digests() == {"cpu": (0, 0), "disk": (0, 0)}
     store.close()
 
 
