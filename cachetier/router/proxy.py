@@ -1,10 +1,13 @@
 """Forward one request to the replicas in the router's order, retrying before the first byte.
 
-A replica that refuses the connection, times out before answering, or answers 5xx before any
-byte of its body reached the client is marked failed and the next replica in the decision's
-order is tried: the client never sees a replica die that way. Once bytes have gone to the
-client the answer is the replica's, broken stream included (a retry would duplicate output).
-4xx answers are the client's and are passed through as they are.
+A replica that refuses the connection, times out before answering, answers 5xx, or whose
+answer breaks before the first byte of its body is marked failed and the next replica in the
+decision's order is tried: the client never sees a replica die that way. The router answers
+the client only once the replica's first body bytes are in (a streaming engine sends its head
+at once and its first token after the prefill, so a replica that dies mid-prefill is retried,
+not passed on as a broken stream). Once bytes have gone to the client the answer is the
+replica's, broken stream included (a retry would duplicate output). 4xx answers are the
+client's and are passed through as they are.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ CHUNK_BYTES = 64 << 10
 
 @dataclass(slots=True)
 class Upstream:
-    """A replica's answer whose head has arrived; its body is read by ``body()``."""
+    """A replica's answer whose head and first body bytes (``first``) have arrived; its body
+    is read by ``body()``."""
 
     replica: Replica
     status: int
@@ -37,6 +41,7 @@ class Upstream:
     retries: int
     closed: bool = False
     work_s: float = 0.0
+    first: bytes = b""
 
     def take_work(self, seconds: float) -> None:
         """Count ``seconds`` of estimated prefill in the replica's queue until this ends."""
@@ -46,6 +51,8 @@ class Upstream:
     async def body(self) -> AsyncIterator[bytes]:
         """The body's chunks; the answer is closed when they end, however they end."""
         try:
+            if self.first:
+                yield self.first
             async for chunk in self.response.content.iter_chunked(CHUNK_BYTES):
                 yield chunk
         finally:
@@ -102,6 +109,14 @@ async def forward(
             replicas.mark_failed(replica, f"it answered {response.status}")
             failures.append(f"{replica.name}: {response.status}")
             continue
+        try:
+            first = await response.content.readany()  # b"" for an empty body
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            response.close()
+            replica.in_flight -= 1
+            replicas.mark_failed(replica, f"its answer broke before its body: {exc!r}")
+            failures.append(f"{replica.name}: {type(exc).__name__}")
+            continue
         passed = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
-        return Upstream(replica, response.status, passed, response, attempt)
+        return Upstream(replica, response.status, passed, response, attempt, first=first)
     raise NoReplicaError("no replica answered: " + ", ".join(failures or ["none is up"]))
