@@ -5,7 +5,10 @@ and missing keys are refused at the router, and every decision is counted in /me
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 from tests.engine.server.live import EngineServer, get, metric, post, post_raw, stream
 from tests.support import AppThread, refusing_port
@@ -64,3 +67,36 @@ def test_bad_bodies_and_missing_keys_are_refused_at_the_router(
     chunked = [b"x" * 3000, b"y" * 3000]  # no Content-Length: counted as it arrives
     assert post_raw(router.url, "/v1/completions", chunked, **auth)[0] == 413
     assert post_raw(router.url, "/v1/completions", json.dumps(BODY).encode(), **auth)[0] == 200
+
+
+def _dies_after_its_head() -> AppThread:
+    """A replica that is healthy, then answers every request with a head and a broken body:
+    an engine killed in the middle of a prefill, after its stream's head went out."""
+    app = FastAPI()
+    app.get("/healthz")(lambda: {"ok": True})
+
+    async def died() -> AsyncIterator[bytes]:
+        raise RuntimeError("killed mid-prefill")
+        yield b""  # pragma: no cover - makes this a generator
+
+    @app.post("/v1/completions")
+    async def complete() -> StreamingResponse:
+        return StreamingResponse(died(), media_type="text/event-stream")
+
+    server = AppThread(lambda: app, name="dying replica")
+    server.start_thread()
+    return server
+
+
+def test_a_replica_whose_answer_breaks_before_its_body_is_retried_past(
+    replica: EngineServer, make_router: Callable[..., AppThread]
+) -> None:
+    dying = _dies_after_its_head()
+    try:
+        router = make_router([dying.url, replica.url], poll_interval_s=60)
+        events = stream(router.url, "/v1/completions", BODY)
+        assert events[-1] == "[DONE]" and len(events) >= 2  # the whole answer, from r1
+        assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 0
+        assert metric(router.url, "cachetier_router_retries_total") == 1
+    finally:
+        dying.stop()
