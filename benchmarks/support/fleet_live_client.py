@@ -208,8 +208,9 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return out
 
 
-async def routed_per_replica(url: str, num_replicas: int) -> list[int]:
-    """Requests the router at ``url`` has routed to each replica (r0, r1...)."""
+async def router_decisions(url: str, num_replicas: int) -> tuple[list[int], float | None]:
+    """Requests the router at ``url`` has routed to each replica (r0, r1...), and the mean of
+    the TTFT its policy estimated for the replica each went to (``None`` before any)."""
     async with client_session() as session:
         text = await get_text(session, url + "/metrics")
     counts = metric_values(text, "cachetier_router_requests_total")
@@ -218,4 +219,6 @@ async def routed_per_replica(url: str, num_replicas: int) -> list[int]:
         for i in range(num_replicas):
             if f'replica="r{i}"' in labels:
                 per[i] += int(value)
-    return per
+    total = sum(metric_values(text, "cachetier_router_estimated_ttft_seconds_sum").values())
+    count = sum(metric_values(text, "cachetier_router_estimated_ttft_seconds_count").values())
+    return per, (total / count if count else None)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.support.fleet_live_client import Outcome, cold_rounds, open_loop, routed_per_replica
+from benchmarks.support.fleet_live_client import Outcome, cold_rounds, open_loop, router_decisions
 from benchmarks.support.fleet_live_procs import FleetSpec, LiveFleet
 from benchmarks.support.fleet_live_requests import LiveRequest, poisson_arrivals
 from benchmarks.support.fleet_live_watch import fleet_counters, kill_and_restart, watch_agreement
@@ -133,8 +133,10 @@ def run_policy(
             open_loop(fleet.router_url, drive.requests, arrivals, drive.max_tokens)
         )
         run_s = time.monotonic() - started
-        routed = asyncio.run(routed_per_replica(fleet.router_url, spec.num_replicas))
+        routed, estimated = asyncio.run(router_decisions(fleet.router_url, spec.num_replicas))
         figures = policy_figures(outcomes, routed)
+        # What the policy expected of its choices, beside what the client measured.
+        figures["mean_estimated_ttft_s"] = estimated
         figures.update(cold_round_s=statistics.median(rounds), arrival_rate=rate, run_s=run_s)
         if kill is not None:
             figures["replica_killed"] = kill_phase(fleet, kill, rate, drive)
