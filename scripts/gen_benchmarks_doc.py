@@ -45,6 +45,18 @@ ABOUT = {
         "load-everything and the cost model run interleaved; `regret` is the cost model's TTFT "
         "over the better of the other two (1.0: it chose the better)."
     ),
+    "bench_fleet": (
+        "The router live: three SmolLM2 engine-server replicas (128-block pools, node-local "
+        "disks), a sidecar and `cachetier route` replay 99 requests of 30 multi-turn sessions of "
+        "the conversation trace, a fresh fleet per policy. TTFT is the client's, to the first "
+        "streamed token; ratios are against round robin in the same run. The three replicas "
+        "share the machine's two cores, so they are not independent servers: a replica's speed "
+        "depends on the others' load, which a per-replica queue estimate does not see, and a "
+        "rerun of round robin and tier_aware gave 0.87 where this one gave 1.43. A replica is "
+        "SIGKILLed while answering and restarted (`restarted_replica_blocks_routable_s` counts "
+        "from its spawn, its model load included); a fleet with one-batch event queues loses "
+        "events to time the index's reconcile."
+    ),
     "fleet_sim": (
         "The router's policies driven by the conversation trace over simulated fleets of 16 "
         "and 64 replicas (pool, node-local disk and a shared tier each, LRU; prefill and tier "
