@@ -53,7 +53,10 @@ def test_puts_are_told_per_tier_as_each_takes_them(tmp_path: Path, namespace: Na
     keys = tuple(b.key for b in blocks)
     store.put_many(namespace.id, blocks)
     assert store.flush(timeout=10)
-    assert changes == [("stored", "cpu", namespace.id, keys), ("stored", "disk", namespace.id, keys)]
+    assert changes == [
+        ("stored", "cpu", namespace.id, keys),
+        ("stored", "disk", namespace.id, keys),
+    ]
     store.delete(namespace.id, keys[:1])
     assert changes[2:] == [
         ("removed", "cpu", namespace.id, keys[:1]),
