@@ -38,13 +38,11 @@ from cachetier.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventSink,
     KVEvent,
     TierEvents,
     check_medium,
 )
 from cachetier.kvevents.tokens import KeyTokens
-from cachetier.primitives.keys import BlockHash
 from cachetier.store.events import publish_store
 from cachetier.store.tiered import TieredStore
 
@@ -186,33 +184,15 @@ class VllmEventSink:
 
 
 class ConnectorTierEvents(TierEvents):
-    """``TierEvents`` as vLLM's KV events can say them.
-
-    - Every ``BlockStored`` names the record's tokens as its ``block_size``, the announce of
-      what a tier holds included (``TierEvents.snapshot`` leaves it 0): consumers that count
-      tokens per block read it even where no token ids are sent.
-    - A tier's clear goes out as the removal of every key that tier was said to hold: vLLM's
-      ``AllBlocksCleared`` has no medium, and its consumers read it as the engine's own pool
-      being emptied.
+    """``TierEvents`` as vLLM's KV events can say them: a tier's clear goes out as the removal
+    of every key that tier was said to hold, as vLLM's ``AllBlocksCleared`` has no medium and
+    its consumers read it as the engine's own pool being emptied. (Every ``BlockStored`` names
+    the record's tokens as its ``block_size``: ``publish_store`` passes it, the start-up
+    announce included.)
 
     Args:
         sink: where the events go.
-        block_size: tokens per record.
     """
-
-    def __init__(self, sink: EventSink, block_size: int) -> None:
-        super().__init__(sink)
-        self.block_size = block_size
-
-    def stored(
-        self,
-        medium: str,
-        keys: Sequence[BlockHash],
-        parent: BlockHash | None = None,
-        token_ids: Sequence[int] = (),
-        block_size: int = 0,
-    ) -> bool:
-        return super().stored(medium, keys, parent, token_ids, block_size or self.block_size)
 
     def cleared(self, medium: str) -> bool:
         keys = self.held.keys(check_medium(medium))
@@ -235,7 +215,7 @@ def watch_store(store: TieredStore, sink: VllmEventSink, record_tokens: int) -> 
     Returns:
         The tier events, whose ``tokens`` the worker notes its blocks' tokens in.
     """
-    tier_events = ConnectorTierEvents(sink, record_tokens)
+    tier_events = ConnectorTierEvents(sink)
     announced = publish_store(store.block_events, store.tiers, tier_events, record_tokens)
     logger.info(
         "cachetier: KV events on for tiers %s; %d stored records announced",

@@ -87,7 +87,7 @@ def test_cachetiers_own_subscriber_reads_them_too() -> None:
 
 def test_a_tiers_clear_goes_out_as_the_removal_of_what_it_held() -> None:
     sink = VllmEventSink()
-    events = ConnectorTierEvents(sink, RECORD_TOKENS)
+    events = ConnectorTierEvents(sink)
     events.stored("disk", KEYS[:3])
     events.stored("cpu", KEYS[3:])
     events.cleared("disk")
