@@ -4,7 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-peers demo test test-fast test-gpu bench bench-peers bench-plugins lint clean
+.PHONY: setup setup-peers demo test test-fast test-durations test-gpu bench bench-peers bench-plugins lint clean
+
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole files, heaviest
+# first (tests/suite_timing.py): most heavy tests wait on vLLM-CPU, model or server processes of
+# one thread each, so two workers keep both cores busy. Each run ends with its 25 slowest tests
+# and its test time per marker (docs/testing.md).
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+FAST := -m "not slow and not model and not vllm and not lmcache and not faults"
 
 setup: $(STAMP)
 
@@ -22,11 +30,15 @@ demo: setup
 	$(PY) -m cachetier.engine.demo
 
 test: setup setup-peers
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL) --durations=25
 
-# Everything but the slow, model, vLLM, LMCache and fault suites: the inner loop, under 5 minutes.
+# Everything but the slow, model, vLLM, LMCache and fault suites: the inner loop, under 3 minutes.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not model and not vllm and not lmcache and not faults"
+	$(PY) -m pytest -q $(PARALLEL) --durations=10 $(FAST)
+
+# Records each test file's seconds in tests/file_durations.json, which orders the files.
+test-durations: setup setup-peers
+	$(PY) -m pytest -q $(PARALLEL) --file-durations-out tests/file_durations.json
 
 # The CUDA paths (adapters through the Triton kernels, pinned staging, a vLLM restart on CUDA)
 # on a GPU machine, in their own .venv-gpu with CUDA builds of torch and vLLM. Where no CUDA

@@ -17,16 +17,24 @@ from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
 from cachetier.primitives.keys import Namespace  # noqa: E402
 from tests.certs import TLSFiles, make_tls_files  # noqa: E402
 from tests.models import make_tiny_llama  # noqa: E402
+from tests.suite_timing import heaviest_files_first  # noqa: E402
 from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402
+
+# Test time per marker after every run (`--durations=25` names the slowest tests).
+pytest_plugins = ["tests.suite_timing"]
 
 REDIS_URL = os.environ.get("CACHETIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``cuda`` tests need a CUDA device: without one they are skipped, and reported as
-    skipped (``-ra``), never counted as passed. ``make test-gpu`` runs them where one exists."""
+    skipped (``-ra``), never counted as passed. ``make test-gpu`` runs them where one exists.
+
+    Files run heaviest first (``heaviest_files_first``), so that pytest-xdist's workers
+    start the long vLLM and model files at once and fill the end with small tests."""
     import torch
 
+    items[:] = heaviest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device here; run `make test-gpu` on a GPU machine")

