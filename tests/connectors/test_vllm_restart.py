@@ -57,9 +57,9 @@ def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
         kwargs: dict[str, Any] = {}
         if run["kv_extra"] is not None:
             # The guard off unless a run names it: these runs check restores (the guard has
-            # its own tests: test_vllm_guard.py, tests/benchmarks/test_guard.py). Every hit loaded, whatever the cost model
-            # would pick on a busy machine, and a Redis timeout no load here comes near: the
-            # runs check that a restore is right, not whether it pays.
+            # its own tests: test_vllm_guard.py, tests/benchmarks/test_guard.py). Every hit
+            # loaded, whatever the cost model would pick on a busy machine, and a Redis timeout
+            # no load here comes near: the runs check that a restore is right, not that it pays.
             extra = {"guard": False, **PINNED_RESTORE, **run["kv_extra"]}
             kwargs["kv_transfer_config"] = kv_transfer_config(extra)
         llm = LLM(
