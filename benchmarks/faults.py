@@ -23,7 +23,7 @@ on one disk folder; must be 0), ``shared_folder_peak_bytes_over_capacity`` (at m
 port and HTTP; must be 1.0), ``fd_flood_peak_fds``, and for ``https_handshake_flood_rounds``
 rounds of ``https_handshake_flood_connections`` unfinished TLS handshakes:
 ``https_handshake_flood_rss_growth_mib`` (at most 256), ``https_handshake_flood_rss_retained_mib``
-(``https_handshake_flood_retain_wait_s`` after; at most 32) and
+(read once within 32 of before, or ``https_handshake_flood_retain_wait_s`` on; at most 32) and
 ``legit_https_success_during_handshake_flood`` (at least 0.99); ``bounds_held`` says whether
 every such bound held; ``oversized_heads_accepted`` (heads from just over ``max_head_bytes``
 to 256 KiB, in one read, random chunks and 64-byte pieces; must be 0); from tenants sharing

@@ -11,17 +11,22 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+# The plugin below is imported here before pytest_plugins loads it: let pytest rewrite it first.
+pytest.register_assert_rewrite("tests.suite_timing")
+
 import redis  # noqa: E402
 
 from cachetier.engine.smollm2 import smollm2_path  # noqa: E402
 from cachetier.primitives.keys import Namespace  # noqa: E402
 from tests.certs import TLSFiles, make_tls_files  # noqa: E402
 from tests.models import make_tiny_llama  # noqa: E402
-from tests.suite_timing import heaviest_files_first  # noqa: E402
+from tests.suite_timing import heaviest_files_first, slow_tests_without_a_reason  # noqa: E402
 from tests.support import SMALL_LAYOUT, own_redis_prefix  # noqa: E402
 
-# Test time per marker after every run (`--durations=25` names the slowest tests).
-pytest_plugins = ["tests.suite_timing"]
+# Test time per marker after every run (`--durations=25` names the slowest tests); pytester
+# runs inner sessions for tests/test_suite_timing.py.
+pytest_plugins = ["tests.suite_timing", "pytester"]
 
 REDIS_URL = os.environ.get("CACHETIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -31,9 +36,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skipped (``-ra``), never counted as passed. ``make test-gpu`` runs them where one exists.
 
     Files run heaviest first (``heaviest_files_first``), so that pytest-xdist's workers
-    start the long vLLM and model files at once and fill the end with small tests."""
+    start the long vLLM and model files at once and fill the end with small tests. A ``slow``
+    marker without a reason stops the run (``slow_tests_without_a_reason``)."""
     import torch
 
+    if unexplained := slow_tests_without_a_reason(items):
+        raise pytest.UsageError(
+            "every `slow` marker says why the test must be slow, as "
+            f"pytest.mark.slow(reason=...); these do not: {unexplained}"
+        )
     items[:] = heaviest_files_first(items)
     if torch.cuda.is_available():
         return

@@ -36,6 +36,17 @@ def estimated_cost_s(item: pytest.Item) -> float:
     return max(costs, default=FAST_TEST_S)
 
 
+def slow_tests_without_a_reason(items: list[pytest.Item]) -> list[str]:
+    """The tests marked ``slow`` whose marker does not say why (``slow(reason="...")``): a
+    test leaves the fast set only for a stated cause, so that the budget stays a choice."""
+    return [
+        item.nodeid
+        for item in items
+        if (mark := item.get_closest_marker("slow")) is not None
+        and not str(mark.kwargs.get("reason", "")).strip()
+    ]
+
+
 def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 

@@ -15,6 +15,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.deploy.server_env import copied_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,10 +54,14 @@ def _run_check(cwd: Path, pythonpath: list[Path], ours: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.slow(reason="imports transformers, the kernel hub and the engine in a fresh process")
 def test_the_development_install_and_the_kernel_hub_import_side_by_side(tmp_path: Path) -> None:
     _run_check(tmp_path, [HF_KERNELS], ROOT / "kernels")
 
 
+@pytest.mark.slow(
+    reason="builds the wheel with pip and imports it with transformers in a fresh process"
+)
 def test_the_wheel_holds_one_top_level_name_and_sits_beside_the_hub(tmp_path: Path) -> None:
     # Built from a copy of what the wheel holds, as scripts/setup_server.sh builds it: a build
     # in the checkout would leave build/ there and race with another suite's build.

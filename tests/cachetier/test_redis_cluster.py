@@ -122,7 +122,7 @@ def test_unreachable_cluster_gives_bounded_misses_then_opens_the_breaker(
 # On the cluster
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="needs a local three-master Redis Cluster, started once per session")
 def test_keys_of_one_request_spread_over_the_masters_in_one_batch_each(
     make_tier: MakeTier,
     raw: RedisCluster,
@@ -155,7 +155,7 @@ def test_keys_of_one_request_spread_over_the_masters_in_one_batch_each(
     assert sorted(writes) == sorted(set(owners))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="needs a local three-master Redis Cluster, started once per session")
 def test_ttl_is_set_on_every_record(
     make_tier: MakeTier, raw: RedisCluster, namespace: Namespace
 ) -> None:
@@ -167,7 +167,7 @@ def test_ttl_is_set_on_every_record(
     assert all(0 < raw.pttl(name) <= 60_000 for name in names)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="six threads share a local three-master Redis Cluster's pools")
 def test_concurrent_callers_share_the_pools(make_tier: MakeTier, namespace: Namespace) -> None:
     # 2 connections per master for 6 threads: callers wait for free ones, and since a call
     # holds one connection per master at once, they must not wait for each other in a ring.
@@ -196,7 +196,9 @@ def test_concurrent_callers_share_the_pools(make_tier: MakeTier, namespace: Name
     assert (stats["errors"], stats["skipped"]) == (0, 0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="freezes a Redis Cluster master past a socket timeout, then waits for health"
+)
 @pytest.mark.faults
 def test_a_silent_master_costs_a_socket_timeout_and_only_its_keys(
     make_tier: MakeTier, raw: RedisCluster, redis_cluster: LocalCluster, namespace: Namespace
@@ -222,7 +224,7 @@ def test_a_silent_master_costs_a_socket_timeout_and_only_its_keys(
     redis_cluster.wait_healthy()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="kills a Redis Cluster master, waits out its node timeout and restarts it")
 @pytest.mark.faults
 def test_a_lost_master_costs_only_its_own_keys(
     make_tier: MakeTier, raw: RedisCluster, redis_cluster: LocalCluster, namespace: Namespace

@@ -253,7 +253,7 @@ def lru_on_conversation(conversation: ReplayTrace) -> Callable[[int], ReplayResu
     return functools.cache(lambda capacity: replay_tier(conversation, "lru", capacity))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="replays the whole conversation trace under LRU and a simple simulation")
 @pytest.mark.parametrize("capacity,ratio", [(10_000, 0.211), (50_000, 0.355)])
 def test_conversation_lru_reproduces_the_simple_simulation(
     conversation: ReplayTrace,
@@ -267,7 +267,9 @@ def test_conversation_lru_reproduces_the_simple_simulation(
     assert round(result.block_hit_ratio, 3) == ratio
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="replays the whole conversation trace unbounded, under Belady and under LRU"
+)
 def test_conversation_ceiling_and_belady_bound_lru(
     conversation: ReplayTrace, lru_on_conversation: Callable[[int], ReplayResult]
 ) -> None:
@@ -279,7 +281,7 @@ def test_conversation_ceiling_and_belady_bound_lru(
         assert lru.num_hit_blocks <= belady.num_hit_blocks <= ceiling.num_hit_blocks
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="replays the whole conversation trace under LRU and the default policy")
 def test_conversation_default_policy_is_no_worse_than_lru(
     conversation: ReplayTrace, lru_on_conversation: Callable[[int], ReplayResult]
 ) -> None:

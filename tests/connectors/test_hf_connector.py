@@ -336,7 +336,9 @@ def test_bad_arguments_are_refused(
 
 
 @pytest.mark.model
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="loads SmolLM2 in transformers and generates from a long prompt three times"
+)
 def test_smollm2_long_prompt_same_tokens_fewer_prefilled(smollm2_dir: Path, tmp_path: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     model = _load(smollm2_dir)

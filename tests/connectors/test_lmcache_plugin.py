@@ -13,7 +13,10 @@ import pytest
 
 from tests.children import run_peers
 
-pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.lmcache,
+    pytest.mark.slow(reason="runs each scenario in a fresh process that imports LMCache"),
+]
 
 CHILD = Path(__file__).with_name("lmcache_child.py")
 PLUGINS = "benchmarks.plugins.lmcache"  # a module: run_peers runs it with -m

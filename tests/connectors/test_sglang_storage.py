@@ -294,6 +294,7 @@ print(found, sum(got), same)
 """
 
 
+@pytest.mark.slow(reason="runs two fresh processes that each import SGLang and torch")
 def test_pages_survive_a_restart(tmp_path: Path) -> None:
     folder = tmp_path / "kv"
     assert run_python(WRITE_THEN_EXIT, folder) == "True"

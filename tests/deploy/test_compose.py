@@ -165,7 +165,7 @@ def _scrape(url: str, token: str | None) -> set[str]:
     return {family.name for family in text_string_to_metric_families(text)}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts Redis, the sidecar and a SmolLM2 engine, then restarts the engine")
 @pytest.mark.model
 def test_the_stack_serves_cached_tokens_after_an_engine_restart(
     compose: dict, smollm2_dir: Path, tmp_path: Path

@@ -131,7 +131,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         yield stack
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="starts Redis, the sidecar, an engine and Prometheus and waits for scrapes"
+)
 def test_every_dashboard_and_readme_query_returns_data(
     live: LiveStack, dashboards: dict[str, dict]
 ) -> None:
@@ -149,7 +151,9 @@ def test_every_dashboard_and_readme_query_returns_data(
     assert max(errors) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="starts Redis, the sidecar, an engine and Prometheus and waits for scrapes"
+)
 def test_a_misspelt_metric_or_variable_fails_the_check(
     live: LiveStack, dashboards: dict[str, dict]
 ) -> None:

@@ -58,7 +58,7 @@ def test_the_wheel_is_built_from_every_package_of_pyproject() -> None:
     assert set(copied_parts()) == folders | files
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds the wheel into a fresh server venv with pip and checks it")
 def test_the_server_extra_brings_no_engine_stack(server_env: ServerEnv) -> None:
     probe = server_env.probe()
     present = probe["modules"]
@@ -72,7 +72,7 @@ def test_the_server_extra_brings_no_engine_stack(server_env: ServerEnv) -> None:
     assert 0 < server_env.size_mib() < MAX_SERVER_ENV_MIB
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds the wheel into a fresh server venv and runs every tier from it")
 def test_every_tier_works_in_the_server_env(
     server_env: ServerEnv, tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
@@ -87,7 +87,7 @@ def test_every_tier_works_in_the_server_env(
         client.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds the wheel into a fresh server venv and runs the sidecar from it")
 def test_the_sidecar_serves_from_the_server_env(
     server_env: ServerEnv,
     tmp_path: Path,
@@ -130,7 +130,7 @@ def test_the_sidecar_serves_from_the_server_env(
         client.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="builds the wheel into a fresh server venv and runs the report from it")
 def test_the_report_works_in_the_server_env(server_env: ServerEnv, tmp_path: Path) -> None:
     log_path = tmp_path / "events.jsonl"
     write_engine_event_log(log_path, {"cpu": 160, "redis": 320})

@@ -17,7 +17,10 @@ from cachetier.store.tiered import TieredStore
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.throttled_link import SlowLink
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.slow(reason="runs SmolLM2 prefills through a throttled TCP link to Redis"),
+]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 LONG = [(i * 37 + 11) % 40000 + 100 for i in range(1000)]  # 62 full blocks of 16

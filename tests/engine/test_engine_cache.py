@@ -171,6 +171,7 @@ print(json.dumps({"tokens": out.token_ids, "by_source": out.cached_tokens_by_sou
 """
 
 
+@pytest.mark.slow(reason="runs the tiny-model engine in two fresh processes that each import torch")
 def test_a_restarted_process_restores_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
     def run() -> dict:
         proc = subprocess.run(

@@ -49,6 +49,9 @@ def _steps(mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow(
+    reason="runs two fresh processes that import torch and fault in memory step by step"
+)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux's")
 def test_later_steps_reuse_the_freed_activations_instead_of_faulting_pages_in() -> None:
     kept = _steps("keep")

@@ -48,6 +48,7 @@ BUILD_IN_CHILD = """
 """
 
 
+@pytest.mark.slow(reason="races two fresh Python processes on one build that sleeps before it ends")
 def test_build_once_builds_once_across_processes(tmp_path: Path) -> None:
     target, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
     assert run_python_at_once(BUILD_IN_CHILD, target, log, 1.0) == [str(target)] * 2
@@ -147,7 +148,7 @@ def test_smollm2_folder_has_the_expected_model(smollm2_dir: Path) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.slow
+@pytest.mark.slow(reason="loads SmolLM2 from its GGUF and from the converted folder and runs both")
 def test_smollm2_reloads_with_the_gguf_logits(smollm2_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,7 +195,7 @@ def test_smollm2_tokenizer_round_trips_and_has_a_chat_template(smollm2_dir: Path
 
 
 @pytest.mark.model
-@pytest.mark.slow
+@pytest.mark.slow(reason="converts SmolLM2 in two processes at once and fingerprints the result")
 def test_smollm2_conversion_is_safe_across_processes(smollm2_dir: Path, tmp_path: Path) -> None:
     code = """
         import sys

@@ -159,7 +159,7 @@ def test_killed_server_loses_no_acknowledged_block(tmp_path: Path, fault_figures
     tally.check()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="writes 100,000 blocks to a disk tier and reopens it to recover them")
 def test_recovery_time_of_100k_blocks(tmp_path: Path, fault_figures) -> None:
     # Tiny blocks: recovery walks the index (one scandir per shard), not the payloads.
     layout = KVLayout("float16", block_size=16, num_layers=1, num_kv_heads=1, head_dim=8)

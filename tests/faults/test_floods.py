@@ -10,7 +10,8 @@ tenants, transfer port; with and without TLS), from raw sockets on 127.0.0.1.
 - A TLS handshake flood: ``HANDSHAKE_FLOOD`` connections that never finish their handshake (some
   silent, some with half a ClientHello, some with a whole one and no answer to the server's)
   while a real HTTPS client works; the server's resident memory is read before, at its peak and
-  ``RETAIN_WAIT_S`` after the flood.
+  after the flood, once it is back within ``RSS_RETAINED_MAX_MIB`` of before or
+  ``RETAIN_WAIT_S`` on, whichever comes first.
 
 Figures (``tests/faults/conftest.py``): ``fd_flood_listeners_dead`` (summed over the runs),
 ``fd_flood_legit_success_after`` (the lowest over the runs), ``fd_flood_peak_fds`` and
@@ -46,7 +47,9 @@ from tests.faults.hostile import max_figure, min_figure
 from tests.server.live import TOKENS
 from tests.support import SMALL_LAYOUT, make_blocks
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="floods real servers with thousands of connections and waits for memory to fall"
+)
 
 NS = Namespace("flood-model", SMALL_LAYOUT)
 NOFILE = 256  # the descriptor-flooded server's RLIMIT_NOFILE, soft and hard
@@ -65,7 +68,7 @@ CAPS_OVER_LIMIT = {
 # needs this process's own RLIMIT_NOFILE above it).
 HANDSHAKE_FLOOD = int(os.environ.get("CACHETIER_HANDSHAKE_FLOOD", "3000"))
 HANDSHAKE_ROUNDS = 2
-RETAIN_WAIT_S = 60.0  # after the last round, before the retained memory is read
+RETAIN_WAIT_S = 60.0  # longest wait after the last round for the retained memory to fall
 RSS_GROWTH_MAX_MIB = 256
 RSS_RETAINED_MAX_MIB = 32
 
@@ -285,6 +288,16 @@ class RssPeak:
             self.peak_mib = max(self.peak_mib, self._server.rss_mib())
 
 
+def retained_rss_mib(server: FloodServer, target_mib: float, deadline_s: float) -> float:
+    """The server's RSS once it is at or under ``target_mib``, or at ``deadline_s`` if it never
+    gets there: the heap is trimmed after a burst (``cachetier.server.heap``), and waiting
+    for that, not out a fixed time, is what the retained-memory check needs."""
+    deadline = time.monotonic() + deadline_s
+    while (rss_mib := server.rss_mib()) > target_mib and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return rss_mib
+
+
 def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
     tmp_path: Path,
     tls_files: TLSFiles,
@@ -317,8 +330,7 @@ def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
                 flood.close()
     finally:
         legit.stop()
-    time.sleep(RETAIN_WAIT_S)
-    after_mib = server.rss_mib()
+    after_mib = retained_rss_mib(server, before_mib + RSS_RETAINED_MAX_MIB, RETAIN_WAIT_S)
     assert server.proc is not None and server.proc.poll() is None, server.stop()[-3000:]
 
     growth_mib = rss.peak_mib - before_mib
@@ -333,7 +345,7 @@ def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
     print(
         f"handshake flood: {HANDSHAKE_ROUNDS} x {HANDSHAKE_FLOOD} connections "
         f"(held, closed by the server: {closed_by_server}); RSS {before_mib:.1f} MiB before, "
-        f"{rss.peak_mib:.1f} peak, {after_mib:.1f} {RETAIN_WAIT_S:.0f} s after; legit "
+        f"{rss.peak_mib:.1f} peak, {after_mib:.1f} after (at most {RETAIN_WAIT_S:.0f} s); legit "
         f"{legit.num_ok}/{legit.num_tried}, first failures {legit.failures[:5]}"
     )
     assert legit.num_tried >= 20, "the real client barely ran: the test did not test it"
@@ -342,5 +354,5 @@ def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
     # Freed memory is handed back once the burst is over (``cachetier.server.heap``).
     assert retained_mib <= RSS_RETAINED_MAX_MIB, (
         f"RSS {before_mib:.1f} MiB before, {rss.peak_mib:.1f} peak, {after_mib:.1f} "
-        f"{RETAIN_WAIT_S:.0f} s after: {retained_mib:.1f} MiB retained"
+        f"up to {RETAIN_WAIT_S:.0f} s after: {retained_mib:.1f} MiB retained"
     )

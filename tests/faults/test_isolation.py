@@ -255,7 +255,7 @@ def shared_store(kind: str, tmp_path: Path, redis_url: str, redis_prefix: str) -
     return TieredStore([tier])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts three tiny-model engines in turn on a shared disk or Redis store")
 @pytest.mark.parametrize("kind", ["disk", "redis"])
 def test_engines_of_two_tenants_share_a_store_not_blocks(
     leaks: Leaks,
@@ -286,7 +286,7 @@ def test_engines_of_two_tenants_share_a_store_not_blocks(
     assert not leaks.found, leaks.found
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts three tiny-model engines in turn behind a live server")
 def test_engines_with_the_same_keys_behind_the_server(
     leaks: Leaks, tiny_model_dir: Path, server: ThreadServer
 ) -> None:

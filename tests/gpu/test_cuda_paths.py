@@ -151,7 +151,7 @@ _VLLM_RUN = """
 
 @pytest.mark.vllm
 @pytest.mark.model
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts two vLLM processes on CUDA that each load SmolLM2")
 def test_vllm_on_cuda_restarts_warm(tmp_path: Path, smollm2_dir: Path) -> None:
     prompt = list(range(1000, 1000 + 16 * 20 + 3))
     disk = tmp_path / "disk"

@@ -15,7 +15,9 @@ import pytest
 
 from tests.children import child_env, python_command, run_python
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="builds torch's fused-ops extension and loads it in fresh processes"
+)
 
 # Holds the slot of the fused-ops build with torch's lock file in place, as a loader in the
 # middle of a build does, until it is killed.

@@ -51,6 +51,7 @@ def test_a_head_under_the_cap_with_its_body_in_one_read_is_served(server: Thread
     assert status_after(server.port, data, [len(data)]) == 200
 
 
+@pytest.mark.slow(reason="waits out an unauthenticated connection's deadline, then a read timeout")
 def test_a_keep_alive_connection_without_a_token_is_closed_after_its_deadline(
     server: ThreadServer,
 ) -> None:

@@ -21,7 +21,7 @@ def _store(server: ThreadServer, tenant: str) -> StoreConfig:
     return StoreConfig(cpu_bytes=16 << 20, remote_url=server.url, remote_token=TOKENS[tenant])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts three tiny-model engines in turn and restarts the server once")
 def test_a_new_engine_restores_from_the_server(
     tiny_model_dir: Path, make_server: Callable[..., ThreadServer]
 ) -> None:

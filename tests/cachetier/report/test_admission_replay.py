@@ -127,7 +127,7 @@ def test_an_unknown_admission_policy_is_refused() -> None:
         _config(admission_policies=("lfu",))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="replays the whole conversation trace in the report and under store-all")
 def test_store_all_is_the_report_s_replay_on_the_conversation_trace() -> None:
     trace = ReplayTrace.load(CONVERSATION)
     config = ReportConfig(trace=str(CONVERSATION), quiet=True)

@@ -130,7 +130,9 @@ def independent_ceiling(requests: list[TraceRequest]) -> float:
     return hits / refs
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="builds the whole conversation trace's report and an independent LRU of it"
+)
 def test_the_report_reproduces_an_independent_lru_on_the_conversation_trace() -> None:
     config = ReportConfig(trace=str(CONVERSATION), capacities=(10_000, 50_000), quiet=True)
     doc = json.loads(json.dumps(build_report(config)))  # as the JSON output holds it

@@ -22,7 +22,9 @@ from tests.cachetier.report.realistic import (
     realistic_reports,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="builds realistic reports and drives them in headless Chromium"
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS_SCREENSHOT = ROOT / "docs" / "images" / "report-browser.png"

@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.engine.server.live import EngineServer, post
 from tests.support import end_process, spawn_cli, wait_ports_file
 
@@ -18,6 +20,7 @@ def _route(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return spawn_cli("route", args, env)
 
 
+@pytest.mark.slow(reason="starts the router as a child process before a tiny-model engine server")
 def test_the_router_command_routes_and_keeps_its_key_to_itself(
     replica: EngineServer, router_model_dir: Path, tmp_path: Path
 ) -> None:

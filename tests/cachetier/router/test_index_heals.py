@@ -65,6 +65,9 @@ def _agrees(index: PrefixIndex, server: EngineServer, name: str) -> bool:
     return index.digests(name) == theirs
 
 
+@pytest.mark.slow(
+    reason="starts a tiny-model engine server, restarts it and waits for its disk events"
+)
 def test_a_restarted_replicas_disk_is_routable_before_it_serves(
     router_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -30,7 +30,11 @@ QUIET_MS = 200
 RUN_TIMEOUT_S = 600
 END_SEQ = -1
 
-pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.model,
+    pytest.mark.slow(reason="starts a vLLM-CPU process that imports vLLM and loads SmolLM2"),
+]
 
 
 def _prompt() -> list[int]:

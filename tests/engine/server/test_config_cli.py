@@ -86,6 +86,9 @@ def test_every_store_setting_has_its_flag_and_a_bad_value_names_it(
         server_config(["--kv-load-policy", "never"], {})
 
 
+@pytest.mark.slow(
+    reason="starts the engine server as a child process and waits for its SIGTERM flush"
+)
 def test_the_command_line_server_flushes_on_sigterm(chat_model_dir: Path, tmp_path: Path) -> None:
     disk, log = tmp_path / "disk", tmp_path / "lookups.jsonl"
     ports_file = tmp_path / "ports.json"
