@@ -2,8 +2,12 @@
 
 Each extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) the first time it
 is asked for in a process; the build is cached under ``TORCH_EXTENSIONS_DIR`` (by default
-``~/.cache/torch_extensions``), in a folder per Python and torch version, and rebuilt when its
-source or a header it includes changes.
+``~/.cache/torch_extensions``), in a folder per Python and torch version and per digest of the
+sources and flags. It compiles a copy of ``csrc`` kept in that folder, not the checkout's
+files: ninja rebuilds whenever a command changes, the source's path included, so two
+checkouts (or installs) of the same sources on one node would otherwise recompile over each
+other's build at every switch; keyed by content they share one, and a changed source or
+header gets a folder of its own.
 
 Several engine processes on one node load the same build. torch serialises them with a lock
 file that only its holder removes, and every other loader polls for it forever, even for a
@@ -22,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +39,14 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "CACHETIER_NATIVE_KERNELS"
+# -fopenmp: at::parallel_for is OpenMP in headers, so without it the tasks run on one thread.
+# The extension then links libgomp.so.1 by soname, and the loader hands it the copy torch
+# already loaded: one thread pool, torch's. -march=native: the build is cached per machine, and
+# the inner loops want its widest vectors. -fno-trapping-math: GCC keeps a loop with floor()
+# scalar (the exponentials of the softmax and of SiLU) while FP exceptions may trap; nothing
+# here reads them, and results are bit-for-bit the same.
+CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -54,19 +68,13 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
 
         build = build_directory(name)
         with _only_loader(build):
+            sources = _copy_sources(build)
             return load(
                 name=name,
-                sources=[str(CSRC / source)],
+                sources=[str(sources / source)],
                 build_directory=str(build),
-                # -fopenmp: at::parallel_for is OpenMP in headers, so without it the tasks run
-                # on one thread. The extension then links libgomp.so.1 by soname, and the
-                # loader hands it the copy torch already loaded: one thread pool, torch's.
-                # -march=native: the build is cached per machine, and the inner loops want its
-                # widest vectors. -fno-trapping-math: GCC keeps a loop with floor() scalar (the
-                # exponentials of the softmax and of SiLU) while FP exceptions may trap; nothing
-                # here reads them, and results are bit-for-bit the same.
-                extra_cflags=["-O3", "-fopenmp", "-march=native", "-fno-trapping-math"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 verbose=False,
             )
     except Exception as exc:  # a missing compiler raises anything from OSError to RuntimeError
@@ -76,13 +84,37 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
 
 def build_directory(name: str) -> Path:
     """Where extension ``name`` is built and cached: one folder per Python and torch version
-    (a build for one is no use to the other), under ``TORCH_EXTENSIONS_DIR`` if set."""
+    (a build for one is no use to the other) and per ``sources_digest``, under
+    ``TORCH_EXTENSIONS_DIR`` if set."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return root / f"cachetier-{version}" / name
+    return root / f"cachetier-{version}" / f"{name}-{sources_digest()}"
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A digest of every file in ``csrc`` (names and bytes) and of the flags: the key of a
+    build, so that the same sources share one wherever they were checked out."""
+    digest = hashlib.sha256(repr((CFLAGS, LDFLAGS)).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _copy_sources(build: Path) -> Path:
+    """``csrc`` copied into ``build/src`` (once: the folder is keyed by their digest), which is
+    what torch compiles, so that the build's commands name no checkout's path."""
+    sources = build / "src"
+    if not sources.is_dir():
+        staging = build / "src.tmp"
+        shutil.rmtree(staging, ignore_errors=True)  # a loader that died while copying
+        shutil.copytree(CSRC, staging, ignore=shutil.ignore_patterns("__pycache__"))
+        staging.rename(sources)
+    return sources
 
 
 @contextlib.contextmanager
