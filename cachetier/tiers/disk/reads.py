@@ -29,9 +29,13 @@ from cachetier.util.landing import Destination
 # records and slow down cold multi-megabyte ones.
 WIDE_COLD_MAX_BYTES = 2 << 20
 
-# 0 where the platform or the file system has no non-blocking buffered reads (then every file
-# is read as if cached, as before): Linux 4.14+ with ext4, xfs, btrfs.
-_NOWAIT_FLAG = [getattr(os, "RWF_NOWAIT", 0)]
+# 0 where the platform has no non-blocking buffered reads (then every file is read as if
+# cached): Linux 4.14+ has them, with ext4, xfs and btrfs among the file systems.
+_NOWAIT_FLAG = getattr(os, "RWF_NOWAIT", 0)
+# The devices (st_dev) whose file system refused one (tmpfs on older kernels, some network and
+# FUSE file systems): their files are read as if cached from then on. Per device, so that one
+# tier on such a file system leaves the others of the process their cold reads.
+_NO_NOWAIT_DEVICES: set[int] = set()
 
 
 class CorruptFile(CorruptBlockError):
@@ -68,7 +72,8 @@ def read_block(
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        reads = _Reads(fd, nowait and st.st_size <= WIDE_COLD_MAX_BYTES and _NOWAIT_FLAG[0] != 0)
+        nowait = nowait and st.st_size <= WIDE_COLD_MAX_BYTES and _nowait_on(st.st_dev)
+        reads = _Reads(fd, st.st_dev if nowait else None)
         try:
             block = read_record(
                 reads.readinto,
@@ -92,36 +97,40 @@ def read_block(
         os.close(fd)
 
 
+def _nowait_on(device: int) -> bool:
+    return _NOWAIT_FLAG != 0 and device not in _NO_NOWAIT_DEVICES
+
+
 class _Reads:
     """A record file's read functions for ``read_record``; the first read, whichever of the
-    two it is, is non-blocking when ``nowait`` is set."""
+    two it is, is non-blocking when ``nowait_device`` (the file's ``st_dev``) is set."""
 
-    __slots__ = ("_fd", "_nowait")
+    __slots__ = ("_fd", "_nowait_device")
 
-    def __init__(self, fd: int, nowait: bool) -> None:
+    def __init__(self, fd: int, nowait_device: int | None) -> None:
         self._fd = fd
-        self._nowait = nowait
+        self._nowait_device = nowait_device
 
     def readinto(self, buf: memoryview) -> int:
-        if self._nowait:
-            self._nowait = False
-            return _first_read(self._fd, buf, -1)  # -1: at (and moving) the file's position
+        if (device := self._nowait_device) is not None:
+            self._nowait_device = None
+            return _first_read(self._fd, buf, -1, device)  # -1: at (and moving) the position
         return os.readv(self._fd, [buf])
 
     def pread(self, buf: memoryview, offset: int) -> int:
-        if self._nowait:
-            self._nowait = False
-            return _first_read(self._fd, buf, offset)
+        if (device := self._nowait_device) is not None:
+            self._nowait_device = None
+            return _first_read(self._fd, buf, offset, device)
         return os.preadv(self._fd, [buf], offset)
 
 
-def _first_read(fd: int, buf: memoryview, offset: int) -> int:
+def _first_read(fd: int, buf: memoryview, offset: int, device: int) -> int:
     try:
-        return os.preadv(fd, [buf], offset, _NOWAIT_FLAG[0])
+        return os.preadv(fd, [buf], offset, _NOWAIT_FLAG)
     except BlockingIOError:
         raise  # cold: the caller reads the file where waiting costs no core
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        _NOWAIT_FLAG[0] = 0  # this file system cannot: read every file as if cached
+        _NO_NOWAIT_DEVICES.add(device)  # this file system cannot: its files read as cached
         return os.readv(fd, [buf]) if offset < 0 else os.preadv(fd, [buf], offset)
