@@ -9,6 +9,12 @@ from pathlib import Path
 # Before anything imports Triton (vLLM does, at collection): kernels tests run Triton in its
 # interpreter on this CPU-only machine, and Triton reads this when it is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each worker, and every process its tests start, computes on one OpenMP
+# thread unless told otherwise: the workers already fill the cores, and OpenMP threads that
+# outnumber the free cores spin on each other (an engine's prefill took minutes, not seconds,
+# with two workers and another copy of the suite beside them). Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
