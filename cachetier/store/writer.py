@@ -17,6 +17,9 @@ from cachetier.tiers.stats import TierStats
 from cachetier.util.parallel import become_background
 
 _STOP = object()
+# How long a flush waits on a writer thread that applies nothing before it applies queued puts
+# itself (``TierWriter.join``).
+HELP_AFTER_S = 0.25
 
 
 class TierWriter:
@@ -40,6 +43,7 @@ class TierWriter:
         self._max_bytes = max_bytes
         self._pending_blocks = 0
         self._pending_bytes = 0
+        self._num_applied = 0  # puts applied, by any thread: what a flush sees progress by
         self._lock = threading.Lock()
         self._stats = stats
         # Told ``(namespace, keys)`` of each put the tier took (the store's block events).
@@ -65,35 +69,67 @@ class TierWriter:
 
     def _run(self) -> None:
         become_background(self._nice)
-        while True:
-            item = self._queue.get()
+        while self._apply(self._queue.get()):
+            pass
+
+    def _apply(self, item: Any) -> bool:
+        """Apply one queued put (on whichever thread took it); ``False`` for the stop mark."""
+        try:
+            if item is _STOP:
+                return False
+            namespace, blocks, nbytes = item
             try:
-                if item is _STOP:
-                    return
-                namespace, blocks, nbytes = item
-                try:
-                    self.tier.put_many(namespace, blocks)
-                except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
-                    self._stats.add(errors=len(blocks))
-                else:
-                    if self.on_written is not None:
-                        self.on_written(namespace, [b.key for b in blocks])
-                with self._lock:
-                    self._pending_blocks -= len(blocks)
-                    self._pending_bytes -= nbytes
-            finally:
-                self._queue.task_done()
+                self.tier.put_many(namespace, blocks)
+            except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
+                self._stats.add(errors=len(blocks))
+            else:
+                if self.on_written is not None:
+                    self.on_written(namespace, [b.key for b in blocks])
+            with self._lock:
+                self._pending_blocks -= len(blocks)
+                self._pending_bytes -= nbytes
+                self._num_applied += 1
+            return True
+        finally:
+            self._queue.task_done()
 
     def pending_blocks(self) -> int:
         with self._lock:
             return self._pending_blocks
 
     def join(self, deadline: float | None) -> bool:
+        """Wait until every queued put is applied, or ``deadline`` (monotonic) passes.
+
+        The writer thread runs at the lowest priority (``SCHED_IDLE`` at 19), which a node whose
+        cores other processes keep busy may never give a slice: a flush at shutdown then lost
+        every queued block. So once the writer has applied nothing for ``HELP_AFTER_S``, the
+        caller, who is waiting anyway, applies queued puts itself at its own priority.
+
+        Returns:
+            ``True`` if everything was applied, ``False`` at the deadline.
+        """
+        seen, since = self._num_applied, time.monotonic()
         while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 return False
-            time.sleep(0.001)
+            if self._num_applied != seen:
+                seen, since = self._num_applied, now
+            if now - since < HELP_AFTER_S or not self._apply_one_here():
+                time.sleep(0.001)
         return True
+
+    def _apply_one_here(self) -> bool:
+        """Apply the next queued put on the calling thread; ``False`` if there was none."""
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:  # the writer thread holds the last one
+            return False
+        if item is _STOP:  # stopped meanwhile: the mark is the writer thread's
+            self._queue.task_done()
+            self._queue.put(item)
+            return False
+        return self._apply(item)
 
     def stop(self) -> None:
         self._queue.put(_STOP)

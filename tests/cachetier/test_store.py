@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.util.parallel import map_in_threads
-from tests.support import SMALL_LAYOUT, make_blocks
+from tests.support import SMALL_LAYOUT, keys_of, make_blocks
 
 BIG = 1 << 30
 
@@ -133,6 +134,52 @@ def test_a_stalled_lower_tier_never_blocks_puts_and_overflow_is_counted(
     slow.release.set()
     assert store.flush(timeout=10)
     assert store.stats()["pending_writes"] == {"slow": 0}
+    store.close()
+
+
+class _StarvedTier(CPUTier):
+    """A lower tier whose puts hang on the writer's own thread, as a writer at idle priority
+    hangs on a node whose cores other processes keep busy; a put on any other thread passes."""
+
+    name = "starved"
+
+    def __init__(self) -> None:
+        super().__init__(CPUTierConfig(BIG))
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
+        name = threading.current_thread().name
+        self.threads.append(name)
+        if name.startswith("cachetier-writer-"):
+            self.release.wait(timeout=60)
+        return super().put_many(namespace, blocks)
+
+
+def test_a_flush_applies_what_a_starved_writer_thread_does_not(namespace: Namespace) -> None:
+    starved = _StarvedTier()
+    store = TieredStore([CPUTier(CPUTierConfig(BIG)), starved])
+    blocks = make_blocks(namespace, 6)
+    for block in blocks:
+        assert store.put_many(namespace.id, [block]) == 1
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(store.flush(timeout=60)))
+    flusher.start()
+    deadline = time.monotonic() + 60
+    while len(starved.threads) < len(blocks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        # The writer thread holds the first put; the flushing thread applied the other five.
+        assert starved.threads[0] == "cachetier-writer-starved"
+        assert starved.threads[1:] == [flusher.name] * (len(blocks) - 1)
+        assert starved.get_many(namespace.id, keys_of(blocks[1:])) == blocks[1:]
+        assert flushed == []  # the held put is not applied yet
+    finally:
+        starved.release.set()
+        flusher.join(timeout=60)
+    assert flushed == [True]
+    assert store.stats()["pending_writes"] == {"starved": 0}
+    assert starved.get_many(namespace.id, keys_of(blocks)) == blocks
     store.close()
 
 
