@@ -13,6 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 FAST := -m "not slow and not model and not vllm and not lmcache and not faults"
+PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
@@ -30,11 +31,11 @@ demo: setup
 	$(PY) -m cachetier.engine.demo
 
 test: setup setup-peers
-	$(PY) -m pytest -q $(PARALLEL) --durations=25
+	$(PY) -m pytest -q $(PARALLEL) --durations=25 $(PYTEST_ARGS)
 
 # Everything but the slow, model, vLLM, LMCache and fault suites: the inner loop, under 3 minutes.
 test-fast: setup
-	$(PY) -m pytest -q $(PARALLEL) --durations=10 $(FAST)
+	$(PY) -m pytest -q $(PARALLEL) --durations=10 $(FAST) $(PYTEST_ARGS)
 
 # Records each test file's seconds in tests/file_durations.json, which orders the files.
 test-durations: setup setup-peers
