@@ -3,11 +3,11 @@
 Each extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) the first time it
 is asked for in a process; the build is cached under ``TORCH_EXTENSIONS_DIR`` (by default
 ``~/.cache/torch_extensions``), in a folder per Python and torch version and per digest of the
-sources and flags. It compiles a copy of ``csrc`` kept in that folder, not the checkout's
-files: ninja rebuilds whenever a command changes, the source's path included, so two
-checkouts (or installs) of the same sources on one node would otherwise recompile over each
-other's build at every switch; keyed by content they share one, and a changed source or
-header gets a folder of its own.
+sources, the flags and the environment. It compiles a copy of ``csrc`` kept in that folder,
+not the checkout's files: ninja rebuilds whenever a command changes, the source's path and
+torch's include path among its words, so two checkouts or two environments on one node would
+otherwise recompile over each other's build at every switch. A changed source or header gets
+a folder of its own.
 
 Several engine processes on one node load the same build. torch serialises them with a lock
 file that only its holder removes, and every other loader polls for it forever, even for a
@@ -96,9 +96,11 @@ def build_directory(name: str) -> Path:
 
 @functools.cache
 def sources_digest() -> str:
-    """A digest of every file in ``csrc`` (names and bytes) and of the flags: the key of a
-    build, so that the same sources share one wherever they were checked out."""
-    digest = hashlib.sha256(repr((CFLAGS, LDFLAGS)).encode())
+    """A digest of every file in ``csrc`` (names and bytes), the flags and the Python
+    environment: the key of a build, so that the same sources in one environment share one
+    wherever they were checked out, and two environments never rebuild over each other."""
+    # The environment too: torch's headers are included from its own path, which names it.
+    digest = hashlib.sha256(repr((CFLAGS, LDFLAGS, sys.prefix)).encode())
     for path in sorted(CSRC.iterdir()):
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

@@ -14,6 +14,7 @@ small reads in flight hide the device's latency (``parallel.submit_io``).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 
@@ -22,6 +23,8 @@ from cachetier.primitives.keys import BlockHash
 from cachetier.record import KVBlock, read_record
 from cachetier.tiers.disk.files import stamp_file
 from cachetier.util.landing import Destination
+
+log = logging.getLogger(__name__)
 
 # Only files up to this size go to the I/O threads when cold. A small record's read is mostly
 # the device's latency, which more reads in flight hide; a large one's is its bandwidth, which
@@ -132,5 +135,12 @@ def _first_read(fd: int, buf: memoryview, offset: int, device: int) -> int:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        _NO_NOWAIT_DEVICES.add(device)  # this file system cannot: its files read as cached
+        if device not in _NO_NOWAIT_DEVICES:  # this file system cannot: read as if cached
+            _NO_NOWAIT_DEVICES.add(device)
+            log.warning(
+                "non-blocking reads refused on device %#x (%s): its cold record files are "
+                "read on the data threads from now on",
+                device,
+                errno.errorcode.get(exc.errno, exc.errno),
+            )
         return os.readv(fd, [buf]) if offset < 0 else os.preadv(fd, [buf], offset)

@@ -100,7 +100,9 @@ def post(url: str, path: str, payload: Any, **headers: str) -> tuple[int, Any]:
 def post_raw(url: str, path: str, body: bytes | list[bytes], **headers: str) -> tuple[int, bytes]:
     """POST ``body`` as it is; a list of chunks goes chunked, without a Content-Length."""
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    # Far above an answer's time: a fresh server's first forward may wait for the C++ kernels
+    # to compile (once per environment), beside another worker and maybe another suite.
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
     try:
         conn.request(
             "POST",
@@ -116,7 +118,9 @@ def post_raw(url: str, path: str, body: bytes | list[bytes], **headers: str) -> 
 
 def get(url: str, path: str, **headers: str) -> tuple[int, bytes]:
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    # Far above an answer's time: a fresh server's first forward may wait for the C++ kernels
+    # to compile (once per environment), beside another worker and maybe another suite.
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
     try:
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
