@@ -426,10 +426,12 @@ def usable_hit(request: TraceRequest, num_hit_blocks: int, block_size: int) -> t
         block_size: tokens per hash id.
 
     Returns:
-        (whole blocks reusable, tokens matched inside a partial last block, which a cache of
-        whole blocks cannot reuse).
+        (whole blocks reusable, tokens matched but not reusable: those inside a partial last
+        block, which a cache of whole blocks cannot reuse, or the whole last block where the
+        prompt fills it, since an engine computes at least the prompt's last token to sample
+        the first output token, as vLLM's and our engine's prefix caches do).
     """
-    usable = min(num_hit_blocks, request.input_length // block_size)
+    usable = min(num_hit_blocks, max(0, request.input_length - 1) // block_size)
     matched = min(num_hit_blocks * block_size, request.input_length)
     return usable, matched - usable * block_size
 

@@ -80,15 +80,15 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert f'<section id="{name}">' in html
     head = doc["headline"]
     assert head["num_lookups"] == 6 and head["num_tokens"] == tiny.NUM_TOKENS
-    assert head["hit_tokens_by_source"] == {"cpu": 3072, "disk": 2048}
-    assert head["alignment_lost_tokens"] == 76
-    assert head["saved_s"] == pytest.approx(10.0)
+    assert head["hit_tokens_by_source"] == {"cpu": 3072, "disk": 1024}
+    assert head["alignment_lost_tokens"] == 76 + 2 * 512
+    assert head["saved_s"] == pytest.approx(8.0)
     assert head["num_tenants"] <= 2
     assert sum(doc["figures"]["per_tenant"]["num_tokens"]) == tiny.NUM_TOKENS
     assert head["at_capacity"]["100"]["lru"] == pytest.approx(11 / 17)
     assert doc["figures"]["capacity_curve"]["capacities"] == [1, 2, 3, 100]
     out = capsys.readouterr().out
-    assert "served from cache  5,120 (69.3%)" in out
+    assert "served from cache  4,096 (55.5%)" in out
     assert "default policy (lru) >= LRU at every capacity: yes" in out
     admission = doc["figures"]["admission"]
     assert admission["policies"] == ["all", "second_hit", "tinylfu"]

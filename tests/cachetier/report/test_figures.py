@@ -113,23 +113,23 @@ def test_trace_figures_on_the_hand_made_trace(tmp_path: Path) -> None:
     add_trace_figures(figs, trace, replays, config, "lru")
 
     tier = figs["per_tier"]
-    assert dict(zip(tier["sources"], tier["hit_tokens"])) == {"cpu": 3072, "disk": 2048}
+    assert dict(zip(tier["sources"], tier["hit_tokens"])) == {"cpu": 3072, "disk": 1024}
     assert tier["block_hit_ratio"] == pytest.approx(11 / 17)
     assert tier["tier_capacity_blocks"] == {"cpu": 3, "disk": 100}
 
     over = figs["hit_rate_over_time"]  # bins [0,2) [2,4) [4,6) seconds
     assert over["num_tokens"] == [2200, 2112, 3072]
-    assert over["token_hit_ratio"] == pytest.approx([1024 / 2200, 1024 / 2112, 3072 / 3072])
+    assert over["token_hit_ratio"] == pytest.approx([1024 / 2200, 1024 / 2112, 2048 / 3072])
     assert over["block_hit_ratio"] == pytest.approx([3 / 6, 2 / 5, 6 / 6])
     assert over["ceiling_block_hit_ratio"] == pytest.approx([3 / 6, 2 / 5, 6 / 6])
 
-    assert figs["saved"]["saved_s"] == pytest.approx(5120 / 512)
+    assert figs["saved"]["saved_s"] == pytest.approx(4096 / 512)
     lost = figs["alignment"]
-    assert lost["alignment_lost_tokens"] == 76
+    assert lost["alignment_lost_tokens"] == 76 + 2 * 512
     assert lost["breakdown"]["infinite cache"] == {
-        "hit": 5120,
-        "alignment_lost": 76,
-        "prefilled": tiny.NUM_TOKENS - 5120 - 76,
+        "hit": 4096,
+        "alignment_lost": 76 + 2 * 512,
+        "prefilled": tiny.NUM_TOKENS - 4096 - 76 - 2 * 512,
     }
 
     curve = figs["capacity_curve"]
@@ -137,7 +137,7 @@ def test_trace_figures_on_the_hand_made_trace(tmp_path: Path) -> None:
     assert curve["series"]["lru"][0] == 0.0  # one block: every request evicts its own prefix
     assert curve["series"]["lru"][2] == pytest.approx(11 / 17)
     assert curve["ceiling"] == pytest.approx(11 / 17)
-    assert curve["token_series"]["lru"][2] == pytest.approx(5120 / tiny.NUM_TOKENS)
+    assert curve["token_series"]["lru"][2] == pytest.approx(4096 / tiny.NUM_TOKENS)
     assert curve["default_ge_lru_at_every_capacity"] is True
     assert "LRU itself" in curve["how"]
 

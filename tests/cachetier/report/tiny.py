@@ -8,8 +8,14 @@ Blocks of 512 tokens. Replayed through a 3-block LRU 'cpu' tier over a 100-block
                                                                               partial)
     2        1 2 4 5    1600    1 2 (cpu)                   cpu 1024          0
     3        6          512     -                           0                 0
-    4        1 2        1024    1 2 (disk: cpu holds 4 5 6) disk 1024         0
-    5        1 2 4 5    2048    1 2 (cpu) 4 5 (disk)        cpu 1024 disk 1024 0
+    4        1 2        1024    1 2 (disk: cpu holds 4 5 6) disk 512          512 (block 2
+                                                                              holds the last
+                                                                              token)
+    5        1 2 4 5    2048    1 2 (cpu) 4 5 (disk)        cpu 1024 disk 512 512 (block 5
+                                                                              likewise)
+
+A prompt that fills its last block cannot reuse that block: an engine computes at least the
+prompt's last token to sample the first output token.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ REQUESTS = [
     (5000, 2048, [1, 2, 4, 5]),
 ]
 CPU_BLOCKS, DISK_BLOCKS = 3, 100
-HIT_TOKENS = [{}, {"cpu": 1024}, {"cpu": 1024}, {}, {"disk": 1024}, {"cpu": 1024, "disk": 1024}]
-LOST_TOKENS = [0, 76, 0, 0, 0, 0]
+HIT_TOKENS = [{}, {"cpu": 1024}, {"cpu": 1024}, {}, {"disk": 512}, {"cpu": 1024, "disk": 512}]
+LOST_TOKENS = [0, 76, 0, 0, 512, 512]
 HIT_BLOCKS = [0, 3, 2, 0, 2, 4]
 NUM_TOKENS = sum(length for _, length, _ in REQUESTS)  # 7384
 NUM_BLOCKS = sum(len(ids) for _, _, ids in REQUESTS)  # 17
