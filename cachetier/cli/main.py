@@ -135,12 +135,7 @@ def add_report(subparsers: argparse._SubParsersAction) -> None:
     Args:
         subparsers: the ``cachetier`` parser's subcommands.
     """
-    from cachetier.report.config import (
-        CURVE_CAPACITIES,
-        DEFAULT_NUM_WORKERS,
-        DEFAULT_POLICY,
-        PREFILL_TOKENS_PER_S,
-    )
+    from cachetier.report.config import PREFILL_TOKENS_PER_S
 
     p = subparsers.add_parser(
         "report",
@@ -162,9 +157,48 @@ def add_report(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--json-out", help="the same figures as JSON")
     out.add_argument("--png-out", help="every plot on one PNG (a picture of the report)")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
-    rep = p.add_argument_group("trace replay")
+    _add_replay_flags(p.add_argument_group("trace replay"))
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=PREFILL_TOKENS_PER_S,
+        help=f"prefill speed for seconds saved (default {PREFILL_TOKENS_PER_S:.1f}: SmolLM2 "
+        "in fp32 on two CPU cores; give your server's own)",
+    )
+    p.add_argument("--bin-s", type=float, help="seconds per time bin (default: about 60 bins)")
+    p.set_defaults(run=run_report)
+
+
+def _add_replay_flags(rep: argparse._ArgumentGroup) -> None:
+    """The trace-replay flags of ``cachetier report``."""
+    from cachetier.report.config import (
+        CURVE_CAPACITIES,
+        DEFAULT_NUM_WORKERS,
+        DEFAULT_POLICY,
+        TRACE_BLOCK_SIZE,
+    )
+
     rep.add_argument("--cpu-blocks", type=int, default=10_000, help="fast tier (default 10000)")
     rep.add_argument("--disk-blocks", type=int, default=50_000, help="slow tier (default 50000)")
+    rep.add_argument(
+        "--block-size",
+        type=int,
+        default=TRACE_BLOCK_SIZE,
+        help=f"tokens per hash id of the trace (default {TRACE_BLOCK_SIZE}, Mooncake's)",
+    )
+    rep.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=0,
+        help="the engine's own KV pool above the tiers, in blocks (default 0: not modelled)",
+    )
+    rep.add_argument(
+        "--guard-first-hits",
+        type=int,
+        default=0,
+        help="model the restore guard: the first N hits of each tier are computed, not "
+        "loaded (engines with the guard on: 1; default 0: not modelled)",
+    )
     rep.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
@@ -197,15 +231,6 @@ def add_report(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_NUM_WORKERS,
         help=f"processes replaying the curve (default {DEFAULT_NUM_WORKERS})",
     )
-    p.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=PREFILL_TOKENS_PER_S,
-        help=f"prefill speed for seconds saved (default {PREFILL_TOKENS_PER_S:.1f}: SmolLM2 "
-        "in fp32 on two CPU cores; give your server's own)",
-    )
-    p.add_argument("--bin-s", type=float, help="seconds per time bin (default: about 60 bins)")
-    p.set_defaults(run=run_report)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

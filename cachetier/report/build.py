@@ -46,7 +46,7 @@ def build_report(config: ReportConfig) -> dict[str, Any]:
     timings: dict[str, float] = {}
     doc_input: dict[str, Any] = {}
     if config.trace:
-        trace = load_trace(config.trace)
+        trace = load_trace(config.trace, config.block_size)
         timings["read_s"] = time.perf_counter() - start
         replays = replay_for_report(trace, config)
         timings["replay_s"] = time.perf_counter() - start - timings["read_s"]
@@ -93,6 +93,9 @@ def _settings(config: ReportConfig) -> dict[str, Any]:
         out.update(
             cpu_blocks=config.cpu_blocks,
             disk_blocks=config.disk_blocks,
+            block_size=config.block_size,
+            pool_blocks=config.pool_blocks,
+            guard_first_hits=config.guard_first_hits,
             policy=config.policy,
             num_tenants=config.num_tenants,
             curve_capacities=list(config.curve_capacities),

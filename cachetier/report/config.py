@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachetier.admission import ADMISSION_POLICIES
+from cachetier.report.replay import BLOCK_SIZE as TRACE_BLOCK_SIZE
 from cachetier.store.config import StoreConfig
 from cachetier.tiers.eviction import POLICIES
 
@@ -83,6 +84,12 @@ class ReportConfig:
             or the server's ``http(s)://host:port`` (``/v1/stats`` is added).
         cpu_blocks: trace replay: blocks of the fast tier of the modelled store.
         disk_blocks: trace replay: blocks of the large tier below it.
+        block_size: trace replay: tokens per hash id of the trace (512 in Mooncake's).
+        pool_blocks: trace replay: the engine's own KV pool above the tiers, in blocks (0: not
+            modelled; its hits are then the CPU tier's).
+        guard_first_hits: trace replay: the restore guard's first hits per tier, computed
+            rather than loaded as an engine with the guard on does (engines' default: 1;
+            0: not modelled).
         policy: trace replay: eviction policy of both tiers.
         num_tenants: trace replay: synthetic tenants the requests are split into by conversation.
         capacities: trace replay: capacities of the capacity curve, in blocks (the two tier
@@ -101,6 +108,9 @@ class ReportConfig:
     stats: str | None = None
     cpu_blocks: int = 10_000
     disk_blocks: int = 50_000
+    block_size: int = TRACE_BLOCK_SIZE
+    pool_blocks: int = 0
+    guard_first_hits: int = 0
     policy: str = DEFAULT_POLICY
     num_tenants: int = 1
     capacities: tuple[int, ...] = CURVE_CAPACITIES
@@ -130,6 +140,13 @@ class ReportConfig:
                     f"admission policy {name!r} is not one of {', '.join(ADMISSION_POLICIES)} "
                     "(or 'none')"
                 )
+        if self.pool_blocks < 0 or self.guard_first_hits < 0:
+            raise ValueError(
+                f"--pool-blocks and --guard-first-hits must be >= 0, got {self.pool_blocks}, "
+                f"{self.guard_first_hits}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.num_workers < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.num_workers}")
         if self.num_tenants < 1:

@@ -87,28 +87,37 @@ def tenant_of(request: TraceRequest, num_tenants: int) -> str:
 def replay_hierarchy(
     trace: ReplayTrace, config: ReportConfig, tenants: Sequence[str]
 ) -> tuple[list[LookupEvent], list[int]]:
-    """Replay through a ``TieredStore`` of a ``cpu_blocks`` tier over a ``disk_blocks`` tier.
+    """Replay through a ``TieredStore`` of a ``cpu_blocks`` tier over a ``disk_blocks`` tier,
+    under the engine's own pool of ``pool_blocks`` where one is given.
 
     Each request is looked up with ``TieredStore.lookup`` (the longest leading run held by
-    any tier, and which tier holds which part), then all its blocks are put into both tiers:
-    what ``TieredStore.put_many`` writes through, applied before the next request as after a
-    ``flush()``, and into the upper tier also the blocks a restore would promote. Both tiers
-    are ``CPUTier``: a real ``DiskTier`` writes a file per block, too slow for a report of a
-    full trace, and hit accounting depends only on capacities and policy.
+    any tier, and which tier holds which part), then all its blocks are put into every tier:
+    what an engine's pool keeps and ``TieredStore.put_many`` writes through, applied before
+    the next request as after a ``flush()``, and into the upper tiers also the blocks a
+    restore would promote. Every tier is a ``CPUTier``: a real ``DiskTier`` writes a file per
+    block, too slow for a report of a full trace, and hit accounting depends only on
+    capacities and policy.
+
+    With ``guard_first_hits``, the restore guard is modelled as the engines run it: the first
+    that many requests a tier (not the pool) serves are computed, not loaded, from that tier's
+    first span on (``verified_tokens``).
 
     Args:
         trace: the keyed trace.
-        config: capacities and policy.
+        config: capacities, policy and the guard's first hits.
         tenants: the tenant of each request.
 
     Returns:
-        One ``LookupEvent`` per request (hit tokens by tier, alignment-lost tokens) and the
+        One ``LookupEvent`` per request (hit tokens by source, alignment-lost tokens) and the
         number of leading blocks each request hit.
     """
-    tiers = [
-        CPUTier(CPUTierConfig(capacity, policy=config.policy))
-        for capacity in (config.cpu_blocks, config.disk_blocks)
-    ]
+    names = (("pool",) if config.pool_blocks else ()) + TIER_NAMES
+    capacities = ((config.pool_blocks,) if config.pool_blocks else ()) + (
+        config.cpu_blocks,
+        config.disk_blocks,
+    )
+    tiers = [CPUTier(CPUTierConfig(capacity, policy=config.policy)) for capacity in capacities]
+    guard_left = dict.fromkeys(TIER_NAMES, config.guard_first_hits)
     ns, size = trace.namespace.id, trace.block_size
     events: list[LookupEvent] = []
     hits: list[int] = []
@@ -116,9 +125,12 @@ def replay_hierarchy(
         for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
             hit = store.lookup(ns, keys)
             usable, lost = usable_hit(request, hit.num_blocks, size)
-            per_tier = dict.fromkeys(TIER_NAMES, 0)
-            for index, start, end in hit.spans:
-                per_tier[TIER_NAMES[index]] += max(0, min(end, usable) - start) * size
+            spans = [(names[i], start, min(end, usable)) for i, start, end in hit.spans]
+            spans = [(name, start, end) for name, start, end in spans if end > start]
+            verified_from = _guard_draw(spans, guard_left)
+            per_tier = dict.fromkeys(names, 0)
+            for name, start, end in spans:
+                per_tier[name] += max(0, min(end, verified_from) - start) * size
             events.append(
                 LookupEvent(
                     time_s=request.timestamp_ms / 1000,
@@ -128,12 +140,24 @@ def replay_hierarchy(
                     block_size=size,
                     num_alignment_lost_tokens=lost,
                     origin="trace",
+                    verified_tokens=max(0, usable - verified_from) * size,
                 )
             )
             hits.append(hit.num_blocks)
             for tier in tiers:
                 tier.put_many(ns, blocks)
     return events, hits
+
+
+def _guard_draw(spans: list[tuple[str, int, int]], left: dict[str, int]) -> int:
+    """The block from which the guard computes a request's hit (past its end: none): the
+    first span of a tier with first hits left to verify. Every tier of the hit with first
+    hits left spends one, as the guard draws per tier and namespace."""
+    drawn = [start for name, start, _ in spans if left.get(name, 0) > 0]
+    for name in {name for name, _, _ in spans}:
+        if left.get(name, 0) > 0:
+            left[name] -= 1
+    return min(drawn, default=1 << 62)
 
 
 def admission_capacities(config: ReportConfig) -> tuple[int, ...]:

@@ -12,17 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from cachetier.report.events import LookupEvent, read_events
+from cachetier.report.replay import BLOCK_SIZE as TRACE_BLOCK_SIZE
 from cachetier.report.replay import ReplayTrace
 from cachetier.util.sidecar_http import call_sidecar
 
 log = logging.getLogger(__name__)
 
 
-def load_trace(path: str) -> ReplayTrace:
+def load_trace(path: str, block_size: int = TRACE_BLOCK_SIZE) -> ReplayTrace:
     """Read and key a Mooncake-format trace.
 
     Args:
         path: the ``.jsonl`` file.
+        block_size: tokens per hash id.
 
     Returns:
         The keyed trace, ready to replay.
@@ -31,7 +33,7 @@ def load_trace(path: str) -> ReplayTrace:
         ValueError: unreadable, not a trace (the message names the line), or empty.
     """
     try:
-        trace = ReplayTrace.load(path)
+        trace = ReplayTrace.load(path, block_size=block_size)
     except OSError as exc:
         raise ValueError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

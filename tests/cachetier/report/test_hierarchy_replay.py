@@ -149,3 +149,44 @@ def test_the_report_reproduces_an_independent_lru_on_the_conversation_trace() ->
     # The two-tier store (10k over 50k, LRU) hits what one 50k LRU hits.
     assert doc["headline"]["block_hit_ratio"] == pytest.approx(at["50000"]["lru"], abs=1e-12)
     assert doc["figures"]["capacity_curve"]["default_ge_lru_at_every_capacity"] is True
+
+
+def test_the_guard_computes_the_first_hit_of_each_tier(tiny_trace: ReplayTrace) -> None:
+    events, hit_blocks = replay_hierarchy(
+        tiny_trace, _config(guard_first_hits=1), ["t"] * len(tiny.REQUESTS)
+    )
+    assert hit_blocks == tiny.HIT_BLOCKS  # what the tiers hold is unchanged
+    # Request 1 is the CPU tier's first hit and request 4 the disk tier's: computed.
+    assert [e.verified_tokens for e in events] == [0, 1024, 0, 0, 512, 0]
+    assert [{k: v for k, v in e.hit_tokens.items() if v} for e in events] == [
+        {},
+        {},
+        {"cpu": 1024},
+        {},
+        {},
+        {"cpu": 1024, "disk": 512},
+    ]
+
+
+def test_a_pool_above_the_tiers_takes_the_hits_it_holds(tiny_trace: ReplayTrace) -> None:
+    tenants = ["t"] * len(tiny.REQUESTS)
+    alone, _ = replay_hierarchy(tiny_trace, _config(), tenants)
+    pooled, _ = replay_hierarchy(tiny_trace, _config(pool_blocks=100), tenants)
+    assert [sum(e.hit_tokens.values()) for e in pooled] == [
+        sum(e.hit_tokens.values()) for e in alone
+    ]
+    assert all(set(k for k, v in e.hit_tokens.items() if v) <= {"pool"} for e in pooled)
+    # The guard never draws from the pool: it is the engine's own memory, not a tier.
+    guarded, _ = replay_hierarchy(tiny_trace, _config(pool_blocks=100, guard_first_hits=1), tenants)
+    assert [e.hit_tokens for e in guarded] == [e.hit_tokens for e in pooled]
+    assert all(e.verified_tokens == 0 for e in guarded)
+
+
+def test_the_report_cli_models_the_pool_and_the_guard(tmp_path: Path) -> None:
+    trace = tiny.write_tiny_trace(tmp_path / "tiny.jsonl")
+    config = _config(trace=str(trace), pool_blocks=2, guard_first_hits=1)
+    doc = build_report(config)
+    head = doc["headline"]
+    assert doc["settings"]["pool_blocks"] == 2 and doc["settings"]["guard_first_hits"] == 1
+    assert head["verified_by_guard_tokens"] > 0
+    assert head["hit_tokens"] + head["verified_by_guard_tokens"] == 4096
