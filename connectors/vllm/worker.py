@@ -55,6 +55,10 @@ from cachetier.store.tiered import TieredStore
 logger = init_logger("vllm.cachetier.worker")
 
 
+CLOSE_COUNTERS = ("puts", "bytes_in", "hits", "bytes_out", "rejected", "evictions")
+"""The tier counters the worker logs as it closes."""
+
+
 class CacheTierWorker:
     """The worker half of ``CacheTierConnector``.
 
@@ -242,6 +246,14 @@ class CacheTierWorker:
         if self._paged is not None:
             self._store_saved(self._paged.drain())
         self._store.close()
+        # What each tier took in over the process's life: what an operator (or a benchmark)
+        # reads to see whether the lower tiers kept up with the saves.
+        stats = self._store.stats()
+        logger.info(
+            "cachetier: tier counters at close: %s; %d blocks dropped from full write queues",
+            {name: {k: t.get(k, 0) for k in CLOSE_COUNTERS} for name, t in stats["tiers"].items()},
+            stats.get("rejected", 0),
+        )
 
     def _load_one(self, transfer: BlockTransfer, *, asynchronous: bool = False) -> None:
         paged = self._require_paged()
