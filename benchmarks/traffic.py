@@ -143,6 +143,8 @@ def run_config(
     else:
         out["served_from"] = figures.vllm_sources(metrics, log)
         out["cost_model_refusals_blocks"] = figures.cost_refusals(log)
+        if name.startswith("vllm+cachetier"):
+            out["bytes_written"] = {"cpu": figures.connector_saved_bytes(log)}
         out.update(figures.connector_writes(log))
     out["disk_bytes_written"] = folder_bytes(work / f"{name}-disk")
     if side is not None:
@@ -214,13 +216,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--sample-every",
         type=int,
-        default=25,
-        help="one conversation in this many, over the whole trace (default 25)",
+        default=20,
+        help="one conversation in this many, over the whole trace (default 20)",
     )
     p.add_argument("--num-requests", type=int, help="only the sample's first N requests")
-    p.add_argument("--max-ids", type=int, default=64, help="longest request kept, in hash ids")
+    p.add_argument("--max-ids", type=int, default=48, help="longest request kept, in hash ids")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--pool-blocks", type=int, default=320, help="every engine's KV pool")
+    p.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=224,
+        help="every engine's KV pool: the running requests' blocks and a few more (default 224)",
+    )
     p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="server threads")
     p.add_argument("--work-dir", help="keep the servers' folders and logs here")
@@ -315,7 +322,9 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix="traffic-", dir=args.work_dir or tmp))
         result["configs"], answers = run_all(names, work, shape, requests, args)
         result["report"] = compare_with_report(requests, work, shape, answers.get(TARGET))
-    result["headline"] = head = figures.headline(result["configs"], BASELINE, TARGET)
+    result["headline"] = head = figures.headline(
+        result["configs"], BASELINE, TARGET, result["ceiling_hit_rate"]
+    )
     live = (result["configs"].get(TARGET) or {}).get("hit_rate")
     predicted = result["report"].get("hit_rate")
     if live is not None and predicted is not None:

@@ -145,6 +145,8 @@ def test_connector_log_lines_give_tokens_by_tier() -> None:
     )
     assert figures.connector_tiers(log) == {"disk": 64, "cpu": 64}
     assert figures.cost_refusals(log) == 5
+    kv = "INFO [metrics.py:103] KV Transfer metrics: num_loaded_blocks=0, saved_bytes={}, load_s=0"
+    assert figures.connector_saved_bytes("\n".join([kv.format(100), kv.format(23)])) == 123
     metrics = (
         'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} '
         "320.0\n"
@@ -168,8 +170,11 @@ def test_figures_and_the_headline() -> None:
     f_ours.update(figures.outputs_against(ours, base))
     f_base.update(figures.outputs_against(base, base))
     assert f_ours["outputs_differing"] == 1 and not f_ours["outputs_identical"]
-    head = figures.headline({"vllm": f_base, "vllm+cachetier": f_ours}, "vllm", "vllm+cachetier")
+    head = figures.headline(
+        {"vllm": f_base, "vllm+cachetier": f_ours}, "vllm", "vllm+cachetier", ceiling=0.8
+    )
     assert head["prefill_work_ratio"] == pytest.approx(50 / 150, abs=1e-4)
+    assert head["prefill_work_ratio_bound"] == pytest.approx(0.2 / 0.75, abs=1e-4)
     assert head["ttft_mean_vs_vllm"] == 0.25
     assert head["throughput_vs_vllm"] == 2.0
     assert head["ttft_vs_work_bound"] == pytest.approx(0.25 / 0.3333, abs=1e-3)

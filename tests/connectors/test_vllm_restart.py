@@ -9,7 +9,9 @@ logprobs. A record tampered with on disk must be caught and recomputed, with the
 
 from __future__ import annotations
 
+import ast
 import random
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,6 +213,10 @@ def test_store_run_saves_every_full_block(stored: dict[str, Any], model_dir: Pat
     assert len(paths) == PROMPT_LEN // BLOCK_SIZE * BLOCK_SIZE // RECORD_TOKENS
     missing = [p.name for p in paths if not p.is_file()]
     assert not missing, f"blocks not on disk after process A exited: {missing}"
+    closes = re.findall(r"tier counters at close: (\{.*\}); (\d+) blocks dropped", stored["log"])
+    assert closes, "the worker did not log its tiers' counters as it closed"
+    counters, dropped = ast.literal_eval(closes[-1][0]), int(closes[-1][1])
+    assert counters["disk"]["puts"] == len(paths) and dropped == 0, closes[-1]
 
 
 @pytest.mark.parametrize("source", ["disk", "redis"])
