@@ -37,7 +37,6 @@ from benchmarks.support import traffic_figures as figures
 from benchmarks.support.children import REPO_ROOT
 from benchmarks.support.fleet_live_requests import WARMUP_ID_BASE
 from benchmarks.support.output import emit
-from benchmarks.support.sidecar import TOKEN
 from benchmarks.support.traffic_drive import Answer, Endpoint, closed_loop, send
 from benchmarks.support.traffic_servers import (
     CONFIGURATIONS,
@@ -117,23 +116,23 @@ def run_config(
     side = None
     if name == "engine+cachetier":
         server: Any = engine_config(work, shape)
-        server.spawn()
-        server.wait()
-        endpoint = Endpoint(server.url, model="smollm2")
+    elif name == "vllm+cachetier-sidecar":
+        side, server = sidecar_config(work, shape)
     else:
-        if name == "vllm+cachetier-sidecar":
-            side, server = sidecar_config(work, shape)
+        server = vllm_config(name, work, shape)
+    try:  # whatever started is stopped, whether or not the run got through
+        if name == "engine+cachetier":
+            server.spawn()
+            server.wait()
+            endpoint = Endpoint(server.url, model="smollm2")
         else:
-            server = vllm_config(name, work, shape)
-        endpoint = server.start()
-    try:
+            endpoint = server.start()
         print(f"{name}: driving {len(requests)} requests ...", file=sys.stderr, flush=True)
         answers, wall_s = asyncio.run(drive(endpoint, requests, warm, args.concurrency))
         metrics = metrics_text(endpoint)
     finally:
         server.stop()
         if side is not None:
-            side_metrics = side_tier_bytes(side)
             side.stop()
     out = figures.answer_figures(answers, wall_s)
     log = server.log_text() if hasattr(server, "log_text") else server.log_tail(1 << 30)
@@ -147,25 +146,8 @@ def run_config(
             out["bytes_written"] = {"cpu": figures.connector_saved_bytes(log)}
         out.update(figures.connector_writes(log))
     out["disk_bytes_written"] = folder_bytes(work / f"{name}-disk")
-    if side is not None:
-        out["sidecar_bytes_written"] = side_metrics
     print(f"{name}: {json.dumps(out)}", file=sys.stderr, flush=True)
     return out, answers
-
-
-def side_tier_bytes(side: Any) -> dict[str, float]:
-    """The sidecar's bytes written, per tier, from its ``/metrics``."""
-    import urllib.request
-
-    request = urllib.request.Request(
-        side.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError as exc:
-        return {"error": str(exc)}  # type: ignore[dict-item]
-    return tier_bytes_in(text)
 
 
 def tier_bytes_in(metrics: str) -> dict[str, float]:

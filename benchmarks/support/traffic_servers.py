@@ -92,10 +92,18 @@ class VllmServer:
         self._log: IO[bytes] | None = None
 
     def start(self) -> Endpoint:
+        """Start it and wait until it answers; a server that does not start is stopped."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
+        try:
+            return self._wait()
+        except StartError:
+            self.stop()
+            raise
+
+    def _wait(self) -> Endpoint:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -104,6 +112,13 @@ class VllmServer:
                     f"{self.name} exited with {self.proc.returncode}: {cause}\n{self.tail()}"
                 )
             if os.path.exists(self.uds) and _healthy(self.uds):
+                degraded = DEGRADED_RE.search(self.log_text())
+                if degraded:
+                    # It answers, but every request is recomputed: nothing to compare.
+                    raise StartError(
+                        f"{self.name} started without its cache: {degraded.group(1)}; "
+                        f"{degraded.group(2).strip(' .')}\n{self.tail()}"
+                    )
                 return Endpoint("http://localhost", uds=self.uds, model=SERVED_NAME)
             time.sleep(1.0)
         raise StartError(
@@ -128,6 +143,11 @@ class VllmServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+DEGRADED_RE = re.compile(
+    r"(\w*Error: [^\n]+)\n?(\.? ?System will operate in degraded mode \(recompute\)\.?)"
+)
+"""LMCache's line when its engine did not start inside vLLM (it then recomputes every request):
+the error and the sentence after it."""
 _EXCEPTION_RE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .+$", re.M)
 _WRAPPERS = ("Engine core initialization failed",)
 
