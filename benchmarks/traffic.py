@@ -35,6 +35,7 @@ from typing import Any
 
 from benchmarks.support import traffic_figures as figures
 from benchmarks.support.children import REPO_ROOT
+from benchmarks.support.fleet_live_procs import log_tail
 from benchmarks.support.fleet_live_requests import WARMUP_ID_BASE
 from benchmarks.support.output import emit
 from benchmarks.support.traffic_drive import Answer, Endpoint, closed_loop, send
@@ -135,7 +136,7 @@ def run_config(
         if side is not None:
             side.stop()
     out = figures.answer_figures(answers, wall_s)
-    log = server.log_text() if hasattr(server, "log_text") else server.log_tail(1 << 30)
+    log = log_tail(server.log_path, None)
     if name == "engine+cachetier":
         out["served_from"] = figures.engine_sources(answers)
         out["bytes_written"] = tier_bytes_in(metrics)

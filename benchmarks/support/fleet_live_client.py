@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,6 @@ async def stream_completion(
     out = Outcome(sent_at, prompt_tokens=len(prompt))
     headers = {"x-session-id": session_id} if session_id else {}
     start = time.perf_counter()
-    done = False
     try:
         async with session.post(
             url + "/v1/completions", json=completion_body(prompt, max_tokens), headers=headers
@@ -93,28 +93,42 @@ async def stream_completion(
             if resp.status != 200:
                 out.error = f"status {resp.status}: {(await resp.text())[:200]}"
                 return out
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[len(b"data: ") :]
-                if data == b"[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    out.error = f"error event: {str(event['error'])[:200]}"
-                    return out
-                if event.get("choices") and out.ttft_s is None:
-                    out.ttft_s = time.perf_counter() - start
-                info = event.get("cachetier") or {}
-                out.cached_by_source = dict(info.get("cached_tokens_by_source") or {})
+            async with aclosing(stream_events(resp)) as events:
+                async for event in events:
+                    if "error" in event:
+                        out.error = f"error event: {str(event['error'])[:200]}"
+                        return out
+                    if event.get("choices") and out.ttft_s is None:
+                        out.ttft_s = time.perf_counter() - start
+                    info = event.get("cachetier") or {}
+                    out.cached_by_source = dict(info.get("cached_tokens_by_source") or {})
+    except StreamCut as exc:
+        out.error = str(exc)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return out
-    if not done:
-        out.error = "the stream ended before [DONE]"
     return out
+
+
+class StreamCut(Exception):
+    """A streamed answer that ended before its ``[DONE]``."""
+
+
+async def stream_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a streamed OpenAI answer (``data: ...`` lines), up to ``[DONE]``.
+
+    Raises:
+        StreamCut: the stream ended before ``[DONE]``.
+        ValueError: an event is not JSON.
+    """
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: ") :]
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+    raise StreamCut("the stream ended before [DONE]")
 
 
 async def open_loop(

@@ -131,10 +131,17 @@ class Child:
             self._log = None
 
     def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.log_path, num_chars)
+
+
+def log_tail(path: Path, num_chars: int | None = 3000) -> str:
+    """The last ``num_chars`` characters of a child's log (``None``: all of it); "" before
+    it has one."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return text if num_chars is None else text[-num_chars:]
 
 
 def _cli(command: str) -> list[str]:

@@ -12,14 +12,15 @@ came from (``cachetier.cached_tokens_by_source``).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from benchmarks.support.fleet_live_client import StreamCut, stream_events
 from benchmarks.support.traffic_trace import TrafficRequest
 
 REQUEST_TIMEOUT_S = 900.0
@@ -114,31 +115,23 @@ async def send(
     """POST one streamed completion and read it to ``[DONE]``."""
     start = time.perf_counter()
     answer = Answer(request.index, start - t0, prompt_tokens=len(request.prompt))
-    done = False
     try:
         url = endpoint.base_url + "/v1/completions"
         async with session.post(url, json=body(endpoint, request)) as resp:
             if resp.status != 200:
                 answer.error = f"status {resp.status}: {(await resp.text())[:300]}"
                 return answer
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[len(b"data: ") :]
-                if data == b"[DONE]":
-                    done = True
-                    break
-                _take(answer, json.loads(data), start)
-                if answer.error:
-                    return answer
+            async with aclosing(stream_events(resp)) as events:
+                async for event in events:
+                    _take(answer, event, start)
+                    if answer.error:
+                        return answer
+    except StreamCut as exc:
+        answer.error = str(exc)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         answer.error = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return answer
     finally:
         answer.done_s = time.perf_counter() - t0
-    if not done:
-        answer.error = "the stream ended before [DONE]"
     return answer
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.support.children import REPO_ROOT
-from benchmarks.support.fleet_live_procs import Child, child_env
+from benchmarks.support.fleet_live_procs import Child, child_env, log_tail
 from benchmarks.support.sidecar import TOKEN
 from benchmarks.support.traffic_drive import Endpoint
 from cachetier.connectors.vllm.launch import serve_flag, vllm_cpu_env
@@ -107,22 +107,22 @@ class VllmServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                cause = root_cause(self.log_text())
+                cause = root_cause(self.log_tail(None))
                 raise StartError(
-                    f"{self.name} exited with {self.proc.returncode}: {cause}\n{self.tail()}"
+                    f"{self.name} exited with {self.proc.returncode}: {cause}\n{self.log_tail()}"
                 )
             if os.path.exists(self.uds) and _healthy(self.uds):
-                degraded = DEGRADED_RE.search(self.log_text())
+                degraded = DEGRADED_RE.search(self.log_tail(None))
                 if degraded:
                     # It answers, but every request is recomputed: nothing to compare.
                     raise StartError(
                         f"{self.name} started without its cache: {degraded.group(1)}; "
-                        f"{degraded.group(2).strip(' .')}\n{self.tail()}"
+                        f"{degraded.group(2).strip(' .')}\n{self.log_tail()}"
                     )
                 return Endpoint("http://localhost", uds=self.uds, model=SERVED_NAME)
             time.sleep(1.0)
         raise StartError(
-            f"{self.name} did not answer /health in {START_TIMEOUT_S} s:\n{self.tail()}"
+            f"{self.name} did not answer /health in {START_TIMEOUT_S} s:\n{self.log_tail()}"
         )
 
     def stop(self) -> None:
@@ -133,14 +133,8 @@ class VllmServer:
             self._log.close()
             self._log = None
 
-    def tail(self, num_chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except FileNotFoundError:
-            return ""
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    def log_tail(self, num_chars: int | None = 4000) -> str:
+        return log_tail(self.log_path, num_chars)
 
 
 DEGRADED_RE = re.compile(

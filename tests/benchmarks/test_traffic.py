@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.support import traffic_figures as figures
+from benchmarks.support.fleet_live_client import Outcome, client_session, stream_completion
 from benchmarks.support.traffic_drive import Answer, Endpoint, closed_loop
 from benchmarks.support.traffic_trace import (
     TrafficRequest,
@@ -117,6 +118,12 @@ def test_the_closed_loop_keeps_order_turns_and_the_concurrency(tiny_model_dir: P
         afters = [None, None, 0, None, 2, 1]
         reqs = [TrafficRequest(i, 0, afters[i], (i,), prompts[i], 3) for i in range(6)]
         answers, wall_s = asyncio.run(closed_loop(Endpoint(server.url, model="tiny"), reqs, 2))
+
+        async def fleet_client() -> Outcome:  # the fleet benchmark reads streams the same way
+            async with client_session() as session:
+                return await stream_completion(session, server.url, prompts[0], 3)
+
+        fleet = asyncio.run(fleet_client())
     finally:
         server.stop()
     assert [a.error for a in answers] == [None] * 6
@@ -130,6 +137,7 @@ def test_the_closed_loop_keeps_order_turns_and_the_concurrency(tiny_model_dir: P
         in_flight = [a for a in answers if a.sent_s <= answer.sent_s < a.done_s]
         assert len(in_flight) <= 2
     assert 0 < wall_s
+    assert fleet.error is None and fleet.ttft_s is not None and fleet.prompt_tokens == 30
 
 
 def test_connector_log_lines_give_tokens_by_tier() -> None:
