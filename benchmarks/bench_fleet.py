@@ -44,6 +44,10 @@ Figures (each a ratio or a duration of this run; ``targets`` says what each shou
 - ``simulated``: ``benchmarks.fleet_sim``'s headline figures (its quick variant with
   ``--quick``), and ``tier_aware`` over ``pool_only`` per size.
 
+``--replicas N --pin``: N replicas, each pinned to a core of its own (``taskset``), so one
+replica's load does not slow another; the sidecar, the router and the client share all cores.
+On a two-core machine, ``--replicas 2 --pin`` is the fleet whose replicas are independent.
+
 ``--quick``: four sessions per phase, only the three policies the headline compares, the
 simulated quick variant: a smoke test of every path (minutes: each fleet loads SmolLM2 three
 times).

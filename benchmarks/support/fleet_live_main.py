@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -75,19 +76,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     block_bytes = TOKENS_PER_ID * token_bytes
     needed_bytes = unique_ids(requests) * block_bytes
     mean_ids = round(sum(len(r.hash_ids) for r in requests) / len(requests))
-    warm = warmup_prompts(sizes["cold_rounds"] * NUM_REPLICAS, mean_ids, vocab, TOKENS_PER_ID)
+    warm = warmup_prompts(sizes["cold_rounds"] * args.replicas, mean_ids, vocab, TOKENS_PER_ID)
     warm_bytes = sum(len(p) for p in warm) * token_bytes
     drive = Drive(requests, warm, args.max_tokens, args.utilization)
     spec = FleetSpec(
         policy=BASELINE,
         model_dir=model_dir,
-        num_replicas=NUM_REPLICAS,
+        num_replicas=args.replicas,
         kv_cache_bytes=args.pool_blocks * block_bytes,
         disk_bytes=args.disk_bytes,
         # The cold rounds' blocks come first and go first (LRU): room for them on top.
         shared_bytes=int(args.shared_fraction * needed_bytes) + warm_bytes,
         kv_events_queue=10_000,
         reconcile_interval_s=args.reconcile_interval_s,
+        pin_cores=args.pin,
     )
     policies: dict[str, dict[str, Any]] = {}
     rate = None
@@ -106,11 +108,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     lost_drive = Drive(lost_requests, warm, args.max_tokens, args.utilization)
     lost = run_lost_events(_with(spec, TARGET_POLICY), work / "lost", lost_drive)
     result: dict[str, Any] = {
-        "command": "python benchmarks/bench_fleet.py --json" + (" --quick" if args.quick else ""),
+        "command": command(args),
         "trace": Path(args.trace).name,
         "baseline": BASELINE,
         "settings": {
-            "num_replicas": NUM_REPLICAS,
+            "num_replicas": args.replicas,
+            "replicas_pinned": args.pin,
             "num_sessions": sizes["sessions"],
             "num_requests": len(requests),
             "tokens_per_hash_id": TOKENS_PER_ID,
@@ -134,6 +137,16 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result["simulated"] = simulated(args.quick, args.trace)
     result.update(headline(result, BASELINE, TARGET_POLICY))
     return result
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run's fleet."""
+    out = "python benchmarks/bench_fleet.py --json"
+    out += " --quick" if args.quick else ""
+    out += f" --replicas {args.replicas}" if args.replicas != NUM_REPLICAS else ""
+    out += " --pin" if args.pin else ""
+    out += f" --policies {args.policies}" if args.policies else ""
+    return out
 
 
 def _with(spec: FleetSpec, policy: str) -> FleetSpec:
@@ -181,6 +194,12 @@ def main(description: str) -> None:
     parser.add_argument(
         "--policies", default=None, help="comma-separated (default: all; --quick: three)"
     )
+    parser.add_argument("--replicas", type=int, default=NUM_REPLICAS, help="engine replicas")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each replica on a core of its own (os.sched_setaffinity)",
+    )
     parser.add_argument("--max-ids", type=int, default=48, help="longest prompt, in hash ids")
     parser.add_argument("--max-turns", type=int, default=6, help="turns kept per session")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens each request makes")
@@ -195,6 +214,13 @@ def main(description: str) -> None:
     parser.add_argument("--trace", default=str(CONVERSATION_TRACE))
     parser.add_argument("--work-dir", default=None, help="a folder on a disk (default: temp)")
     args = parser.parse_args()
+    if args.replicas < 2:
+        parser.error("--replicas must be at least 2 (routing needs a choice)")
+    if args.pin and args.replicas > len(os.sched_getaffinity(0)):
+        parser.error(
+            f"--pin needs a core per replica; this process may run on "
+            f"{len(os.sched_getaffinity(0))}"
+        )
     if not 0 < args.utilization < 1:
         parser.error("--utilization must be in (0, 1)")
     if not 0 < args.shared_fraction <= 1:

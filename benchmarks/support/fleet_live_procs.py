@@ -43,6 +43,8 @@ class FleetSpec:
         kv_events_queue: each replica's publisher queue (``--kv-events-queue``).
         reconcile_interval_s: the router's ``--reconcile-interval-s``.
         num_threads: torch threads per replica.
+        pin_cores: run replica i on core i alone of this process's cores (``os.sched_setaffinity``),
+            so replicas do not take each other's cores; the sidecar and the router stay free.
     """
 
     policy: str
@@ -54,6 +56,20 @@ class FleetSpec:
     kv_events_queue: int
     reconcile_interval_s: float
     num_threads: int = 1
+    pin_cores: bool = False
+
+
+def replica_cores(spec: FleetSpec) -> list[frozenset[int] | None]:
+    """Per replica, the one core it is pinned to (``None`` each without ``pin_cores``)."""
+    if not spec.pin_cores:
+        return [None] * spec.num_replicas
+    cores = sorted(os.sched_getaffinity(0))
+    if spec.num_replicas > len(cores):
+        raise ValueError(
+            f"{spec.num_replicas} replicas cannot each have a core of their own: "
+            f"this process may run on {len(cores)}"
+        )
+    return [frozenset({core}) for core in cores[: spec.num_replicas]]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -73,10 +89,19 @@ class Child:
         argv: its command line, without ``--port`` and ``--ports-file``.
         env: its environment.
         folder: where its ports file and log go.
+        cores: the cores it may run on, set again at each spawn; ``None``: this process's.
     """
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], folder: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        folder: Path,
+        cores: frozenset[int] | None = None,
+    ) -> None:
         self.name = name
+        self.cores = cores
         self.argv = argv
         self.env = env
         self.folder = folder
@@ -96,6 +121,9 @@ class Child:
         self.ports_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in reap()
         argv = [*self.argv, "--port", str(self.port), "--ports-file", str(self.ports_file)]
+        if self.cores is not None:
+            # taskset sets the mask, then execs: every thread the server starts inherits it.
+            argv = ["taskset", "-c", ",".join(map(str, sorted(self.cores))), *argv]
         self.spawned_at = time.monotonic()
         self.proc = subprocess.Popen(
             argv, cwd=REPO_ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
@@ -171,7 +199,9 @@ def sidecar(folder: Path, shared_bytes: int) -> Child:
     return Child("sidecar", argv, child_env(CACHETIER_TENANTS=f"bench:{TOKEN}"), folder)
 
 
-def replica(folder: Path, index: int, spec: FleetSpec, sidecar_url: str) -> Child:
+def replica(
+    folder: Path, index: int, spec: FleetSpec, sidecar_url: str, cores: frozenset[int] | None
+) -> Child:
     """An engine server of SmolLM2: a small pool, a node-local disk tier and the sidecar below
     it, publishing KV events. No CPU tier (a kill empties it anyway; the disk is what a
     restart keeps) and no restore guard (``benchmarks.guard`` measures what it costs; here a
@@ -199,7 +229,8 @@ def replica(folder: Path, index: int, spec: FleetSpec, sidecar_url: str) -> Chil
         "--log-level",
         "warning",
     ]
-    return Child(f"r{index}", argv, child_env(CACHETIER_REMOTE_TOKEN=TOKEN), folder)
+    env = child_env(CACHETIER_REMOTE_TOKEN=TOKEN)
+    return Child(f"r{index}", argv, env, folder, cores)
 
 
 def router(folder: Path, spec: FleetSpec, replica_urls: list[str], shared: Path) -> Child:
@@ -259,8 +290,10 @@ class LiveFleet:
         self.sidecar.spawn()
         self.sidecar.wait()
         spec = self.spec
+        cores = replica_cores(spec)
         self.replicas = [
-            replica(self.folder, i, spec, self.sidecar.url) for i in range(spec.num_replicas)
+            replica(self.folder, i, spec, self.sidecar.url, cores[i])
+            for i in range(spec.num_replicas)
         ]
         for child in self.replicas:
             child.spawn()

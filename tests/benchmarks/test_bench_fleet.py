@@ -4,12 +4,16 @@ fleet itself is not started here (minutes of three SmolLM2 replicas)."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.support.admission_traces import CONVERSATION_TRACE
 from benchmarks.support.fleet_live_client import Outcome, metric_values
+from benchmarks.support.fleet_live_procs import Child, FleetSpec, replica_cores
 from benchmarks.support.fleet_live_report import TARGETS, headline
 from benchmarks.support.fleet_live_requests import (
     TOKEN_LOW,
@@ -155,3 +159,26 @@ def test_headline_ratios_and_targets() -> None:
     missing = headline(_result(stale_s=None), "round_robin", "tier_aware")
     assert missing["targets_met"]["index_stale_after_lost_events_s"] is False
     assert not missing["all_targets_met"]
+
+
+def _spec(num_replicas: int, pin: bool) -> FleetSpec:
+    return FleetSpec("round_robin", Path("."), num_replicas, 1, 1, 1, 1, 1.0, pin_cores=pin)
+
+
+def test_pinned_replicas_get_a_core_each_and_a_child_runs_on_its_own(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    assert replica_cores(_spec(2, pin=False)) == [None, None]
+    if len(cores) >= 2:
+        assert replica_cores(_spec(2, pin=True)) == [frozenset({cores[0]}), frozenset({cores[1]})]
+    with pytest.raises(ValueError, match="a core of their own"):
+        replica_cores(_spec(len(cores) + 1, pin=True))
+    # A real child: the mask is set before the interpreter starts.
+    script = "import os; print(sorted(os.sched_getaffinity(0)), flush=True)"
+    child = Child(
+        "pinned", [sys.executable, "-c", script], dict(os.environ), tmp_path, frozenset({cores[-1]})
+    )
+    child.spawn()
+    assert child.proc is not None
+    assert child.proc.wait(timeout=60) == 0
+    child.reap()
+    assert child.log_tail().strip() == str([cores[-1]])
