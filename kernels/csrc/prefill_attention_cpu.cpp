@@ -84,35 +84,116 @@ inline void qk_tile(const float* q, const float* kt, float* scores) {
   _mm512_storeu_ps(scores + 5 * S, c5);
 }
 
-// out[r][col..col+16) += sum_t p[r][t] v[t][col..col+16) for 6 rows over the units' keys
-// (v_units[u]: a unit's V packed as [16][D]; p: rows of kTileKeys probabilities, zero past the
-// valid keys).
+// Two units (32 keys) at once: 12 accumulators against 6 row broadcasts per d, where one unit
+// spent 6 broadcasts on 6 FMAs and the loads, not the FMAs, set the pace.
 template <int D>
-inline void pv_tile(const float* p, const float* const* v_units, int num_units, int col,
-                    float* out) {
-  __m512 c0 = _mm512_loadu_ps(out + col), c1 = _mm512_loadu_ps(out + D + col);
-  __m512 c2 = _mm512_loadu_ps(out + 2 * D + col), c3 = _mm512_loadu_ps(out + 3 * D + col);
-  __m512 c4 = _mm512_loadu_ps(out + 4 * D + col), c5 = _mm512_loadu_ps(out + 5 * D + col);
+inline void qk_tile2(const float* q, const float* kt0, const float* kt1, float* scores) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+  __m512 a3 = _mm512_setzero_ps(), a4 = _mm512_setzero_ps(), a5 = _mm512_setzero_ps();
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps();
+  __m512 b3 = _mm512_setzero_ps(), b4 = _mm512_setzero_ps(), b5 = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt0 + d * kUnit);
+    const __m512 k1 = _mm512_loadu_ps(kt1 + d * kUnit);
+    __m512 x = _mm512_set1_ps(q[d]);
+    a0 = _mm512_fmadd_ps(x, k0, a0);
+    b0 = _mm512_fmadd_ps(x, k1, b0);
+    x = _mm512_set1_ps(q[D + d]);
+    a1 = _mm512_fmadd_ps(x, k0, a1);
+    b1 = _mm512_fmadd_ps(x, k1, b1);
+    x = _mm512_set1_ps(q[2 * D + d]);
+    a2 = _mm512_fmadd_ps(x, k0, a2);
+    b2 = _mm512_fmadd_ps(x, k1, b2);
+    x = _mm512_set1_ps(q[3 * D + d]);
+    a3 = _mm512_fmadd_ps(x, k0, a3);
+    b3 = _mm512_fmadd_ps(x, k1, b3);
+    x = _mm512_set1_ps(q[4 * D + d]);
+    a4 = _mm512_fmadd_ps(x, k0, a4);
+    b4 = _mm512_fmadd_ps(x, k1, b4);
+    x = _mm512_set1_ps(q[5 * D + d]);
+    a5 = _mm512_fmadd_ps(x, k0, a5);
+    b5 = _mm512_fmadd_ps(x, k1, b5);
+  }
+  constexpr int S = kTileKeys;
+  _mm512_storeu_ps(scores, a0);
+  _mm512_storeu_ps(scores + kUnit, b0);
+  _mm512_storeu_ps(scores + S, a1);
+  _mm512_storeu_ps(scores + S + kUnit, b1);
+  _mm512_storeu_ps(scores + 2 * S, a2);
+  _mm512_storeu_ps(scores + 2 * S + kUnit, b2);
+  _mm512_storeu_ps(scores + 3 * S, a3);
+  _mm512_storeu_ps(scores + 3 * S + kUnit, b3);
+  _mm512_storeu_ps(scores + 4 * S, a4);
+  _mm512_storeu_ps(scores + 4 * S + kUnit, b4);
+  _mm512_storeu_ps(scores + 5 * S, a5);
+  _mm512_storeu_ps(scores + 5 * S + kUnit, b5);
+}
+
+// scores of 6 rows against every unit of a tile.
+template <int D>
+inline void qk_tiles(const float* q, const float* const* k_units, int num_units, float* scores) {
+  int u = 0;
+  for (; u + 1 < num_units; u += 2)
+    qk_tile2<D>(q, k_units[u], k_units[u + 1], scores + u * kUnit);
+  if (u < num_units) qk_tile<D>(q, k_units[u], scores + u * kUnit);
+}
+
+// out[r][col..col+32) += sum_t p[r][t] v[t][col..col+32): two registers per row, so each
+// broadcast feeds two FMAs.
+template <int D>
+inline void pv_tile2(const float* p, const float* const* v_units, int num_units, int col,
+                     float* out) {
+  __m512 a0 = _mm512_loadu_ps(out + col), b0 = _mm512_loadu_ps(out + col + 16);
+  __m512 a1 = _mm512_loadu_ps(out + D + col), b1 = _mm512_loadu_ps(out + D + col + 16);
+  __m512 a2 = _mm512_loadu_ps(out + 2 * D + col), b2 = _mm512_loadu_ps(out + 2 * D + col + 16);
+  __m512 a3 = _mm512_loadu_ps(out + 3 * D + col), b3 = _mm512_loadu_ps(out + 3 * D + col + 16);
+  __m512 a4 = _mm512_loadu_ps(out + 4 * D + col), b4 = _mm512_loadu_ps(out + 4 * D + col + 16);
+  __m512 a5 = _mm512_loadu_ps(out + 5 * D + col), b5 = _mm512_loadu_ps(out + 5 * D + col + 16);
   constexpr int S = kTileKeys;
   for (int u = 0; u < num_units; ++u) {
     const float* v = v_units[u] + col;
     const float* pu = p + u * kUnit;
     for (int t = 0; t < kUnit; ++t) {
-      const __m512 b = _mm512_loadu_ps(v + t * D);
-      c0 = _mm512_fmadd_ps(_mm512_set1_ps(pu[t]), b, c0);
-      c1 = _mm512_fmadd_ps(_mm512_set1_ps(pu[S + t]), b, c1);
-      c2 = _mm512_fmadd_ps(_mm512_set1_ps(pu[2 * S + t]), b, c2);
-      c3 = _mm512_fmadd_ps(_mm512_set1_ps(pu[3 * S + t]), b, c3);
-      c4 = _mm512_fmadd_ps(_mm512_set1_ps(pu[4 * S + t]), b, c4);
-      c5 = _mm512_fmadd_ps(_mm512_set1_ps(pu[5 * S + t]), b, c5);
+      const __m512 v0 = _mm512_loadu_ps(v + t * D);
+      const __m512 v1 = _mm512_loadu_ps(v + t * D + 16);
+      __m512 x = _mm512_set1_ps(pu[t]);
+      a0 = _mm512_fmadd_ps(x, v0, a0);
+      b0 = _mm512_fmadd_ps(x, v1, b0);
+      x = _mm512_set1_ps(pu[S + t]);
+      a1 = _mm512_fmadd_ps(x, v0, a1);
+      b1 = _mm512_fmadd_ps(x, v1, b1);
+      x = _mm512_set1_ps(pu[2 * S + t]);
+      a2 = _mm512_fmadd_ps(x, v0, a2);
+      b2 = _mm512_fmadd_ps(x, v1, b2);
+      x = _mm512_set1_ps(pu[3 * S + t]);
+      a3 = _mm512_fmadd_ps(x, v0, a3);
+      b3 = _mm512_fmadd_ps(x, v1, b3);
+      x = _mm512_set1_ps(pu[4 * S + t]);
+      a4 = _mm512_fmadd_ps(x, v0, a4);
+      b4 = _mm512_fmadd_ps(x, v1, b4);
+      x = _mm512_set1_ps(pu[5 * S + t]);
+      a5 = _mm512_fmadd_ps(x, v0, a5);
+      b5 = _mm512_fmadd_ps(x, v1, b5);
     }
   }
-  _mm512_storeu_ps(out + col, c0);
-  _mm512_storeu_ps(out + D + col, c1);
-  _mm512_storeu_ps(out + 2 * D + col, c2);
-  _mm512_storeu_ps(out + 3 * D + col, c3);
-  _mm512_storeu_ps(out + 4 * D + col, c4);
-  _mm512_storeu_ps(out + 5 * D + col, c5);
+  _mm512_storeu_ps(out + col, a0);
+  _mm512_storeu_ps(out + col + 16, b0);
+  _mm512_storeu_ps(out + D + col, a1);
+  _mm512_storeu_ps(out + D + col + 16, b1);
+  _mm512_storeu_ps(out + 2 * D + col, a2);
+  _mm512_storeu_ps(out + 2 * D + col + 16, b2);
+  _mm512_storeu_ps(out + 3 * D + col, a3);
+  _mm512_storeu_ps(out + 3 * D + col + 16, b3);
+  _mm512_storeu_ps(out + 4 * D + col, a4);
+  _mm512_storeu_ps(out + 4 * D + col + 16, b4);
+  _mm512_storeu_ps(out + 5 * D + col, a5);
+  _mm512_storeu_ps(out + 5 * D + col + 16, b5);
+}
+
+// Every output column of 6 rows (D is 64 or 128: whole 32-column passes).
+template <int D>
+inline void pv_tiles(const float* p, const float* const* v_units, int num_units, float* out) {
+  for (int col = 0; col < D; col += 32) pv_tile2<D>(p, v_units, num_units, col, out);
 }
 
 #else
@@ -214,6 +295,18 @@ inline void pv_tile(const float* p, const float* const* v_units, int num_units, 
   _mm256_storeu_ps(out + 4 * D + col + 8, c41);
   _mm256_storeu_ps(out + 5 * D + col, c50);
   _mm256_storeu_ps(out + 5 * D + col + 8, c51);
+}
+
+// scores of 6 rows against every unit of a tile.
+template <int D>
+inline void qk_tiles(const float* q, const float* const* k_units, int num_units, float* scores) {
+  for (int u = 0; u < num_units; ++u) qk_tile<D>(q, k_units[u], scores + u * kUnit);
+}
+
+// Every output column of 6 rows.
+template <int D>
+inline void pv_tiles(const float* p, const float* const* v_units, int num_units, float* out) {
+  for (int col = 0; col < D; col += 16) pv_tile<D>(p, v_units, num_units, col, out);
 }
 
 #endif  // __AVX512F__
@@ -427,8 +520,7 @@ void run_task(const Task& task, const Step& st) {
       v_units[u] = v_copy;
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
-      for (int u = 0; u < num_units; ++u)
-        qk_tile<D>(qbuf + r * D, k_units[u], scores + r * kTileKeys + u * kUnit);
+      qk_tiles<D>(qbuf + r * D, k_units, num_units, scores + r * kTileKeys);
     for (int r = 0; r < tile_rows; ++r) {
       float* s = scores + r * kTileKeys;
       const int valid = static_cast<int>(std::clamp<int64_t>(limit[r] - first, 0, tile_keys));
@@ -456,8 +548,7 @@ void run_task(const Task& task, const Step& st) {
       }
     }
     for (int r = 0; r < tile_rows; r += kMicroRows)
-      for (int col = 0; col < D; col += 16)
-        pv_tile<D>(scores + r * kTileKeys, v_units, num_units, col, acc + r * D);
+      pv_tiles<D>(scores + r * kTileKeys, v_units, num_units, acc + r * D);
   }
   if (task.partial != nullptr) {
     std::memcpy(task.partial, acc, sizeof(float) * num_rows * D);
