@@ -14,15 +14,18 @@ its blocks; HF recomputes it per request).
 
 vLLM-CPU runs the same requests in a fresh process of its own (``benchmarks.support.vllm_batch``:
 eager, blocks of 32, 2,048 batched tokens, 64 sequences, no connector, the same
-``OMP_NUM_THREADS``): ``throughput_vs_vllm_cpu`` = vLLM wall time / engine wall time (target
->= 1.0, and the same ``_shared_prefix``), with ``greedy_agreement_vllm_cpu``. ``--no-vllm`` skips
-it.
+``OMP_NUM_THREADS``). The engine and vLLM-CPU run in turn ``--rounds`` times, each run a fresh
+engine or process (a cold prefix cache); ``throughput_vs_vllm_cpu`` is the median of the
+rounds' ratios (vLLM wall time / engine wall time; target >= 1.0, and the same
+``_shared_prefix``), ``..._interval`` its 95% interval (the lowest and highest ratio with
+fewer than six rounds), with ``greedy_agreement_vllm_cpu``. ``--no-vllm`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,7 @@ import torch
 
 from benchmarks.support.output import emit
 from benchmarks.support.requests import OUTPUT_TOKENS, make_requests
+from benchmarks.support.timing import paired_ratio_interval
 from benchmarks.support.vllm_batch import BLOCK_SIZE, run_batch
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
@@ -86,6 +90,53 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def run_round(
+    label: str,
+    requests: list[list[int]],
+    hf: torch.nn.Module,
+    folder: Path,
+    args: argparse.Namespace,
+) -> dict[str, object]:
+    """One case (``label``: "" or "_shared_prefix"): the engine against HF once, then the engine
+    and vLLM-CPU in turn ``args.rounds`` times; its figures, named with ``label``."""
+    # Progress on stderr: a 32-request round takes minutes on two cores.
+    print(f"round{label or ' (no shared prefix)'}: engine ...", file=sys.stderr, flush=True)
+    engine_s, engine_out, stats = run_engine(requests)
+    print(f"  engine {engine_s:.1f} s; HF generate ...", file=sys.stderr, flush=True)
+    hf_s, hf_out = run_hf(hf, requests)
+    print(f"  HF {hf_s:.1f} s", file=sys.stderr, flush=True)
+    tokens = sum(len(r) for r in requests) + OUTPUT_TOKENS * len(requests)
+    out: dict[str, object] = {
+        f"hf_s{label}": hf_s,
+        f"hf_tokens_per_s{label}": tokens / hf_s,
+        f"throughput_vs_hf{label}": hf_s / engine_s,
+        f"greedy_agreement{label}": agreement(engine_out, hf_out),
+        f"engine_prefill_tokens{label}": stats["num_prefill_tokens"],
+        f"prompt_tokens{label}": sum(len(r) for r in requests),
+    }
+    engine_runs = [engine_s]
+    if not args.no_vllm:
+        vllm_runs, agree = [], []
+        for i in range(args.rounds):
+            if i:
+                engine_runs.append(run_engine(requests)[0])
+            vllm_s, vllm_out = run_vllm_cpu(requests, folder)
+            vllm_runs.append(vllm_s)
+            agree.append(agreement(engine_out, vllm_out))
+            print(f"  engine {engine_runs[-1]:.1f} s, vLLM-CPU {vllm_s:.1f} s", file=sys.stderr)
+        low, median, high = paired_ratio_interval(vllm_runs, engine_runs)
+        out[f"vllm_cpu_s{label}"] = statistics.median(vllm_runs)
+        out[f"vllm_cpu_runs_s{label}"] = vllm_runs
+        out[f"throughput_vs_vllm_cpu{label}"] = median
+        out[f"throughput_vs_vllm_cpu{label}_interval"] = [round(low, 3), round(high, 3)]
+        out[f"greedy_agreement_vllm_cpu{label}"] = min(agree)
+    engine_med = statistics.median(engine_runs)
+    out[f"engine_s{label}"] = engine_med
+    out[f"engine_runs_s{label}"] = engine_runs
+    out[f"engine_tokens_per_s{label}"] = tokens / engine_med
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,6 +145,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--shared-prefix", type=int, default=2048)
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
+    parser.add_argument("--rounds", type=int, default=3, help="engine / vLLM-CPU runs in turn")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -108,30 +160,11 @@ def main() -> None:
         "output_tokens": OUTPUT_TOKENS,
         "threads": torch.get_num_threads(),
         "hf": "generate, batch 1",
+        "rounds": args.rounds,
     }
     for label, shared in (("", 0), ("_shared_prefix", args.shared_prefix)):
         requests = make_requests(args.num_requests, vocab, shared)
-        # Progress on stderr: a 32-request round takes minutes on two cores.
-        print(f"round{label or ' (no shared prefix)'}: engine ...", file=sys.stderr, flush=True)
-        engine_s, engine_out, stats = run_engine(requests)
-        print(f"  engine {engine_s:.1f} s; HF generate ...", file=sys.stderr, flush=True)
-        hf_s, hf_out = run_hf(hf, requests)
-        print(f"  HF {hf_s:.1f} s", file=sys.stderr, flush=True)
-        tokens = sum(len(r) for r in requests) + OUTPUT_TOKENS * len(requests)
-        result[f"engine_s{label}"] = engine_s
-        result[f"hf_s{label}"] = hf_s
-        result[f"engine_tokens_per_s{label}"] = tokens / engine_s
-        result[f"hf_tokens_per_s{label}"] = tokens / hf_s
-        result[f"throughput_vs_hf{label}"] = hf_s / engine_s
-        result[f"greedy_agreement{label}"] = agreement(engine_out, hf_out)
-        result[f"engine_prefill_tokens{label}"] = stats["num_prefill_tokens"]
-        result[f"prompt_tokens{label}"] = sum(len(r) for r in requests)
-        if not args.no_vllm:
-            vllm_s, vllm_out = run_vllm_cpu(requests, folder)
-            print(f"  vLLM-CPU {vllm_s:.1f} s", file=sys.stderr, flush=True)
-            result[f"vllm_cpu_s{label}"] = vllm_s
-            result[f"throughput_vs_vllm_cpu{label}"] = vllm_s / engine_s
-            result[f"greedy_agreement_vllm_cpu{label}"] = agreement(engine_out, vllm_out)
+        result.update(run_round(label, requests, hf, folder, args))
     emit(result, args.json)
 
 
