@@ -20,6 +20,7 @@ from benchmarks.support.fleet_live_requests import (
     TOKENS_PER_ID,
     live_requests,
     pick_sessions,
+    reuse_ceiling,
     unique_ids,
     warmup_prompts,
 )
@@ -136,7 +137,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print("fleet: simulated...", file=sys.stderr, flush=True)
         result["simulated"] = simulated(args.quick, args.trace)
     result.update(headline(result, BASELINE, TARGET_POLICY))
+    result.update(routing_bounds(policies, reuse_ceiling(requests)))
     return result
+
+
+def routing_bounds(policies: dict[str, dict[str, Any]], ceiling: float) -> dict[str, Any]:
+    """What a perfect router could reach on these requests: the reuse ceiling, and per baseline
+    the tokens it would compute (1 - ceiling) over those the baseline computed, which is the
+    tier-aware TTFT ratio's bound where TTFT follows the tokens computed."""
+    out: dict[str, Any] = {"token_hit_ceiling": ceiling}
+    for base in (BASELINE, "pool_only"):
+        hit = policies.get(base, {}).get("token_hit_ratio")
+        if hit is not None and hit < 1:
+            out[f"tier_aware_ttft_vs_{base}_bound"] = (1 - ceiling) / (1 - hit)
+    return out
 
 
 def command(args: argparse.Namespace) -> str:

@@ -151,3 +151,28 @@ def poisson_arrivals(count: int, rate_per_s: float, seed: int = 0) -> list[float
 def unique_ids(requests: Sequence[LiveRequest]) -> int:
     """Distinct hash ids over ``requests``: the blocks a fleet must hold to keep all of them."""
     return len({h for r in requests for h in r.hash_ids})
+
+
+def reuse_ceiling(requests: Sequence[LiveRequest], tokens_per_id: int = TOKENS_PER_ID) -> float:
+    """The token hit ratio of a cache that keeps everything and is always asked: per request, the
+    leading hash ids some earlier request had (as a prefix), as tokens, less the last prompt
+    token (engines compute it), over all prompt tokens. No routing policy can pass it.
+
+    Args:
+        requests: in the order they are sent.
+        tokens_per_id: tokens per hash id.
+
+    Returns:
+        The ratio, in [0, 1).
+    """
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for request in requests:
+        ids = request.hash_ids
+        found = 0
+        while found < len(ids) and ids[: found + 1] in seen:
+            found += 1
+        hit += min(found * tokens_per_id, len(request.prompt) - 1)
+        total += len(request.prompt)
+        seen.update(ids[: i + 1] for i in range(len(ids)))
+    return hit / total if total else 0.0

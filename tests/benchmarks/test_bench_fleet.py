@@ -17,10 +17,12 @@ from benchmarks.support.fleet_live_procs import Child, FleetSpec, replica_cores
 from benchmarks.support.fleet_live_report import TARGETS, headline
 from benchmarks.support.fleet_live_requests import (
     TOKEN_LOW,
+    LiveRequest,
     id_tokens,
     live_requests,
     pick_sessions,
     poisson_arrivals,
+    reuse_ceiling,
     warmup_prompts,
 )
 from benchmarks.support.fleet_live_runs import arrival_rate, hit_figures, ttft_figures
@@ -182,3 +184,14 @@ def test_pinned_replicas_get_a_core_each_and_a_child_runs_on_its_own(tmp_path: P
     assert child.proc.wait(timeout=60) == 0
     child.reap()
     assert child.log_tail().strip() == str([cores[-1]])
+
+
+def test_reuse_ceiling_counts_prefixes_seen_before_less_the_last_token() -> None:
+    def req(ids: tuple[int, ...], tokens: int) -> LiveRequest:
+        return LiveRequest(0, "s", 0, ids, tuple(range(tokens)))
+
+    # 2 ids of 4 tokens each: the second request has both ids seen, but must compute its last
+    # token; the third shares only the first id (its second follows another prefix).
+    requests = [req((1, 2), 8), req((1, 2), 8), req((1, 3), 8), req((3,), 4)]
+    assert reuse_ceiling(requests, tokens_per_id=4) == (0 + 7 + 4 + 0) / 28
+    assert reuse_ceiling([], tokens_per_id=4) == 0.0
