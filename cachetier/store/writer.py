@@ -3,8 +3,8 @@ queue, so a slow disk or link never holds up the engine's save; a full queue dro
 counts it, rather than blocking or growing without end.
 
 A writer at the lowest priority (``SCHED_IDLE``) runs only on cores nothing else wants. An
-engine whose threads spin while they wait for each other (vLLM-CPU's OpenMP team) leaves none,
-so that writer may never run: in a replayed trace through vLLM-CPU the disk tier took one byte
+engine that keeps every core busy while it serves (vLLM-CPU) leaves none, so that writer may
+never run: in a replayed trace through vLLM-CPU the disk tier took one byte
 in ten of those saved and the rest were dropped from a full queue. A second thread, at nice 19
 but in the normal class (which the kernel still gives a slice to), applies puts that have
 waited longer than ``AGED_AFTER_S``: it wakes once a second and does nothing while the idle
