@@ -162,11 +162,11 @@ def tier_bytes_in(metrics: str) -> dict[str, float]:
 
 
 def report_prediction(
-    requests: list[TrafficRequest], work: Path, block_bytes: int, pool_blocks: int
+    requests: list[TrafficRequest], work: Path, block_bytes: int, pool_blocks: int, in_flight: int
 ) -> dict:
     """``cachetier report`` on the window as a scaled trace, with the engines' pool and the
-    connector's tier sizes, and the restore guard as it runs at defaults (its first hit per
-    tier computed)."""
+    connector's tier sizes, the client's requests in flight, and the restore guard as it runs
+    at defaults (its first hit per tier computed)."""
     trace = work / "window.jsonl"
     write_scaled_trace(requests, trace)
     record = block_bytes + RECORD_HEADER_BYTES
@@ -176,6 +176,7 @@ def report_prediction(
     argv += ["--block-size", str(TOKENS_PER_ID), "--cpu-blocks", str(cpu_blocks)]
     argv += ["--disk-blocks", str(disk_blocks), "--capacities", str(cpu_blocks)]
     argv += ["--pool-blocks", str(pool_blocks), "--guard-first-hits", str(GUARD_FIRST_HITS)]
+    argv += ["--in-flight", str(in_flight)]
     argv += ["--admission-policies", "none", "--curve-policies", "lru", "--jobs", "1"]
     argv += ["--quiet", "--out", str(work / "report.html"), "--json-out", str(out_json)]
     done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
@@ -282,13 +283,20 @@ def run_all(
 
 
 def compare_with_report(
-    requests: list[TrafficRequest], work: Path, shape: Shape, live: list[Answer] | None
+    requests: list[TrafficRequest],
+    work: Path,
+    shape: Shape,
+    live: list[Answer] | None,
+    in_flight: int,
 ) -> dict[str, Any]:
-    """The report's prediction, and where the live run of ``TARGET`` differs from it."""
-    report = report_prediction(requests, work, shape.block_bytes, shape.pool_blocks)
+    """The report's prediction (``in_flight``: the client's requests in flight), and where the
+    live run of ``TARGET`` differs from it."""
+    report = report_prediction(requests, work, shape.block_bytes, shape.pool_blocks, in_flight)
     if live is not None and "cpu_blocks" in report:
         blocks = (shape.pool_blocks, report["cpu_blocks"], report["disk_blocks"])
-        predicted = figures.predicted_hits(requests, TOKENS_PER_ID, blocks, GUARD_FIRST_HITS)
+        predicted = figures.predicted_hits(
+            requests, TOKENS_PER_ID, blocks, GUARD_FIRST_HITS, in_flight
+        )
         report["live_vs_report"] = figures.hit_gap(live, predicted)
     return report
 
@@ -304,7 +312,9 @@ def main() -> None:
         # --work-dir keeps the servers' folders, logs and answers for a look after the run.
         work = Path(tempfile.mkdtemp(prefix="traffic-", dir=args.work_dir or tmp))
         result["configs"], answers = run_all(names, work, shape, requests, args)
-        result["report"] = compare_with_report(requests, work, shape, answers.get(TARGET))
+        result["report"] = compare_with_report(
+            requests, work, shape, answers.get(TARGET), args.concurrency
+        )
     result["headline"] = head = figures.headline(
         result["configs"], BASELINE, TARGET, result["ceiling_hit_rate"]
     )

