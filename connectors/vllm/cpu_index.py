@@ -13,9 +13,11 @@ class WorkerCPUIndex:
     """The scheduler's view of the worker's in-process CPU tier, from what the worker reports.
 
     Disk and Redis the scheduler asks itself; the worker's CPU tier lives in another object (or
-    process), so the worker reports the keys it stored and the keys it failed to restore. The
-    index is an LRU bounded like the tier, so it may believe in a block the tier evicted: that
-    load then fails and vLLM recomputes the block.
+    process), so the worker reports the keys it stored or loaded and the keys it failed to
+    restore. The index is an LRU bounded like the tier and used in the same order (a load is a
+    use: without it, a conversation served from the tier turn after turn aged out of the index
+    by its write alone while the tier kept it, and every later turn missed). It may still
+    believe in a block the tier evicted: that load then fails and vLLM recomputes the block.
 
     Args:
         max_blocks: most keys kept (the CPU tier's capacity in blocks); 0 keeps none.

@@ -88,7 +88,8 @@ class CacheTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class StoredBlocks(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: keys the worker stored or failed to restore, by namespace id.
+    """Worker -> scheduler: keys the worker stored (or loaded: its CPU tier then holds them,
+    just used) or failed to restore, by namespace id.
 
     The scheduler's view of the worker's in-process CPU tier needs the keys (disk and Redis the
     scheduler can ask itself); its cost model needs the step times and tier rates.

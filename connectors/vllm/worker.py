@@ -80,6 +80,9 @@ class CacheTierWorker:
         events: VllmEventSink | None = None,
     ) -> None:
         self._store = store
+        # A load from a store with a CPU tier leaves the records there, just used (a CPU hit is
+        # touched, a lower tier's is promoted): the scheduler's view of that tier must learn it.
+        self._cpu_takes_loads = any(tier.name == "cpu" for tier in store.tiers)
         self._arrangement = arrangement
         self._layout = arrangement.layout
         self._record_layout = record_layout(self._layout, record_tokens)
@@ -298,6 +301,9 @@ class CacheTierWorker:
             if num_good:
                 self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
                 self._stats.add(copy_s=copy_s)
+                if self._cpu_takes_loads:
+                    loaded = transfer.keys[: num_good * per_block]
+                    self._report.stored.setdefault(transfer.namespace_id, []).extend(loaded)
             if num_good < len(transfer.block_ids):
                 self._failed_from(transfer, num_good)
                 if not asynchronous:

@@ -14,8 +14,13 @@ import torch
 pytest.importorskip("vllm")
 
 from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
+from cachetier.connectors.vllm.cpu_index import WorkerCPUIndex  # noqa: E402
 from cachetier.connectors.vllm.layouts import CPU_VEC, VllmArrangement  # noqa: E402
-from cachetier.connectors.vllm.metadata import BlockTransfer, CacheTierConnectorMetadata  # noqa: E402
+from cachetier.connectors.vllm.metadata import (  # noqa: E402
+    BlockTransfer,
+    CacheTierConnectorMetadata,
+    StoredBlocks,
+)
 from cachetier.connectors.vllm.paged import PagedKV  # noqa: E402
 from cachetier.connectors.vllm.worker import CacheTierWorker  # noqa: E402
 from cachetier.kernels.staging import payload_view  # noqa: E402
@@ -258,3 +263,28 @@ def test_records_of_a_block_are_joined_on_load_and_a_half_block_is_not_loaded(
     assert [nbytes for nbytes, _ in report.copies] == [LAYOUT.block_bytes]
     assert report.failed == {namespace.id: list(keys[2:])}  # both records of the failed block
     worker.close()
+
+
+def test_a_load_is_reported_as_a_use_of_the_cpu_tier(tmp_path: Path) -> None:
+    # The scheduler's view of the worker's CPU tier is an LRU like the tier: a load touches the
+    # tier's record (or promotes a lower tier's into it), so the view must move it up too, or a
+    # conversation the tier keeps serving ages out of the view and its next turn misses.
+    config = ConnectorConfig.from_extra_config({"cpu_bytes": 1 << 20, "disk_path": str(tmp_path)})
+    with open_store(config, with_cpu=True) as store:
+        arrangement = VllmArrangement(CPU_VEC, LAYOUT)
+        namespace = Namespace("test-model", LAYOUT)
+        keys = block_keys(namespace, list(range(100, 100 + 2 * BS)))
+        _put(store, namespace, keys, PagedKV(_caches(0), NAMES, arrangement).gather([5, 1]))
+        worker = CacheTierWorker(store, arrangement, NAMES, BS)
+        worker.register_kv_caches(_caches(1))
+        transfer = BlockTransfer("r", namespace.id, namespace.fingerprint, tuple(keys), (2, 3))
+        worker.load(CacheTierConnectorMetadata(loads=[transfer]))
+        report = worker.take_report()
+    assert report is not None and report.stored == {namespace.id: list(keys)}
+    index = WorkerCPUIndex(max_blocks=3)
+    others = block_keys(namespace, list(range(900, 900 + 2 * BS)))
+    index.update(StoredBlocks(stored={namespace.id: [keys[0], keys[1], others[0]]}))
+    index.update(report)  # keys 0 and 1 used again: others[0] is now the oldest
+    index.update(StoredBlocks(stored={namespace.id: [others[1]]}))
+    assert index.leading(namespace.id, keys) == 2
+    assert index.leading(namespace.id, others) == 0
