@@ -212,7 +212,7 @@ def main(description: str) -> None:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="each replica on a core of its own (os.sched_setaffinity)",
+        help="each replica on a core of its own (taskset)",
     )
     parser.add_argument("--max-ids", type=int, default=48, help="longest prompt, in hash ids")
     parser.add_argument("--max-turns", type=int, default=6, help="turns kept per session")

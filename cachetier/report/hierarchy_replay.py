@@ -116,19 +116,19 @@ def replay_hierarchy(
         number of leading blocks each request hit.
     """
     names = (("pool",) if config.pool_blocks else ()) + TIER_NAMES
-    capacities = ((config.pool_blocks,) if config.pool_blocks else ()) + (
-        config.cpu_blocks,
-        config.disk_blocks,
-    )
-    tiers = [CPUTier(CPUTierConfig(capacity, policy=config.policy)) for capacity in capacities]
+    tiers = [
+        CPUTier(CPUTierConfig(capacity, policy=config.policy))
+        for capacity in (config.cpu_blocks, config.disk_blocks)
+    ]
+    pool = None
     if config.pool_blocks:
         # The pool as a tier whose pins are the blocks running requests hold: all but a sliver.
-        tiers[0] = CPUTier(
-            CPUTierConfig(config.pool_blocks, policy=config.policy, max_pinned_fraction=0.99)
+        pool_config = CPUTierConfig(
+            config.pool_blocks, policy=config.policy, max_pinned_fraction=0.99
         )
-    timeline = _PoolTimeline(
-        tiers[0] if config.pool_blocks else None, trace.namespace.id, config.in_flight
-    )
+        pool = CPUTier(pool_config)
+        tiers.insert(0, pool)
+    timeline = _PoolTimeline(pool, trace.namespace.id, config.in_flight)
     guard_left = dict.fromkeys(TIER_NAMES, config.guard_first_hits)
     ns, size = trace.namespace.id, trace.block_size
     events: list[LookupEvent] = []

