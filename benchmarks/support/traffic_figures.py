@@ -28,6 +28,7 @@ _SOURCE_RE = re.compile(
 _CLOSE_RE = re.compile(r"cachetier: tier counters at close: (\{.*\}); (\d+) blocks dropped")
 _SAVED_RE = re.compile(r"KV Transfer metrics: .*?saved_bytes=(\d+)")
 _REFUSAL_RE = re.compile(r"request \S+: recomputing (\d+) of (\d+) stored")
+PREFILL_ONLY = "vllm-prefill-only"  # the configuration that measures the prefill share
 VLLM_SOURCES = {"local_cache_hit": "pool", "external_kv_transfer": "external"}
 
 
@@ -169,9 +170,12 @@ def headline(
         "ttft_vs_work_bound": ratio(ttft, work),
         "throughput_vs_work_bound": round(rps * work, 4) if rps and work else None,
         "outputs_identical": all(
-            c.get("outputs_identical", False) for n, c in configs.items() if not c.get("error")
+            c.get("outputs_identical", False)
+            for n, c in configs.items()
+            if not c.get("error") and n != PREFILL_ONLY
         ),
     }
+    out.update(throughput_ceiling(configs.get(PREFILL_ONLY) or {}, base, work))
     lm = configs.get("vllm+lmcache") or {}
     out["lmcache_ran"] = bool(lm) and not lm.get("error")
     out["lmcache_error"] = lm.get("error")
@@ -179,6 +183,26 @@ def headline(
         out["ttft_mean_vs_lmcache"] = ratio(ours["ttft_mean_s"], lm["ttft_mean_s"])
         out["throughput_vs_lmcache"] = ratio(ours["requests_per_s"], lm["requests_per_s"])
     return out
+
+
+def throughput_ceiling(
+    prefill_only: dict[str, Any], base: dict[str, Any], work: float | None
+) -> dict[str, Any]:
+    """The most ``throughput_vs_work_bound`` can be when decode costs what it costs.
+
+    ``prefill_only`` is vLLM alone on the same requests with one output token each: its wall
+    over the baseline's is the share ``f`` of the baseline's time that prefill (and each
+    request's fixed overhead, which a cache cannot save either, so ``f`` errs high) takes.
+    Computing ``work`` of the prefill at best leaves ``1 - f * (1 - work)`` of the time, so
+    requests per second rise at most ``1 / (1 - f * (1 - work))`` times and the figure is at
+    most ``work`` times that: 1.0 only where prefill is the whole cost."""
+    if not prefill_only or prefill_only.get("error") or not work or not base.get("wall_s"):
+        return {}
+    share = min(1.0, prefill_only["wall_s"] / base["wall_s"])
+    return {
+        "baseline_prefill_share": round(share, 4),
+        "throughput_vs_work_bound_ceiling": round(work / (1 - share * (1 - work)), 4),
+    }
 
 
 def predicted_hits(

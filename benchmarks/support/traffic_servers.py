@@ -46,6 +46,7 @@ CONFIGURATIONS = (
     "engine+cachetier",
     "vllm+lmcache",
     "vllm+offloading",
+    "vllm-prefill-only",
 )
 
 
@@ -213,7 +214,7 @@ def vllm_config(name: str, folder: Path, shape: Shape) -> VllmServer:
         extra = lmcache_env(disk)
     elif name == "vllm+offloading":
         argv += ["--kv-transfer-config", json.dumps(offloading_transfer_config(shape))]
-    elif name != "vllm":
+    elif name not in ("vllm", "vllm-prefill-only"):
         raise ValueError(f"not a vLLM configuration: {name}")
     return VllmServer(name, folder, argv, vllm_env(shape, **extra), python)
 

@@ -188,3 +188,27 @@ def test_figures_and_the_headline() -> None:
     assert head["ttft_vs_work_bound"] == pytest.approx(0.25 / 0.3333, abs=1e-3)
     assert head["outputs_identical"] is False and head["lmcache_ran"] is False
     assert figures.percentile([4.0, 1.0, 2.0, 3.0], 0.9) == pytest.approx(3.7)
+
+
+def test_the_throughput_ceiling_is_the_prefill_share_a_cache_can_take() -> None:
+    base = {"wall_s": 100.0, "prompt_tokens_computed": 100}
+    # Prefill is half the baseline's time and the cache leaves 0.8 of it: the time falls to
+    # 0.9, requests per second rise 1/0.9 times, and work x that is 0.8/0.9.
+    got = figures.throughput_ceiling({"wall_s": 50.0}, base, 0.8)
+    assert got["baseline_prefill_share"] == 0.5
+    assert got["throughput_vs_work_bound_ceiling"] == pytest.approx(0.8 / 0.9, abs=1e-4)
+    # All prefill: the ceiling is 1.0; a noisy share over 1 counts as 1.
+    assert figures.throughput_ceiling({"wall_s": 120.0}, base, 0.8)[
+        "throughput_vs_work_bound_ceiling"
+    ] == pytest.approx(1.0)
+    assert figures.throughput_ceiling({"error": "did not start"}, base, 0.8) == {}
+    # The prefill-only run's one-token outputs are not held against the baseline's.
+    ours = {**base, "outputs_identical": True, "hit_rate": 0.5, "ttft_mean_s": 1.0}
+    ours.update(requests_per_s=1.0, ttft_p50_s=1.0, ttft_p90_s=1.0)
+    head = figures.headline(
+        {"vllm": ours, "vllm+cachetier": ours, figures.PREFILL_ONLY: {"wall_s": 50.0}},
+        "vllm",
+        "vllm+cachetier",
+        ceiling=0.6,
+    )
+    assert head["outputs_identical"] is True and head["baseline_prefill_share"] == 0.5
