@@ -4,13 +4,17 @@ Layout (little-endian)::
 
     magic "CTKV" | version u16 | compression u8 | dtype u8 | ndim u8 | pad u8 | num_tokens u32
     key 32B | namespace fingerprint 32B | aux_len u32 | payload_len u64 | raw_len u64
-    shape ndim x u64 | checksum u64 | aux (aux_len B) | payload (payload_len B)
+    shape ndim x u64 | writer 16B | checksum u64 | aux (aux_len B) | payload (payload_len B)
 
 The checksum covers every byte of the record but itself, so a torn write, a flipped bit or a
 truncated file is always caught. The key and the fingerprint are checked against what the
 caller asked for, so a record can never be served under another key or another model.
 
-Version 2, the one written: the record is cut into ``SEGMENT_BYTES`` segments at fixed
+Version 3, the one written, is version 2 with the writer: the id of the process that wrote the
+record (``cachetier.record.writer``), inside the checksummed head, so the restore guard can
+trust and quarantine writers one by one. Versions 1 and 2 are read with an unknown writer.
+
+Version 2: the record is cut into ``SEGMENT_BYTES`` segments at fixed
 offsets from its first byte (the checksum field's 8 bytes are left out of the first), each is
 hashed with xxh3-64, and the checksum is the xxh3-64 of those digests in order. A large record
 can then be read on two threads that each hash the segments they read while those are still in
@@ -38,6 +42,7 @@ from cachetier.record.codec import (
     reseal,
 )
 from cachetier.record.reading import read_record
+from cachetier.record.writer import UNKNOWN_WRITER, process_writer, writer_name, writer_of
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,6 +50,7 @@ __all__ = [
     "MAX_NDIM",
     "PEEK_BYTES",
     "SEGMENT_BYTES",
+    "UNKNOWN_WRITER",
     "Buffer",
     "Compression",
     "KVBlock",
@@ -55,8 +61,11 @@ __all__ = [
     "peek_inflated_nbytes",
     "peek_key",
     "plain_record_nbytes",
+    "process_writer",
     "read_record",
     "record_checksum",
     "record_nbytes",
     "reseal",
+    "writer_name",
+    "writer_of",
 ]

@@ -35,6 +35,8 @@ class KVBlock:
         format_version: the record format version it was read from (``cachetier.record``), 0
             for a block made in memory; the restore guard names it when a record is wrong, as
             the first thing to suspect after an upgrade.
+        writer: the id of the process that wrote its record (``cachetier.record.writer``);
+            ``None`` for a block made in this process, whose record names this process.
     """
 
     key: BlockHash
@@ -46,6 +48,7 @@ class KVBlock:
     aux: Buffer = b""
     verified: tuple[Buffer, Buffer, bytes] | None = field(default=None, compare=False, repr=False)
     format_version: int = field(default=0, compare=False, repr=False)
+    writer: bytes | None = field(default=None, compare=False, repr=False)
 
     # Payload plus side data, counted once here: a connector's small gets read it per block.
     _nbytes: int = field(default=0, init=False, compare=False, repr=False)
@@ -111,7 +114,7 @@ def checked_block(*values: Any) -> KVBlock:
 
     Args:
         values: every slot, in ``KVBlock.__slots__`` order (``_nbytes`` last: payload plus
-            aux bytes, after ``format_version``).
+            aux bytes, after ``writer``).
 
     Returns:
         The block.

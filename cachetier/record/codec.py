@@ -16,10 +16,12 @@ import xxhash
 from cachetier.errors import CorruptBlockError
 from cachetier.primitives.keys import DTYPE_BYTES, HASH_BYTES, BlockHash
 from cachetier.record.block import MAX_NDIM, Buffer, KVBlock, checked_block
+from cachetier.record.writer import UNKNOWN_WRITER, WRITER_BYTES, writer_of
 
 MAGIC = b"CTKV"
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+_WRITER_SINCE = 3  # the first version whose head names its writer
 # Version 2's checksum segment: a multiple of the page size, so a segment boundary is a page
 # boundary in a file, and small enough that a segment just read is still in cache when hashed.
 SEGMENT_BYTES = 512 * 1024
@@ -69,9 +71,9 @@ def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) ->
         len(block.aux),
         len(payload),
         raw.nbytes,
-        _FIXED.size + 8 * ndim,
+        _FIXED.size + 8 * ndim + WRITER_BYTES,
     )
-    head = _pack_fixed(fields) + struct.pack(f"<{ndim}Q", *block.shape)
+    head = _pack_fixed(fields) + struct.pack(f"<{ndim}Q", *block.shape) + writer_of(block.writer)
     seen = block.verified
     if used == Compression.NONE and seen and seen[0] is block.data and seen[1] is block.aux:
         return [head + seen[2], block.aux, payload]  # the same record: the same checksum
@@ -84,7 +86,7 @@ def encode_parts(block: KVBlock, compression: Compression = Compression.NONE) ->
 def plain_record_nbytes(block: KVBlock) -> int:
     """The length of ``block``'s uncompressed record (``encode_parts`` with no compression),
     known without hashing its payload: a sender can announce it before encoding the record."""
-    return _FIXED.size + 8 * len(block.shape) + 8 + block.nbytes
+    return _FIXED.size + 8 * len(block.shape) + WRITER_BYTES + 8 + block.nbytes
 
 
 def encode_record(block: KVBlock, compression: Compression = Compression.NONE) -> bytes:
@@ -182,8 +184,14 @@ def reseal(record: bytearray | memoryview) -> None:
     tools and tests that edit records on purpose (nothing on a read or write path uses it)."""
     view = memoryview(record).cast("B")
     version, ndim = struct.unpack_from("<H", view, 4)[0], view[8]
-    head_len = _FIXED.size + 8 * ndim
+    head_len = _head_len(version, ndim)
     view[head_len : head_len + 8] = _whole_checksum(version, view, head_len)
+
+
+def _head_len(version: int, ndim: int) -> int:
+    """Bytes of a record's head before its checksum: the fixed part, the shape and, from
+    version 3, the writer id."""
+    return _FIXED.size + 8 * ndim + (WRITER_BYTES if version >= _WRITER_SINCE else 0)
 
 
 def _whole_checksum(version: int, record: memoryview, head_len: int) -> bytes:
@@ -244,7 +252,7 @@ def _parse_header(view: memoryview, max_raw_bytes: int | None) -> _Header:
         aux,
         payload,
         raw,
-        _FIXED.size + 8 * ndim,
+        _head_len(version, ndim),
     )
 
 
@@ -293,6 +301,8 @@ def _build(
     if h.num_tokens <= 0:
         raise CorruptBlockError(f"record claims {h.num_tokens} tokens")
     aux_bytes = bytes(aux)
+    shape_end = _FIXED.size + 8 * h.ndim
+    writer = bytes(head[shape_end : h.head_len]) if h.version >= _WRITER_SINCE else UNKNOWN_WRITER
     verified = None
     if remember and h.comp == Compression.NONE and _canonical(h, head):
         verified = (data, aux_bytes, digest)
@@ -309,6 +319,7 @@ def _build(
         aux_bytes,
         verified,
         h.version,
+        writer,
         h.raw_len + len(aux_bytes),
     )
 

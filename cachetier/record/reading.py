@@ -21,12 +21,15 @@ from cachetier.record.codec import (
     _segment_digests,
     _whole_checksum,
 )
+from cachetier.record.writer import WRITER_BYTES
 from cachetier.util import buffers, parallel
 from cachetier.util.landing import Destination, flat, parts
 
 # The first read of a record read whole: its head (and whatever follows) up to a page boundary.
 _PAGE = 4096
-assert _FIXED.size + 8 * MAX_NDIM + 8 <= _PAGE, "a record's head must fit its first page"
+assert _FIXED.size + 8 * MAX_NDIM + WRITER_BYTES + 8 <= _PAGE, (
+    "a record's head must fit its first page"
+)
 # Small enough to still sit in the last-level cache when it is checksummed, large enough to
 # keep syscalls few: for multi-megabyte records from the page cache, 2 MiB chunks beat both
 # smaller ones and 4 MiB (the peers benchmark's disk reads agree).

@@ -8,7 +8,15 @@ import struct
 
 import cachetier.record.reading as reading_module
 from cachetier.primitives.keys import Namespace
-from cachetier.record import KVBlock, decode_record, encode_record, read_record, reseal
+from cachetier.record import (
+    PEEK_BYTES,
+    KVBlock,
+    decode_record,
+    encode_record,
+    read_record,
+    reseal,
+)
+from cachetier.record.writer import WRITER_BYTES
 from tests.support import make_blocks
 
 
@@ -65,9 +73,17 @@ def one_record(namespace: Namespace) -> tuple[KVBlock, bytearray]:
     return block, bytearray(encode_record(block))
 
 
-def as_version_1(record: bytes) -> bytearray:
-    """``record`` as the previous format wrote it: version 1, one xxh3-64 over it all."""
+def as_version(record: bytes, version: int) -> bytearray:
+    """``record`` as an earlier format wrote it: no writer id (versions 1 and 2), and one
+    xxh3-64 over it all (version 1)."""
     old = bytearray(record)
-    struct.pack_into("<H", old, 4, 1)
+    shape_end = PEEK_BYTES + 8 * old[8]
+    del old[shape_end : shape_end + WRITER_BYTES]
+    struct.pack_into("<H", old, 4, version)
     reseal(old)
     return old
+
+
+def as_version_1(record: bytes) -> bytearray:
+    """``record`` as the first format wrote it (``as_version``)."""
+    return as_version(record, 1)

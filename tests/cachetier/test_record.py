@@ -19,6 +19,7 @@ from cachetier.primitives.keys import Namespace
 from cachetier.record import (
     FORMAT_VERSION,
     SEGMENT_BYTES,
+    UNKNOWN_WRITER,
     Compression,
     KVBlock,
     decode_record,
@@ -26,11 +27,12 @@ from cachetier.record import (
     encode_record,
     peek_key,
     plain_record_nbytes,
+    process_writer,
     read_record,
     record_nbytes,
     reseal,
 )
-from tests.cachetier.record_readers import DECODERS, as_version_1, one_record
+from tests.cachetier.record_readers import DECODERS, as_version, one_record
 from tests.support import SMALL_LAYOUT, make_blocks
 
 
@@ -135,22 +137,40 @@ def test_unknown_version_is_refused(namespace: Namespace) -> None:
 
 
 @pytest.mark.parametrize("decode", DECODERS)
-def test_records_of_the_previous_version_are_still_read(
-    namespace: Namespace, decode: Callable[..., KVBlock]
+def test_a_record_names_its_writer(namespace: Namespace, decode: Callable[..., KVBlock]) -> None:
+    block = make_blocks(namespace, 1)[0]
+    assert decode(encode_record(block)).writer == process_writer()  # made here: this process
+    other = dataclasses.replace(block, writer=b"w" * 16)
+    back = decode(encode_record(other))
+    assert back.writer == b"w" * 16
+    assert encode_record(back) == encode_record(other)  # kept as it travels on
+    # The writer is inside the checksummed head: another writer's name is caught.
+    record = bytearray(encode_record(other))
+    record[record.index(b"w" * 16)] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode(bytes(record))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("decode", DECODERS)
+def test_records_of_earlier_versions_are_still_read(
+    namespace: Namespace, decode: Callable[..., KVBlock], version: int
 ) -> None:
     block = make_blocks(namespace, 1)[0]
-    old = as_version_1(encode_record(block))
+    old = as_version(encode_record(block), version)
     back = decode(bytes(old), key=block.key)
     assert bytes(back.data) == bytes(block.data)
+    assert back.writer == UNKNOWN_WRITER  # written before records named their writer
     assert back.verified is None  # encoding it again writes the current version, hashed afresh
-    assert encode_record(back) == encode_record(block)
+    assert encode_record(back) == encode_record(dataclasses.replace(block, writer=UNKNOWN_WRITER))
     old[-1] ^= 1
     with pytest.raises(CorruptBlockError, match="checksum"):
         decode(bytes(old))
-    # The version is covered too: a current record relabelled as version 1 fails its check.
+    # The version is covered too: a current record relabelled as an older one is refused.
     relabelled = bytearray(encode_record(block))
-    struct.pack_into("<H", relabelled, 4, 1)
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    struct.pack_into("<H", relabelled, 4, version)
+    # (a version-3 head is longer by its writer, so the lengths disagree first)
+    with pytest.raises(CorruptBlockError, match="checksum|claims"):
         decode(bytes(relabelled))
 
 

@@ -80,7 +80,8 @@ def cpu_harness(tmp: Path) -> TierHarness:
     )
 
 
-RECORD_OVERHEAD = 4 + 2 + 4 + 4 + 32 + 32 + 4 + 16 + 5 * 8 + 8  # header of a 5-dim block
+# The header of a 5-dim block: fixed part, shape, writer id, checksum.
+RECORD_OVERHEAD = 4 + 2 + 4 + 4 + 32 + 32 + 4 + 16 + 5 * 8 + 16 + 8
 
 
 def disk_harness(tmp: Path) -> TierHarness:
