@@ -66,6 +66,7 @@ from cachetier.connectors.records import check_record, payload_block
 from cachetier.errors import CacheTierError
 from cachetier.primitives.keys import Namespace, foreign_key
 from cachetier.record import KVBlock
+from cachetier.util.log_setup import share_handlers
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class CacheTierBackend(StoragePluginInterface):
         local_cpu_backend: Any = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        share_handlers("lmcache")  # the core's warnings in lmcache's own format
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
         extra = dict(getattr(config, "extra_config", None) or {})
         settings = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}

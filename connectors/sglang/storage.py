@@ -66,6 +66,7 @@ from cachetier.connectors.sglang.pages import HostPoolPages
 from cachetier.errors import CacheTierError
 from cachetier.primitives.keys import BlockHash, Namespace, foreign_key
 from cachetier.store.tiered import TieredStore
+from cachetier.util.log_setup import share_handlers
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class CacheTierStorage(HiCacheStorage):
     def __init__(
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
+        share_handlers("sglang")  # the core's warnings in sglang's own format
         settings = {
             k: v for k, v in (storage_config.extra_config or {}).items() if k not in _SGLANG_KEYS
         }

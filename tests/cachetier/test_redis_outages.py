@@ -3,6 +3,7 @@ after a restart, and a thin link read whole with a longer timeout."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -174,3 +175,27 @@ def test_a_store_across_a_thin_link_reads_whole_with_a_longer_timeout(
             assert store.stats()["tiers"]["redis"]["errors"] == 0
     with pytest.raises(ValueError, match="redis_timeout_s"):
         StoreConfig(redis_url=redis_url, redis_timeout_s=0)
+
+
+def test_an_unreachable_redis_is_said_at_error_once_then_warned_a_minute_apart(
+    make_tier: MakeTier, namespace: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    with refusing_port() as port:
+        clock = FakeClock()
+        url = f"redis://user:s3cret@127.0.0.1:{port}/0"
+        tier = make_tier(url=url, failure_threshold=1, clock=clock, **FAST_FAIL)
+        keys = keys_of(make_blocks(namespace, 2))
+        with caplog.at_level(logging.WARNING, logger="cachetier"):
+            for _ in range(5):
+                tier.get_many(namespace.id, keys)
+                clock.advance(5.0)  # the breaker lets a trial call through again
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0].getMessage()
+            assert "cannot be reached" in errors[0].getMessage()
+            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            clock.advance(61.0)
+            tier.get_many(namespace.id, keys)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "still cannot be reached" in warnings[0]
+        assert "s3cret" not in caplog.text  # the password is masked everywhere
+        tier.close()

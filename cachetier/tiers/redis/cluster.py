@@ -160,8 +160,10 @@ class ClusterRouter:
         count_error: Callable[[int], None],
         count_skipped: Callable[[], None],
         on_auth_refused: Callable[[BaseException], None] = lambda exc: None,
+        on_down: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self._connect = connect
+        self._on_down = on_down
         self._map_guard = Guard(
             breaker, _map_fault, on_failure=self._map_failed, on_skipped=self._map_skipped
         )
@@ -297,19 +299,22 @@ class ClusterRouter:
 
     def _map_failed(self, exc: BaseException, fault: Fault) -> None:
         self._count_error(1)
-        self._maybe_auth_refused(exc)
+        if not self._maybe_auth_refused(exc) and fault is not Fault.ANSWERED:
+            self._on_down(exc)
 
-    def _maybe_auth_refused(self, exc: BaseException) -> None:
+    def _maybe_auth_refused(self, exc: BaseException) -> bool:
         """Tell ``on_auth_refused`` if ``exc`` is (or was caused by) a refusal of our
-        credentials: redis-py wraps one met while reading the slot map in its own exception."""
+        credentials: redis-py wraps one met while reading the slot map in its own exception.
+        Whether it was."""
         seen: BaseException | None = exc
         for _ in range(8):  # a cause chain is short; never loop on a cycle
             if seen is None:
-                return
+                return False
             if isinstance(seen, AuthenticationError):
                 self._on_auth_refused(seen)
-                return
+                return True
             seen = seen.__cause__ or seen.__context__
+        return False
 
     def _mark_stale(self) -> None:
         with self._lock:
@@ -334,7 +339,8 @@ class ClusterRouter:
         self._count_error(1)
         if fault is Fault.ANSWERED:
             return
-        self._maybe_auth_refused(exc)
+        if not self._maybe_auth_refused(exc):
+            self._on_down(exc)
         if breaker.is_open:
             self._mark_stale()  # a replica may have taken over the master's slots
 

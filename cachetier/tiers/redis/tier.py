@@ -81,7 +81,7 @@ from cachetier.tiers.redis.transports import (
 from cachetier.util.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
 from cachetier.util.landing import Destination, normalize
 from cachetier.util.redact import redact, redact_url
-from cachetier.util.throttle import LogThrottle
+from cachetier.util.throttle import DownLog, LogThrottle
 
 __all__ = ["AUTH_LOG_INTERVAL_S", "RedisTier"]
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class RedisTier(Tier):
         self._num_skipped = 0
         self._last_used_bytes = 0
         self._auth_log = LogThrottle(AUTH_LOG_INTERVAL_S, clock)
+        self._down_log = DownLog(logger, "Redis", redact_url(config.url), clock=clock)
         self._transport: Transport
         self._pins: RedisPins | None = None
         if config.cluster:  # connects on first use: building the client reads the slot map
@@ -120,6 +121,7 @@ class RedisTier(Tier):
                 count_error=lambda n: self._stats.add(errors=n),
                 count_skipped=self._count_skipped,
                 on_auth_refused=self._auth_refused,
+                on_down=lambda exc: self._down_log.failed(redact(f"{type(exc).__name__}: {exc}")),
             )
             self._transport = ClusterTransport(config, router)
         else:
@@ -323,6 +325,8 @@ class RedisTier(Tier):
         self._stats.add(errors=1)
         if isinstance(exc, (RedisAuthenticationError, RespAuthError)):
             self._auth_refused(exc)
+        elif fault is not Fault.ANSWERED:
+            self._down_log.failed(redact(f"{type(exc).__name__}: {exc}"))
 
     def _count_skipped(self) -> None:
         with self._lock:

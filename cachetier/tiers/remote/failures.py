@@ -23,7 +23,7 @@ from cachetier.tiers.remote.config import RemoteTierConfig
 from cachetier.tiers.stats import TierStats
 from cachetier.util.backoff import CircuitBreaker, Clock, ExponentialBackoff, Fault, Guard
 from cachetier.util.redact import redact
-from cachetier.util.throttle import LogThrottle
+from cachetier.util.throttle import DownLog, LogThrottle
 
 logger = logging.getLogger(__name__)
 TLS_LOG_INTERVAL_S = 60.0  # least time between two warnings of a failed TLS handshake
@@ -84,6 +84,9 @@ class RequestFailures:
         self._stats = stats
         self._on_refused = on_refused
         self._tls_log = LogThrottle(TLS_LOG_INTERVAL_S, clock)
+        self._down_log = DownLog(
+            logger, "the cachetier server", redact(config.base_url), clock=clock
+        )
         backoff = ExponentialBackoff(config.backoff_base_s, config.backoff_cap_s)
         self.busy = BusyHold(backoff, clock)  # holds calls after a busy answer
         self._lock = threading.Lock()
@@ -161,6 +164,8 @@ class RequestFailures:
             return
         if isinstance(exc, _TLS_ERRORS):
             self._tls_failed(exc)
+        else:
+            self._down_log.failed(self.describe(exc))
         logger.debug("cachetier server call failed: %s", self.describe(exc))
 
     def _tls_failed(self, exc: BaseException) -> None:
