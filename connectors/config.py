@@ -22,6 +22,8 @@ from cachetier.store.engine_settings import (
     guard_fraction_setting,
     guard_setting,
     kv_load_policy_setting,
+    record_check_setting,
+    record_check_tokens_setting,
     record_tokens_setting,
     tenant_setting,
 )
@@ -89,11 +91,14 @@ class ConnectorConfig:
     guard: bool = guard_setting()
     guard_first_hits: int = guard_first_hits_setting()
     guard_fraction: float = guard_fraction_setting()
+    record_check: bool = record_check_setting()
+    record_check_tokens: int = record_check_tokens_setting()
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
             raise TypeError(f"store must be a StoreConfig, got {type(self.store).__name__}")
         positive_int("record_tokens", self.record_tokens)
+        positive_int("record_check_tokens", self.record_check_tokens)
         check_kv_load_policy(self.kv_load_policy)
         check_load_async(self.load_async)
         if not isinstance(self.tenant, str):

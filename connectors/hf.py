@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cachetier.guard.first_layer import FirstLayer
+from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
 from cachetier.kernels.staging import HostStaging, payload_view
 from cachetier.primitives.fingerprint import model_fingerprint
@@ -37,6 +39,7 @@ from cachetier.primitives.keys import (
 )
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
+from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
 
 if TYPE_CHECKING:
@@ -99,6 +102,10 @@ class HFCacheConnector:
         tenant: tenant name or cache salt; different tenants never share blocks.
         save_generated_tokens: also store the full blocks of generated tokens (their KV was
             computed one token at a time, so it may differ from a prefill in the last bits).
+        record_check: check every restored record against its tokens before its KV is used
+            (``cachetier.store.record_guard``: the first layer's K and V of a few tokens,
+            recomputed from the model's own weights; a record that fails is a miss, deleted,
+            and its writer quarantined).
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class HFCacheConnector:
         record_tokens: int = DEFAULT_RECORD_TOKENS,
         tenant: str = "",
         save_generated_tokens: bool = False,
+        record_check: bool = True,
     ) -> None:
         if (model_folder is None) == (fingerprint is None):
             raise ValueError("pass exactly one of model_folder and fingerprint")
@@ -131,6 +139,12 @@ class HFCacheConnector:
         self.save_generated_tokens = save_generated_tokens
         self.stats = HFConnectorStats()
         self._check_full_attention()
+        check = None
+        if record_check:
+            params = dict(model.named_parameters())
+            layer = FirstLayer.from_tensors(config.to_dict(), params.get)
+            check = RecordCheck(layer)
+        self.record_guard = RecordGuard(store, check, None, self.namespace.describe())
 
     @property
     def block_size(self) -> int:
@@ -187,6 +201,11 @@ class HFCacheConnector:
             log.warning("cachetier restore failed, computing the whole prompt: %r", exc)
             return _Restored(None, 0, ())
         blocks = self._usable(found.blocks, keys)
+        if blocks:
+            admitted = self.record_guard.admit(
+                self.namespace.id, blocks, found.sources[: len(blocks)], tokens, 0
+            )
+            blocks = blocks[: admitted.count]
         if not blocks:
             return _Restored(None, 0, ())
         cache = self._new_cache()

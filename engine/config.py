@@ -13,6 +13,8 @@ from cachetier.store.engine_settings import (
     guard_fraction_setting,
     guard_setting,
     kv_load_policy_setting,
+    record_check_setting,
+    record_check_tokens_setting,
     record_tokens_setting,
     tenant_setting,
 )
@@ -76,6 +78,8 @@ class EngineConfig:
     guard: bool = guard_setting()
     guard_first_hits: int = guard_first_hits_setting()
     guard_fraction: float = guard_fraction_setting()
+    record_check: bool = record_check_setting()
+    record_check_tokens: int = record_check_tokens_setting()
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -104,6 +108,7 @@ class EngineConfig:
         if self.event_log is not None and not self.event_log.strip():
             raise ValueError("event_log must be a file path, or None for no log")
         positive_int("record_tokens", self.record_tokens)
+        positive_int("record_check_tokens", self.record_check_tokens)
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         self.guard_config()  # checks the guard's settings

@@ -23,7 +23,7 @@ from cachetier.engine.sampling import SamplingParams, sample
 from cachetier.engine.scheduler import Scheduler
 from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
-from cachetier.engine.weights import load_weights
+from cachetier.engine.weights import load_weights, record_check_of
 from cachetier.guard import GuardSampler
 from cachetier.kvevents import MEDIUM_GPU, TierEvents
 from cachetier.primitives.fingerprint import model_fingerprint
@@ -108,13 +108,12 @@ class LLMEngine:
         self.config = config
         folder = Path(config.model)
         self.spec = ModelSpec.from_folder(folder)
+        weights = load_weights(folder)
         self.model = LlamaModel(
-            self.spec,
-            load_weights(folder),
-            torch_dtype(config.dtype),
-            config.kernel_backend,
-            self.device,
+            self.spec, weights, torch_dtype(config.dtype), config.kernel_backend, self.device
         )
+        record_check = record_check_of(folder, weights, config) if store is not None else None
+        del weights
         self.pool = KVPool(
             self.spec,
             config.block_size,
@@ -158,6 +157,7 @@ class LLMEngine:
                 self.pool,
                 self.copy_rate,
                 guard=GuardSampler(config.guard_config()) if config.guard else None,
+                record_check=record_check,
             )
             if store is not None
             else None
@@ -406,6 +406,7 @@ class LLMEngine:
                 save_s=s.save_s,
                 restored_by_tier=dict(s.restored_by_tier),
             )
+            out["record_guard"] = self.bridge.record_guard.stats.as_dict()
             shadow = self.bridge.shadow
             if shadow is not None:
                 out["guard"] = {
@@ -413,7 +414,8 @@ class LLMEngine:
                     "verified_blocks": shadow.stats.verified_blocks,
                     "mismatched_blocks": shadow.stats.mismatched_blocks,
                     "quarantined": [
-                        (q.tier, q.namespace) for q in self.bridge.store.quarantines.entries()
+                        (q.tier, q.namespace, q.writer)
+                        for q in self.bridge.store.quarantines.entries()
                     ],
                 }
         if self.cost_model is not None:

@@ -7,7 +7,6 @@ agree with it to float rounding.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from cachetier.engine.kv_cache import dequantize_blocks, store_kv_fp8
 from cachetier.engine.model_spec import ModelSpec
+from cachetier.guard.first_layer import rope_inv_freq
 from cachetier.kernels import common_prefix_blocks, merge_attention, paged_attention_decode
 from cachetier.kernels.cpu_linear import linear, prepack
 from cachetier.kernels.fused_ops import rms_norm, rope_angles, rope_store, silu_mul
@@ -76,25 +76,7 @@ class ForwardBatch:
 
 
 def _rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = spec.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type")
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, mid, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
+    return rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
 # Chunks of at most this many new tokens attend by grouped einsums, not SDPA, where the CPU

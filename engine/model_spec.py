@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachetier.primitives.rope import rope_settings
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -109,7 +111,7 @@ class ModelSpec:
         if config.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported: the engine's MLP has no bias")
         num_heads = need("num_attention_heads")
-        rope_theta, rope_scaling = _rope(config)
+        rope_theta, rope_scaling = rope_settings(config)
         eos = config.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
@@ -158,25 +160,6 @@ def _check_architecture(architecture: object) -> None:
             f"architecture {architecture!r} is not Llama-family; the engine runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (pass a folder of one of those)"
         )
-
-
-def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = config.get("rope_parameters")
-    if isinstance(params, dict):
-        if "rope_theta" not in params:
-            raise ValueError(
-                "rope_parameters lacks rope_theta (per-layer-type RoPE is not supported)"
-            )
-        theta = params["rope_theta"]
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = config.get("rope_theta", 10000.0)
-        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else {}
-        if "type" in scaling:  # the pre-4.45 spelling of rope_type
-            scaling.setdefault("rope_type", scaling.pop("type"))
-    if scaling.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), scaling
 
 
 def _sliding_window(architecture: str, config: Mapping[str, Any]) -> int | None:

@@ -56,7 +56,9 @@ class ShadowVerifier:
         self.stats = ShadowStats()
         self.verdicts: list[Verdict] = []  # the mismatches found, for the engine's stats
         self._lock = threading.Lock()
-        self._pending: OrderedDict[BlockHash, str] = OrderedDict()
+        # key -> (the tier that held it, whether a namespace's draw took it: only those
+        # verifications count toward the writers' first hits, ``GuardSampler.credit_writer``)
+        self._pending: OrderedDict[BlockHash, tuple[str, bool]] = OrderedDict()
 
     def take(self, hit: PrefixHit, keys: Sequence[BlockHash]) -> bool:
         """Whether ``hit`` is verified; if so its keys wait for their computed records and the
@@ -73,24 +75,38 @@ class ShadowVerifier:
             self.stats.verified_requests += 1
             for tier, start, end in hit.spans:
                 for key in keys[start:end]:
-                    self._pending[key] = hit.tier_names[tier]
-            while len(self._pending) > MAX_PENDING_KEYS:
-                self._pending.popitem(last=False)
+                    self._pending[key] = (hit.tier_names[tier], True)
+            self._bound()
         return True
+
+    def expect(self, keys: Sequence[BlockHash], tiers: Sequence[str]) -> None:
+        """Records a restore did not use because their writer is verified first
+        (``RecordGuard``): compared with the tier's when their computed blocks are saved."""
+        with self._lock:
+            self.stats.verified_requests += 1
+            for key, tier in zip(keys, tiers):
+                self._pending[key] = (tier, False)
+            self._bound()
+
+    def _bound(self) -> None:
+        while len(self._pending) > MAX_PENDING_KEYS:
+            self._pending.popitem(last=False)
 
     def check(self, records: Sequence[KVBlock]) -> None:
         """Compare the records among ``records`` that a verified hit is waiting for with the
         tier that held them (before they are stored, so the tier's own record is compared)."""
         if not self._pending:
             return
-        by_tier: dict[str, list[KVBlock]] = {}
+        by_tier: dict[tuple[str, bool], list[KVBlock]] = {}
         with self._lock:
             for record in records:
-                tier = self._pending.pop(record.key, None)
-                if tier is not None:
-                    by_tier.setdefault(tier, []).append(record)
-        for tier, computed in by_tier.items():
+                pending = self._pending.pop(record.key, None)
+                if pending is not None:
+                    by_tier.setdefault(pending, []).append(record)
+        for (tier, drawn), computed in by_tier.items():
             verdict = self.store.verify(self.namespace_id, tier, computed, self.writer)
+            for writer in verdict.clean_writers if drawn else ():
+                self.sampler.credit_writer(tier, self.namespace_id, writer)
             with self._lock:
                 self.stats.verified_blocks += verdict.compared
                 self.stats.mismatched_blocks += len(verdict.mismatches)

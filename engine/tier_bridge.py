@@ -21,6 +21,7 @@ from cachetier.engine.block_manager import Block
 from cachetier.engine.kv_cache import KVPool
 from cachetier.engine.shadow import ShadowVerifier
 from cachetier.guard import GuardSampler
+from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import payload_tensor, payload_view
 from cachetier.misses import NamespaceDescriptor
@@ -33,6 +34,7 @@ from cachetier.primitives.keys import (
 )
 from cachetier.record import KVBlock
 from cachetier.store.costmodel import CopyRate
+from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.prefix import PrefixHit, RestoredPrefix
 
@@ -59,6 +61,8 @@ class Restored:
     sources: list[str]
     read_s: float
     copy_s: float
+    # Why the record guard ended the run early (``record_guard.CAUSES``), ``None`` if it did not.
+    guard_cut: str | None = None
 
 
 class TierBridge:
@@ -72,6 +76,8 @@ class TierBridge:
         copy_rate: where restores' copies into the pool are timed, for the cost model (copies
             happen where a tier cannot read into the pool in place: a GPU pool).
         guard: which hits to verify by recomputing them (``engine.shadow``); none if ``None``.
+        record_check: the check of every restored record against its tokens
+            (``cachetier.store.record_guard``); ``None`` for none.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class TierBridge:
         pool: KVPool,
         copy_rate: CopyRate | None = None,
         guard: GuardSampler | None = None,
+        record_check: RecordCheck | None = None,
     ) -> None:
         if record_layout(pool.layout, namespace.block_size) != namespace.layout:
             raise ValueError(f"namespace layout {namespace.layout} is not the pool's {pool.layout}")
@@ -99,6 +106,10 @@ class TierBridge:
             ShadowVerifier(store, namespace.id, guard, namespace.describe())
             if guard is not None and guard.config.enabled
             else None
+        )
+        # Every restored record passes this before it is used: by writer, and by its tokens.
+        self.record_guard = RecordGuard(
+            store, record_check, self.shadow.sampler if self.shadow else None, namespace.describe()
         )
         # The namespace's parts, for telling a miss of tokens held under another namespace.
         self.descriptor = NamespaceDescriptor.from_namespace(namespace)
@@ -222,12 +233,15 @@ class TierBridge:
         keys: Sequence[BlockHash],
         block_ids: Sequence[int],
         hit: PrefixHit | None = None,
+        token_ids: Sequence[int] | None = None,
+        first_position: int = 0,
     ) -> Restored:
         """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
 
         Every block is checked before use: its key and namespace fingerprint (by the store),
-        its dtype, shape, size, scale count and token count (here). The first block that fails
-        ends the run.
+        its writer and its first layer against ``token_ids`` (``record_guard``), its dtype,
+        shape, size, scale count and token count (here). The first block that fails ends the
+        run.
 
         Args:
             keys: the record keys of the blocks to restore, in sequence order,
@@ -236,6 +250,8 @@ class TierBridge:
             hit: the ``lookup`` just made for (at least) these keys, so it is not made twice
                 (blocks of one record only: a lookup in blocks no longer says where each
                 record lies).
+            token_ids: the tokens of these blocks, in order (``None``: no record check).
+            first_position: the position in the sequence of their first token.
 
         Returns:
             The source tier of each restored block (a prefix of ``keys``) and the time taken.
@@ -249,20 +265,47 @@ class TierBridge:
                 dests=self.pool.block_views(block_ids[: len(keys)]),
                 hit=hit,
             )
+            restored, cut = self._admitted(keys, restored, token_ids, first_position)
         else:
-            restored = self._joined(
-                self.store.restore_prefix(
-                    self.namespace.id, keys, fingerprint=self.namespace.fingerprint
-                )
+            restored = self.store.restore_prefix(
+                self.namespace.id, keys, fingerprint=self.namespace.fingerprint
             )
+            restored, cut = self._admitted(keys, restored, token_ids, first_position)
+            restored = self._joined(restored)
         with self._lock:
-            return self._put_in_place(restored, block_ids, start)
+            return replace(self._put_in_place(restored, block_ids, start), guard_cut=cut)
+
+    def _admitted(
+        self,
+        keys: Sequence[BlockHash],
+        restored: RestoredPrefix,
+        token_ids: Sequence[int] | None,
+        first_position: int,
+    ) -> tuple[RestoredPrefix, str | None]:
+        """The leading records of ``restored`` the record guard lets through, and why it
+        stopped if it did; where it stops at a writer to verify, the records from there wait
+        for their computed blocks."""
+        if not restored.blocks:
+            return restored, None
+        admitted = self.record_guard.admit(
+            self.namespace.id, restored.blocks, restored.sources, token_ids, first_position
+        )
+        count = admitted.count
+        if count == len(restored.blocks):
+            return restored, None
+        if admitted.verify and self.shadow is not None:
+            end = len(restored.blocks)
+            self.shadow.expect(keys[count:end], restored.sources[count:end])
+        cut = RestoredPrefix(restored.blocks[:count], restored.sources[:count])
+        return cut, admitted.cause
 
     def restore_in_background(
         self,
         keys: Sequence[BlockHash],
         block_ids: Sequence[int],
         hit: PrefixHit | None = None,
+        token_ids: Sequence[int] | None = None,
+        first_position: int = 0,
     ) -> Future[Restored]:
         """``restore`` on the bridge's own thread, for blocks the engine will not read until
         the future is done (a tail read while the head before it is recomputed). Restores
@@ -272,20 +315,26 @@ class TierBridge:
         """
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="cachetier-restore")
+        tokens = None if token_ids is None else list(token_ids)
         return self._background.submit(
-            self._restore_on_pool_device, list(keys), list(block_ids), hit
+            self._restore_on_pool_device, list(keys), list(block_ids), hit, tokens, first_position
         )
 
     def _restore_on_pool_device(
-        self, keys: list[BlockHash], block_ids: list[int], hit: PrefixHit | None
+        self,
+        keys: list[BlockHash],
+        block_ids: list[int],
+        hit: PrefixHit | None,
+        token_ids: list[int] | None,
+        first_position: int,
     ) -> Restored:
         # A new thread's current CUDA device is device 0: the pool's copies and the events
         # that free its staging buffers must go to the pool's own device.
         device = self.pool.cache.device
         if device.type != "cuda":
-            return self.restore(keys, block_ids, hit)
+            return self.restore(keys, block_ids, hit, token_ids, first_position)
         with torch.cuda.device(device):
-            return self.restore(keys, block_ids, hit)
+            return self.restore(keys, block_ids, hit, token_ids, first_position)
 
     def close(self) -> None:
         """Wait for background restores still running and stop their thread; idempotent (a

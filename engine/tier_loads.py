@@ -214,8 +214,10 @@ class TierLoads:
         # The head is recomputed first: the tail is read meanwhile, on the bridge's thread,
         # into blocks nothing reads before the head is done (``skip``).
         records = self.records(seq, begin, end)
+        bs = self.block_size
+        tokens = seq.token_ids[begin * bs : end * bs]
         seq.pending_restore = PendingRestore(
-            self.bridge.restore_in_background(records, tier_ids, found.hit),
+            self.bridge.restore_in_background(records, tier_ids, found.hit, tokens, begin * bs),
             list(tier_keys),
             list(tier_ids),
             list(found.keys),
@@ -250,8 +252,11 @@ class TierLoads:
         assert self.bridge is not None, "a restore without tiers"
         records = self.records(seq, first_index, first_index + len(keys))
         # Every key asked for is inside the hit just looked up: not looked up again.
-        restored = self.bridge.restore(records, block_ids, hit)
+        begin, bs = first_index * self.block_size, self.block_size
+        tokens = seq.token_ids[begin : begin + len(keys) * bs]
+        restored = self.bridge.restore(records, block_ids, hit, tokens, begin)
         sources = restored.sources
+        note_guard_cut(seq, restored, len(keys), self.block_size)
         if first:
             seq.add_time("restore_read_s", restored.read_s)
             seq.add_time("restore_copy_s", restored.copy_s)
@@ -277,6 +282,7 @@ class TierLoads:
         since = pending.waiting_since_s
         waited = 0.0 if since is None else time.perf_counter() - since
         arrived = len(restored.sources)
+        note_guard_cut(seq, restored, len(pending.keys), self.block_size)
         for i, (key, block_id) in enumerate(zip(pending.keys, pending.block_ids[:arrived])):
             self._register(seq, pending.first_block_index + i, block_id, key)
         seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
@@ -326,6 +332,18 @@ class TierLoads:
         none writes into the pool after this; free what dropped ones held."""
         wait([p.future for seq in running if (p := seq.pending_restore) is not None])
         self.free_read_blocks(block=True)
+
+
+def note_guard_cut(seq: Sequence, restored: Restored, asked: int, block_size: int) -> None:
+    """What the record guard's early end of a restore of ``asked`` blocks cost the sequence:
+    blocks left to verify count as verified tokens, refused ones as ``quarantined`` misses."""
+    missing = asked - len(restored.sources)
+    if restored.guard_cut is None or missing <= 0:
+        return
+    if restored.guard_cut == "new_writer":
+        seq.num_verified_tokens += missing * block_size
+    else:
+        seq.miss_cause, seq.miss_detail = "quarantined", f"record guard: {restored.guard_cut}"
 
 
 def at_jump(seq: Sequence) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,10 +43,15 @@ class Stored:
             raise AssertionError("the engine stored every full block")
         return [r for r in got if r is not None]
 
-    def replace(self, records: list[KVBlock], payloads: list[np.ndarray]) -> None:
-        """Rewrite ``records`` with ``payloads``: same keys, fingerprint, dtype and shape."""
+    def replace(
+        self, records: list[KVBlock], payloads: list[np.ndarray], writer: bytes | None = None
+    ) -> None:
+        """Rewrite ``records`` with ``payloads``: same keys, fingerprint, dtype and shape,
+        named as ``writer``'s (``None``: this process's)."""
         forged = [
-            KVBlock(r.key, r.fingerprint, r.dtype, r.shape, r.num_tokens, p.tobytes())
+            KVBlock(
+                r.key, r.fingerprint, r.dtype, r.shape, r.num_tokens, p.tobytes(), writer=writer
+            )
             for r, p in zip(records, payloads, strict=True)
         ]
         self.disk.delete(self.namespace.id, [r.key for r in records])
@@ -97,3 +103,39 @@ def values_of(records: list[KVBlock]) -> Callable[[list[KVBlock]], list[np.ndarr
         return [values(r) for r in records[: len(forged)]]
 
     return forge
+
+
+FORGED_KINDS = (
+    "other_tokens",
+    "k_and_v_swapped",
+    "first_layer_zeroed",
+    "heads_permuted",
+    "deep_layer",
+)
+
+
+def _changed(kind: str, v: np.ndarray) -> np.ndarray:
+    if kind == "k_and_v_swapped":
+        return v[:, ::-1]
+    if kind == "heads_permuted":
+        return v[:, :, :, ::-1]
+    v = v.copy()
+    v[0 if kind == "first_layer_zeroed" else -1] = 0  # else: deep_layer
+    return v
+
+
+def forge_records(spec: dict[str, Any]) -> None:
+    """Rewrite the records of ``spec["targets"]`` (``[kind, tokens, other tokens]`` each,
+    kind one of ``FORGED_KINDS``) in the vLLM namespace of ``spec["salt"]``, under the writer
+    ``spec["writer"]`` (hex): run by the benchmark, or by a vLLM child between two of its
+    requests, through a disk tier of its own."""
+    namespace = vllm_namespace(Path(spec["model"]), spec["salt"])
+    writer = bytes.fromhex(spec["writer"])
+    with Stored(Path(spec["disk"]), namespace) as stored:
+        for kind, tokens, other in spec["targets"]:
+            records = stored.records(tokens)
+            if kind == "other_tokens":
+                payloads = [values(r) for r in stored.records(other)[: len(records)]]
+            else:
+                payloads = [np.ascontiguousarray(_changed(kind, values(r))) for r in records]
+            stored.replace(records, payloads, writer=writer)

@@ -36,6 +36,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
 OTHER = [(i * 13 + 1) % 250 for i in range(150)]
 TINY_POOL = {"kv_cache_bytes": 4 << 20}
+FORGER = b"forger-process.."  # the forged records name a writer of their own: another process
 EVERY_HIT = {"guard": True, "guard_first_hits": 0, "guard_fraction": 1.0}
 
 
@@ -62,14 +63,14 @@ def _forgery_case(
     namespace = _store(model, folder, [PROMPT, OTHER], **TINY_POOL)
     with Stored(folder, namespace) as stored:
         records = stored.records(PROMPT)
-        stored.replace(records, forge(records))
+        stored.replace(records, forge(records), writer=FORGER)
     with LLM(model, store=disk_store(folder), **TINY_POOL, **guard) as llm:
         first = llm.generate([PROMPT], GREEDY)[0]
         caught_after = llm.engine.stats()["guard"]["verified_requests"]
         llm.engine.blocks.clear_cache()
         second = llm.generate([PROMPT], GREEDY)[0]
         stats = llm.engine.stats()["guard"]
-    quarantined = stats["quarantined"] == [("disk", namespace.id)]
+    quarantined = any(q[:2] == ("disk", namespace.id) for q in stats["quarantined"])
     return {
         "engine": "ours",
         "forgery": name,

@@ -132,7 +132,7 @@ def _as_float64(block: KVBlock) -> np.ndarray:
         # bfloat16 is the high half of a float32: widen by shifting into place.
         values = (raw.view("<u2").astype(np.uint32) << 16).view("<f4").astype(np.float64)
     else:
-        values = _fp8_table(block.dtype)[raw]
+        values = fp8_values(block.dtype, raw)
     values = values.reshape(block.shape)
     if block.dtype.startswith("float8") and block.aux:
         values = _scaled(values, block.aux)
@@ -149,6 +149,11 @@ def _scaled(values: np.ndarray, aux: bytes | bytearray | memoryview) -> np.ndarr
 
 
 _FP8_TABLES: dict[str, np.ndarray] = {}
+
+
+def fp8_values(dtype: str, raw: np.ndarray) -> np.ndarray:
+    """fp8 bit patterns ``raw`` (uint8) as float64 values of format ``dtype``."""
+    return _fp8_table(dtype)[raw]
 
 
 def _fp8_table(dtype: str) -> np.ndarray:

@@ -1,10 +1,14 @@
-"""Namespaces a tier may no longer serve, because a verified restore from it did not match.
+"""What a tier may no longer serve, because a restore from it did not match its check.
 
-A quarantine is of one namespace in one tier: the other tiers, and the tier's other namespaces
-(other models, other tenants), keep serving. While it holds, the store treats the pair's hits as
-misses with cause ``quarantined`` and loads nothing from it. It lasts until an operator lifts it
-or the process ends; a restarted process verifies its first hits of every namespace again
-(``GuardSampler``), so a tier still holding bad records is caught again before it is trusted.
+A quarantine is of one writer's records in one namespace of one tier (``writer``: the id its
+records name, ``cachetier.record.writer``), or of the whole namespace in that tier (``writer``
+empty: an operator's, or one reported to a sidecar). The other writers, the other tiers and the
+tier's other namespaces (other models, other tenants) keep serving. A whole namespace's hits are
+misses with cause ``quarantined`` at lookup; a writer's records are refused as they are read
+(``cachetier.store.record_guard``), since a lookup does not read which process wrote a record.
+A quarantine lasts until an operator lifts it or the process ends; a restarted process verifies
+the first hits of every namespace and writer again (``GuardSampler``), so a tier still holding
+bad records is caught again before it is trusted.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ class Quarantine:
         namespace: the storage namespace.
         reason: what differed (``BlockMismatch.describe``).
         since_unix_s: when it began.
+        writer: the writer whose records it holds back (``writer_name``); empty for all.
     """
 
     tier: str
     namespace: str
     reason: str
     since_unix_s: float
+    writer: str = ""
 
 
 class QuarantineList:
@@ -47,10 +53,12 @@ class QuarantineList:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._held: dict[tuple[str, str], Quarantine] = {}
+        self._held: dict[tuple[str, str, str], Quarantine] = {}
+        self._num_writers = 0  # entries of one writer's records
 
-    def add(self, tier: str, namespace: str, reason: str) -> bool:
-        """Quarantine ``namespace`` in ``tier``.
+    def add(self, tier: str, namespace: str, reason: str, writer: str = "") -> bool:
+        """Quarantine ``writer``'s records of ``namespace`` in ``tier`` (all of them if
+        ``writer`` is empty).
 
         Returns:
             True if it was not quarantined already (the first reason is kept).
@@ -59,23 +67,37 @@ class QuarantineList:
             QuarantineLimitError: ``max_entries`` quarantines are held already.
         """
         with self._lock:
-            if (tier, namespace) in self._held:
+            if (tier, namespace, writer) in self._held:
                 return False
             if len(self._held) >= self.max_entries:
                 raise QuarantineLimitError(
                     f"{len(self._held)} quarantines are held (max_entries): lift some first"
                 )
-            self._held[(tier, namespace)] = Quarantine(tier, namespace, reason, time.time())
+            held = Quarantine(tier, namespace, reason, time.time(), writer)
+            self._held[(tier, namespace, writer)] = held
+            self._num_writers += bool(writer)
             return True
 
+    @property
+    def has_writers(self) -> bool:
+        """Whether any quarantine is of one writer's records (read without the lock: a
+        reader that misses one just added refuses from its next read on)."""
+        return self._num_writers > 0
+
     def holds(self, tier: str, namespace: str) -> bool:
-        """Whether ``namespace`` is quarantined in ``tier``."""
-        return (tier, namespace) in self._held  # a dict lookup is atomic under the GIL
+        """Whether the whole of ``namespace`` is quarantined in ``tier``."""
+        return (tier, namespace, "") in self._held  # a dict lookup is atomic under the GIL
+
+    def holds_writer(self, tier: str, namespace: str, writer: str) -> bool:
+        """Whether ``writer``'s records of ``namespace`` are quarantined in ``tier`` (by their
+        writer's quarantine or the whole namespace's)."""
+        held = self._held
+        return (tier, namespace, writer) in held or (tier, namespace, "") in held
 
     def tiers_of(self, namespace: str) -> frozenset[str]:
-        """The tiers in which ``namespace`` is quarantined."""
+        """The tiers in which the whole of ``namespace`` is quarantined."""
         with self._lock:
-            return frozenset(t for t, ns in self._held if ns == namespace)
+            return frozenset(t for t, ns, w in self._held if ns == namespace and not w)
 
     def lift(self, namespace: str, tier: str | None = None) -> list[Quarantine]:
         """End the quarantines of ``namespace`` (in ``tier`` only, if given).
@@ -84,9 +106,12 @@ class QuarantineList:
             The quarantines lifted.
         """
         with self._lock:
-            gone = [q for (t, ns), q in self._held.items() if ns == namespace and tier in (None, t)]
+            gone = [
+                q for (t, ns, _), q in self._held.items() if ns == namespace and tier in (None, t)
+            ]
             for q in gone:
-                del self._held[(q.tier, q.namespace)]
+                del self._held[(q.tier, q.namespace, q.writer)]
+                self._num_writers -= bool(q.writer)
             return gone
 
     def entries(self) -> list[Quarantine]:

@@ -1,4 +1,5 @@
-"""Which restores the guard verifies: the first hits of each tier and namespace, then a few.
+"""Which restores the guard verifies: the first hits of each tier and namespace and of each
+writer, then a few.
 
 The first hits after a process starts are where a new model, an upgraded engine or another
 layout shows first, so each of them is checked before the tier is trusted with the namespace;
@@ -54,6 +55,7 @@ class GuardSampler:
         self.config = config
         self._lock = threading.Lock()
         self._hits: dict[tuple[str, str], int] = {}
+        self._writer_hits: dict[tuple[str, str, str], int] = {}
         self._rng = random.Random(config.seed)
 
     def should_verify(self, tier: str, namespace: str) -> bool:
@@ -74,6 +76,28 @@ class GuardSampler:
             if seen < self.config.first_hits:
                 return True
             return self._rng.random() < self.config.fraction
+
+    def should_verify_writer(self, tier: str, namespace: str, writer: str) -> bool:
+        """Whether a restore of ``writer``'s records of ``namespace`` in ``tier`` is verified
+        in full: the first ``first_hits`` of each writer are, so a new or buggy writer is
+        checked on its first records even where other writers' were checked before. Counts
+        the hit as seen; later ones are left to ``should_verify``'s fraction."""
+        if not self.config.enabled:
+            return False
+        with self._lock:
+            seen = self._writer_hits.get((tier, namespace, writer), 0)
+            if seen >= self.config.first_hits:
+                return False
+            self._writer_hits[(tier, namespace, writer)] = seen + 1
+            return True
+
+    def credit_writer(self, tier: str, namespace: str, writer: str) -> None:
+        """Count a clean verification of ``writer``'s records that a namespace's draw made
+        (``should_verify``) as one of the writer's first hits, so a restart's first hits are
+        not verified twice, once per namespace and once per writer."""
+        with self._lock:
+            key = (tier, namespace, writer)
+            self._writer_hits[key] = self._writer_hits.get(key, 0) + 1
 
     def should_verify_hit(self, tiers: Iterable[str], namespace: str) -> bool:
         """Whether a hit spread over ``tiers`` is verified: a draw for each of its tiers (each

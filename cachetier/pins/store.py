@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cachetier.errors import CacheTierError, PinLimitError
 from cachetier.pins.registry import PinRegistry, Pins
-from cachetier.primitives.keys import BlockHash
+from cachetier.primitives.keys import BlockHash, Namespace, block_keys
 from cachetier.tiers.base import Tier, check_namespace
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,20 @@ class StorePins:
         """Pinned keys by namespace, for the namespaces that start with ``prefix``."""
         with self._lock:
             return {ns: list(keys) for ns, keys in self._pins.items() if ns.startswith(prefix)}
+
+
+def prefix_keys(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
+    """The keys of a token prefix's full blocks, to pin.
+
+    Raises:
+        ValueError: the prefix is shorter than one block.
+    """
+    keys = block_keys(namespace, token_ids)
+    if not keys:
+        raise ValueError(
+            f"{len(token_ids)} tokens make no full block of {namespace.block_size}: nothing to pin"
+        )
+    return keys
 
 
 def _undo(

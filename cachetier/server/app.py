@@ -59,6 +59,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         # Opening the disk tier scans its folder: not on the event loop.
         store = await run_in_threadpool(build_store, config.store)
+        store.refuse_quarantined_writers = True  # for its clients: it has no tokens to check
         service = BlockService(config, store)
         try:
             service.publisher = await run_in_threadpool(shared_publisher, config, store)

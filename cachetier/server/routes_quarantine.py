@@ -35,6 +35,7 @@ def _public(q: Quarantine) -> QuarantinePublic:
         namespace=namespace,
         reason=q.reason,
         since_unix_s=q.since_unix_s,
+        writer=q.writer,
     )
 
 
@@ -49,13 +50,14 @@ def _scope(tenant: str, namespace: str) -> Scope:
 async def report(
     body: QuarantineCreate, caller: CallerDep, service: ServiceDep
 ) -> QuarantinesPublic:
-    """Quarantine one of the caller's namespaces in every tier of the server."""
+    """Quarantine one of the caller's namespaces (one writer's records of it, if named) in
+    every tier of the server."""
     scope = _scope(caller.tenant, body.namespace)
     held = service.store.quarantines
     reason = f"reported by a client of tenant {caller.tenant}: {body.reason}".rstrip(": ")
     try:
         for tier in service.store.tiers:
-            held.add(tier.name, scope.storage, reason)
+            held.add(tier.name, scope.storage, reason, body.writer)
     except QuarantineLimitError as exc:
         raise api_error(507, "quarantine_limit", str(exc)) from None
     mine = [q for q in held.entries() if q.namespace == scope.storage]

@@ -131,6 +131,11 @@ class QuarantineCreate(BaseModel):
 
     namespace: str = Field(min_length=1, max_length=128, description="the client's namespace")
     reason: str = Field(default="", max_length=500, description="what differed, for the log")
+    writer: str = Field(
+        default="",
+        pattern=r"^([0-9a-f]{16}|unknown)?$",
+        description="the writer whose records differed (empty: every writer's)",
+    )
 
 
 class QuarantineLift(BaseModel):
@@ -149,6 +154,7 @@ class QuarantinePublic(BaseModel):
     namespace: str
     reason: str
     since_unix_s: float
+    writer: str = ""  # the writer whose records it holds back; empty for all
 
 
 class QuarantinesPublic(BaseModel):

@@ -51,12 +51,32 @@ def guard_setting() -> Any:
     return setting(
         True,
         "verify sampled tier hits: compute them as misses and compare the tier's records with "
-        "the computed KV; a mismatch quarantines the namespace in that tier (docs: the restore "
-        "guard). Our engine and vLLM only: SGLang's and LMCache's plugins cannot turn a hit "
-        "into a computed request, and ignore it. On by default: the first hit of each tier "
-        "and namespace after a start is computed once, so a wrong tier is caught before it "
-        "serves an answer.",
+        "the computed KV; a mismatch quarantines the records' writer in that tier and "
+        "namespace (docs: the restore guard). Our engine and vLLM only: SGLang's and "
+        "LMCache's plugins cannot turn a hit into a computed request, and ignore it. On by "
+        "default: the first hits of each tier and namespace, and of each writer in them, are "
+        "computed once, so a new writer is caught before its records serve an answer; later "
+        "hits at guard_fraction.",
     )
+
+
+def record_check_setting() -> Any:
+    """The ``record_check`` field (``cachetier.guard.record_check``)."""
+    return setting(
+        True,
+        "check every restored record before its KV is used: the first layer's K and V of a "
+        "few of its tokens, recomputed from the token ids, must match the record's; a record "
+        "that fails is a miss, deleted, and its writer quarantined. It catches any record "
+        "whose first layer is not that of its tokens (another prompt's KV, K and V swapped, "
+        "heads permuted, a first layer zeroed), not one that changes deeper layers only (the "
+        "guard's draws catch those). Our engine, vLLM and the HF connector: SGLang's and "
+        "LMCache's plugins are not given a read's tokens, and ignore it.",
+    )
+
+
+def record_check_tokens_setting() -> Any:
+    """The ``record_check_tokens`` field."""
+    return setting(4, "with ``record_check``: tokens of each record recomputed, drawn at random.")
 
 
 def guard_first_hits_setting() -> Any:

@@ -21,14 +21,15 @@ from typing import Any
 from cachetier.admission import AdmissionPolicy
 from cachetier.guard import QuarantineList
 from cachetier.misses import MissCause, MissLedger, why_missed
-from cachetier.pins.registry import PinRegistry, Pins
-from cachetier.pins.store import PinResult, StorePins
-from cachetier.primitives.keys import BlockHash, Namespace, block_keys
+from cachetier.pins.registry import PinRegistry
+from cachetier.pins.store import StorePins
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import KVBlock
 from cachetier.store.admit import admitted
 from cachetier.store.costmodel import TierRates
 from cachetier.store.events import BlockEvents, tell_cleared
 from cachetier.store.namespace_watch import NamespaceWatch
+from cachetier.store.pinning import StorePinning
 from cachetier.store.rates_file import RatesFile
 from cachetier.store.verify import Verdict, Verifier
 from cachetier.store.writer import TierWriter
@@ -38,7 +39,7 @@ from cachetier.util.landing import Destination
 from cachetier.util.parallel import BACKGROUND_NICE
 
 
-class TieredStore(Tier):
+class TieredStore(StorePinning, Tier):
     """Tiers searched in order, written to the first at once and to the rest in the background.
 
     Args:
@@ -122,6 +123,10 @@ class TieredStore(Tier):
         # over a quarantined tier as if it held nothing.
         self.quarantines = QuarantineList()
         self.guard = Verifier(self.quarantines)
+        # A sidecar's store refuses the records of writers its clients reported bad as it
+        # reads them (it has no tokens to check them by); an engine's checks each record
+        # itself (``record_guard``), with the cause.
+        self.refuse_quarantined_writers = False
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -267,10 +272,7 @@ class TieredStore(Tier):
             What was compared and found.
         """
         check_namespace(namespace)
-        for tier in self._tiers:
-            if tier.name == tier_name:
-                return self.guard.verify(tier, namespace, computed, writer)
-        raise ValueError(f"no tier named {tier_name!r}: the store has {list(self._names)}")
+        return self.guard.verify(self._tier(tier_name), namespace, computed, writer, self._names)
 
     def restore_prefix(
         self,
@@ -359,8 +361,13 @@ class TieredStore(Tier):
                     kept.save(self.rates.get(tier.name))
             still: list[int] = []
             promoted: list[KVBlock] = []
+            refused: list[BlockHash] = []
+            refuse = self.refuse_quarantined_writers and self.quarantines.has_writers
             for i, block in zip(missing, got):
                 if block is None:
+                    still.append(i)
+                elif refuse and self.guard.refuses(tier.name, namespace, block):
+                    refused.append(block.key)
                     still.append(i)
                 elif block.key != keys[i] or (
                     fingerprint is not None and block.fingerprint != fingerprint
@@ -371,6 +378,8 @@ class TieredStore(Tier):
                     found[i] = block
                     sources[i] = index
                     promoted.append(block)
+            if refused:  # gone, so the records computed again take their keys
+                tier.delete(namespace, refused)
             if promoted and index > 0 and self._promote and dests is None:
                 self._tiers[0].put_many(namespace, promoted)
                 first = [b.key for b in promoted]
@@ -389,68 +398,26 @@ class TieredStore(Tier):
             self.block_events.tell("removed", name, namespace, keys)
         return max((tier.delete(namespace, keys) for tier in self._tiers), default=0)
 
+    def delete_in(self, tier_name: str, namespace: str, keys: Sequence[BlockHash]) -> int:
+        """Delete ``keys`` from one tier only (records found bad there: the same keys in other
+        tiers may be another writer's, and good)."""
+        self.block_events.tell("removed", tier_name, namespace, keys)
+        return self._tier(tier_name).delete(namespace, keys)
+
+    def _tier(self, name: str) -> Tier:
+        for tier in self._tiers:
+            if tier.name == name:
+                return tier
+        raise ValueError(f"no tier named {name!r}: the store has {list(self._names)}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return self._names
+
     def clear(self, namespace: str) -> int:
         self.flush()
         tell_cleared(self.block_events, self._tiers, namespace)
         return max((tier.clear(namespace) for tier in self._tiers), default=0)
-
-    def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:
-        """Keep blocks from eviction in every tier that can pin, now or once they arrive.
-
-        Args:
-            namespace: storage namespace.
-            keys: the keys to pin (e.g. a prefix's chain, ``block_keys``).
-
-        Returns:
-            The keys pinned, and how many each tier holds and protects now.
-
-        Raises:
-            PinLimitError: a tier's bound on pinned bytes refused them; nothing was pinned.
-            TierUnavailableError: a tier's Redis did not answer; nothing was pinned.
-        """
-        self.flush()  # blocks queued for a lower tier are counted there
-        return self._pins.pin(namespace, keys)
-
-    def pin_prefix(self, namespace: Namespace, token_ids: Sequence[int]) -> PinResult:
-        """Pin the chain of full blocks of a token prefix (a system prompt, say).
-
-        Args:
-            namespace: model, layout and tenant of the blocks (keys come from ``block_keys``).
-            token_ids: the prefix's token ids; a partial last block is not pinned.
-
-        Returns:
-            As ``pin_keys``.
-
-        Raises:
-            ValueError: the prefix is shorter than one block.
-            PinLimitError: as ``pin_keys``.
-        """
-        keys = block_keys(namespace, token_ids)
-        if not keys:
-            raise ValueError(
-                f"{len(token_ids)} tokens make no full block of {namespace.block_size}: "
-                "nothing to pin"
-            )
-        return self.pin_keys(namespace.id, keys)
-
-    def unpin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> int:
-        """Let pinned blocks be evicted again.
-
-        Args:
-            namespace: storage namespace.
-            keys: the keys to unpin.
-
-        Returns:
-            How many of them were pinned.
-
-        Raises:
-            TierUnavailableError: a tier's Redis did not answer; the pins stay.
-        """
-        return self._pins.unpin(namespace, keys)
-
-    def pinned(self, prefix: str = "") -> Pins:
-        """Pinned keys by storage namespace (those starting with ``prefix``), in pin order."""
-        return self._pins.listing(prefix)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued background write has been applied.

@@ -182,10 +182,11 @@ class Tier(ABC):
             Length of the leading run of stored keys.
         """
 
-    def report_quarantine(self, namespace: str, reason: str) -> None:
-        """Hear that ``namespace`` was quarantined in this tier (``cachetier.store.verify``):
-        a tier shared through a server tells it, so that no other client is served the same
-        records; a local tier has no one to tell."""
+    def report_quarantine(self, namespace: str, reason: str, writer: str = "") -> None:
+        """Hear that ``writer``'s records of ``namespace`` (all of them if empty) were
+        quarantined in this tier (``cachetier.store.verify``): a tier shared through a server
+        tells it, so that no other client is served the same records; a local tier has no
+        one to tell."""
 
     @abstractmethod
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:

@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
 
 from cachetier.connectors.config import (
     VLLM_PLUGIN_KEYS,
+    ConnectorConfig,
     model_folder_fingerprint,
     open_store,
     plugin_config,
@@ -54,6 +55,9 @@ from cachetier.connectors.vllm.stats import CacheTierConnectorStats
 from cachetier.connectors.vllm.timing import timed
 from cachetier.connectors.vllm.worker import CacheTierWorker
 from cachetier.guard import GuardSampler
+from cachetier.guard.first_layer import FirstLayer
+from cachetier.guard.record_check import RecordCheck
+from cachetier.util.log_setup import share_handlers
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -90,6 +94,7 @@ class CacheTierConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        share_handlers("vllm")  # the core's warnings in vLLM's own format
         self._scheduler: CacheTierScheduler | None = None
         self._worker: CacheTierWorker | None = None
         self._events: SchedulerEvents | None = None
@@ -175,6 +180,8 @@ class CacheTierConnector(KVConnectorBase_V1):
                 layer_names,
                 config.record_tokens,
                 events=VllmEventSink.for_store(store, kind.value) if publish else None,
+                record_check=record_check_of(config, vllm_config.model_config.model),
+                guard=GuardSampler(config.guard_config()) if config.guard else None,
             )
 
     @property
@@ -358,6 +365,24 @@ def _arrangement_of(
         kv_cache_dtype=vllm_config.cache_config.cache_dtype,
     )
     return arrangement, list(groups[0].layer_names)
+
+
+def record_check_of(config: ConnectorConfig, model: str) -> RecordCheck | None:
+    """The worker's check of every loaded record (``cachetier.guard.record_check``), its first
+    layer read from the model folder vLLM loads; ``None`` where ``record_check`` is off or
+    the folder cannot give it (said once at WARNING: loads go on unchecked by it)."""
+    if not config.record_check:
+        return None
+    try:
+        return RecordCheck(FirstLayer.from_folder(model), config.record_check_tokens)
+    except (ValueError, OSError, KeyError) as exc:
+        logger.warning(
+            "cachetier: no per-record check of restored KV (record_check): the model folder "
+            "%s cannot give the first layer's weights: %s",
+            model,
+            exc,
+        )
+        return None
 
 
 def _model_fingerprint(vllm_config: VllmConfig) -> str:

@@ -55,30 +55,48 @@ def draw(
 
 
 def verify_saved(
-    store: TieredStore, transfer: BlockTransfer, records: Sequence[KVBlock], writer: str = ""
-) -> list[tuple[str, str, str]]:
+    store: TieredStore,
+    transfer: BlockTransfer,
+    records: Sequence[KVBlock],
+    writer: str = "",
+    pending: dict[BlockHash, str] | None = None,
+    sampler: GuardSampler | None = None,
+) -> list[tuple[str, str, str, str]]:
     """Compare the records of a save that a verified hit waits for with their tiers.
 
     Args:
         store: the worker's tiers.
-        transfer: the save, with ``verify_tiers``.
+        transfer: the save, with ``verify_tiers`` (the scheduler's draws).
         records: the records vLLM computed for ``transfer.keys``.
         writer: what the records claim to be (their layout), for the guard's log line.
+        pending: the worker's own waits (``{key: tier}``: records a load did not use because
+            their writer is verified first, ``record_guard``); those found are taken out.
+        sampler: credits the writers a scheduler's draw found clean
+            (``GuardSampler.credit_writer``).
 
     Returns:
-        ``(tier, namespace id, reason)`` of each quarantine this began.
+        ``(tier, namespace id, reason, writer)`` of each writer quarantine this began.
     """
-    by_tier: dict[str, list[KVBlock]] = {}
-    for record, tier in zip(records, transfer.verify_tiers, strict=True):
-        if tier:
-            by_tier.setdefault(tier, []).append(record)
+    by_tier: dict[tuple[str, bool], list[KVBlock]] = {}
+    drawn = transfer.verify_tiers or ("",) * len(records)
+    for record, tier in zip(records, drawn, strict=True):
+        own = pending.pop(record.key, "") if pending else ""
+        if tier or own:
+            by_tier.setdefault((tier or own, bool(tier)), []).append(record)
     began = []
-    for tier, computed in by_tier.items():
+    for (tier, by_draw), computed in by_tier.items():
         try:
             verdict = store.verify(transfer.namespace_id, tier, computed, writer)
         except (CacheTierError, OSError, ValueError) as exc:
             logger.warning("cachetier guard: could not verify tier %s: %s", tier, exc)
             continue
+        for name in verdict.clean_writers if by_draw and sampler is not None else ():
+            sampler.credit_writer(tier, transfer.namespace_id, name)
         if verdict.quarantined:
-            began.append((tier, transfer.namespace_id, verdict.mismatches[0].describe()))
+            reason = verdict.mismatches[0].describe()
+            began += [
+                (t, transfer.namespace_id, reason, w)
+                for w in verdict.bad_writers
+                for t in store.tier_names
+            ]
     return began

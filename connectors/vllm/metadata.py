@@ -31,10 +31,13 @@ class BlockTransfer:
             compare with what vLLM computed (``""`` for none); empty when none does.
         generated: for a save, whether each record holds generated tokens (admission may
             treat those apart, ``cachetier.admission``); empty when all are prompt.
-        token_ids: the records' tokens, the same number per key, where vLLM publishes KV
-            events (their ``BlockStored`` carry them, ``events.note_tokens``); else empty.
+        token_ids: the records' tokens, the same number per key: for a load, always (the
+            worker checks each record against its tokens, ``record_guard``); for a save, where
+            vLLM publishes KV events (their ``BlockStored`` carry them,
+            ``events.note_tokens``); else empty.
         parent: the key before ``keys[0]`` in the request's chain (``None`` for its first
             record), sent with ``token_ids``.
+        first_position: the position in the request of ``keys[0]``'s first token.
     """
 
     req_id: str
@@ -46,6 +49,7 @@ class BlockTransfer:
     generated: tuple[bool, ...] = ()
     token_ids: tuple[int, ...] = ()
     parent: BlockHash | None = None
+    first_position: int = 0
 
     def __post_init__(self) -> None:
         num_keys, num_blocks = len(self.keys), len(self.block_ids)
@@ -104,7 +108,8 @@ class StoredBlocks(KVConnectorWorkerMetadata):
     rates: dict[str, TierRate] = field(default_factory=dict)
     copies: list[tuple[int, float]] = field(default_factory=list)
     # ``(tier, namespace id, reason)`` of quarantines the worker's guard began.
-    quarantined: list[tuple[str, str, str]] = field(default_factory=list)
+    # (tier, namespace id, reason, writer) of each writer quarantine the worker began
+    quarantined: list[tuple[str, str, str, str]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredBlocks:
         if not isinstance(other, StoredBlocks):

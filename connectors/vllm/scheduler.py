@@ -10,9 +10,8 @@ blocks, so a hit that ends inside a block is cut back to the block before it.
 
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
   stored, stopping one token short of the prompt (vLLM must compute at least one token), and
-  reports the leading part of them that the cost model finds faster to load than to recompute
-  (tier rates, the copy into vLLM's KV memory and prefill speed come from the worker's
-  reports).
+  reports the leading part that the cost model finds faster to load than to recompute (tier
+  rates, the copy into vLLM's KV memory and prefill speed come from the worker's reports).
 - ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
   A hit whose every block comes over a network (Redis, a sidecar) is loaded asynchronously by
   default: vLLM holds that request back and keeps running the others until the worker reports
@@ -291,7 +290,7 @@ class CacheTierScheduler:
             tracked.namespace.fingerprint,
             tuple(tracked.keys[first * n : (first + num_blocks) * n]),
             tuple(block_ids[first : first + num_blocks]),
-            **self._chain(tracked, first * n, (first + num_blocks) * n),
+            **self._chain(tracked, first * n, (first + num_blocks) * n, load=True),
         )
         if tracked.hit_async:
             # vLLM does not schedule the request until the worker reports it loaded, so the
@@ -344,8 +343,8 @@ class CacheTierScheduler:
             self.rates.adopt(tier, rate)
         for nbytes, seconds in report.copies:
             self.copy.observe(nbytes, seconds)
-        for tier, namespace_id, reason in report.quarantined:
-            self.quarantines.add(tier, namespace_id, reason)
+        for tier, namespace_id, reason, writer in report.quarantined:
+            self.quarantines.add(tier, namespace_id, reason, writer)
         self._cpu_index.update(report)
         for namespace_id, keys in report.failed.items():
             failed = set(keys)
@@ -442,13 +441,15 @@ class CacheTierScheduler:
             tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
         return tracked.keys
 
-    def _chain(self, tracked: _Tracked, first: int, end: int) -> dict[str, Any]:
-        """``token_ids`` and ``parent`` of records ``[first, end)``, if KV events want them."""
-        if not self._with_tokens:
+    def _chain(self, tracked: _Tracked, first: int, end: int, load: bool = False) -> dict[str, Any]:
+        """Tokens, parent and position of records ``[first, end)``: a load's always (the
+        worker checks its records by them), a save's if KV events want them."""
+        if not (self._with_tokens or load):
             return {}
         size = self._record_layout.block_size
         tokens = tuple(tracked.request.all_token_ids[first * size : end * size])
-        return {"token_ids": tokens, "parent": tracked.keys[first - 1] if first else None}
+        parent = tracked.keys[first - 1] if first else None
+        return {"token_ids": tokens, "parent": parent, "first_position": first * size}
 
     def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> list[tuple[str, int]]:
         """``(tier, blocks)`` runs of the leading stored ``keys``, in order."""

@@ -45,16 +45,22 @@ from cachetier.connectors.vllm.metadata import (
 from cachetier.connectors.vllm.paged import PagedKV
 from cachetier.connectors.vllm.stats import CacheTierConnectorStats
 from cachetier.errors import CacheTierError
+from cachetier.guard import GuardSampler
+from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import PendingSave, payload_tensor, payload_view
-from cachetier.primitives.keys import record_layout, torch_dtype
+from cachetier.primitives.keys import BlockHash, record_layout, torch_dtype
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import Buffer, KVBlock
+from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
 
 logger = init_logger("vllm.cachetier.worker")
 
 
+# Keys a load left to be verified, waiting for vLLM's computed blocks: a request aborted before
+# its blocks are saved leaves its keys here, so the oldest are dropped past this bound.
+MAX_PENDING_KEYS = 1 << 16
 CLOSE_COUNTERS = ("puts", "bytes_in", "hits", "bytes_out", "rejected", "evictions")
 """The tier counters the worker logs as it closes."""
 
@@ -69,6 +75,9 @@ class CacheTierWorker:
         record_tokens: tokens per record; vLLM's block size must be a multiple of it.
         events: where the store's block changes go as KV events, when vLLM publishes them
             (``cachetier.connectors.vllm.events``); ``None``: nothing is collected.
+        record_check: the check of every loaded record against its tokens
+            (``cachetier.store.record_guard``); ``None`` for none.
+        guard: the worker's own draws of new writers to verify first; ``None`` for none.
     """
 
     def __init__(
@@ -78,8 +87,15 @@ class CacheTierWorker:
         layer_names: Sequence[str],
         record_tokens: int = DEFAULT_RECORD_TOKENS,
         events: VllmEventSink | None = None,
+        record_check: RecordCheck | None = None,
+        guard: GuardSampler | None = None,
     ) -> None:
         self._store = store
+        self._guard = guard
+        self._record_guard = RecordGuard(store, record_check, guard)
+        # Records a load did not use because their writer is verified first: compared with
+        # vLLM's computed blocks when those are saved (key -> the tier that held it).
+        self._verify_pending: dict[BlockHash, str] = {}
         # A load from a store with a CPU tier leaves the records there, just used (a CPU hit is
         # touched, a lower tier's is promoted): the scheduler's view of that tier must learn it.
         self._cpu_takes_loads = any(tier.name == "cpu" for tier in store.tiers)
@@ -273,15 +289,7 @@ class CacheTierWorker:
         except (CacheTierError, OSError) as exc:
             logger.warning("cachetier: restore for request %s failed: %s", transfer.req_id, exc)
             records, sources = [], []
-        good: list[KVBlock] = []
-        for record, key in zip(records, transfer.keys, strict=False):
-            problem = check_record(
-                record, key, transfer.fingerprint, self._record_layout, self._aux
-            )
-            if problem is not None:
-                logger.warning("cachetier: record %s... holds %s", key.hex()[:16], problem)
-                break
-            good.append(record)
+        good = self._admitted(transfer, records, sources)
         per_block = transfer.per_block
         num_good = len(good) // per_block  # whole vLLM blocks
         copy_s = 0.0
@@ -333,6 +341,40 @@ class CacheTierWorker:
             else f"; {len(transfer.block_ids) - num_good} failed, vLLM recomputes them",
         )
 
+    def _admitted(
+        self, transfer: BlockTransfer, records: Sequence[KVBlock], sources: Sequence[str]
+    ) -> list[KVBlock]:
+        """The leading loaded records that pass their checks: the record's own (key,
+        fingerprint, layout), then by writer and against their tokens (``RecordGuard``);
+        where it stops at a writer to verify, the rest wait for vLLM's computed blocks."""
+        good: list[KVBlock] = []
+        for record, key in zip(records, transfer.keys, strict=False):
+            problem = check_record(
+                record, key, transfer.fingerprint, self._record_layout, self._aux
+            )
+            if problem is not None:
+                logger.warning("cachetier: record %s... holds %s", key.hex()[:16], problem)
+                break
+            good.append(record)
+        if not good:
+            return good
+        admitted = self._record_guard.admit(
+            transfer.namespace_id,
+            good,
+            sources[: len(good)],
+            transfer.token_ids or None,
+            transfer.first_position,
+        )
+        if admitted.verify:
+            with self._lock:
+                for key, tier in zip(
+                    transfer.keys[admitted.count : len(good)], sources[admitted.count :]
+                ):
+                    self._verify_pending[key] = tier
+                while len(self._verify_pending) > MAX_PENDING_KEYS:
+                    self._verify_pending.pop(next(iter(self._verify_pending)))
+        return good[: admitted.count]
+
     def _block_payloads(
         self, records: Sequence[KVBlock], per_block: int, num_blocks: int
     ) -> list[Buffer]:
@@ -373,8 +415,16 @@ class CacheTierWorker:
         for pending in saved:
             transfer, start = pending.tag  # type: ignore[misc]
             records = self._records(transfer, pending.payloads)
-            if transfer.verify_tiers:  # compared before storing: the tier's own record
-                began = verify_saved(self._store, transfer, records, self._record_layout.describe())
+            if transfer.verify_tiers or self._verify_pending:
+                # Compared before storing: the tier's own record.
+                began = verify_saved(
+                    self._store,
+                    transfer,
+                    records,
+                    self._record_layout.describe(),
+                    self._verify_pending,
+                    self._guard,
+                )
                 with self._lock:
                     self._report.quarantined.extend(began)
             if self._tier_events is not None:

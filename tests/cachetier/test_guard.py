@@ -153,6 +153,19 @@ def test_the_first_hits_of_each_tier_and_namespace_are_verified_then_a_fraction(
     assert draws[0] == draws[1] and 5 < sum(draws[0]) < 35
 
 
+def test_the_first_hits_of_each_writer_are_verified_and_a_clean_draw_counts_for_it() -> None:
+    sampler = GuardSampler(GuardConfig(first_hits=2, fraction=1.0))
+    draws = [sampler.should_verify_writer("disk", "ns", "w1") for _ in range(3)]
+    assert draws == [True, True, False]  # later hits are the namespace draw's (fraction)
+    assert sampler.should_verify_writer("disk", "ns", "w2")  # a new writer: checked first
+    assert sampler.should_verify_writer("cpu", "ns", "w1")  # and in another tier
+    sampler.credit_writer("disk", "ns", "w3")  # a namespace draw found w3's records clean
+    sampler.credit_writer("disk", "ns", "w3")
+    assert not sampler.should_verify_writer("disk", "ns", "w3")
+    off = GuardSampler(GuardConfig(enabled=False))
+    assert not off.should_verify_writer("disk", "ns", "w1")
+
+
 def test_a_guard_turned_off_verifies_nothing() -> None:
     sampler = GuardSampler(GuardConfig(enabled=False))
     assert not any(sampler.should_verify("disk", "ns") for _ in range(10))
@@ -179,6 +192,19 @@ def test_a_quarantine_holds_one_namespace_of_one_tier_until_lifted() -> None:
     assert held.tiers_of("ns-a") == {"disk"}
     assert [q.tier for q in held.lift("ns-a")] == ["disk"]
     assert held.entries() == []
+
+
+def test_a_writers_quarantine_holds_back_that_writer_only() -> None:
+    held = QuarantineList()
+    assert held.add("disk", "ns", "layer 0 K", writer="bad")
+    assert held.holds_writer("disk", "ns", "bad")
+    assert not held.holds_writer("disk", "ns", "good") and not held.holds_writer("cpu", "ns", "bad")
+    assert not held.holds("disk", "ns") and held.tiers_of("ns") == frozenset()  # not all
+    assert [q.writer for q in held.entries()] == ["bad"]
+    held.add("disk", "ns", "operator")  # the whole namespace: every writer
+    assert held.holds_writer("disk", "ns", "good") and held.holds("disk", "ns")
+    assert {q.writer for q in held.lift("ns")} == {"bad", ""}
+    assert not held.holds_writer("disk", "ns", "bad")
 
 
 def test_a_full_quarantine_list_refuses_new_entries_by_name() -> None:

@@ -82,6 +82,8 @@ def test_our_engine_and_the_plugins_share_their_common_settings() -> None:
         "guard",
         "guard_first_hits",
         "guard_fraction",
+        "record_check",
+        "record_check_tokens",
     }
     for name in common:
         assert engine[name].metadata == plugin[name].metadata, name

@@ -1,9 +1,10 @@
 """The store's side of the guard, on a real CPU tier over a real disk tier: a record that does
-not match its recomputation quarantines its namespace in that tier, is deleted there, and the
-store's lookups pass over the tier for that namespace until the quarantine is lifted."""
+not match its recomputation quarantines its writer in that namespace and is deleted there; a
+namespace an operator quarantines is passed over by the store's lookups until it is lifted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from cachetier.primitives.keys import Namespace
-from cachetier.record import KVBlock
+from cachetier.record import FORMAT_VERSION, KVBlock, writer_name
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
@@ -21,6 +22,7 @@ from tests.support import SMALL_LAYOUT, make_blocks
 BIG = 1 << 30
 NS = Namespace("guarded-model", SMALL_LAYOUT)
 OTHER = Namespace("guarded-model", SMALL_LAYOUT, tenant="bob")
+BUGGY = b"buggy-writer...."
 
 
 @pytest.fixture
@@ -55,51 +57,70 @@ def test_an_honest_tier_passes_and_keeps_serving(store: TieredStore) -> None:
     assert store.stats()["guard"]["verified_blocks"] == {"disk": 4}
 
 
-def test_a_forged_tier_is_quarantined_for_that_namespace_only(
+def test_a_forged_writer_is_quarantined_in_that_namespace_only(
     store: TieredStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     computed = make_blocks(NS, 4)
     theirs = make_blocks(OTHER, 2, seed=7)
-    _on_disk_only(store, NS, [*computed[:2], *map(_swapped, computed[2:])])
+    forged = [dataclasses.replace(_swapped(b), writer=BUGGY) for b in computed[2:]]
+    _on_disk_only(store, NS, [*computed[:2], *forged])
     _on_disk_only(store, OTHER, theirs)
     keys = [b.key for b in computed]
     with caplog.at_level(logging.WARNING, logger="cachetier.store.verify"):
         verdict = store.verify(NS.id, "disk", computed, writer=NS.describe())
     assert verdict.quarantined and verdict.compared == 4
     assert [m.key_hex for m in verdict.mismatches] == [b.key.hex() for b in computed[2:]]
+    assert verdict.bad_writers == (writer_name(BUGGY),)
+    assert verdict.clean_writers == (writer_name(None),)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "tier disk" in line and "quarantine lift" in line and "layer" in line
-    # What the records claimed to be and the format they were read from, for the operator.
-    assert "model guarded-model" in line and "record format v2" in line
-    # The compared records are gone from the disk, the namespace is passed over there, and
-    # another tenant's namespace in the same tier is untouched.
+    # What the records claimed to be, the format they were read from and their writer.
+    assert "model guarded-model" in line and f"record format v{FORMAT_VERSION}" in line
+    assert writer_name(BUGGY) in line
+    # Only the records that differed are gone; the writer is held back in every tier of the
+    # store, not the namespace: the other writer's records, and another tenant's, still serve.
     disk = store.tiers[1]
-    assert disk.get_many(NS.id, keys) == [None] * 4
-    _on_disk_only(store, NS, computed)  # even honest records are not served while it holds
-    hit = store.lookup(NS.id, keys)
-    assert hit.num_blocks == 0 and hit.quarantined_blocks == 4  # misses of cause quarantined
+    assert [r is None for r in disk.get_many(NS.id, keys)] == [False, False, True, True]
+    for tier in ("cpu", "disk"):
+        assert store.quarantines.holds_writer(tier, NS.id, writer_name(BUGGY))
+        assert not store.quarantines.holds(tier, NS.id)
+    assert store.lookup(NS.id, keys).num_blocks == 2
     assert store.lookup(OTHER.id, [b.key for b in theirs]).num_blocks == 2
     guard = store.stats()["guard"]
     assert guard["mismatched_blocks"] == {"disk": 2} and guard["quarantines"] == {"disk": 1}
-    assert guard["quarantined_lookups"] == {"disk": 1}
+
+
+def test_a_sidecars_store_refuses_a_quarantined_writers_records_as_it_reads(
+    store: TieredStore,
+) -> None:
+    computed = make_blocks(NS, 3)
+    _on_disk_only(store, NS, [dataclasses.replace(b, writer=BUGGY) for b in computed])
+    for tier in ("cpu", "disk"):  # what a client's report does: every tier of the sidecar
+        store.quarantines.add(tier, NS.id, "reported by a client", writer_name(BUGGY))
+    keys = [b.key for b in computed]
+    # An engine's store reads them (its record guard refuses them, with the cause); this read
+    # also promotes them into the CPU tier.
+    assert all(b is not None for b in store.get_many(NS.id, keys))
+    store.refuse_quarantined_writers = True
+    assert store.get_many(NS.id, keys) == [None] * 3
+    for tier in store.tiers:  # deleted as refused, in each tier that held them
+        assert tier.get_many(NS.id, keys) == [None] * 3
+    assert store.stats()["guard"]["quarantined_lookups"] == {"cpu": 3, "disk": 3}
 
 
 def test_other_tiers_keep_serving_a_namespace_quarantined_in_one(store: TieredStore) -> None:
     computed = make_blocks(NS, 3)
-    _on_disk_only(store, NS, list(map(_swapped, computed)))
-    assert store.verify(NS.id, "disk", computed).quarantined
+    _on_disk_only(store, NS, computed)
+    store.quarantines.add("disk", NS.id, "an operator's")
     store.tiers[0].put_many(NS.id, computed)
     hit = store.lookup(NS.id, [b.key for b in computed])
     assert hit.num_blocks == 3 and hit.blocks_per_tier() == {"cpu": 3}
 
 
-def test_a_lifted_quarantine_serves_again(store: TieredStore) -> None:
+def test_a_lifted_namespace_quarantine_serves_again(store: TieredStore) -> None:
     computed = make_blocks(NS, 2)
-    _on_disk_only(store, NS, list(map(_swapped, computed)))
-    store.verify(NS.id, "disk", computed)
-    (held,) = store.quarantines.entries()
-    assert (held.tier, held.namespace) == ("disk", NS.id) and "block" in held.reason
     _on_disk_only(store, NS, computed)
+    store.quarantines.add("disk", NS.id, "an operator's")
     assert store.lookup(NS.id, [b.key for b in computed]).num_blocks == 0
     assert [q.tier for q in store.quarantines.lift(NS.id)] == ["disk"]
     assert store.lookup(NS.id, [b.key for b in computed]).num_blocks == 2

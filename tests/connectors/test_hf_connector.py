@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -14,7 +15,7 @@ import transformers
 from cachetier.connectors.hf import HFCacheConnector
 from cachetier.errors import TierUnavailableError
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys
-from cachetier.record import KVBlock
+from cachetier.record import KVBlock, writer_name
 from cachetier.store.config import StoreConfig, build_store
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
@@ -210,6 +211,27 @@ def test_a_block_of_the_wrong_shape_ends_the_restored_run(
     out, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert info.num_cached_tokens == 32
     assert conn.stats.rejected_blocks == 1
+    assert torch.equal(out, _greedy(tiny_model, prompt))
+
+
+def test_a_record_that_is_not_its_tokens_kv_ends_the_restored_run(
+    tiny_model: torch.nn.Module, tiny_model_dir: Path, store: TieredStore
+) -> None:
+    prompt = _prompt(70, seed=8)
+    conn = HFCacheConnector(tiny_model, store, model_folder=tiny_model_dir)
+    conn.generate(prompt, max_new_tokens=2, do_sample=False)
+    ns = conn.namespace
+    good = _stored_blocks(store, ns, prompt[0, :64].tolist())
+    # Block 2 with K and V swapped, by another process: every checksum passes.
+    values = np.frombuffer(good[2].data, dtype=np.float32).reshape(good[2].shape)
+    swapped = _with(good[2], data=np.ascontiguousarray(values[:, ::-1]).tobytes(), writer=b"x" * 16)
+    store.clear(ns.id)
+    store.put_many(ns.id, [good[0], good[1], swapped, good[3]])
+
+    out, info = conn.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert info.num_cached_tokens == 32  # blocks 0 and 1; block 2 was refused
+    assert conn.record_guard.stats.failed_records == 1
+    assert store.quarantines.holds_writer("cpu", ns.id, writer_name(b"x" * 16))
     assert torch.equal(out, _greedy(tiny_model, prompt))
 
 

@@ -1,7 +1,9 @@
 """The restore guard in our engine, against forgeries that pass every checksum: records written
 through a real disk tier, each one a well-formed record of this model's namespace that holds the
-wrong KV. The guard's first verified hit computes the request as a miss, finds the mismatch,
-quarantines the namespace in the disk tier, and no answer ever differs from a cold one.
+wrong KV, written by another process (a writer id of its own). The guard's first verified hit
+computes the request as a miss, finds the mismatch, quarantines that writer's records and
+deletes the bad ones; the computed blocks take their place, and no answer ever differs from a
+cold one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from benchmarks.support.forgeries import (
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 from cachetier.primitives.keys import Namespace
-from cachetier.record import KVBlock
+from cachetier.record import KVBlock, writer_name
 from cachetier.report.events import read_events
 from cachetier.store.config import StoreConfig
 from tests.models import make_tiny_llama
@@ -32,6 +34,7 @@ PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a pa
 OTHER_TOKENS = [(i * 13 + 1) % 250 for i in range(150)]
 POOL = {"kv_cache_bytes": 4 << 20}
 GUARD = {"guard": True, "guard_first_hits": 1, "guard_fraction": 0.0}
+FORGER = b"forger-process.."  # the writer id the forged records name
 
 Forgery = Callable[[list[KVBlock], "Stored"], list[np.ndarray]]
 
@@ -87,13 +90,14 @@ def test_a_forgery_of_this_models_kv_is_caught_and_never_served(
     namespace = _store_prompts(tiny_model_dir, folder, [PROMPT, OTHER_TOKENS])
     stored = Stored(folder, namespace)
     records = stored.records(PROMPT)
-    stored.replace(records, forge(records, stored))
+    stored.replace(records, forge(records, stored), writer=FORGER)
     tokens = PROMPT + [1, 2, 3]
     outs, stats = _guarded_run(tiny_model_dir, folder, tokens)
     cold = _cold(tiny_model_dir, tokens)
     assert [o.token_ids for o in outs] == [cold, cold]
-    assert [o.cached_tokens_by_source for o in outs] == [{}, {}]
-    assert stats["guard"]["quarantined"] == [("disk", namespace.id)]
+    # The second is served from the disk: the first request's own computed records.
+    assert [o.cached_tokens_by_source for o in outs] == [{}, {"disk": 144}]
+    assert stats["guard"]["quarantined"] == [("disk", namespace.id, writer_name(FORGER))]
     assert stats["guard"]["verified_requests"] == 1
     assert stats["guard"]["mismatched_blocks"] == len(records)
 
@@ -108,11 +112,13 @@ def test_another_models_kv_under_this_models_fingerprint_is_caught(
     # The other model's KV for the same tokens, re-keyed into this model's namespace: what a
     # fingerprint set by hand to the same value for two models would store.
     stored.replace(
-        stored.records(PROMPT), [values(r) for r in Stored(folder, theirs).records(PROMPT)]
+        stored.records(PROMPT),
+        [values(r) for r in Stored(folder, theirs).records(PROMPT)],
+        writer=FORGER,
     )
     outs, stats = _guarded_run(tiny_model_dir, folder, PROMPT)
     assert [o.token_ids for o in outs] == [_cold(tiny_model_dir, PROMPT)] * 2
-    assert stats["guard"]["quarantined"] == [("disk", ours.id)]
+    assert stats["guard"]["quarantined"] == [("disk", ours.id, writer_name(FORGER))]
 
 
 def test_honest_records_pass_and_are_served_after_the_check(
@@ -156,12 +162,13 @@ def test_the_event_log_says_what_was_verified_and_what_a_quarantine_cost(
 ) -> None:
     namespace = _store_prompts(tiny_model_dir, folder, [PROMPT, OTHER_TOKENS])
     stored = Stored(folder, namespace)
-    records = stored.records(PROMPT)
-    stored.replace(records, _k_and_v_swapped(records, stored))
+    for tokens in (PROMPT, OTHER_TOKENS):  # the forger's work, both prompts
+        records = stored.records(tokens)
+        stored.replace(records, _k_and_v_swapped(records, stored), writer=FORGER)
     log = tmp_path / "lookups.jsonl"
     with LLM(tiny_model_dir, store=_config(folder), event_log=str(log), **POOL, **GUARD) as llm:
         llm.generate([PROMPT + [1]], GREEDY)  # verified: the forgery is caught
-        llm.generate([OTHER_TOKENS + [1]], GREEDY)  # held on disk, not served
+        llm.generate([OTHER_TOKENS + [1]], GREEDY)  # the forger's records: refused as read
         llm.engine.close()
     verified, lost = read_events(log, strict=True)
     assert verified.verified_tokens == 144 and dict(verified.hit_tokens) == {}

@@ -1,5 +1,6 @@
-"""Quarantines on a live sidecar: a client's guard shares what it found, every client of the
-namespace misses from then on, tenants see and touch only their own, and an admin lifts them."""
+"""Quarantines on a live sidecar: a client's guard shares the writer it found bad, whose
+records every client then misses, tenants see and touch only their own, and an admin lifts
+them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachetier.primitives.keys import Namespace
-from cachetier.record import KVBlock
+from cachetier.record import KVBlock, writer_name
+from cachetier.record.writer import start_new_writer
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.remote import RemoteTier
 from tests.server.live import TOKENS, ThreadServer, call, call_json
@@ -24,34 +26,37 @@ def _swapped(block: KVBlock) -> KVBlock:
     return KVBlock(block.key, block.fingerprint, block.dtype, block.shape, block.num_tokens, data)
 
 
-def test_a_clients_guard_quarantines_the_namespace_for_every_client(
+def test_a_clients_guard_quarantines_the_bad_writer_for_every_client(
     shared_server: ThreadServer,
     make_remote: Callable[..., RemoteTier],
     own_namespace: Namespace,
 ) -> None:
     computed = make_blocks(own_namespace, 3)
     keys = [b.key for b in computed]
+    bad = start_new_writer()  # the process that writes K where V belongs
     first = make_remote(shared_server.url)
     assert first.put_many(own_namespace.id, [_swapped(b) for b in computed]) == 3
-    store = TieredStore([first])
-    verdict = store.verify(own_namespace.id, "remote", computed)
+    verdict = TieredStore([first]).verify(own_namespace.id, "remote", computed)
     assert verdict.quarantined and len(verdict.mismatches) == 3
-    # Another client of the same tenant, and the honest records stored again by it: the
-    # server no longer serves the namespace to anyone.
+    assert verdict.bad_writers == (writer_name(bad),)
+    # Told the server: that writer's records are refused to every client as they are read.
     other = make_remote(shared_server.url)
+    assert other.put_many(own_namespace.id, [_swapped(b) for b in computed]) == 3
+    assert other.get_many(own_namespace.id, keys) == [None] * 3
+    # Another writer's records of the same keys serve every client: not the whole namespace.
+    start_new_writer()
     assert other.put_many(own_namespace.id, computed) == 3
-    assert other.lookup(own_namespace.id, keys).num_blocks == 0
+    assert all(b is not None for b in other.get_many(own_namespace.id, keys))
     status, answer = call_json(shared_server.url, "GET", "/v1/quarantines", token=ALICE)
     assert status == 200
     mine = [q for q in answer["quarantines"] if q["namespace"] == own_namespace.id]
     assert {q["tier"] for q in mine} == {"cpu", "disk"} and mine[0]["tenant"] == "alice"
-    assert "layer" in mine[0]["reason"]
-    # Only an admin lifts it; then the server serves the namespace again.
+    assert {q["writer"] for q in mine} == {writer_name(bad)} and "layer" in mine[0]["reason"]
+    # Only an admin lifts it.
     lift = {"namespace": own_namespace.id, "tenant": "alice"}
     assert call_json(shared_server.url, "POST", "/v1/quarantines/lift", lift, token=ALICE)[0] == 403
     status, lifted = call_json(shared_server.url, "POST", "/v1/quarantines/lift", lift, token=OPS)
     assert status == 200 and {q["tier"] for q in lifted["quarantines"]} == {"cpu", "disk"}
-    assert other.lookup(own_namespace.id, keys).num_blocks == 3
 
 
 def test_a_tenant_quarantines_and_sees_only_its_own_namespaces(

@@ -199,19 +199,23 @@ class RemoteClient:
         async with self._open().delete(f"{self._base}{namespace}") as resp:
             return int((await _json(resp))["num_deleted"])
 
-    async def report_quarantine(self, namespace: str, reason: str) -> int:
+    async def report_quarantine(self, namespace: str, reason: str, writer: str = "") -> int:
         """Tell the server that ``namespace`` served KV that does not match a recomputation,
-        so it stops serving it to every client.
+        so it stops serving it (``writer``'s records of it, if given) to every client.
 
         Args:
             namespace: the client's namespace.
             reason: what differed (cut to the server's 500 characters).
+            writer: the writer whose records differed (``writer_name``); empty for all.
 
         Returns:
             How many quarantines the server holds for it.
         """
         url = self._config.base_url + "/v1/quarantines"
-        body = json.dumps({"namespace": namespace, "reason": reason[:500]}).encode()
+        fields = {"namespace": namespace, "reason": reason[:500]}
+        if writer:
+            fields["writer"] = writer
+        body = json.dumps(fields).encode()
         async with self._open().post(url, data=body, headers=_JSON) as resp:
             return len((await _json(resp))["quarantines"])
 

@@ -173,11 +173,13 @@ class RemoteTier(Tier):
         check_namespace(namespace)
         return self._wait(self._call(lambda: self._client.clear(namespace), 0), 0, 1)
 
-    def report_quarantine(self, namespace: str, reason: str) -> None:
-        """Share a quarantine with the server, which then quarantines ``namespace`` in its own
-        tiers for every client (a failure is logged: the local quarantine holds regardless)."""
+    def report_quarantine(self, namespace: str, reason: str, writer: str = "") -> None:
+        """Share a quarantine with the server, which then quarantines ``writer``'s records of
+        ``namespace`` (all of them if empty) in its own tiers for every client (a failure is
+        logged: the local quarantine holds regardless)."""
         check_namespace(namespace)
-        self._wait(self._call(lambda: self._client.report_quarantine(namespace, reason), 0), 0, 1)
+        report = self._client.report_quarantine
+        self._wait(self._call(lambda: report(namespace, reason, writer), 0), 0, 1)
 
     # Async API: the same operations for callers on any event loop. Arguments, results and
     # failure handling are those of the blocking methods above (and of ``Tier``).

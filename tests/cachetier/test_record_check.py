@@ -1,0 +1,108 @@
+"""The per-record check: the first layer's K and V of a record's tokens, recomputed from the
+model folder, against what transformers caches and against forged records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cachetier.guard.first_layer import FirstLayer, rope_inv_freq
+from cachetier.guard.record_check import RecordCheck
+from tests.cachetier.guard_records import (
+    BLOCK,
+    DEEP_LAYER_FORGERY,
+    FIRST_LAYER_FORGERIES,
+    forged,
+    model_kv,
+    records_of,
+)
+
+TOKENS = [int(t) for t in np.random.default_rng(3).integers(0, 256, size=4 * BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def kv(tiny_model_dir: Path) -> np.ndarray:
+    return model_kv(tiny_model_dir, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def check(tiny_model_dir: Path) -> RecordCheck:
+    return RecordCheck(FirstLayer.from_folder(tiny_model_dir), seed=1)
+
+
+def test_the_first_layer_is_what_transformers_caches(tiny_model_dir: Path, kv: np.ndarray) -> None:
+    layer = FirstLayer.from_folder(tiny_model_dir)
+    got = layer.kv(torch.tensor(TOKENS), torch.arange(len(TOKENS))).numpy()
+    np.testing.assert_allclose(got, kv[0], rtol=1e-5, atol=1e-5)
+    # At other positions only K moves (RoPE): V is the token's alone.
+    shifted = layer.kv(torch.tensor(TOKENS), torch.arange(len(TOKENS)) + 100).numpy()
+    np.testing.assert_allclose(shifted[1], kv[0][1], rtol=1e-6)
+    assert not np.allclose(shifted[0], kv[0][0], atol=1e-3)
+
+
+def test_honest_records_pass(check: RecordCheck, kv: np.ndarray) -> None:
+    records = records_of(kv, TOKENS)
+    assert check.first_failure(records, TOKENS, 0) is None
+    # The same records at the wrong place in the sequence are not the KV of those positions.
+    failure = check.first_failure(records[1:], TOKENS[BLOCK:], 0)
+    assert failure is not None and failure.index == 0
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_LAYER_FORGERIES))
+def test_a_forgery_of_the_first_layer_is_caught_at_its_record(
+    check: RecordCheck, kv: np.ndarray, name: str
+) -> None:
+    records = records_of(kv, TOKENS)
+    records[2] = forged(records[2], FIRST_LAYER_FORGERIES[name])
+    failure = check.first_failure(records, TOKENS, 0)
+    assert failure is not None and failure.index == 2
+    assert failure.mismatch.worst[0][0] == 0  # layer 0 is what it saw
+    assert failure.mismatch.max_rel_error > 0.1
+
+
+def test_another_prompts_kv_under_these_tokens_is_caught(
+    tiny_model_dir: Path, check: RecordCheck, kv: np.ndarray
+) -> None:
+    other_tokens = [(t + 1) % 256 for t in TOKENS]
+    other = records_of(model_kv(tiny_model_dir, other_tokens), other_tokens)
+    records = records_of(kv, TOKENS)
+    # The other prompt's record under this prompt's key: its checks pass, its content is not.
+    records[1] = forged(other[1], lambda v: v)
+    failure = check.first_failure(records, TOKENS, 0)
+    assert failure is not None and failure.index == 1
+
+
+def test_a_deeper_layer_forgery_is_not_seen_here(check: RecordCheck, kv: np.ndarray) -> None:
+    # The documented limit: only the first layer is recomputed.
+    records = records_of(kv, TOKENS)
+    records[0] = forged(records[0], DEEP_LAYER_FORGERY)
+    assert check.first_failure(records, TOKENS, 0) is None
+
+
+def test_bfloat16_records_pass_within_their_tolerance(check: RecordCheck, kv: np.ndarray) -> None:
+    records = records_of(kv, TOKENS)
+    wide = np.frombuffer(records[0].data, dtype=np.float32).copy()
+    narrow = (torch.from_numpy(wide).to(torch.bfloat16).view(torch.int16).numpy()).tobytes()
+    record = records[0]
+    bf16 = type(record)(
+        record.key, record.fingerprint, "bfloat16", record.shape, record.num_tokens, narrow
+    )
+    assert check.first_failure([bf16], TOKENS, 0) is None
+
+
+def test_records_it_cannot_read_are_passed_over(check: RecordCheck, kv: np.ndarray) -> None:
+    records = records_of(kv, TOKENS)
+    assert check.first_failure(records, TOKENS[:BLOCK], 0) is None  # tokens missing: no check
+    assert check.first_failure(records[:1], [999] * BLOCK, 0) is None  # past the vocabulary
+
+
+def test_only_the_scaling_kinds_the_engine_knows_are_taken() -> None:
+    plain = rope_inv_freq(64, 10000.0, None)
+    assert plain.shape == (32,)
+    linear = rope_inv_freq(64, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    torch.testing.assert_close(linear, plain / 2)
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
