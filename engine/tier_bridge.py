@@ -15,13 +15,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from cachetier.engine.block_manager import Block
 from cachetier.engine.kv_cache import KVPool
 from cachetier.engine.shadow import ShadowVerifier
 from cachetier.guard import GuardSampler
-from cachetier.guard.record_check import RecordCheck
+from cachetier.guard.record_check import Layer0, RecordCheck
 from cachetier.kernels.records import join_records, split_block
 from cachetier.kernels.staging import payload_tensor, payload_view
 from cachetier.misses import NamespaceDescriptor
@@ -258,14 +259,21 @@ class TierBridge:
         """
         start = time.perf_counter()
         if self.records_per_block == 1:
+            dests = self.pool.block_views(block_ids[: len(keys)])
             restored = self.store.restore_prefix(
                 self.namespace.id,
                 keys,
                 fingerprint=self.namespace.fingerprint,
-                dests=self.pool.block_views(block_ids[: len(keys)]),
+                dests=dests,
                 hit=hit,
             )
-            restored, cut = self._admitted(keys, restored, token_ids, first_position)
+            # Read in place (each payload the very view it was asked into): the check reads
+            # the records' first layer from the pool in one gather.
+            in_place = dests is not None and all(
+                b.data is d for b, d in zip(restored.blocks, dests, strict=False)
+            )
+            layer0 = self._pool_layer0(block_ids) if in_place else None
+            restored, cut = self._admitted(keys, restored, token_ids, first_position, layer0)
         else:
             restored = self.store.restore_prefix(
                 self.namespace.id, keys, fingerprint=self.namespace.fingerprint
@@ -281,6 +289,7 @@ class TierBridge:
         restored: RestoredPrefix,
         token_ids: Sequence[int] | None,
         first_position: int,
+        layer0: Layer0 | None = None,
     ) -> tuple[RestoredPrefix, str | None]:
         """The leading records of ``restored`` the record guard lets through, and why it
         stopped if it did; where it stops at a writer to verify, the records from there wait
@@ -288,7 +297,7 @@ class TierBridge:
         if not restored.blocks:
             return restored, None
         admitted = self.record_guard.admit(
-            self.namespace.id, restored.blocks, restored.sources, token_ids, first_position
+            self.namespace.id, restored.blocks, restored.sources, token_ids, first_position, layer0
         )
         count = admitted.count
         if count == len(restored.blocks):
@@ -298,6 +307,21 @@ class TierBridge:
             self.shadow.expect(keys[count:end], restored.sources[count:end])
         cut = RestoredPrefix(restored.blocks[:count], restored.sources[:count])
         return cut, admitted.cause
+
+    def _pool_layer0(self, block_ids: Sequence[int]) -> Layer0 | None:
+        """The first layer of restored records already in pool blocks ``block_ids``, gathered
+        in one index (a float pool on the CPU; ``None`` elsewhere)."""
+        cache = self.pool.cache
+        if cache.device.type != "cpu" or self.pool.scales is not None:
+            return None
+
+        def gather(offsets: np.ndarray, count: int) -> np.ndarray:
+            # One advanced index over blocks and token offsets: only those tokens are read.
+            ids = torch.as_tensor(list(block_ids[:count]))[:, None]
+            got = cache[ids, 0, :, torch.as_tensor(offsets)[None, :]]  # [count, k, 2, H, D]
+            return got.permute(2, 0, 1, 3, 4).reshape(2, count * len(offsets), -1).float().numpy()
+
+        return gather
 
     def restore_in_background(
         self,

@@ -33,6 +33,7 @@ from benchmarks.support.children import run_vllm_child
 from benchmarks.support.forgeries import (
     Stored,
     another_arrangement,
+    forge_records,
     k_and_v_swapped,
     values_of,
     vllm_namespace,
@@ -81,7 +82,11 @@ def serve(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     out = []
-    for salt, tokens in spec["requests"]:
+    for index, (salt, tokens) in enumerate(spec["requests"]):
+        if index == 1 and spec.get("forge_after_first"):
+            # Records go bad while this process serves: written by the benchmark's own disk
+            # tier in this process, never through the connector under test.
+            forge_records(spec["forge_after_first"])
         before = _guard_counts()
         prompt = {"prompt_token_ids": tokens, "cache_salt": salt}
         (result,) = llm.generate([prompt], params, use_tqdm=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
     raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
+# The most memory the table of each token's K (before RoPE) and V may take: a vocabulary whose
+# table is larger (an 8B model's is about 1 GiB) computes every check's tokens afresh.
+TABLE_BYTES = 256 << 20
+
+
+class _Table:
+    """Each token's first-layer K (before RoPE) and V, filled as tokens are first checked:
+    natural text reuses its tokens, so a long prompt's check computes only the few it has not
+    seen (a restore of 4,096 tokens checks a few hundred). Filling races are benign: two
+    threads write the same values."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        import torch
+
+        self.rows = torch.empty(vocab, width)
+        self.have = torch.zeros(vocab, dtype=torch.bool)
+
+
 @dataclass(frozen=True, slots=True)
 class FirstLayer:
     """What the first layer's K and V are computed from, in float32 (the embedding in its own
@@ -84,6 +102,7 @@ class FirstLayer:
     inv_freq: torch.Tensor
     num_kv_heads: int
     head_dim: int
+    _table: list[_Table | None] = field(default_factory=lambda: [None], repr=False, compare=False)
 
     @classmethod
     def from_tensors(
@@ -167,9 +186,7 @@ class FirstLayer:
         """
         import torch
 
-        x = self.embed[token_ids].float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-        kv = torch.nn.functional.linear(x, self.kv_proj, self.kv_bias)
+        kv = self._unrotated(token_ids)
         n, hk, d = token_ids.numel(), self.num_kv_heads, self.head_dim
         k, v = kv[:, : hk * d].view(n, hk, d), kv[:, hk * d :].view(n, hk, d)
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2]
@@ -178,3 +195,25 @@ class FirstLayer:
         k1, k2 = k[..., :half], k[..., half:]
         rotated = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
         return torch.stack([rotated, v])
+
+    def _unrotated(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[n, 2 * kv_heads * head_dim]``: K (before RoPE) then V of each token, from the
+        table where it fits (``TABLE_BYTES``), filling the rows it lacks."""
+        table = self._table[0]
+        width = self.kv_proj.shape[0]
+        if table is None and self.vocab_size * width * 4 <= TABLE_BYTES:
+            table = self._table[0] = _Table(self.vocab_size, width)
+        if table is None:
+            return self._computed(token_ids)
+        missing = token_ids[~table.have[token_ids]].unique()
+        if missing.numel():
+            table.rows[missing] = self._computed(missing)
+            table.have[missing] = True
+        return table.rows[token_ids]
+
+    def _computed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        x = self.embed[token_ids].float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return torch.nn.functional.linear(x, self.kv_proj, self.kv_bias)

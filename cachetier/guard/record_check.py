@@ -10,7 +10,7 @@ order of a few sums, a wrong one by about its own size.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,10 @@ from cachetier.guard.first_layer import FirstLayer
 from cachetier.primitives.kv_format import SCALE_DTYPE
 from cachetier.record import KVBlock
 
-DEFAULT_TOKENS_PER_RECORD = 4
+# One token of each record each restore, drawn afresh: a record whose first layer is wrong at
+# every token (another prompt's KV, K and V swapped, heads permuted, layer 0 zeroed) is caught
+# by any of them, and the check stays near 2% of a long prompt's warm TTFT on two cores.
+DEFAULT_TOKENS_PER_RECORD = 1
 _TINY = 1e-12
 
 
@@ -61,7 +64,11 @@ class RecordCheck:
         self.failed_records = 0
 
     def first_failure(
-        self, records: Sequence[KVBlock], token_ids: Sequence[int], first_position: int
+        self,
+        records: Sequence[KVBlock],
+        token_ids: Sequence[int],
+        first_position: int,
+        layer0: Layer0 | None = None,
     ) -> CheckFailure | None:
         """The first of ``records`` whose first layer is not that of its tokens.
 
@@ -70,20 +77,27 @@ class RecordCheck:
                 (``[layers, 2, tokens, kv_heads, head_dim]``).
             token_ids: their tokens, in order (at least ``num_tokens`` per record).
             first_position: the position in the sequence of the first record's first token.
+            layer0: where the caller holds the records in one tensor (an engine's pool they
+                were read into): given the token offsets and a number of leading records,
+                their K and V there as ``[2, records * len(offsets), kv_heads * head_dim]``
+                floats, in one call instead of one per record. Used where every record has
+                the same length and a float dtype.
 
         Returns:
             ``None`` when every record passes (or none can be checked: an MLA record, a record
             of another head shape), else the first that failed.
         """
-        picks, stored, spans = self._gather(records, token_ids, first_position)
-        if not picks:
+        gathered = self._gather_at_once(records, token_ids, first_position, layer0)
+        if gathered is None:
+            gathered = self._gather(records, token_ids, first_position)
+        if gathered is None:
             return None
+        ids, positions, stored, spans = gathered
         import torch  # here: the sidecar imports cachetier without torch
 
-        ids = torch.tensor([t for t, _ in picks], dtype=torch.int64)
-        positions = torch.tensor([p for _, p in picks], dtype=torch.int64)
-        expected = self.layer.kv(ids, positions).double().numpy()  # [2, n, H, D]
-        errors = _relative_errors(np.concatenate(stored, axis=1), expected, spans)  # [2, R]
+        expected = self.layer.kv(torch.from_numpy(ids), torch.from_numpy(positions)).numpy()
+        stored = stored.reshape(expected.shape)
+        errors = _relative_errors(stored, expected, spans)  # [2, R]
         tolerances = np.array([REL_TOLERANCE.get(records[i].dtype, 0.01) for i, _, _ in spans])
         past = (errors > tolerances).any(axis=0)
         self.checked_records += len(spans)
@@ -114,22 +128,50 @@ class RecordCheck:
         )
         return CheckFailure(index, mismatch)
 
+    def _gather_at_once(
+        self,
+        records: Sequence[KVBlock],
+        token_ids: Sequence[int],
+        first_position: int,
+        layer0: Layer0 | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]] | None:
+        """``_gather`` through ``layer0``, where it can serve every record at once."""
+        if layer0 is None or not records:
+            return None
+        n, heads, dim = records[0].num_tokens, self.layer.num_kv_heads, self.layer.head_dim
+        count = len(records)
+        if len(token_ids) < count * n or any(
+            r.num_tokens != n or r.dtype not in _FLOATS or r.shape[1:] != (2, n, heads, dim)
+            for r in records
+        ):
+            return None
+        offsets = np.array(sorted(self._rng.sample(range(n), min(n, self.tokens_per_record))))
+        picked = (np.arange(count)[:, None] * n + offsets[None, :]).ravel()
+        ids = np.asarray(token_ids[: count * n], dtype=np.int64)[picked]
+        if ids.min() < 0 or ids.max() >= self.layer.vocab_size:
+            return None
+        k = offsets.size
+        spans = [(i, i * k, (i + 1) * k) for i in range(count)]
+        stored = np.asarray(layer0(offsets, count), dtype=np.float32)
+        return ids, picked + first_position, stored, spans
+
     def _gather(
         self, records: Sequence[KVBlock], token_ids: Sequence[int], first_position: int
-    ) -> tuple[list[tuple[int, int]], list[np.ndarray], list[tuple[int, int, int]]]:
-        """The (token, position) pairs drawn, the records' stored first-layer K and V of them
-        (each ``[2, n, H, D]`` float64), and each checked record's span among them.
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]] | None:
+        """The token ids and positions drawn (int64), the records' stored first-layer K and V
+        of them (float64 ``[2, n, H * D]``), and each checked record's span among them;
+        ``None`` if no record can be checked.
 
         One draw of offsets serves every record of a length (a restore's records are of one
-        length): the per-record work is a view and a small gather, since a long prompt's
-        restore checks hundreds of records."""
+        length), and each record costs one view and one small gather: a long prompt's restore
+        checks hundreds of records."""
         heads, dim = self.layer.num_kv_heads, self.layer.head_dim
         tokens = np.asarray(token_ids, dtype=np.int64)
-        picks: list[tuple[int, int]] = []
-        stored: list[np.ndarray] = []
+        drawn: dict[int, np.ndarray] = {}
+        bases: list[int] = []
+        rows: list[np.ndarray] = []
         spans: list[tuple[int, int, int]] = []
-        drawn: dict[int, list[int]] = {}
-        at = 0
+        at = count = 0
         for index, record in enumerate(records):
             n = record.num_tokens
             base, at = at, at + n
@@ -137,42 +179,64 @@ class RecordCheck:
                 continue  # not a K/V record of this model's heads: nothing to compare with
             offsets = drawn.get(n)
             if offsets is None:
-                offsets = drawn[n] = sorted(
-                    self._rng.sample(range(n), min(n, self.tokens_per_record))
-                )
-            ids = tokens[base + np.asarray(offsets)]
-            values = _first_layer(record, offsets, n * heads * dim)
-            if values is None or ids.min() < 0 or ids.max() >= self.layer.vocab_size:
+                k = min(n, self.tokens_per_record)
+                offsets = drawn[n] = np.array(sorted(self._rng.sample(range(n), k)))
+            values = _first_layer(record, offsets, heads * dim)
+            if values is None:
                 continue
-            spans.append((index, len(picks), len(picks) + len(offsets)))
-            picks += [(int(t), first_position + base + o) for t, o in zip(ids, offsets)]
-            stored.append(values.reshape(2, len(offsets), heads, dim))
-        return picks, stored, spans
+            spans.append((index, count, count + offsets.size))
+            count += offsets.size
+            bases.append(base)
+            rows.append(values)
+        if not rows:
+            return None
+        sizes = np.array([end - begin for _, begin, end in spans])
+        starts = np.repeat(np.array(bases), sizes)
+        picked = starts + np.concatenate([drawn[records[i].num_tokens] for i, _, _ in spans])
+        ids = tokens[picked]
+        if ids.min() < 0 or ids.max() >= self.layer.vocab_size:
+            return None  # tokens this model does not have: not its records to judge
+        stored = np.concatenate(rows, axis=1).astype(np.float32)  # [2, n, H * D]
+        return ids, picked + first_position, stored, spans
 
 
-def _first_layer(record: KVBlock, offsets: list[int], plane: int) -> np.ndarray | None:
-    """The record's first-layer K and V at token ``offsets`` (``plane``: elements of one of
-    them), as float64 ``[2, len(offsets), H * D]``, an fp8 record's scaled by its first
+def _first_layer(record: KVBlock, offsets: np.ndarray, row: int) -> np.ndarray | None:
+    """The record's first-layer K and V at token ``offsets`` (``row``: elements of one token
+    of one plane), as ``[2, len(offsets), row]`` floats, an fp8 record's scaled by its first
     layer's scales; ``None`` for a dtype it cannot read."""
-    dtype = record.dtype
-    width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 1)
-    raw = np.frombuffer(record.data, dtype=np.uint8, count=2 * plane * width)
-    n = record.num_tokens
-    rows = raw.reshape(2, n, plane // n * width)[:, offsets]  # [2, k, H*D*width] bytes
-    if dtype == "float32":
-        return rows.view("<f4").astype(np.float64)
-    if dtype == "float16":
-        return rows.view("<f2").astype(np.float64)
-    if dtype == "bfloat16":
-        return (rows.view("<u2").astype(np.uint32) << 16).view("<f4").astype(np.float64)
-    if not dtype.startswith("float8"):
+    dtype, n = record.dtype, record.num_tokens
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
         return None
-    values = fp8_values(dtype, rows)
+    raw = np.frombuffer(record.data, dtype=numpy_dtype, count=2 * n * row).reshape(2, n, row)
+    # One token: a view, copied once with every record's (``_gather``'s concatenate).
+    first = int(offsets[0])
+    picked = raw[:, first : first + 1] if offsets.size == 1 else raw[:, offsets]
+    if dtype == "float32" or dtype == "float16":
+        return picked  # widened once, with every record's
+    if dtype == "bfloat16":
+        return (picked.astype(np.uint32) << 16).view("<f4")
+    values = fp8_values(dtype, picked)
     scales = np.frombuffer(record.aux, dtype=SCALE_DTYPE)
     if scales.size >= 2:
         values[0] *= scales[0]
         values[1] *= scales[1]
     return values
+
+
+Layer0 = Callable[[np.ndarray, int], np.ndarray]
+"""Given token offsets and a number of records, the first layer's K and V of those leading
+records at those offsets (``first_failure``)."""
+_FLOATS = ("float32", "float16", "bfloat16")
+
+# How a record's payload is viewed to gather from it (bf16 as its bits, fp8 as bytes).
+_NUMPY_DTYPES = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float8_e4m3fn": "u1",
+    "float8_e5m2": "u1",
+}
 
 
 def _relative_errors(
@@ -181,10 +245,17 @@ def _relative_errors(
     """``||got - expected|| / ||expected||`` per plane (K, V) and record (its span of the
     tokens), as ``[2, records]``; NaN counts as infinitely off."""
     planes, n = expected.shape[0], expected.shape[1]
-    diff = np.square(got - expected).reshape(planes, n, -1).sum(axis=2)
-    norm = np.square(expected).reshape(planes, n, -1).sum(axis=2)
-    starts = [begin for _, begin, _ in spans]
-    diff = np.sqrt(np.add.reduceat(diff, starts, axis=1))
-    norm = np.sqrt(np.add.reduceat(norm, starts, axis=1))
+    if n % len(spans) == 0 and all(end - begin == n // len(spans) for _, begin, end in spans):
+        # Every record the same tokens drawn (the usual case): one sum per record.
+        diff = np.square(got - expected).reshape(planes, len(spans), -1)
+        norm = np.square(expected).reshape(planes, len(spans), -1)
+        diff = np.sqrt(diff.sum(axis=2, dtype=np.float64))
+        norm = np.sqrt(norm.sum(axis=2, dtype=np.float64))
+    else:
+        diff = np.square(got - expected).reshape(planes, n, -1).sum(axis=2, dtype=np.float64)
+        norm = np.square(expected).reshape(planes, n, -1).sum(axis=2, dtype=np.float64)
+        starts = [begin for _, begin, _ in spans]
+        diff = np.sqrt(np.add.reduceat(diff, starts, axis=1))
+        norm = np.sqrt(np.add.reduceat(norm, starts, axis=1))
     errors = np.where(norm > _TINY, diff / np.maximum(norm, _TINY), diff)
     return np.nan_to_num(errors, nan=np.inf)

@@ -76,7 +76,11 @@ def record_check_setting() -> Any:
 
 def record_check_tokens_setting() -> Any:
     """The ``record_check_tokens`` field."""
-    return setting(4, "with ``record_check``: tokens of each record recomputed, drawn at random.")
+    return setting(
+        1,
+        "with ``record_check``: tokens of each record recomputed, drawn at random at each "
+        "restore (a record wrong at only some of its tokens is caught that often).",
+    )
 
 
 def guard_first_hits_setting() -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from cachetier.store.tiered import TieredStore
 from cachetier.store.verify import quarantine_writer
 
 if TYPE_CHECKING:
-    from cachetier.guard.record_check import RecordCheck
+    from cachetier.guard.record_check import Layer0, RecordCheck
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class RecordGuardStats:
     failed_records: int = 0
     quarantined_writer_records: int = 0
     new_writer_verifications: int = 0
+    check_s: float = 0.0  # time spent in the per-record check
     by_cause: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -77,6 +79,7 @@ class RecordGuardStats:
             "failed_records": self.failed_records,
             "quarantined_writer_records": self.quarantined_writer_records,
             "new_writer_verifications": self.new_writer_verifications,
+            "check_s": round(self.check_s, 6),
         }
 
 
@@ -112,6 +115,7 @@ class RecordGuard:
         tiers: Sequence[str],
         token_ids: Sequence[int] | None,
         first_position: int,
+        layer0: Layer0 | None = None,
     ) -> Admitted:
         """The leading ``records`` that may be used (see the module's three steps).
 
@@ -121,14 +125,18 @@ class RecordGuard:
             tiers: the tier each came from.
             token_ids: their tokens, in order (``None``: the record check is skipped).
             first_position: the position of the first record's first token.
+            layer0: the records' first layer gathered at once, where the caller can
+                (``RecordCheck.first_failure``).
         """
         writers = [writer_name(r.writer) for r in records]
         n = self._unquarantined(namespace, records, tiers, writers)
         cause = "quarantined_writer" if n < len(records) else None
         mismatch = None
         if self.check is not None and token_ids is not None and n:
-            failure = self.check.first_failure(records[:n], token_ids, first_position)
+            start = time.perf_counter()
+            failure = self.check.first_failure(records[:n], token_ids, first_position, layer0)
             with self._lock:
+                self.stats.check_s += time.perf_counter() - start
                 self.stats.checked_records += n if failure is None else failure.index + 1
             if failure is not None:
                 n, cause, mismatch = failure.index, "record_check", failure.mismatch

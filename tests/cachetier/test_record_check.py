@@ -106,3 +106,18 @@ def test_only_the_scaling_kinds_the_engine_knows_are_taken() -> None:
     torch.testing.assert_close(linear, plain / 2)
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_records_gathered_at_once_are_judged_alike(check: RecordCheck, kv: np.ndarray) -> None:
+    # An engine's pool holds the records read in place: their first layer in one gather.
+    records = records_of(kv, TOKENS)
+    records[3] = forged(records[3], FIRST_LAYER_FORGERIES["k_and_v_swapped"])
+    held = np.stack([np.frombuffer(r.data, np.float32).reshape(r.shape) for r in records])
+
+    def layer0(offsets: np.ndarray, count: int) -> np.ndarray:
+        got = held[:count, 0][:, :, offsets]  # [count, 2, k, H, D]
+        return got.transpose(1, 0, 2, 3, 4).reshape(2, count * len(offsets), -1)
+
+    failure = check.first_failure(records, TOKENS, 0, layer0)
+    assert failure is not None and failure.index == 3
+    assert check.first_failure(records[:3], TOKENS, 0, layer0) is None

@@ -1,0 +1,94 @@
+"""``benchmarks.guard``'s per-record figures in vLLM-CPU (``guard_records`` has our engine's):
+SmolLM2-135M in fp32 through the connector, each vLLM a fresh process, one disk folder.
+
+A storing process (guard off) serves a first prompt, the prompts to forge and the prompts whose
+KV the ``other_tokens`` forgery puts in their place; its answers are the cold ones. The forged
+prompts' records are rewritten by the benchmark's own disk tier under the storing process's
+writer id (a buggy process among honest ones). Then a guarded process (the guard's defaults)
+serves the first prompt (an honest first hit) and the forged ones, one at a time, vLLM's prefix
+cache off so each asks the connector: before it starts (``mixed``), or after its first request
+(``after``). The deep-layer forgery (the last layer zeroed) runs as ``after``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from benchmarks.support.forgeries import Stored, forge_records, vllm_namespace
+
+SALT = "records"
+PROMPT_LEN = 100  # 6 records of 16
+FIRST_LAYER = ("other_tokens", "k_and_v_swapped", "first_layer_zeroed", "heads_permuted")
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 48000) for _ in range(PROMPT_LEN)]
+
+
+def vllm_record_cases(
+    smollm2: Path, workdir: Path, guard: dict[str, Any], num: int
+) -> dict[str, Any]:
+    """The mixed-folder, after-check and deep-layer figures through vLLM-CPU (``num``
+    requests per case, spread over the first-layer forgeries)."""
+    from benchmarks.support.guard_vllm import _serve
+
+    disk = workdir / "vllm-records"
+    first = _prompt(8000)
+    targets = [_prompt(8001 + i) for i in range(num)]
+    others = [_prompt(9001 + i) for i in range(num)]
+    tiers = {"cpu_bytes": 0, "disk_path": str(disk)}
+    base = {"model": str(smollm2)}
+    asked = [[SALT, p] for p in (first, *targets, *others)]
+    stored = _serve(
+        {**base, "kv_extra": {**tiers, "guard": False}, "requests": asked},
+        workdir,
+        "vllm-records-store",
+    )
+    cold = [r["token_ids"] for r in stored[1 : 1 + num]]
+    writer = _stored_writer(disk, smollm2, first)
+    out: dict[str, Any] = {}
+    for case, kinds in (("mixed", FIRST_LAYER), ("after", FIRST_LAYER), ("deep", ("deep_layer",))):
+        chosen = [[kinds[i % len(kinds)], t, o] for i, (t, o) in enumerate(zip(targets, others))]
+        spec_forge = {
+            "disk": str(disk),
+            "model": str(smollm2),
+            "salt": SALT,
+            "writer": writer,
+            "targets": chosen,
+        }
+        case_disk = _copy(disk, workdir / f"vllm-records-{case}")
+        spec_forge["disk"] = str(case_disk)
+        if case == "mixed":
+            forge_records(spec_forge)
+        spec = {
+            **base,
+            "kv_extra": {"cpu_bytes": 0, "disk_path": str(case_disk), **guard},
+            "requests": [[SALT, first]] + [[SALT, t] for t in targets],
+            "forge_after_first": None if case == "mixed" else spec_forge,
+        }
+        rows = _serve(spec, workdir, f"vllm-records-{case}")[1:]
+        out[case] = sum(r["token_ids"] != c for r, c in zip(rows, cold))
+    return {
+        "vllm_mixed_folder_wrong_answers": out["mixed"],
+        "vllm_after_check_wrong_answers": out["after"],
+        "vllm_deep_layer_forgery_wrong_answers_measured": out["deep"],
+        "vllm_record_check_requests": num,
+    }
+
+
+def _stored_writer(disk: Path, model: Path, tokens: list[int]) -> str:
+    """The writer id the storing process's records name (hex)."""
+    with Stored(disk, vllm_namespace(model, SALT)) as stored:
+        writer = stored.records(tokens)[0].writer
+    assert writer is not None
+    return writer.hex()
+
+
+def _copy(source: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, dest)
+    return dest
