@@ -27,7 +27,8 @@ off, or verifying every hit for the honest restarts.
   ``honest_restores_after_quarantine``: the share of an honest writer's tokens restored after
   another writer sharing its folder was quarantined (target >= 0.9).
   ``record_check_overhead``: the warm-restore TTFT of the restart benchmark's 4,096-token
-  prompt with the per-record check on over off, minus 1 (target <= 0.02).
+  prompt with the per-record check on over off, minus 1, the median over pairs of restores
+  (target <= 0.02); ``record_check_share``: the check's own time over that TTFT.
 - **Honest restarts**: an engine stores ``benchmarks.engine``'s requests
   (``benchmarks.support.requests``), a restart on the same disk folder serves them again with
   the guard verifying every hit: our engine in fp32 and bf16 (SmolLM2-135M, one request at a

