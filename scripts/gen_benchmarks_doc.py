@@ -29,6 +29,9 @@ OUT = ROOT / "docs" / "benchmarks.md"
 PROVENANCE = ("machine", "commit", "command")
 
 # What each benchmark measures, in a sentence; a benchmark not named here still gets a table.
+# Results of one benchmark's part, kept apart from its whole run's table.
+TITLES = {"guard_records": "benchmarks.guard --records-only"}
+
 ABOUT = {
     "admission": (
         "Admission: the shipped conversation trace and a seeded RAG trace replayed through a "
@@ -221,7 +224,7 @@ def render_one(name: str, data: dict[str, Any]) -> str:
     if missing:
         raise ValueError(f"docs/results/{name}.json lacks {missing}: add them (see --add)")
     figures = {k: v for k, v in data.items() if k not in PROVENANCE}
-    lines = [f"## benchmarks.{name}", ""]
+    lines = [f"## {TITLES.get(name, f'benchmarks.{name}')}", ""]
     if name in ABOUT:
         lines += [ABOUT[name], ""]
     lines += [
