@@ -33,7 +33,7 @@ REL_TOLERANCE: dict[str, float] = {
     "float8_e5m2": 0.3,
 }
 PLANE_NAMES = ("K", "V")
-_TINY = 1e-12  # below this norm a plane is zeros: compare absolutely
+TINY_NORM = 1e-12  # below this norm a plane is zeros: compare absolutely
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ def relative_errors(restored: KVBlock, computed: KVBlock) -> np.ndarray:
     layers, planes = b.shape[0], b.shape[1]
     diff = np.linalg.norm((a - b).reshape(layers, planes, -1), axis=2)
     norm = np.linalg.norm(b.reshape(layers, planes, -1), axis=2)
-    errors = np.where(norm > _TINY, diff / np.maximum(norm, _TINY), diff)
+    errors = np.where(norm > TINY_NORM, diff / np.maximum(norm, TINY_NORM), diff)
     return np.nan_to_num(errors, nan=np.inf)  # a NaN in either is as wrong as can be
 
 

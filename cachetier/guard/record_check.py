@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachetier.guard.compare import PLANE_NAMES, REL_TOLERANCE, BlockMismatch, fp8_values
+from cachetier.guard.compare import PLANE_NAMES, REL_TOLERANCE, TINY_NORM, BlockMismatch, fp8_values
 from cachetier.guard.first_layer import FirstLayer
 from cachetier.primitives.kv_format import SCALE_DTYPE
 from cachetier.record import KVBlock
@@ -24,7 +24,6 @@ from cachetier.record import KVBlock
 # every token (another prompt's KV, K and V swapped, heads permuted, layer 0 zeroed) is caught
 # by any of them, and the check stays near 2% of a long prompt's warm TTFT on two cores.
 DEFAULT_TOKENS_PER_RECORD = 1
-_TINY = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,5 +256,5 @@ def _relative_errors(
         starts = [begin for _, begin, _ in spans]
         diff = np.sqrt(np.add.reduceat(diff, starts, axis=1))
         norm = np.sqrt(np.add.reduceat(norm, starts, axis=1))
-    errors = np.where(norm > _TINY, diff / np.maximum(norm, _TINY), diff)
+    errors = np.where(norm > TINY_NORM, diff / np.maximum(norm, TINY_NORM), diff)
     return np.nan_to_num(errors, nan=np.inf)

@@ -4,6 +4,7 @@ now or once they arrive (``cachetier.pins.store``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cachetier.pins.registry import Pins
 from cachetier.pins.store import PinResult, StorePins, prefix_keys
@@ -16,8 +17,9 @@ class StorePinning:
 
     _pins: StorePins
 
-    def flush(self, timeout: float | None = None) -> bool:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the store's own (``TieredStore.flush``)
+
+        def flush(self, timeout: float | None = None) -> bool: ...
 
     def pin_keys(self, namespace: str, keys: Sequence[BlockHash]) -> PinResult:
         """Keep blocks from eviction in every tier that can pin, now or once they arrive.

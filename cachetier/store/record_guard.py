@@ -128,7 +128,10 @@ class RecordGuard:
             layer0: the records' first layer gathered at once, where the caller can
                 (``RecordCheck.first_failure``).
         """
-        writers = [writer_name(r.writer) for r in records]
+        # Writer names only where a writer quarantine or a writer draw can use them: most
+        # restores pay for neither.
+        named = self.store.quarantines.has_writers or self.sampler is not None
+        writers = [writer_name(r.writer) for r in records] if named else []
         n = self._unquarantined(namespace, records, tiers, writers)
         cause = "quarantined_writer" if n < len(records) else None
         mismatch = None
@@ -140,7 +143,8 @@ class RecordGuard:
                 self.stats.checked_records += n if failure is None else failure.index + 1
             if failure is not None:
                 n, cause, mismatch = failure.index, "record_check", failure.mismatch
-                self._refuse(namespace, records[n], tiers[n], writers[n], mismatch)
+                record = records[n]
+                self._refuse(namespace, record, tiers[n], writer_name(record.writer), mismatch)
         drawn = self._new_writer(namespace, tiers[:n], writers[:n])
         if drawn is not None:
             n, cause = drawn, "new_writer"
@@ -159,8 +163,11 @@ class RecordGuard:
         writers: Sequence[str],
     ) -> int:
         """The leading records whose writer is not quarantined in their tier; the quarantined
-        writers' records of the run are deleted."""
+        writers' records of the run are deleted. (A whole namespace's quarantine holds its
+        records back at lookup already.)"""
         held = self.store.quarantines
+        if not held.has_writers:
+            return len(records)
         cut = next(
             (
                 i

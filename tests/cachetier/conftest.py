@@ -1,5 +1,6 @@
 """Fixtures of the cachetier tests: a plain client of the shared Redis, tiers on it, a private
-redis-server a test can stop, and a real Redis Cluster started once per session."""
+redis-server a test can stop, a real Redis Cluster started once per session, and a CPU tier
+over a disk tier."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from cachetier.store.tiered import TieredStore
+from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from cachetier.tiers.redis import RedisTier
 from tests.cachetier.local_cluster import LocalCluster
 from tests.support import PrivateRedis, opened_redis_tiers
@@ -51,3 +55,16 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def cpu_disk_store(tmp_path: Path) -> Iterator[TieredStore]:
+    """A real CPU tier over a real disk tier in the test's own folder, 1 GiB each."""
+    stack = TieredStore(
+        [
+            CPUTier(CPUTierConfig(1 << 30)),
+            DiskTier(DiskTierConfig(str(tmp_path / "disk"), 1 << 30, fsync=False)),
+        ]
+    )
+    yield stack
+    stack.close()

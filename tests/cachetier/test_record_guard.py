@@ -4,7 +4,6 @@ writer and by each record's own tokens, and what is quarantined and deleted."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,6 @@ from cachetier.guard.record_check import RecordCheck
 from cachetier.record import KVBlock, writer_name
 from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
-from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.cachetier.guard_records import (
     BLOCK,
     FIRST_LAYER_FORGERIES,
@@ -27,26 +24,18 @@ from tests.cachetier.guard_records import (
     records_of,
 )
 
-BIG = 1 << 30
 TOKENS = [int(t) for t in np.random.default_rng(5).integers(0, 256, size=6 * BLOCK)]
 HONEST, BUGGY = b"h" * 16, b"b" * 16
+
+
+@pytest.fixture
+def store(cpu_disk_store: TieredStore) -> TieredStore:
+    return cpu_disk_store
 
 
 @pytest.fixture(scope="module")
 def kv(tiny_model_dir: Path) -> np.ndarray:
     return model_kv(tiny_model_dir, TOKENS)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[TieredStore]:
-    stack = TieredStore(
-        [
-            CPUTier(CPUTierConfig(BIG)),
-            DiskTier(DiskTierConfig(str(tmp_path / "disk"), BIG, fsync=False)),
-        ]
-    )
-    yield stack
-    stack.close()
 
 
 def _guard(store: TieredStore, model_dir: Path, first_hits: int = 1) -> RecordGuard:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,26 +13,16 @@ import pytest
 from cachetier.primitives.keys import Namespace
 from cachetier.record import FORMAT_VERSION, KVBlock, writer_name
 from cachetier.store.tiered import TieredStore
-from cachetier.tiers.cpu import CPUTier, CPUTierConfig
-from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.support import SMALL_LAYOUT, make_blocks
 
-BIG = 1 << 30
 NS = Namespace("guarded-model", SMALL_LAYOUT)
 OTHER = Namespace("guarded-model", SMALL_LAYOUT, tenant="bob")
 BUGGY = b"buggy-writer...."
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[TieredStore]:
-    stack = TieredStore(
-        [
-            CPUTier(CPUTierConfig(BIG)),
-            DiskTier(DiskTierConfig(str(tmp_path / "disk"), BIG, fsync=False)),
-        ]
-    )
-    yield stack
-    stack.close()
+def store(cpu_disk_store: TieredStore) -> TieredStore:
+    return cpu_disk_store
 
 
 def _swapped(block: KVBlock) -> KVBlock:
