@@ -26,9 +26,10 @@ off, or verifying every hit for the honest restarts.
   ``_measured``: the last layer zeroed, which only the sampled draws catch.
   ``honest_restores_after_quarantine``: the share of an honest writer's tokens restored after
   another writer sharing its folder was quarantined (target >= 0.9).
-  ``record_check_overhead``: the warm-restore TTFT of the restart benchmark's 4,096-token
-  prompt with the per-record check on over off, minus 1, the median over pairs of restores
-  (target <= 0.02); ``record_check_share``: the check's own time over that TTFT.
+  ``record_check_overhead``: the mean warm-restore TTFT of the restart benchmark's
+  4,096-token prompt with the per-record check on over its mean with the check off, minus 1,
+  over ``--rounds`` x 16 pairs of restores taking turns, with its 95% interval (target <=
+  0.02); ``record_check_share``: the check's own time over that TTFT.
 - **Honest restarts**: an engine stores ``benchmarks.engine``'s requests
   (``benchmarks.support.requests``), a restart on the same disk folder serves them again with
   the guard verifying every hit: our engine in fp32 and bf16 (SmolLM2-135M, one request at a

@@ -7,6 +7,8 @@ fingerprint, dtype and shape, freshly checksummed, holding KV that is wrong for 
 - ``another_arrangement``: ``[layers, tokens, K/V, heads, dim]`` bytes labelled canonical (a
   layout converter's bug);
 - ``other_tokens``: the right model's KV of another prompt under this prompt's keys;
+- ``noise_below_tolerance``: every layer moved by half the guard's fp32 tolerance, which no
+  check can tell from an honest record's rounding: what it costs in answers is measured;
 - another model's KV under this model's fingerprint (a fingerprint set by hand): made by the
   caller, who stores the same prompt with the other model and passes its records' values.
 """
@@ -111,10 +113,30 @@ FORGED_KINDS = (
     "first_layer_zeroed",
     "heads_permuted",
     "deep_layer",
+    "noise_below_tolerance",
 )
+
+# The noise forgery's size: half the fp32 tolerance of the guard's comparison, per layer and
+# plane, so that neither the record check nor a full verification can see it.
+NOISE_SHARE = 0.005
+
+
+def noise_below_tolerance(v: np.ndarray, seed: int = 0) -> np.ndarray:
+    """``v`` (``[layers, 2, tokens, heads, dim]``) plus Gaussian noise of ``NOISE_SHARE`` of
+    each layer's K and V plane's norm."""
+    rng = np.random.default_rng(seed)
+    out = v.astype(np.float32, copy=True)
+    for layer in range(out.shape[0]):
+        for plane in range(2):
+            noise = rng.standard_normal(out[layer, plane].shape).astype(np.float32)
+            size = float(np.linalg.norm(out[layer, plane])) * NOISE_SHARE
+            out[layer, plane] += noise * (size / max(float(np.linalg.norm(noise)), 1e-30))
+    return out.astype(v.dtype)
 
 
 def _changed(kind: str, v: np.ndarray) -> np.ndarray:
+    if kind == "noise_below_tolerance":
+        return noise_below_tolerance(v)
     if kind == "k_and_v_swapped":
         return v[:, ::-1]
     if kind == "heads_permuted":

@@ -18,6 +18,9 @@ engine under test, with valid checksums, and named after the writer the case say
   ``n * (1 - guard_fraction)`` wrong answers where each forged restore changes the answer
   (``_expected``), against those counted (``_measured``); ``1 / guard_fraction`` requests are
   expected before the first detection.
+- **Noise below the tolerance** (``noise_below_tolerance_*``): as after the check, every layer
+  moved by half the fp32 tolerance: no check refuses it by design (``_refused_records``
+  counts those it did); ``_wrong_answers`` counts what that tolerance lets through.
 - **Quarantine** (``honest_restores_after_quarantine``): an honest and a buggy writer share the
   folder; the buggy one's records are forged. The engine serves the buggy writer's prompts
   (caught, its writer quarantined), then the honest one's: the share of their stored tokens
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.support.forgeries import Stored, values, values_of
+from benchmarks.support.forgeries import Stored, noise_below_tolerance, values, values_of
 from benchmarks.support.guard_engine import GREEDY, TINY_POOL, disk_store
 from cachetier.engine.llm import LLM
 from cachetier.primitives.keys import Namespace
@@ -78,6 +81,7 @@ def first_layer_forgeries(model: Path, workdir: Path, targets: list[list[int]]) 
 
 
 DEEP_LAYER = _changed(_zero(-1))
+NOISE = _changed(noise_below_tolerance)
 
 
 def _store(model: Path, folder: Path, batch: list[list[int]]) -> Namespace:
@@ -110,10 +114,10 @@ def served_forged(
     guard: dict[str, Any],
     cold: dict[tuple[int, ...], list[int]],
     while_serving: bool,
-) -> int:
+) -> tuple[int, int]:
     """Wrong answers of ``targets`` served after an honest first hit, their records forged
     under the honest writer's id before the engine starts or (``while_serving``) after its
-    first hit."""
+    first hit, and the records the per-record check refused."""
     honest = start_new_writer()
     namespace = _store(model, folder, [FIRST, *targets])
     if not while_serving:
@@ -123,7 +127,8 @@ def served_forged(
         llm.generate([FIRST], GREEDY)
         if while_serving:
             _forge(folder, namespace, targets, forge, honest)
-        return _wrong(llm, targets, cold)
+        wrong = _wrong(llm, targets, cold)
+        return wrong, llm.engine.bridge.record_guard.stats.failed_records  # type: ignore[union-attr]
 
 
 def honest_after_quarantine(
@@ -168,13 +173,14 @@ def record_check_cases(
     forgeries = first_layer_forgeries(model, workdir, targets)
     mixed, after = {}, {}
     for name, forge in forgeries.items():
-        mixed[name] = served_forged(
+        mixed[name], _ = served_forged(
             model, workdir / f"mixed-{name}", targets, forge, guard, cold, False
         )
-        after[name] = served_forged(
+        after[name], _ = served_forged(
             model, workdir / f"after-{name}", targets, forge, guard, cold, True
         )
-    deep = served_forged(model, workdir / "deep", targets, DEEP_LAYER, guard, cold, True)
+    deep, _ = served_forged(model, workdir / "deep", targets, DEEP_LAYER, guard, cold, True)
+    noisy, refused = served_forged(model, workdir / "noise", targets, NOISE, guard, cold, True)
     half = num // 2
     quarantine = honest_after_quarantine(
         model,
@@ -193,6 +199,8 @@ def record_check_cases(
         "after_check_wrong_answers_by_forgery": after,
         "deep_layer_forgery_wrong_answers_expected": round(num * (1 - fraction), 3),
         "deep_layer_forgery_wrong_answers_measured": deep,
+        "noise_below_tolerance_wrong_answers": noisy,
+        "noise_below_tolerance_refused_records": refused,
         "deep_layer_forgery_requests_to_detection_expected": round(1 / fraction)
         if fraction
         else None,

@@ -7,8 +7,8 @@ prompts' records are rewritten by the benchmark's own disk tier under the storin
 writer id (a buggy process among honest ones). Then a guarded process (the guard's defaults)
 serves the first prompt (an honest first hit) and the forged ones, one at a time, vLLM's prefix
 cache off so each asks the connector: half forged before it starts (``mixed``), half after its
-first request (``after``). The deep-layer forgery (the last layer zeroed) runs in a process of
-its own, as ``after``.
+first request (``after``). The deep-layer forgery (the last layer zeroed) and the noise below
+the tolerance run in a process of their own each, as ``after``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def vllm_record_cases(
     if deep:
         wrong = guarded("deep", ("deep_layer",), slice(0, 0), slice(0, num))
         out["vllm_deep_layer_forgery_wrong_answers_measured"] = sum(wrong)
+        wrong = guarded("noise", ("noise_below_tolerance",), slice(0, 0), slice(0, num))
+        out["vllm_noise_below_tolerance_wrong_answers"] = sum(wrong)
     return out
 
 

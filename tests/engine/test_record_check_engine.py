@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.support.forgeries import Stored, values
+from benchmarks.support.forgeries import Stored, noise_below_tolerance, values
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 from cachetier.primitives.keys import Namespace
@@ -162,3 +162,26 @@ def test_a_deeper_layer_forgery_of_a_trusted_writer_is_caught_only_when_drawn(
         quarantined = llm.engine.stats()["guard"]["quarantined"]
     assert out.token_ids == _cold(tiny_model_dir, PROMPT + [1])
     assert [q[2] for q in quarantined] == [writer_name(honest)]
+
+
+def test_noise_below_the_tolerance_is_served_as_honest(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Half the fp32 tolerance in every layer: no check can tell it from an honest record's
+    # rounding, so it is served, and neither the record check nor a full verification of the
+    # writer's first hit quarantines it (``benchmarks.guard`` counts what it does to answers).
+    folder = tmp_path / "disk"
+    writer = start_new_writer()
+    namespace = _store(tiny_model_dir, folder, [FIRST, PROMPT])
+    _forge(folder, namespace, FIRST, _changed(noise_below_tolerance), writer)
+    _forge(folder, namespace, PROMPT, _changed(noise_below_tolerance), writer)
+    start_new_writer()
+    with LLM(tiny_model_dir, store=_config(folder), **POOL, **DEFAULTS) as llm:
+        llm.generate([FIRST], GREEDY)  # the writer's first hit: verified in full
+        llm.engine.blocks.clear_cache()
+        out = llm.generate([PROMPT], GREEDY)[0]
+        stats = llm.engine.stats()
+    assert out.cached_tokens_by_source == {"disk": 144}
+    assert stats["record_guard"]["failed_records"] == 0
+    assert stats["guard"]["mismatched_blocks"] == 0 and stats["guard"]["quarantined"] == []
+    assert stats["guard"]["verified_blocks"] > 0
