@@ -13,9 +13,10 @@ SmolLM2-135M KV (30 layers x K/V x 3 heads x 64 dims, fp16: 5.6 MiB each).
 - ``p99_get_ms``: 16 clients (own tier, own connections, own thread) each fetching one
   5.6 MiB block at a time for ``--p99-seconds``.
 - ``load_test``: 32 clients for 60 s, each putting (1-4 blocks) and getting (1-8 blocks) its
-  own 16-token blocks at random; then the server is restarted (SIGTERM, so it flushes) and
-  every acknowledged block is read back. ``errors``, ``corrupt`` and ``lost_acknowledged``
-  must be 0; ``server_peak_rss_mib`` is the server's VmHWM.
+  own 16-token blocks at random, each read checked against the payload its key first held
+  (records are immutable: a put of a key held already keeps the first record); then the server
+  is restarted (SIGTERM, so it flushes) and every acknowledged block is read back. ``errors``,
+  ``corrupt`` and ``lost_acknowledged`` must be 0; ``server_peak_rss_mib`` is the server's VmHWM.
 
     python -m benchmarks.server --json [--load-seconds 60]
 """

@@ -49,3 +49,8 @@ class OverloadedError(CacheTierError):
 
 class QuarantineLimitError(CacheTierError):
     """A quarantine list is full: no new quarantine is taken until one is lifted."""
+
+
+class QuarantineQuotaError(QuarantineLimitError):
+    """One owner (a sidecar's tenant) holds as many quarantines as its quota allows: its next
+    is refused until one of its own is lifted; the other owners' places are untouched."""

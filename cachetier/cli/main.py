@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachetier.cli.kv_events_keys import add_kv_events_keys
 from cachetier.cli.pins import add_pin, add_pins, add_unpin
 from cachetier.cli.quarantine import add_quarantine
 from cachetier.cli.route import add_route
@@ -331,6 +332,7 @@ SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
     add_pins,
     add_quarantine,
     add_route,
+    add_kv_events_keys,
 )
 
 

@@ -3,6 +3,7 @@ metrics registry."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from cachetier.server.body_limit import install_body_limit
 from cachetier.server.config import ServerConfig
 from cachetier.server.edge import AuthEdge, inflight_budget, refused_answer, route_limit
 from cachetier.server.events import shared_publisher
+from cachetier.server.fair_edge import FairEdge
 from cachetier.server.metrics import RequestMetricsMiddleware, ServerMetrics
 from cachetier.server.service import BlockService
 from cachetier.server.transfer import TransferServer
@@ -89,6 +91,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         if config.open_mode:
             logger.warning(OPEN_MODE_WARNING)
         logger.info("cachetier serving tiers %s", [t.name for t in store.tiers])
+        # What start-up built lives as long as the server: out of the collector's sight, a
+        # full collection under load walks only what requests made since, not every module
+        # and route (a pause every request of every tenant would wait out).
+        gc.freeze()
         try:
             yield {"service": service, "metrics": ServerMetrics(service, transfer)}
         finally:
@@ -106,6 +112,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     )
     # The last added runs first: metrics (so every answer is counted), then the token, then
     # the body's size; all on the head, before anything reads a body.
+    # Innermost: a request refused on its head (token, size) never waits for a slot.
+    app.add_middleware(FairEdge)
     install_body_limit(app, route_limit, refused_answer, inflight_budget)
     app.add_middleware(AuthEdge)
     app.add_middleware(RequestMetricsMiddleware)

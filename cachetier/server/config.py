@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cachetier.kvevents.config import check_endpoint
+from cachetier.server.events_config import kv_events_publisher
 from cachetier.server.tenants_config import (
     OPEN_TENANT,
     check_tenants,
@@ -107,6 +108,21 @@ class ServerConfig:
         "by ``tenant_weights``; past its share a tenant is answered 429 with ``Retry-After`` "
         "(``BUSY`` on the transfer port). ``None`` for no limit.",
     )
+    max_concurrent_requests: int | None = setting(
+        None,
+        "requests that work at once (``server.scheduling``); the others wait in their "
+        "tenant's queue, and the tenant served least per weight goes next. Once a tenant's "
+        "oldest queued request has waited a second, one whose queue would wait longer at its "
+        "share of the measured capacity is answered 429 with ``Retry-After``. ``None``: the "
+        "number of CPUs, at least 2.",
+    )
+    quarantine_quota: int = setting(
+        64,
+        "most namespaces (or writers of one) each tenant may hold quarantined by its reports "
+        "at once, in every tier; past it a report is answered 429 ``quarantine_quota`` until "
+        "an operator lifts one of that tenant's. A tenant's reports never take another's "
+        "places.",
+    )
     max_block_bytes: int = setting(64 * MiB, "largest record accepted.")
     max_batch_bytes: int = setting(512 * MiB, "largest batch body accepted.")
     max_batch_blocks: int = setting(
@@ -134,6 +150,16 @@ class ServerConfig:
     )
     kv_events_replay: str | None = setting(
         None, "ZMQ endpoint answering replay requests for ``kv_events``; ``None`` for none."
+    )
+    kv_events_curve_key: str | None = setting(
+        None,
+        "CURVE certificate of ``kv_events`` with its secret key (``zmq.auth``'s "
+        "``.key_secret``; ``cachetier kv-events-keys`` makes it). With "
+        "``kv_events_curve_clients``, only readers whose public key is listed there receive "
+        "anything, and ``kv_events`` may bind beyond loopback (without them it may not).",
+    )
+    kv_events_curve_clients: str | None = setting(
+        None, "folder of the public certificates (``*.key``) allowed to read ``kv_events``."
     )
     transfer_connections: int = setting(
         64, "most transfer connections served at once (after their hello)."
@@ -228,6 +254,12 @@ class ServerConfig:
             if self.kv_events is None:
                 raise ValueError("kv_events_replay needs kv_events (the events it replays)")
             check_endpoint("kv_events_replay", self.kv_events_replay)
+        kv_events_publisher(  # the publisher's own checks: keys in pairs, exposure
+            self.kv_events,
+            self.kv_events_replay,
+            self.kv_events_curve_key,
+            self.kv_events_curve_clients,
+        )
         check_tenants(self)
         if not isinstance(self.store, StoreConfig):
             raise TypeError(f"store must be a StoreConfig, got {type(self.store).__name__}")
@@ -393,6 +425,7 @@ _POSITIVE_INTS = (
     "max_head_bytes",
     "max_inflight_bytes",
     "max_tls_handshakes",
+    "quarantine_quota",
 )
 _POSITIVE_SECONDS = (
     "transfer_hello_timeout_s",
@@ -408,7 +441,7 @@ def _check_limits(config: ServerConfig) -> None:
     """Sizes, counts, caps and deadlines, and how they must relate."""
     for name in _POSITIVE_INTS:
         positive_int(name, getattr(config, name))
-    for name in ("max_connections", "max_unauthenticated_connections"):
+    for name in ("max_connections", "max_unauthenticated_connections", "max_concurrent_requests"):
         if getattr(config, name) is not None:
             positive_int(name, getattr(config, name))
     if (

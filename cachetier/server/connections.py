@@ -13,6 +13,15 @@ Every accepted connection takes a place in a ``ConnectionTable`` until it ends. 
   alive or not: it may ask for health or limits, not hold a descriptor;
 - TLS handshakes in progress have a cap of their own: each holds buffers until it ends.
 
+Known connections are shared by tenant (``fairness.TenantWeights``), as the transfer port shares
+its slots (``admission``): each tenant is guaranteed ``max_connections`` times its weight's part
+of all weights (rounded down) and may borrow places no one holds. When every place is taken, a
+new connection gets the place of the tenant furthest past its guarantee: that tenant's oldest
+idle connection is closed (its oldest one when none is idle, once its answer is out). So a
+tenant holding every place it can never keeps another out; past its share it loses its own
+places, never another tenant's. Only when no tenant is past its share does a newcomer take the
+place of the oldest unauthenticated connection, or, with none, get closed at once.
+
 Runs on the event loop's thread only (no lock).
 """
 
@@ -22,23 +31,28 @@ import asyncio
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+from cachetier.server.fairness import TenantWeights
 from cachetier.server.fdlimits import ConnectionCaps
 
 Drop = Callable[[str], bool]
 """Closes a connection, given the reason (a metric label); returns whether it did. Only for
 ``unauthenticated_timeout`` may it decline: a request that showed a token meanwhile promotes
 its connection instead."""
+_IDLE_SCAN = 64  # of a tenant's oldest connections, how many are looked at for an idle one
 
 
 class Entry:
-    """One connection's place in the table; ``drop`` is set once it has a transport."""
+    """One connection's place in the table; ``drop`` is set once it has a transport, ``busy``
+    by its protocol while a request is read or answered."""
 
-    __slots__ = ("drop", "known", "left", "timer")
+    __slots__ = ("busy", "drop", "known", "left", "tenant", "timer")
 
     def __init__(self) -> None:
         self.drop: Drop | None = None
         self.known = False
         self.left = False
+        self.busy = False
+        self.tenant: str | None = None  # once known
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -49,6 +63,8 @@ class ConnectionTable:
         caps: the caps.
         unauthenticated_timeout_s: seconds a connection may stay without a valid token.
         loop: the event loop the server runs on.
+        weights: the tenants' weights known places are shared by; ``None``: one tenant's
+            connections may take them all.
     """
 
     def __init__(
@@ -56,12 +72,16 @@ class ConnectionTable:
         caps: ConnectionCaps,
         unauthenticated_timeout_s: float,
         loop: asyncio.AbstractEventLoop,
+        weights: TenantWeights | None = None,
     ) -> None:
         self.caps = caps
         self._timeout_s = unauthenticated_timeout_s
         self._loop = loop
+        self._weights = weights
         self._unknown: OrderedDict[Entry, None] = OrderedDict()  # oldest first
+        self._known: dict[str, OrderedDict[Entry, None]] = {}  # per tenant, oldest first
         self._handshakes: OrderedDict[Entry, None] = OrderedDict()
+        self.on_leave: Callable[[], None] | None = None  # told of every connection that ends
         self.num_known = 0
         self.num_shed: Counter[str] = Counter()  # connections closed by the table, by reason
         self.num_refused = 0  # connections closed at their accept: every place known
@@ -81,14 +101,27 @@ class ConnectionTable:
         """Connections without a valid token yet."""
         return len(self._unknown)
 
+    def num_known_of(self, tenant: str) -> int:
+        """Places ``tenant``'s known connections hold now."""
+        return len(self._known.get(tenant, ()))
+
+    def guaranteed(self, tenant: str) -> int:
+        """Places ``tenant`` can always get: its weight's part of ``max_connections``, rounded
+        down (all of them without weights)."""
+        if self._weights is None:
+            return self.caps.max_connections
+        return int(self._weights.share(tenant, self.caps.max_connections))
+
     def arrive(self) -> Entry | None:
-        """A place for a connection just accepted, shedding the oldest unauthenticated one if
-        a cap is reached.
+        """A place for a connection just accepted. When every place is taken it is one of the
+        tenant furthest past its share, else the oldest unauthenticated connection's; past the
+        unauthenticated cap the oldest of those is closed.
 
         Returns:
-            Its entry; ``None`` when every place is held by a known connection (close it).
+            Its entry; ``None`` when every place is held by known connections of tenants within
+            their shares (close it).
         """
-        if self.num_open >= self.caps.max_connections and not self.shed_oldest(1, "connection_cap"):
+        if self.num_open >= self.caps.max_connections and not self._make_room():
             self.num_refused += 1
             return None
         if len(self._unknown) >= self.caps.max_unauthenticated:
@@ -109,12 +142,15 @@ class ConnectionTable:
         """The handshake of ``entry`` is over (done or failed)."""
         self._handshakes.pop(entry, None)
 
-    def promote(self, entry: Entry) -> None:
-        """A request of this connection showed a valid token: it is known from now on."""
+    def promote(self, entry: Entry, tenant: str) -> None:
+        """A request of this connection showed a valid token of ``tenant``: it is known, and
+        that tenant's, from now on."""
         if entry.known or entry.left:
             return
         entry.known = True
+        entry.tenant = tenant
         self._unknown.pop(entry, None)
+        self._known.setdefault(tenant, OrderedDict())[entry] = None
         self.num_known += 1
         if entry.timer is not None:
             entry.timer.cancel()
@@ -131,8 +167,12 @@ class ConnectionTable:
         self._handshakes.pop(entry, None)
         if entry.known:
             self.num_known -= 1
+            assert entry.tenant is not None, "a known entry has a tenant"
+            self._known[entry.tenant].pop(entry, None)
         else:
             self._unknown.pop(entry, None)
+        if self.on_leave is not None:
+            self.on_leave()
 
     def shed_oldest(self, count: int, reason: str) -> int:
         """Close up to ``count`` of the oldest unauthenticated connections.
@@ -150,6 +190,29 @@ class ConnectionTable:
             self._shed(oldest, reason)
             shed += 1
         return shed
+
+    def _make_room(self) -> bool:
+        """Free one place when all are taken: the tenant furthest past its share gives one
+        back, else the oldest unauthenticated connection does. Returns whether one was freed."""
+        tenant = self._over_share()
+        if tenant is None:
+            return bool(self.shed_oldest(1, "connection_cap"))
+        held = self._known[tenant]
+        victim = next((e for _, e in zip(range(_IDLE_SCAN), held) if not e.busy), None)
+        self._shed(victim or next(iter(held)), "tenant_share")
+        return True
+
+    def _over_share(self) -> str | None:
+        """The tenant furthest past its guarantee (by places over it per weight), or ``None``."""
+        if self._weights is None:
+            return None
+        best, best_over = None, 0.0
+        for tenant, held in self._known.items():
+            weight = self._weights.weights.get(tenant, 1.0)
+            over = (len(held) - self.guaranteed(tenant)) / weight
+            if over > best_over:
+                best, best_over = tenant, over
+        return best
 
     def _shed(self, entry: Entry, reason: str) -> None:
         drop = entry.drop

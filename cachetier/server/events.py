@@ -4,16 +4,17 @@ The sidecar is shared: every engine that reads it can load what it holds. Its ev
 under replica ``*`` (``cachetier.kvindex.SHARED``) and medium ``remote`` (the name engines give
 the tier that reads the sidecar), so an index holds its blocks for every replica. Only the
 last tier is published: the tiers above it are written through to it, so it holds what they
-hold, and a block the first tier evicts is still there to load.
+hold, and a block the first tier evicts is still there to load. Beyond loopback the events need
+CURVE keys (``kv_events_curve_key``, ``kv_events_curve_clients``): only listed readers get them.
 """
 
 from __future__ import annotations
 
 import logging
 
-from cachetier.kvevents import KVEventPublisher, PublisherConfig, TierEvents
-from cachetier.kvindex import SHARED
+from cachetier.kvevents import KVEventPublisher, TierEvents
 from cachetier.server.config import ServerConfig
+from cachetier.server.events_config import kv_events_publisher
 from cachetier.store.events import publish_store
 from cachetier.store.tiered import TieredStore
 
@@ -29,13 +30,18 @@ def shared_publisher(config: ServerConfig, store: TieredStore) -> KVEventPublish
         The publisher (the caller closes it), or ``None`` without ``kv_events``.
 
     Raises:
-        ValueError: an endpoint cannot be bound.
+        ValueError: an endpoint cannot be bound, or a CURVE file cannot be read (missing, not
+            a certificate, no secret key, no ``*.key`` in the clients' folder).
     """
-    if config.kv_events is None:
-        return None
-    publisher = KVEventPublisher(
-        PublisherConfig(SHARED, config.kv_events, replay_endpoint=config.kv_events_replay)
+    settings = kv_events_publisher(
+        config.kv_events,
+        config.kv_events_replay,
+        config.kv_events_curve_key,
+        config.kv_events_curve_clients,
     )
+    if settings is None:
+        return None
+    publisher = KVEventPublisher(settings)
     last = store.tiers[-1]
     try:
         announced = publish_store(

@@ -6,7 +6,9 @@ connection, and what it sent, for as long as it likes; and httptools puts no lim
 size. ``GuardedHttpProtocol`` adds to uvicorn's protocol:
 
 - a deadline for the whole head (from the connection's start for its first request, from its
-  first byte for later ones) and a cap on its bytes (400 past it);
+  first byte for later ones) and a cap on its bytes (431 past it), for every head: the parser
+  is fed one head at a time (``heads``), so one pipelined behind another in the same read is
+  measured too;
 - a deadline for the whole body, from the end of the head;
 - a deadline for an answer a client does not read;
 - no reads between a request's head and the moment its app asks for the body, and reads of at
@@ -30,6 +32,7 @@ import asyncio
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -38,6 +41,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cachetier.server.config import ServerConfig
 from cachetier.server.connections import ConnectionTable, Entry
+from cachetier.server.heads import HeadCap, body_length
 from cachetier.server.listener import METRICS_STATE, GuardedServer
 from cachetier.util.checks import positive_int
 
@@ -45,6 +49,7 @@ HEAD_READ_BYTES = 64 << 10  # one read, until the app asks for the body
 BODY_READ_BYTES = 256 << 10  # one read while it streams one (what asyncio and uvloop read)
 LINGER_S = 2.0  # reading and dropping the rest of a refused request's body
 MAX_PIPELINED = 8  # requests queued behind the one being answered (clients we know send none)
+CHUNKED_SLICE_BYTES = 1024  # a chunked body's bytes are fed this many at a time (``heads``)
 _ABORT_AFTER_CLOSE_S = 1.0  # a closed connection whose client reads nothing is reset after it
 GUARD_EVENTS = METRICS_STATE
 """The lifespan state entry told of what the guard does (``note_closed``,
@@ -91,9 +96,10 @@ class _TooManyPipelined(Exception):
 class _Request:
     """What the guard tracks of one request."""
 
-    __slots__ = ("body_bytes", "body_asked", "body_done", "state")
+    __slots__ = ("body_bytes", "body_asked", "body_done", "body_length", "state")
 
-    def __init__(self) -> None:
+    def __init__(self, body_length: int | None) -> None:
+        self.body_length = body_length  # its Content-Length; None: chunked
         self.body_bytes = 0  # body bytes read so far
         self.body_asked = False  # its app has asked for its body
         self.body_done = False  # its whole body has been read
@@ -128,8 +134,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None  # of a head, a body or a linger
         self._send_deadline: asyncio.TimerHandle | None = None
         self._in_head = True  # reading a head, or waiting for the first byte of one
-        self._head_bytes = 0
-        self._head_tail = b""  # the last bytes of the head read so far (its end may straddle)
+        self._head = HeadCap(limits.max_head_bytes)
         self._dropping = False  # reading and dropping all that comes, closing soon
         self._lost = False
 
@@ -158,52 +163,70 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._send_deadline is not None:
             self._send_deadline.cancel()
             self._send_deadline = None
+        # uvicorn cancels its keep-alive timer only for a connection that ended cleanly: one
+        # reset by its client would stay in memory, protocol, parser and all, for the whole
+        # idle timeout (a flood's thousands of them).
+        self._unset_keepalive_if_required()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._dropping:
             return  # not even parsed: a refused client may not spend the server's CPU
-        if self._in_head:
-            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
-                # The first byte of a later request (a request still being answered has its
-                # app's time: on_response_complete arms this then).
-                self._arm(self._limits.head_timeout_s, "head_timeout")
-            if self._head_too_large(data):
-                # Checked before parsing: a head that arrives in one read (with its body behind
-                # it) is counted as surely as one that trickles in.
-                self._note_closed("head_too_large")
-                self._dropping = True
-                self.send_400_response(f"request head over {self._limits.max_head_bytes} bytes")
-                return
-        super().data_received(data)
+        view = memoryview(data)
+        at = 0
+        # One head at a time, then its body: each head behind it in the same read is measured
+        # from its own first byte.
+        while at < len(view) and not self._dropping and not self.transport.is_closing():
+            rest = view[at:]
+            if self._in_head:
+                if self._entry is not None:
+                    self._entry.busy = True
+                if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+                    # The first byte of a later request (a request still being answered has
+                    # its app's time: on_response_complete arms this then).
+                    self._arm(self._limits.head_timeout_s, "head_timeout")
+                size = self._head.take(rest)
+                if size is None:
+                    # Checked before parsing: a head that arrives in one read (with its body,
+                    # or other requests, around it) is counted as surely as one that trickles in.
+                    self._note_closed("head_too_large")
+                    self._refuse(431, f"request head over {self._limits.max_head_bytes} bytes")
+                    return
+                super().data_received(rest[:size])  # type: ignore[arg-type]
+            else:
+                size = self._feed_body(rest)
+            at += size
 
-    def _head_too_large(self, data: bytes) -> bool:
-        """Whether the head being read passes ``max_head_bytes`` with ``data``: it does unless
-        its blank line ends within the bytes it may still take."""
-        allowed = self._limits.max_head_bytes - self._head_bytes
-        seen = self._head_tail + bytes(data[: max(allowed, 0) + 4])
-        self._head_bytes += len(data)
-        if self._head_bytes <= self._limits.max_head_bytes:
-            self._head_tail = seen[-3:]
-            return False
-        # The end of the head may straddle reads: look from the last 3 bytes of the one before.
-        end = seen.find(b"\r\n\r\n")
-        return end < 0 or end + 4 - len(self._head_tail) > allowed
+    def _feed_body(self, rest: memoryview) -> int:
+        """Feed the parser the body bytes of ``rest`` (what follows is a head); returns how
+        many bytes it was fed."""
+        request = self._request
+        length = None if request is None else request.body_length
+        if length is not None and request is not None:
+            size = max(1, min(len(rest), length - request.body_bytes))
+            super().data_received(rest[:size])  # type: ignore[arg-type]
+            return size
+        # Chunked: where the body ends is the parser's to find. A small slice at a time, and
+        # a slice it ended in counts whole against the next head.
+        size = min(len(rest), CHUNKED_SLICE_BYTES, self._limits.max_head_bytes)
+        super().data_received(rest[:size])  # type: ignore[arg-type]
+        if self._in_head and not self._dropping:
+            self._head.charge(rest[:size])
+        return size
 
     def on_headers_complete(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
             # Raised through httptools, which then parses no further; uvicorn answers 400
             # (send_400_response: after the answer in progress) and closes.
             raise _TooManyPipelined(f"more than {MAX_PIPELINED} requests pipelined")
-        request = _Request()
+        request = _Request(body_length(self.headers))
         self._request = request
         # uvicorn starts the app of this request (now, or when the one before it is answered)
         # with self.app: each request's app is wrapped with what the guard watches of it.
         self.app = self._watched(request)
         super().on_headers_complete()
         self._in_head = False
-        self._head_bytes = 0
-        self._head_tail = b""
+        self._head.reset()
         # Nothing more is read until the app asks for the body (uvicorn's receive() resumes
         # reading): a request refused on its head has had at most one read of its body.
         self.flow.pause_reading()
@@ -220,8 +243,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._request.body_done = True
         self._disarm()  # the body is in: what remains is the app's time
         self._in_head = True
-        self._head_bytes = 0
-        self._head_tail = b""
+        self._head.reset()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -234,26 +256,43 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # with bytes unread, resets the connection and may lose the answer); then closed.
             self._dropping = True
             self._arm(LINGER_S, "linger")
-        elif self._in_head and self._head_bytes:
+        elif self._in_head and self._head.num_bytes:
             self._arm(self._limits.head_timeout_s, "head_timeout")
+        elif self._entry is not None and (self.cycle is None or self.cycle.response_complete):
+            self._entry.busy = False  # idle until its next request: the one a share reclaims
 
     def send_400_response(self, msg: str) -> None:
+        self._refuse(400, msg)
+
+    def _refuse(self, status: int, msg: str) -> None:
+        """Answer ``status`` with ``msg`` and close, reading nothing more."""
         # uvicorn writes its 400 at once, even while a request's app runs: the app's answer
         # would then go to a closed transport, or into the middle of the 400.
+        self._dropping = True
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
-            super().send_400_response(msg)
+            self._write_refusal(status, msg)
         elif cycle.more_body and not cycle.response_started and not self.pipeline:
             # The bad bytes are in the body of the request being served: its app sees the
             # client go (receive() says so; its answer goes nowhere), the client sees the 400.
             cycle.disconnected = True
             cycle.message_event.set()
-            super().send_400_response(msg)
+            self._write_refusal(status, msg)
         else:
             # A bad request pipelined behind one being answered: close after that answer,
             # parsing nothing more.
             cycle.keep_alive = False
-            self._dropping = True
+
+    def _write_refusal(self, status: int, msg: str) -> None:
+        body = msg.encode("ascii")
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: text/plain; "
+            f"charset=utf-8\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode("ascii") + body)
+        self.transport.close()
+        # close() first sends what is queued; a client that reads nothing would hold it open.
+        self.loop.call_later(_ABORT_AFTER_CLOSE_S, self._abort)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -292,9 +331,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _maybe_promote(self, request: _Request) -> bool:
         """Make the connection known if ``request`` showed a valid token."""
-        if self._table is None or self._entry is None or request.state.get("caller") is None:
+        caller = request.state.get("caller")
+        if self._table is None or self._entry is None or caller is None:
             return False
-        self._table.promote(self._entry)
+        self._table.promote(self._entry, caller.tenant)
         return True
 
     def _drop(self, reason: str) -> bool:
@@ -305,6 +345,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             request = self._request
             if request is not None and self._maybe_promote(request):
                 return False  # its request in progress has a valid token
+        if reason in ("unauthenticated_timeout", "tenant_share"):
+            # Its place is given back now; an answer in progress still goes out.
             self._note_closed(reason)
             answering = self.cycle is not None and not self.cycle.response_complete
             if answering and self.cycle is not None:
@@ -336,7 +378,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._note_closed(reason)
         answered = self.cycle is None or self.cycle.response_complete
-        if reason == "head_timeout" and self._head_bytes and answered:
+        if reason == "head_timeout" and self._head.num_bytes and answered:
             # Part of a head came: say why the connection ends (a proxy or a person sees it).
             self.transport.write(
                 b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"

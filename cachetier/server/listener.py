@@ -10,7 +10,9 @@ accepts itself, on the event loop:
   protocol sees it;
 - an accept that fails for want of descriptors or memory sheds the oldest unauthenticated
   connections and stops accepting for a bounded, doubling delay; any other error the same
-  without the shedding. The listener is *down* until an accept works again (readiness says so).
+  without the shedding. The listener is *down* until an accept works again (readiness says so);
+- once a burst of connections has ended (a flood, TLS or plain), the memory it freed is given
+  back to the system (``heap``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from cachetier.server.config import ServerConfig
 from cachetier.server.connections import ConnectionTable, Entry
+from cachetier.server.fairness import TenantWeights
 from cachetier.server.fdlimits import ConnectionCaps, raise_nofile_limit
 from cachetier.server.heap import HeapTrimmer
 from cachetier.util.backoff import ExponentialBackoff
@@ -76,8 +79,9 @@ class HttpAcceptor:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._retry: asyncio.TimerHandle | None = None
-        self._heap = HeapTrimmer()
-        self._heap_timer: asyncio.TimerHandle | None = None
+        # Every connection that ends counts towards a burst; never trimmed mid-handshakes.
+        self._heap = HeapTrimmer(self._loop, busy=lambda: table.num_handshakes > 0)
+        table.on_leave = self._heap.note_ended
         self._num_failures = 0  # in a row
         self._closed = False
         self.up = True
@@ -93,9 +97,9 @@ class HttpAcceptor:
         if self._closed:
             return
         self._closed = True
-        for timer in (self._retry, self._heap_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._retry is not None:
+            self._retry.cancel()
+        self._heap.close()
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
 
@@ -147,17 +151,6 @@ class HttpAcceptor:
         self._loop.add_reader(self.sock.fileno(), self._accept_some)
         self._accept_some()  # nothing pending says it works again, as much as a connection
 
-    def _after_handshake(self) -> None:
-        """Once a burst of handshakes is over, give the memory it freed back (``heap``): a
-        second later, when the closed connections' transports and SSL objects are gone."""
-        if self._heap.note_ended(self._table.num_handshakes) and self._heap_timer is None:
-            self._heap_timer = self._loop.call_later(1.0, self._trim_heap)
-
-    def _trim_heap(self) -> None:
-        self._heap_timer = None
-        if not self._table.num_handshakes:
-            self._heap.trim()
-
     def _admit(self, conn: socket.socket) -> None:
         entry = self._table.arrive()
         if entry is None:
@@ -206,7 +199,6 @@ class HttpAcceptor:
                 )
             finally:
                 self._table.end_handshake(entry)
-                self._after_handshake()
         except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError):
             # A failed or late handshake, a client gone, a shed connection: not an error of
             # the server's.
@@ -238,7 +230,8 @@ class GuardedServer(uvicorn.Server):
             sys.exit(STARTUP_FAILURE)
         settings, loop = self.settings, asyncio.get_running_loop()
         caps = ConnectionCaps.of(settings, raise_nofile_limit())
-        table = ConnectionTable(caps, settings.unauthenticated_timeout_s, loop)
+        weights = TenantWeights.of(settings)
+        table = ConnectionTable(caps, settings.unauthenticated_timeout_s, loop, weights)
         self.table = table
         try:
             listen = (

@@ -71,7 +71,12 @@ async def _store(
         raise api_error(400, "bad_record", str(exc)) from None
     except OverloadedError as exc:
         raise busy(str(exc)) from None
-    return PutPublic(num_stored=max(stored.values(), default=0), tiers=stored)
+    return PutPublic(
+        num_stored=max(stored.tiers.values(), default=0),
+        tiers=stored.tiers,
+        num_already_present=sum(stored.already_present),
+        already_present=stored.already_present,
+    )
 
 
 @contextmanager

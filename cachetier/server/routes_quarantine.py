@@ -5,13 +5,17 @@ here (``POST``): the server quarantines the namespace in each of its tiers, so e
 that namespace misses there from then on, and the guard of whichever client computes the blocks
 again stores honest ones. A tenant reports only its own namespaces; lifting a quarantine is an
 operator's decision (admin tenants, ``cachetier quarantine lift``).
+
+A report quarantines the namespace in every tier or, refused, in none. Each tenant holds at
+most ``quarantine_quota`` quarantined namespaces by its reports; past it the report is answered
+429 ``quarantine_quota``, and the other tenants' reports are taken as before.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from cachetier.errors import QuarantineLimitError
+from cachetier.errors import QuarantineQuotaError
 from cachetier.guard import Quarantine
 from cachetier.server.auth import Scope
 from cachetier.server.deps import CallerDep, ServiceDep, acting_tenant
@@ -46,7 +50,7 @@ def _scope(tenant: str, namespace: str) -> Scope:
         raise api_error(400, "bad_namespace", str(exc)) from None
 
 
-@router.post("", response_model=QuarantinesPublic, responses=error_responses(400, 401, 403, 507))
+@router.post("", response_model=QuarantinesPublic, responses=error_responses(400, 401, 403, 429))
 async def report(
     body: QuarantineCreate, caller: CallerDep, service: ServiceDep
 ) -> QuarantinesPublic:
@@ -55,11 +59,12 @@ async def report(
     scope = _scope(caller.tenant, body.namespace)
     held = service.store.quarantines
     reason = f"reported by a client of tenant {caller.tenant}: {body.reason}".rstrip(": ")
+    tiers = [tier.name for tier in service.store.tiers]
+    quota = service.config.quarantine_quota
     try:
-        for tier in service.store.tiers:
-            held.add(tier.name, scope.storage, reason, body.writer)
-    except QuarantineLimitError as exc:
-        raise api_error(507, "quarantine_limit", str(exc)) from None
+        held.add_everywhere(tiers, scope.storage, reason, body.writer, caller.tenant, quota)
+    except QuarantineQuotaError as exc:
+        raise api_error(429, "quarantine_quota", str(exc)) from None
     mine = [q for q in held.entries() if q.namespace == scope.storage]
     return QuarantinesPublic(quarantines=[_public(q) for q in mine])
 

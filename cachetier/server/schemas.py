@@ -25,8 +25,20 @@ class KeysCreate(BaseModel):
 
 
 class PutPublic(BaseModel):
-    num_stored: int = Field(description="blocks stored (by the tier that stored the most)")
-    tiers: dict[str, int] = Field(description="blocks each of the server's tiers stored")
+    num_stored: int = Field(
+        description="blocks the server holds of the put (by the tier that holds the most): "
+        "those stored now and those already present"
+    )
+    tiers: dict[str, int] = Field(description="blocks of the put each of the server's tiers holds")
+    num_already_present: int = Field(
+        default=0,
+        description="blocks whose key the server held already: records are immutable (a key "
+        "names its KV), so the record held is kept and the one sent is dropped",
+    )
+    already_present: list[bool] = Field(
+        default_factory=list,
+        description="per record of the put, in order, whether its key was held already",
+    )
 
 
 class PresentPublic(BaseModel):

@@ -6,9 +6,11 @@ routes run them in a worker thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cachetier.errors import CorruptBlockError
@@ -20,6 +22,7 @@ from cachetier.record import Buffer, KVBlock, decode_record, encode_parts, peek_
 from cachetier.server.auth import Scope, TokenIndex
 from cachetier.server.budget import ByteBudget
 from cachetier.server.config import OPEN_TENANT, ServerConfig
+from cachetier.server.scheduling import FairScheduler
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.prefix import PrefixHit
 from cachetier.tiers.stats import TierStats
@@ -27,6 +30,20 @@ from cachetier.tiers.stats import TierStats
 # Keys read per step of a get with a byte budget: the budget is checked between steps, so it
 # may be overshot by at most this many blocks.
 _READ_STEP = 8
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """What a put did.
+
+    Args:
+        tiers: tier name -> blocks of the put it holds now (stored, or held already).
+        already_present: per block of the put, in order, whether the first tier held its key
+            already (its record was kept, this one dropped).
+    """
+
+    tiers: dict[str, int]
+    already_present: list[bool]
 
 
 class BlockService:
@@ -51,6 +68,9 @@ class BlockService:
         self._closed = threading.Event()
         # Where the block transfer protocol listens, once it does (for ``/v1/limits``).
         self.transfer: TransferAddress | None = None
+        # Who works next, HTTP and the transfer port alike: each tenant's fair share of it.
+        slots = config.max_concurrent_requests or max(2, os.cpu_count() or 1)
+        self.scheduler = FairScheduler(self.tokens.shares.weights, slots)
         # Upload bytes held right now, over HTTP and the transfer port together.
         self.inflight = ByteBudget(config.max_inflight_bytes)
         # The KV events of what the store holds (``server.events``), where configured.
@@ -58,7 +78,7 @@ class BlockService:
 
     def store_upload(
         self, scope: Scope, records: Sequence[Buffer | None], keys: Sequence[BlockHash] | None
-    ) -> dict[str, int]:
+    ) -> StoredBlocks:
         """Check uploaded records and store them, holding what decompressing them takes.
 
         Args:
@@ -67,7 +87,7 @@ class BlockService:
             keys: the key each record must carry, when the request names them separately.
 
         Returns:
-            As ``put``.
+            As ``put_reporting``.
 
         Raises:
             CorruptBlockError: as ``check_records``; nothing is stored.
@@ -80,7 +100,7 @@ class BlockService:
         extra = min(sum(min(c, self.config.max_block_bytes) for c in claims), limit)
         self.inflight.take(extra, "decompressing the upload")
         try:
-            return self.put(scope, self.check_records(scope, records, keys))
+            return self.put_reporting(scope, self.check_records(scope, records, keys))
         finally:
             self.inflight.give(extra)
 
@@ -148,8 +168,31 @@ class BlockService:
             blocks: blocks that passed ``check_records``.
 
         Returns:
-            tier name -> blocks it stored (all tiers with ``sync_puts``, else the first).
+            tier name -> blocks it holds of those given, stored now or held already (all tiers
+            with ``sync_puts``, else the first).
         """
+        return self.put_reporting(scope, blocks).tiers
+
+    def put_reporting(self, scope: Scope, blocks: Sequence[KVBlock]) -> StoredBlocks:
+        """Store checked blocks, and say which of them the first tier held already.
+
+        Records are immutable: a key names its KV (content-addressed), so a put of a key the
+        first tier holds keeps the record it has, and this says so rather than "stored".
+
+        Args:
+            scope: the caller's scope.
+            blocks: blocks that passed ``check_records``.
+
+        Returns:
+            Per tier what it holds of ``blocks`` (as ``put``), and per block whether the first
+            tier held its key before this put (as seen when the put began: two puts of one new
+            key at once may both be told it was stored, and one of them wins).
+        """
+        first = self.store.tiers[0]
+        present = [first.contains_prefix(scope.storage, [b.key]) == 1 for b in blocks]
+        return StoredBlocks(self._put(scope, blocks), present)
+
+    def _put(self, scope: Scope, blocks: Sequence[KVBlock]) -> dict[str, int]:
         start = time.perf_counter()
         if self.config.sync_puts:
             # Each tier in turn, before the answer: an acknowledged block is in every tier.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from cachetier.errors import CorruptBlockError
 from cachetier.primitives.keys import BlockHash
@@ -24,8 +25,11 @@ from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, 
 from cachetier.server.auth import Scope
 from cachetier.server.budget import Hold
 from cachetier.server.fairness import MAX_HOLD_S, UPLOAD_RETRY_S, busy_message
+from cachetier.server.scheduling import Held
 from cachetier.server.service import BlockService
 from cachetier.server.watchdog import Deadline
+
+_T = TypeVar("_T")
 
 
 class Refused(Exception):
@@ -108,12 +112,26 @@ class TransferRequests:
             if wait_s is not None:
                 raise _over_rate(tenant, wait_s)
             keys = [BlockHash(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
-            return self._get(scope, keys)
+            return self._in_slot(tenant, lambda: self._get(scope, keys))
         if op == Op.PUT:
             lengths = struct.unpack(f"<{count}Q", io.read_exactly(count * LENGTH.size))
             deadline.start(self._body_timeout_s)  # the head is in: the records' time
             return self._put(io, scope, lengths, wait_s)
         raise Refused(Status.BAD_REQUEST, f"unknown operation {op}")
+
+    def _in_slot(self, tenant: str, work: Callable[[], _T]) -> _T:
+        """Run a request's work in a slot of its tenant's fair share (``scheduling``)."""
+        scheduler = self._service.scheduler
+        got = scheduler.acquire_blocking(tenant)
+        if not isinstance(got, Held):
+            what = f"tenant {tenant} is past its share of the server's capacity"
+            raise Refused(
+                Status.BUSY, busy_message(what, got), close=False, hold_s=min(got, MAX_HOLD_S)
+            )
+        try:
+            return work()
+        finally:
+            scheduler.release(got)
 
     def _get(self, scope: Scope, keys: Sequence[BlockHash]) -> list[Buffer]:
         budget = self._service.config.max_batch_bytes
@@ -160,7 +178,7 @@ class TransferRequests:
                 io.skip(total)  # the connection stays in step; the client retries later
                 raise Refused(Status.BUSY, _no_room(total, held), close=False)
             blocks = self._read_records(io, scope, lengths, held)
-            stored = self._service.put(scope, blocks)
+            stored = self._in_slot(scope.tenant, lambda: self._service.put(scope, blocks))
         finally:
             held.release()
             uploads.give(scope.tenant, total)

@@ -15,15 +15,18 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cachetier.primitives.keys import Namespace
 from cachetier.protocol.transfer_frames import KEY_BYTES, REPLY, Op, Status, hello, request
+from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from cachetier.util.tls import client_context
 from tests.certs import TLSFiles
 from tests.server.live import TOKENS, serve_env
-from tests.support import end_process, wait_ports_file
+from tests.support import end_process, make_blocks, wait_ports_file
 
 PROBE_TIMEOUT_S = 2.0  # one probe's connect, handshake, request and answer
 
@@ -152,6 +155,28 @@ class FloodServer:
         return total
 
 
+def remote_tier(server: FloodServer, tenant: str, *, transfer: bool) -> RemoteTier:
+    """A real client of ``tenant`` (over the transfer port, or HTTP alone)."""
+    config = RemoteTierConfig(
+        url=server.url,
+        token=TOKENS[tenant],
+        timeout_s=2.0,
+        transfer=transfer,
+        ca_file=None if server.tls is None else server.tls.ca,
+    )
+    return RemoteTier(config)
+
+
+def puts_and_gets(tier: RemoteTier, ns: Namespace, seed: int, count: int = 8) -> tuple[int, int]:
+    """Put ``count`` blocks and get them back; returns (operations that succeeded, operations):
+    a put counts if stored, a get if it returned the very bytes put."""
+    blocks = make_blocks(ns, count, seed=seed)
+    stored = tier.put_many(ns.id, blocks)
+    got = tier.get_many(ns.id, [b.key for b in blocks])
+    right = sum(g is not None and bytes(g.data) == bytes(b.data) for g, b in zip(got, blocks))
+    return stored + right, 2 * count
+
+
 def http_serves(server: FloodServer, token: str = TOKENS["alice"]) -> bool:
     """Whether the HTTP port accepts a new connection and answers an authenticated request."""
     try:
@@ -278,3 +303,68 @@ class Flood:
         for sock in self.socks:
             sock.close()
         self.socks = []
+
+
+class Monopoly:
+    """A tenant's keep-alive connections, each with one authenticated request answered, held
+    open; ``keep_opening`` goes on opening more in a thread until ``close``.
+
+    Args:
+        port: the HTTP port.
+        tenant: whose token the requests show (``TOKENS``).
+    """
+
+    def __init__(self, port: int, tenant: str) -> None:
+        self.port = port
+        self.socks: list[socket.socket] = []
+        self.num_opened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monopoly", daemon=True)
+        self._request = (
+            b"GET /v1/stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + TOKENS[tenant].encode()
+            + b"\r\n\r\n"
+        )
+
+    def open(self, count: int) -> None:
+        for _ in range(count):
+            try:
+                sock = socket.create_connection(("127.0.0.1", self.port), timeout=2)
+                sock.sendall(self._request)
+                answer = sock.recv(4096)  # one read: the head of a small answer, kept alive
+            except OSError:
+                continue
+            if answer.startswith(b"HTTP/1.1 200"):
+                self.socks.append(sock)
+                self.num_opened += 1
+            else:
+                sock.close()
+
+    def num_held(self) -> int:
+        """Of the connections held, how many the server has not closed."""
+        held = 0
+        for sock in self.socks:
+            sock.setblocking(False)
+            try:
+                while sock.recv(65536):  # the rest of an answer, then the end of the stream
+                    pass
+            except BlockingIOError:
+                held += 1  # nothing more to read, and not closed
+            except OSError:
+                pass
+        return held
+
+    def keep_opening(self) -> Monopoly:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.open(8)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+        for sock in self.socks:
+            sock.close()

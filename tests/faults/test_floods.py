@@ -19,6 +19,12 @@ Figures (``tests/faults/conftest.py``): ``fd_flood_listeners_dead`` (summed over
 ``https_handshake_flood_rounds``, ``https_handshake_flood_rss_growth_mib``,
 ``https_handshake_flood_rss_retained_mib``, ``https_handshake_flood_retain_wait_s`` and
 ``legit_https_success_during_handshake_flood``.
+
+- Plain-HTTP floods (issue 65, item 8), against a server with the caps it derives: requests
+  without a token on thousands of connections, then one tenant's thousands of authenticated
+  keep-alive connections; after each, the server's RSS must come back within
+  ``RSS_RETAINED_MAX_MIB`` of before (``flood_rss_retained_mib``, the most of the two; with
+  ``flood_rss_retain_wait_s``, the longest wait).
 """
 
 from __future__ import annotations
@@ -32,20 +38,24 @@ from pathlib import Path
 import pytest
 
 from cachetier.primitives.keys import Namespace
-from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
+from cachetier.server.fdlimits import raise_nofile_limit
+from cachetier.tiers.remote import RemoteTier
 from tests.certs import TLSFiles
 from tests.faults.conftest import FaultFigures
 from tests.faults.flood_server import (
     Flood,
     FloodServer,
+    Monopoly,
     client_hello,
     http_serves,
+    puts_and_gets,
+    remote_tier,
     transfer_serves,
     wait_until,
 )
 from tests.faults.hostile import max_figure, min_figure
 from tests.server.live import TOKENS
-from tests.support import SMALL_LAYOUT, make_blocks
+from tests.support import SMALL_LAYOUT
 
 pytestmark = pytest.mark.slow(
     reason="floods real servers with thousands of connections and waits for memory to fall"
@@ -71,6 +81,9 @@ HANDSHAKE_ROUNDS = 2
 RETAIN_WAIT_S = 60.0  # longest wait after the last round for the retained memory to fall
 RSS_GROWTH_MAX_MIB = 256
 RSS_RETAINED_MAX_MIB = 32
+NO_TOKEN_FLOOD = 3000  # connections per round of requests without a token
+NO_TOKEN_ROUNDS = 3
+MONOPOLY = 4000  # authenticated keep-alive connections one tenant opens and holds
 
 
 @pytest.fixture
@@ -100,25 +113,11 @@ def tiers() -> Iterator[list[RemoteTier]]:
         tier.close()
 
 
-def remote_tier(server: FloodServer, tenant: str, *, transfer: bool) -> RemoteTier:
-    config = RemoteTierConfig(
-        url=server.url,
-        token=TOKENS[tenant],
-        timeout_s=2.0,
-        transfer=transfer,
-        ca_file=None if server.tls is None else server.tls.ca,
-    )
-    return RemoteTier(config)
-
-
-def puts_and_gets(tier: RemoteTier, seed: int, count: int = NUM_LEGIT_BLOCKS) -> tuple[int, int]:
-    """Put ``count`` blocks and get them back; returns (operations that succeeded, operations):
-    a put counts if stored, a get if it returned the very bytes put."""
-    blocks = make_blocks(NS, count, seed=seed)
-    stored = tier.put_many(NS.id, blocks)
-    got = tier.get_many(NS.id, [b.key for b in blocks])
-    right = sum(g is not None and bytes(g.data) == bytes(b.data) for g, b in zip(got, blocks))
-    return stored + right, 2 * count
+def legit_puts_and_gets(
+    tier: RemoteTier, seed: int, count: int = NUM_LEGIT_BLOCKS
+) -> tuple[int, int]:
+    """``puts_and_gets`` in this module's namespace."""
+    return puts_and_gets(tier, NS, seed, count)
 
 
 def flood_to_the_limit(server: FloodServer, http: Flood, transfer: Flood) -> int:
@@ -180,7 +179,7 @@ def test_every_listener_serves_after_a_descriptor_flood(
     tiers += [over_transfer, over_http]
     done = total = 0
     for seed, tier in enumerate((over_transfer, over_http)):
-        ok, attempted = puts_and_gets(tier, seed)
+        ok, attempted = legit_puts_and_gets(tier, seed)
         done, total = done + ok, total + attempted
     transfer_stats = over_transfer.stats()
     accept_errors = server.metric_sum("cachetier_accept_errors") if http_up else -1.0
@@ -255,7 +254,7 @@ class LegitHttps:
                     status, _ = self._server.get("/v1/stats", token=TOKENS["alice"])
                     ok, tried, what = int(status == 200), 1, f"GET /v1/stats: {status}"
                 else:
-                    ok, tried = puts_and_gets(self._tier, seed, count=1)
+                    ok, tried = legit_puts_and_gets(self._tier, seed, count=1)
                     what = f"put and get: {ok} of {tried}"
             except Exception as exc:  # noqa: BLE001 - a failure is counted, not raised
                 ok, tried, what = 0, 1, repr(exc)
@@ -311,7 +310,7 @@ def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
     server.start()
     tier = remote_tier(server, "alice", transfer=False)
     tiers.append(tier)
-    assert puts_and_gets(tier, seed=1) == (2 * NUM_LEGIT_BLOCKS, 2 * NUM_LEGIT_BLOCKS)
+    assert legit_puts_and_gets(tier, seed=1) == (2 * NUM_LEGIT_BLOCKS, 2 * NUM_LEGIT_BLOCKS)
     time.sleep(1.0)
     before_mib = server.rss_mib()
 
@@ -356,3 +355,72 @@ def test_unfinished_tls_handshakes_hold_bounded_memory_and_let_clients_in(
         f"RSS {before_mib:.1f} MiB before, {rss.peak_mib:.1f} peak, {after_mib:.1f} "
         f"up to {RETAIN_WAIT_S:.0f} s after: {retained_mib:.1f} MiB retained"
     )
+
+
+def no_token_flood(server: FloodServer, floods: list[Flood]) -> int:
+    """Rounds of connections that each send a request without a token (answered 401) or
+    nothing, held a moment, then closed unread (so the server's ends are resets)."""
+    request = b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n\r\n"
+    opened = 0
+    for _ in range(NO_TOKEN_ROUNDS):
+        flood = Flood(server.port, lambda i: request if i % 4 else b"")
+        floods.append(flood)
+        opened += flood.open(NO_TOKEN_FLOOD, connect_timeout_s=1.0)
+        time.sleep(HOLD_S / 2)
+        flood.close()
+    return opened
+
+
+def test_plain_http_floods_give_their_memory_back(
+    tmp_path: Path,
+    fault_figures: FaultFigures,
+    servers: list[FloodServer],
+    floods: list[Flood],
+    tiers: list[RemoteTier],
+) -> None:
+    raise_nofile_limit()  # this process holds a monopoly's thousands of connections
+    server = FloodServer(tmp_path)
+    servers.append(server)
+    server.start()
+    tier = remote_tier(server, "alice", transfer=False)
+    tiers.append(tier)
+    assert legit_puts_and_gets(tier, seed=2) == (2 * NUM_LEGIT_BLOCKS, 2 * NUM_LEGIT_BLOCKS)
+    time.sleep(1.0)
+    before_mib = server.rss_mib()
+    target_mib = before_mib + RSS_RETAINED_MAX_MIB
+
+    with RssPeak(server) as no_token_rss:
+        num_no_token = no_token_flood(server, floods)
+    no_token_after = retained_rss_mib(server, target_mib, RETAIN_WAIT_S)
+
+    monopoly = Monopoly(server.port, "bob")
+    try:
+        with RssPeak(server) as monopoly_rss:
+            monopoly.open(MONOPOLY)
+            num_held = monopoly.num_held()
+    finally:
+        monopoly.close()
+    monopoly_after = retained_rss_mib(server, target_mib, RETAIN_WAIT_S)
+    served_after = http_serves(server) and legit_puts_and_gets(tier, seed=3)[0]
+    assert server.proc is not None and server.proc.poll() is None, server.stop()[-3000:]
+
+    retained = {
+        "no_token": no_token_after - before_mib,
+        "monopoly": monopoly_after - before_mib,
+    }
+    max_figure(fault_figures, "flood_rss_retained_mib", round(max(retained.values()), 1))
+    fault_figures.set("flood_rss_retain_wait_s", RETAIN_WAIT_S)
+    print(
+        f"plain floods: RSS {before_mib:.1f} MiB before; {num_no_token} connections without a "
+        f"token: peak {no_token_rss.peak_mib:.1f}, after {no_token_after:.1f}; {num_held} of "
+        f"{monopoly.num_opened} authenticated connections held: peak "
+        f"{monopoly_rss.peak_mib:.1f}, after {monopoly_after:.1f} (at most {RETAIN_WAIT_S:.0f} s)"
+    )
+    assert served_after, "the server did not serve a real client after the floods"
+    assert num_no_token >= NO_TOKEN_ROUNDS * NO_TOKEN_FLOOD // 2, "the flood barely opened"
+    assert num_held >= MONOPOLY // 2, f"the monopoly held only {num_held} connections"
+    for flood, mib in retained.items():
+        assert mib <= RSS_RETAINED_MAX_MIB, (
+            f"{flood} flood: RSS {before_mib:.1f} MiB before, {mib:.1f} MiB retained up to "
+            f"{RETAIN_WAIT_S:.0f} s after"
+        )
