@@ -2,7 +2,8 @@
 consumers read them.
 
 - ``events``: the events, the batch and their msgpack codec (vLLM's wire format, no vLLM).
-- ``framing``: the ZMQ frames: topic with replica and epoch, sequence numbers, replay.
+- ``framing``: the ZMQ frames: topic with replica and model, sequence numbers, replay.
+- ``curve``: CURVE keys and the allowed clients of the sockets.
 - ``KVEventPublisher``: PUB + replay ROUTER, fed from a bounded queue by a thread of its own.
 - ``TierEvents``: a tier's stored / removed / cleared notifications as events.
 - ``KVEventSubscriber``: one publisher's batches in order, gaps replayed or counted missed.

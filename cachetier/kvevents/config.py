@@ -8,6 +8,26 @@ from cachetier.kvevents.framing import check_replica
 from cachetier.util.checks import positive_int
 
 _SCHEMES = ("tcp://", "ipc://")
+_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")
+_ENCODINGS = ("map", "array")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint`` is reachable from this host only (a loopback address, or ipc)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _check_curve_pair(first: tuple[str, object], second: tuple[str, object]) -> bool:
+    """Both key settings or neither; returns whether both are set."""
+    for name, value in (first, second):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a file or folder path, got {value!r}")
+    if (first[1] is None) != (second[1] is None):
+        raise ValueError(f"{first[0]} and {second[0]} go together: set both, or neither")
+    return first[1] is not None
 
 
 def check_endpoint(name: str, endpoint: str) -> str:
@@ -57,6 +77,24 @@ class PublisherConfig:
         send_hwm: messages the PUB socket queues for a slow subscriber before that
             subscriber misses some (it sees the gap and replays).
         data_parallel_rank: written into every batch, as vLLM's data-parallel ranks do.
+        model: the model name in the topic (``kv@<replica>@<model>``), what llm-d's indexer
+            files the blocks under; ``"*"`` where the blocks are of many models (a sidecar).
+        encoding: ``"map"`` (events as vLLM's decoder reads them) or ``"array"`` (as llm-d's
+            vLLM adapter reads them); our subscriber reads either.
+        publish_token_ids: ``False`` sends block hashes only (``token_ids`` empty): a reader
+            learns which blocks are held, never the prompt's tokens.
+        curve_secret_key_file: this publisher's CURVE certificate with its secret key (as
+            ``zmq.auth.create_certificates`` writes it); with ``curve_public_keys_dir``, both
+            sockets take only clients whose public key is there.
+        curve_public_keys_dir: the folder of the public certificates (``*.key``) allowed to
+            read.
+        allow_unauthenticated_remote: bind a non-loopback address without CURVE (a network
+            policy must then keep everyone else off); without it such a bind is refused.
+        replay_hwm: messages queued for one replay client at most; an answer is half as
+            many batches and the end marker (the client asks again from there), and a client
+            that has not read its answers gets no more once its queue is full.
+        max_replay_clients: distinct replay clients answered within 10 s; the others get
+            the end marker alone.
     """
 
     replica: str
@@ -69,18 +107,31 @@ class PublisherConfig:
     heartbeat_s: float | None = 5.0
     send_hwm: int = 100_000
     data_parallel_rank: int | None = None
+    model: str = "*"
+    encoding: str = "map"
+    publish_token_ids: bool = True
+    curve_secret_key_file: str | None = None
+    curve_public_keys_dir: str | None = None
+    allow_unauthenticated_remote: bool = False
+    replay_hwm: int = 16
+    max_replay_clients: int = 16
 
     def __post_init__(self) -> None:
         check_replica(self.replica)
+        check_replica(self.model, "model")
+        if self.encoding not in _ENCODINGS:
+            raise ValueError(f"encoding must be one of {_ENCODINGS}, got {self.encoding!r}")
         check_endpoint("endpoint", self.endpoint)
         if self.replay_endpoint is not None:
             check_endpoint("replay_endpoint", self.replay_endpoint)
+        self._check_exposure()
         for name in (
             "buffer_batches",
             "buffer_bytes",
             "max_queue_batches",
             "max_batch_blocks",
             "send_hwm",
+            "max_replay_clients",
         ):
             positive_int(name, getattr(self, name))
         if self.heartbeat_s is not None:
@@ -88,6 +139,30 @@ class PublisherConfig:
         rank = self.data_parallel_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ValueError(f"data_parallel_rank must be None or an int >= 0, got {rank!r}")
+        if positive_int("replay_hwm", self.replay_hwm) < 2:
+            raise ValueError(
+                f"replay_hwm must be >= 2 (a batch and the end marker), got {self.replay_hwm}"
+            )
+
+    @property
+    def curve(self) -> bool:
+        """Whether the sockets take CURVE-authenticated clients only."""
+        return self.curve_secret_key_file is not None
+
+    def _check_exposure(self) -> None:
+        curve = _check_curve_pair(
+            ("curve_secret_key_file", self.curve_secret_key_file),
+            ("curve_public_keys_dir", self.curve_public_keys_dir),
+        )
+        if curve or self.allow_unauthenticated_remote:
+            return
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint is not None and not is_loopback(endpoint):
+                raise ValueError(
+                    f"KV events carry prompts' token ids: binding {endpoint!r} beyond loopback "
+                    "needs curve_secret_key_file and curve_public_keys_dir (or, where a network "
+                    "policy keeps everyone else off, allow_unauthenticated_remote=True)"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +181,9 @@ class SubscriberConfig:
             are counted as missed.
         max_message_bytes: the largest frame accepted; a publisher sending more is
             disconnected by ZMQ before anything is allocated for it.
+        curve_secret_key_file: this reader's CURVE certificate with its secret key, for a
+            publisher that takes CURVE clients only; with ``curve_server_key_file``.
+        curve_server_key_file: the publisher's public certificate.
     """
 
     endpoint: str
@@ -114,8 +192,14 @@ class SubscriberConfig:
     replica: str | None = None
     replay_timeout_s: float = 1.0
     max_message_bytes: int = 64 << 20
+    curve_secret_key_file: str | None = None
+    curve_server_key_file: str | None = None
 
     def __post_init__(self) -> None:
+        _check_curve_pair(
+            ("curve_secret_key_file", self.curve_secret_key_file),
+            ("curve_server_key_file", self.curve_server_key_file),
+        )
         check_endpoint("endpoint", self.endpoint)
         if self.replay_endpoint is not None:
             check_endpoint("replay_endpoint", self.replay_endpoint)

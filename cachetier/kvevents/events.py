@@ -4,10 +4,12 @@ The wire format is vLLM's (``vllm.distributed.kv_events``), written here without
 vLLM, so that a tier or a sidecar publishes without it and a consumer built on vLLM's own
 classes decodes what we send:
 
-- a batch is a msgpack array ``[ts, events, data_parallel_rank]`` (the last omitted when
-  ``None``);
-- each event is a msgpack map tagged by ``"type"``: ``BlockStored``, ``BlockRemoved`` or
-  ``AllBlocksCleared``.
+- a batch is a msgpack array ``[ts, events, data_parallel_rank, epoch]`` (trailing ``None``
+  omitted); ``epoch`` is ours, and vLLM's and llm-d's decoders skip it;
+- each event is tagged ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``: a msgpack map
+  with a ``"type"`` key (``encoding="map"``, what vLLM's ``KVEventBatch`` here decodes), or an
+  array whose first element is the tag (``encoding="array"``, what llm-d's vLLM adapter decodes,
+  ``engineadapter/vllm_adapter.go``). ``decode`` takes either.
 
 One addition of ours: ``AllBlocksCleared`` carries a ``medium`` key when a tier was cleared
 (vLLM's has no fields, as only its GPU pool clears; its decoder ignores keys it does not
@@ -130,11 +132,13 @@ def hash_bytes(block_hash: ExternalHash) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    """Events published together; ``ts`` in Unix seconds when the batch was sent."""
+    """Events published together; ``ts`` in Unix seconds when the batch was sent; ``epoch``
+    the publishing process's start (``None`` from vLLM's publisher)."""
 
     ts: float
     events: tuple[KVEvent, ...]
     data_parallel_rank: int | None = None
+    epoch: int | None = None
 
     def changes(self, default_medium: str = MEDIUM_GPU) -> list[Change]:
         """The batch as ``PrefixIndex.apply`` takes it.
@@ -179,24 +183,50 @@ class _WireCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, g
     medium: str | None = None
 
 
+# The same events as llm-d's adapter reads them: positional, the tag first.
+class _ArrayStored(_WireStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _ArrayRemoved(_WireRemoved, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class _ArrayCleared(_WireCleared, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
 class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[_WireStored | _WireRemoved | _WireCleared]
+    events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
+    epoch: int | None = None
 
 
 _WireEvent = _WireStored | _WireRemoved | _WireCleared
+_ENCODINGS = ("map", "array")
+# msgpack's map markers: fixmap, map16, map32.
+_MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 
 
 class BatchCodec:
     """Encodes and decodes ``EventBatch`` payloads.
 
     Not thread-safe (msgspec's encoder keeps a buffer): one per thread.
+
+    Args:
+        encoding: ``"map"`` (events as vLLM's ``KVEventBatch`` decodes them) or ``"array"``
+            (as llm-d's vLLM adapter decodes them); decoding takes either.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, encoding: str = "map") -> None:
+        if encoding not in _ENCODINGS:
+            raise ValueError(f"encoding must be one of {_ENCODINGS}, got {encoding!r}")
+        self._array = encoding == "array"
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(type=_WireBatch)
+        self._maps = msgspec.msgpack.Decoder(type=_WireEvent)
+        self._arrays = msgspec.msgpack.Decoder(type=_ArrayStored | _ArrayRemoved | _ArrayCleared)
 
     def encode(self, batch: EventBatch) -> bytes:
         """The msgpack payload of ``batch``.
@@ -205,16 +235,18 @@ class BatchCodec:
             batch: the batch; its events' hashes must be ``bytes`` or ``int``.
 
         Returns:
-            The payload vLLM's ``msgspec.msgpack.Decoder(type=KVEventBatch)`` decodes.
+            The payload vLLM's ``msgspec.msgpack.Decoder(type=KVEventBatch)`` decodes (map
+            encoding), or llm-d's adapter does (array encoding).
         """
-        wire = _WireBatch(batch.ts, [_to_wire(e) for e in batch.events], batch.data_parallel_rank)
+        events = [msgspec.Raw(self._encoder.encode(_to_wire(e, self._array))) for e in batch.events]
+        wire = _WireBatch(batch.ts, events, batch.data_parallel_rank, batch.epoch)
         return self._encoder.encode(wire)
 
     def decode(self, payload: bytes) -> EventBatch:
         """The batch in ``payload`` (from our publisher or from vLLM's).
 
         Args:
-            payload: one msgpack ``KVEventBatch``.
+            payload: one msgpack ``KVEventBatch``, its events maps or arrays.
 
         Returns:
             The batch, hashes as sent (``bytes`` or ``int``).
@@ -224,15 +256,20 @@ class BatchCodec:
         """
         try:
             wire = self._decoder.decode(payload)
+            events = tuple(_from_wire(self._decode_event(bytes(e))) for e in wire.events)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MalformedEventError(f"not a KV event batch: {exc}") from exc
-        events = tuple(_from_wire(e) for e in wire.events)
-        return EventBatch(wire.ts, events, wire.data_parallel_rank)
+        return EventBatch(wire.ts, events, wire.data_parallel_rank, wire.epoch)
+
+    def _decode_event(self, raw: bytes) -> _WireEvent:
+        if raw and raw[0] in _MAP_FIRST_BYTES:
+            return self._maps.decode(raw)
+        return self._arrays.decode(raw)
 
 
-def _to_wire(event: KVEvent) -> _WireEvent:
+def _to_wire(event: KVEvent, array: bool) -> _WireEvent:
     if isinstance(event, BlockStored):
-        return _WireStored(
+        return (_ArrayStored if array else _WireStored)(
             list(event.block_hashes),
             event.parent_block_hash,
             list(event.token_ids),
@@ -242,9 +279,9 @@ def _to_wire(event: KVEvent) -> _WireEvent:
             event.lora_name,
         )
     if isinstance(event, BlockRemoved):
-        return _WireRemoved(list(event.block_hashes), event.medium)
+        return (_ArrayRemoved if array else _WireRemoved)(list(event.block_hashes), event.medium)
     if isinstance(event, AllBlocksCleared):
-        return _WireCleared(event.medium)
+        return (_ArrayCleared if array else _WireCleared)(event.medium)
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 

@@ -7,11 +7,11 @@
   ``[topic, seq, payload]`` message per buffered batch from there on, then the end marker
   ``[b"", END_SEQ, b""]`` (``END_SEQ`` is -1 as 8 signed bytes).
 
-Our topic is ``kv@<replica>@<epoch>`` (epoch in 16 hex digits). The epoch names one process
-start; a consumer drops events of an older epoch (a process that is gone) and forgets what an
-older epoch published. It lives in the topic, not in the batch's ``data_parallel_rank``,
-which keeps its vLLM meaning, so vLLM's own classes decode the payload untouched; and a SUB
-socket filters on ``kv@<replica>@`` to follow one replica across restarts.
+Our topic is ``kv@<replica>@<model>``, as llm-d's KV-cache indexer splits it (pod id, then the
+model it files the blocks under), so neither name may hold an ``@``. The process's epoch is in
+the payload (``EventBatch.epoch``, an element after ``data_parallel_rank`` that vLLM's and
+llm-d's decoders skip); a SUB socket filters on ``kv@<replica>@`` to follow one replica across
+restarts.
 
 Sans-IO: frames in, frames out.
 """
@@ -26,7 +26,6 @@ SEQ_BYTES = 8
 END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 MAX_SEQ = (1 << 64) - 2
 """The largest sequence number; ``2**64 - 1`` is the end marker's bit pattern."""
-MAX_EPOCH = (1 << 64) - 1
 TOPIC_PREFIX = "kv@"
 # A replica is a pod or host name, or kvindex's SHARED ("*"): no "@", which splits the topic.
 _REPLICA_RE = re.compile(r"[A-Za-z0-9._:*/-]{1,128}")
@@ -34,28 +33,26 @@ _REPLICA_RE = re.compile(r"[A-Za-z0-9._:*/-]{1,128}")
 
 @dataclass(frozen=True, slots=True)
 class Topic:
-    """Whose events a message carries: ``replica`` in the process started as ``epoch``."""
+    """Whose events a message carries: ``replica``'s blocks of ``model``."""
 
     replica: str
-    epoch: int
+    model: str = "*"
 
     def __post_init__(self) -> None:
         check_replica(self.replica)
-        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int):
-            raise TypeError(f"epoch must be an int, got {type(self.epoch).__name__}")
-        if not 0 <= self.epoch <= MAX_EPOCH:
-            raise ValueError(f"epoch must fit in 64 unsigned bits, got {self.epoch}")
+        check_replica(self.model, "model")
 
     def encode(self) -> bytes:
-        """``kv@<replica>@<epoch as 16 hex digits>``, as the topic frame."""
-        return f"{TOPIC_PREFIX}{self.replica}@{self.epoch:016x}".encode("ascii")
+        """``kv@<replica>@<model>``, as the topic frame."""
+        return f"{TOPIC_PREFIX}{self.replica}@{self.model}".encode("ascii")
 
 
-def check_replica(replica: str) -> str:
-    """Validate a replica name for a topic.
+def check_replica(replica: str, what: str = "replica") -> str:
+    """Validate a replica (or model) name for a topic.
 
     Args:
         replica: 1-128 characters of ``[A-Za-z0-9._:*/-]``.
+        what: the name's role, for the message.
 
     Returns:
         ``replica`` unchanged.
@@ -65,7 +62,7 @@ def check_replica(replica: str) -> str:
     """
     if not isinstance(replica, str) or not _REPLICA_RE.fullmatch(replica):
         raise ValueError(
-            f"replica {str(replica)[:100]!r} must be 1-128 characters of [A-Za-z0-9._:*/-]"
+            f"{what} {str(replica)[:100]!r} must be 1-128 characters of [A-Za-z0-9._:*/-]"
         )
     return replica
 
@@ -77,15 +74,14 @@ def parse_topic(frame: bytes) -> Topic | None:
         frame: the first frame of a live or replayed message.
     """
     try:
-        text = frame.decode("ascii")
+        parts = frame.decode("ascii").split("@")
     except UnicodeDecodeError:
         return None
-    head, _, rest = text.partition(TOPIC_PREFIX)
-    replica, sep, epoch = rest.rpartition("@")
-    if head or not sep or len(epoch) != 16 or not _REPLICA_RE.fullmatch(replica):
+    # Exactly three parts, as llm-d's parseTopic takes them.
+    if len(parts) != 3 or f"{parts[0]}@" != TOPIC_PREFIX:
         return None
     try:
-        return Topic(replica, int(epoch, 16))
+        return Topic(parts[1], parts[2])
     except ValueError:
         return None
 

@@ -13,12 +13,15 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from cachetier.kvevents.config import PublisherConfig
+from cachetier.kvevents.curve import make_server, start_authenticator
 from cachetier.kvevents.events import (
     AllBlocksCleared,
     BatchCodec,
@@ -49,6 +52,8 @@ _MAX_REQUEST_BYTES = 1024
 # A replay request is an 8-byte number: ZMQ disconnects a peer that sends a larger frame
 # before anything is allocated for it.
 _EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
+REPLAY_CLIENT_TTL_S = 10.0
+"""How long a replay client counts against ``max_replay_clients`` after its last request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,8 @@ class PublisherStats:
     num_errors: int
     buffered_batches: int
     next_seq: int
+    num_replay_clients_refused: int = 0
+    num_replay_answers_cut: int = 0
 
 
 class KVEventPublisher:
@@ -70,12 +77,13 @@ class KVEventPublisher:
 
     Args:
         config: endpoints, bounds and the replica name.
-        epoch: this process's epoch in the topic; larger means started later (a consumer
+        epoch: this process's epoch, in every batch; larger means started later (a consumer
             drops an older one's events). Defaults to the start time in nanoseconds.
         clock: Unix seconds, stamped on each batch.
 
     Raises:
-        ValueError: an endpoint cannot be bound (in use, or a bad address).
+        ValueError: an endpoint cannot be bound (in use, or a bad address), or a CURVE key
+            file cannot be read.
     """
 
     def __init__(
@@ -86,28 +94,37 @@ class KVEventPublisher:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.topic = Topic(config.replica, time.time_ns() if epoch is None else epoch)
+        self.topic = Topic(config.replica, config.model)
+        self.epoch = time.time_ns() if epoch is None else epoch
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {self.epoch!r}")
         self._topic_bytes = self.topic.encode()
         self._clock = clock
         self._queue: queue.Queue[tuple[KVEvent, ...]] = queue.Queue(config.max_queue_batches)
         self._buffer = ReplayBuffer(config.buffer_batches, config.buffer_bytes)
-        self._codec = BatchCodec()
+        self._codec = BatchCodec(config.encoding)
+        self._replay_clients: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         self._seq = 0
         self._num_dropped = 0
         self._dropped_seen = 0
-        self._counts = {"batches": 0, "events": 0, "requests": 0, "bad": 0, "errors": 0}
+        self._counts = dict.fromkeys(
+            ("batches", "events", "requests", "bad", "errors", "refused", "cut"), 0
+        )
         # Wakes the thread when events are queued or close() is called, so it sleeps in
         # poll() rather than waking on a timer to look at the queue.
         self._wake_r, self._wake_w = socket.socketpair()
         self._ctx = zmq.Context()
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
+        self._auth: ThreadAuthenticator | None = None
         try:
             self._open_sockets()
         except BaseException:
             self._close_sockets()
+            if self._auth is not None:
+                self._auth.stop()
             self._wake_w.close()
             self._ctx.term()
             raise
@@ -117,24 +134,31 @@ class KVEventPublisher:
         )
         self._thread.start()
 
-    @property
-    def epoch(self) -> int:
-        return self.topic.epoch
-
     def _open_sockets(self) -> None:
+        config = self.config
         self._wake_w.setblocking(False)
+        if config.curve_public_keys_dir is not None:
+            self._auth = start_authenticator(self._ctx, config.curve_public_keys_dir)
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+        self._pub.setsockopt(zmq.SNDHWM, config.send_hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = _bind(self._pub, self.config.endpoint)
+        if config.curve_secret_key_file is not None:
+            make_server(self._pub, config.curve_secret_key_file)
+        self.endpoint = _bind(self._pub, config.endpoint)
         self.replay_endpoint: str | None = None
-        if self.config.replay_endpoint is not None:
+        if config.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
-            # A whole buffer's answer fits: a replay is never cut short by the HWM.
-            self._replay.setsockopt(zmq.SNDHWM, self.config.buffer_batches + 2)
+            # A client that does not read fills its queue at replay_hwm messages; past it a
+            # send fails at once (ROUTER_MANDATORY) rather than queueing more for it.
+            self._replay.setsockopt(zmq.SNDHWM, config.replay_hwm)
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(self._replay, self.config.replay_endpoint)
+            # Payloads go out by reference to the buffer's bytes, not copied per client.
+            self._replay.copy_threshold = 0
+            if config.curve_secret_key_file is not None:
+                make_server(self._replay, config.curve_secret_key_file)
+            self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
 
     def publish(self, events: Sequence[KVEvent]) -> bool:
         """Queue ``events`` to go out together in one batch; never blocks.
@@ -214,6 +238,8 @@ class KVEventPublisher:
             num_errors=counts["errors"],
             buffered_batches=len(self._buffer),
             next_seq=self._seq,
+            num_replay_clients_refused=counts["refused"],
+            num_replay_answers_cut=counts["cut"],
         )
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -226,6 +252,9 @@ class KVEventPublisher:
             # Terminating the context would block on the thread's sockets: leave both.
             logger.warning("KV event publisher thread did not stop within %.1f s", timeout_s)
             return
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if not self._ctx.closed:
             self._ctx.term()
             self._wake_w.close()
@@ -315,8 +344,12 @@ class KVEventPublisher:
             self._dropped_seen = dropped
             self._seq += 1
         seq = self._seq
+        if not self.config.publish_token_ids:
+            events = [_without_tokens(e) for e in events]
         try:
-            batch = EventBatch(self._clock(), tuple(events), self.config.data_parallel_rank)
+            batch = EventBatch(
+                self._clock(), tuple(events), self.config.data_parallel_rank, self.epoch
+            )
             payload = self._codec.encode(batch)
             self._pub.send_multipart([self._topic_bytes, encode_seq(seq), payload])
         except (zmq.ZMQError, TypeError, ValueError):
@@ -342,18 +375,43 @@ class KVEventPublisher:
                 self._counts["bad"] += 1
             if request is None:
                 continue
+            start = request.start if self._admit(request.envelope[0]) else None
             try:
-                self._answer(request.envelope, request.start)
-            except zmq.ZMQError:  # the client is gone mid-answer: serve the next one
-                self._counts["errors"] += 1
+                self._answer(request.envelope, start)
+            except zmq.ZMQError:
+                # Its queue is full (it has not read its last answer) or it is gone: it gets
+                # no more of this answer, and nothing is queued for it beyond replay_hwm.
+                self._counts["cut"] += 1
+
+    def _admit(self, identity: bytes) -> bool:
+        """Whether a request of ``identity`` is answered: at most ``max_replay_clients``
+        distinct clients within ``REPLAY_CLIENT_TTL_S``."""
+        now = time.monotonic()
+        clients = self._replay_clients
+        while clients and next(iter(clients.values())) < now - REPLAY_CLIENT_TTL_S:
+            clients.popitem(last=False)
+        if identity not in clients and len(clients) >= self.config.max_replay_clients:
+            self._counts["refused"] += 1
+            return False
+        clients[identity] = now
+        clients.move_to_end(identity)
+        return True
 
     def _answer(self, envelope: tuple[bytes, ...], start: int | None) -> None:
         assert self._replay is not None, "only called with a replay socket"
         if start is not None:
-            for seq, payload in self._buffer.since(start):
+            # Half a queue an answer: ZMQ learns what a peer took in steps of half its HWM,
+            # so an answer after one the client has read always fits. The client asks again
+            # from where this one stopped: one request never queues a whole buffer.
+            batches = self._buffer.since(start)[: self.config.replay_hwm // 2]
+            # Reading ZMQ_EVENTS takes in the peers' acknowledgements now (a send does so at
+            # most once a millisecond), so a client that has read is not taken for one that
+            # has not.
+            self._replay.getsockopt(zmq.EVENTS)
+            for seq, payload in batches:
                 answer = replay_answer(envelope, self._topic_bytes, seq, payload)
-                self._replay.send_multipart(answer, zmq.NOBLOCK)
-        # A malformed request gets the end marker alone: the client stops waiting.
+                self._replay.send_multipart(answer, zmq.NOBLOCK, copy=False)
+        # A malformed or refused request gets the end marker alone: the client stops waiting.
         self._replay.send_multipart(replay_end(envelope), zmq.NOBLOCK)
 
     def _close_sockets(self) -> None:
@@ -361,6 +419,12 @@ class KVEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._wake_r.close()
+
+
+def _without_tokens(event: KVEvent) -> KVEvent:
+    if isinstance(event, BlockStored) and event.token_ids:
+        return replace(event, token_ids=())
+    return event
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import zmq
 
 from cachetier.kvevents.config import SubscriberConfig
+from cachetier.kvevents.curve import make_client
 from cachetier.kvevents.events import BatchCodec, EventBatch, MalformedEventError
 from cachetier.kvevents.framing import (
     END_SEQ,
-    Topic,
     decode_seq,
     encode_replay_request,
     parse_topic,
@@ -88,7 +88,12 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode("utf-8"))
-        self._sub.connect(config.endpoint)
+        try:
+            self._maybe_curve(self._sub)
+            self._sub.connect(config.endpoint)
+        except BaseException:
+            self.close()
+            raise
 
     def receive(self, timeout_s: float = 0.0, max_messages: int = 1000) -> list[Delivery]:
         """Wait up to ``timeout_s`` for a message, then take what is waiting.
@@ -143,80 +148,97 @@ class KVEventSubscriber:
         if seq is None:
             self._counts["malformed"] += 1
             return []
-        topic = self._topic(frames[0], seq)
-        if topic is None:
+        topic = parse_topic(frames[0])
+        replica = topic.replica if topic is not None else self.config.replica
+        if replica is None:
             self._counts["foreign"] += 1
             return []
-        stream = self._streams.get(topic.replica)
-        if stream is None or topic.epoch > stream.epoch:
-            stream = self._streams[topic.replica] = _Stream(topic.epoch)
-        elif topic.epoch < stream.epoch:
+        try:
+            batch = self._codec.decode(frames[2])
+        except MalformedEventError:
+            # Not delivered: the next batch finds the gap and counts it missed.
+            self._counts["malformed"] += 1
+            return []
+        epoch = batch.epoch if batch.epoch is not None else self._vllm_epoch(replica, seq)
+        stream = self._streams.get(replica)
+        if stream is None or epoch > stream.epoch:
+            stream = self._streams[replica] = _Stream(epoch)
+        elif epoch < stream.epoch:
             self._counts["stale"] += 1  # a process that is gone
             return []
         expected = stream.last_seq + 1
         if seq < expected:
             self._counts["duplicates"] += 1
             return []
-        found = self._replay(frames[0], expected, seq) if seq > expected else []
-        found.append((seq, frames[2]))
-        return self._deliver(topic, stream, found)
+        found = self._replay(frames[0], batch.epoch, expected, seq) if seq > expected else []
+        found.append((seq, batch))
+        return self._deliver(replica, stream, found)
 
-    def _topic(self, frame: bytes, seq: int) -> Topic | None:
-        topic = parse_topic(frame)
-        if topic is not None or self.config.replica is None:
-            return topic
+    def _vllm_epoch(self, replica: str, seq: int) -> int:
         # vLLM's publisher names no epoch: a sequence number that goes back is a restart.
-        stream = self._streams.get(self.config.replica)
-        epoch = 0 if stream is None else stream.epoch + (seq <= stream.last_seq)
-        return Topic(self.config.replica, epoch)
+        stream = self._streams.get(replica)
+        return 0 if stream is None else stream.epoch + (seq <= stream.last_seq)
 
     def _deliver(
-        self, topic: Topic, stream: _Stream, found: list[tuple[int, bytes]]
+        self, replica: str, stream: _Stream, found: list[tuple[int, EventBatch]]
     ) -> list[Delivery]:
         out: list[Delivery] = []
-        missed = 0
-        for seq, payload in found:
-            missed += seq - stream.last_seq - 1
+        for seq, batch in found:
+            missed = seq - stream.last_seq - 1
             stream.last_seq = seq
-            try:
-                batch = self._codec.decode(payload)
-            except MalformedEventError:
-                self._counts["malformed"] += 1
-                missed += 1
-                continue
-            out.append(Delivery(topic.replica, topic.epoch, seq, batch, missed))
+            out.append(Delivery(replica, stream.epoch, seq, batch, missed))
             self._counts["missed"] += missed
             self._counts["delivered"] += 1
-            missed = 0
-        self._counts["missed"] += missed
         return out
 
-    def _replay(self, topic: bytes, start: int, until: int) -> list[tuple[int, bytes]]:
-        """Batches ``start`` to ``until - 1`` that the publisher still holds, in order."""
+    def _replay(
+        self, topic: bytes, epoch: int | None, start: int, until: int
+    ) -> list[tuple[int, EventBatch]]:
+        """Batches ``start`` to ``until - 1`` of ``epoch`` that the publisher still holds, in
+        order. The publisher answers a few batches a request: ask again from where the last
+        answer stopped until it brings nothing new."""
         if self.config.replay_endpoint is None:
             return []
+        deadline = time.monotonic() + self.config.replay_timeout_s
+        found: dict[int, EventBatch] = {}
+        while start < until:
+            got = self._replay_once(topic, epoch, start, until, deadline)
+            if got is None or not got:
+                break
+            found.update(got)
+            start = max(got) + 1
+        self._counts["replayed"] += len(found)
+        return sorted(found.items())
+
+    def _replay_once(
+        self, topic: bytes, epoch: int | None, start: int, until: int, deadline: float
+    ) -> dict[int, EventBatch] | None:
+        """One request's answer; ``None`` when it timed out."""
         dealer = self._open_dealer()
         dealer.send_multipart(encode_replay_request(start))
-        deadline = time.monotonic() + self.config.replay_timeout_s
-        found: dict[int, bytes] = {}
+        found: dict[int, EventBatch] = {}
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not dealer.poll(left_ms):
                 # Late answers to this request must not be read as answers to the next one.
                 self._counts["replay_timeouts"] += 1
                 self._reset_dealer()
-                break
+                return None
             frames = dealer.recv_multipart()
             body = frames[1:] if frames and frames[0] == b"" else frames
             if len(body) == 3 and body[1] == END_SEQ:
-                break
+                return found
             seq = decode_seq(body[1]) if len(body) == 3 else None
-            if seq is None:
+            if seq is None or body[0] != topic or not start <= seq < until:
+                self._counts["malformed"] += seq is None
+                continue
+            try:
+                batch = self._codec.decode(body[2])
+            except MalformedEventError:
                 self._counts["malformed"] += 1
-            elif body[0] == topic and start <= seq < until:
-                found[seq] = body[2]
-        self._counts["replayed"] += len(found)
-        return sorted(found.items())
+                continue
+            if batch.epoch == epoch:  # a restarted process's batches are not this stream's
+                found[seq] = batch
 
     def _open_dealer(self) -> zmq.Socket:
         if self._dealer is None:
@@ -224,6 +246,7 @@ class KVEventSubscriber:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+            self._maybe_curve(self._dealer)
             self._dealer.connect(self.config.replay_endpoint)
         return self._dealer
 
@@ -231,3 +254,8 @@ class KVEventSubscriber:
         if self._dealer is not None:
             self._dealer.close(linger=0)
             self._dealer = None
+
+    def _maybe_curve(self, sock: zmq.Socket) -> None:
+        key, server = self.config.curve_secret_key_file, self.config.curve_server_key_file
+        if key is not None and server is not None:
+            make_client(sock, key, server)

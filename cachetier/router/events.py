@@ -8,7 +8,9 @@ endpoint or epoch (a restart). A publisher bound to every address (``0.0.0.0``) 
 the host the router reaches the replica at. A sidecar's events (``shared``) are followed as
 replica ``*``: what every replica can load. A replica whose events are configured
 (``RouterConfig.replica_events``: ``vllm serve`` says nowhere where they are) is followed in
-vLLM's framing (no topic of ours), filed under the router's name for it.
+vLLM's framing (no topic of ours), filed under the router's name for it. Where the publishers
+take CURVE clients only, every subscriber connects with the router's certificate and the
+publishers' public one (``curve``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class EventFeed:
         shared: a sidecar's PUB endpoint and replay endpoint (or ``None``), whose events
             are every replica's; ``None`` for none.
         fixed: replica name -> its (vLLM) publisher's endpoint and replay endpoint.
+        curve: the router's CURVE certificate file (with its secret key) and the publishers'
+            public certificate file; ``None`` to connect without CURVE.
     """
 
     def __init__(
@@ -43,11 +47,13 @@ class EventFeed:
         index: PrefixIndex,
         shared: tuple[str, str | None] | None = None,
         fixed: dict[str, tuple[str, str | None]] | None = None,
+        curve: tuple[str, str] | None = None,
     ) -> None:
         self.replicas = replicas
         self.index = index
         self._shared = shared
         self._fixed = dict(fixed or {})
+        self._curve = curve
         self.num_batches = 0
         self.num_missed = 0
         self._subs: dict[str, tuple[_Where, KVEventSubscriber]] = {}
@@ -95,7 +101,15 @@ class EventFeed:
                 continue
             endpoint, replay, _, topic = where
             # vLLM's frames name no replica: the subscriber files them under this one's name.
-            config = SubscriberConfig(endpoint, replay, topic, name if not topic else None)
+            secret, server = self._curve if self._curve is not None else (None, None)
+            config = SubscriberConfig(
+                endpoint,
+                replay,
+                topic,
+                name if not topic else None,
+                curve_secret_key_file=secret,
+                curve_server_key_file=server,
+            )
             try:
                 sub = KVEventSubscriber(config)
             except (ValueError, OSError) as exc:  # zmq's errors are OSErrors

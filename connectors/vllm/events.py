@@ -42,6 +42,7 @@ from cachetier.kvevents import (
     TierEvents,
     check_medium,
 )
+from cachetier.kvevents.config import is_loopback
 from cachetier.kvevents.tokens import KeyTokens
 from cachetier.store.events import publish_store
 from cachetier.store.tiered import TieredStore
@@ -61,9 +62,22 @@ CLEARED_CHUNK = 1024
 
 def kv_events_enabled(vllm_config: VllmConfig) -> bool:
     """Whether vLLM publishes KV events: only then does the connector collect any (nothing
-    would take them otherwise)."""
+    would take them otherwise). Warns when vLLM's publisher binds beyond loopback: it has no
+    authentication, and the events of our tiers carry the prompts' token ids."""
     config = vllm_config.kv_events_config
-    return bool(config is not None and config.enable_kv_cache_events and config.publisher != "null")
+    enabled = bool(
+        config is not None and config.enable_kv_cache_events and config.publisher != "null"
+    )
+    if enabled and config is not None:
+        exposed = [e for e in (config.endpoint, config.replay_endpoint) if e and not is_loopback(e)]
+        if exposed:
+            logger.warning(
+                "cachetier: vLLM publishes KV events at %s without authentication, and the "
+                "tiers' events carry prompts' token ids: bind tcp://127.0.0.1 or keep the "
+                "port behind a network policy (docs/operations.md, who can read KV events)",
+                exposed,
+            )
+    return enabled
 
 
 class VllmEventSink:

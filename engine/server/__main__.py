@@ -80,10 +80,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     limits.add_argument(
         "--kv-events-endpoint",
-        help="where the events' PUB socket binds (tcp://host:port); default: --host, any port",
+        help="where the events' PUB socket binds (tcp://host:port); default: 127.0.0.1, any "
+        "port (beyond loopback: give the CURVE keys)",
     )
     limits.add_argument(
         "--kv-events-replay-endpoint", help="where the replay socket binds; default as above"
+    )
+    limits.add_argument(
+        "--kv-events-curve-key",
+        help="the publisher's CURVE certificate with its secret key (zmq.auth's .key_secret)",
+    )
+    limits.add_argument(
+        "--kv-events-curve-clients",
+        help="folder of the public certificates (*.key) allowed to read the KV events",
+    )
+    limits.add_argument(
+        "--kv-events-hashes-only",
+        action="store_true",
+        help="publish block hashes without token ids",
+    )
+    limits.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="events as vLLM's decoder reads them (map) or as llm-d's indexer does (array)",
     )
     limits.add_argument(
         "--graceful-timeout",
@@ -201,6 +221,10 @@ def _config_of(
             kv_events_queue=args.kv_events_queue,
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            kv_events_curve_key=args.kv_events_curve_key,
+            kv_events_curve_clients=args.kv_events_curve_clients,
+            kv_events_token_ids=not args.kv_events_hashes_only,
+            kv_events_encoding=args.kv_events_encoding,
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -60,16 +60,21 @@ def _open_engine(config: EngineServerConfig) -> tuple[LLMEngine, TieredStore | N
 
 
 def _publisher(config: EngineServerConfig, engine: LLMEngine) -> KVEventPublisher | None:
-    """The pool's KV-event publisher, on the server's host at ports the OS picks."""
+    """The pool's KV-event publisher: on loopback at ports the OS picks unless told where (its
+    events carry prompts' token ids: beyond loopback only with CURVE keys)."""
     if not config.kv_events:
         return None
-    host = "[::]" if ":" in config.host else config.host
     publisher = KVEventPublisher(
         PublisherConfig(
-            replica=f"{config.model_name}-{os.getpid()}",
-            endpoint=config.kv_events_endpoint or f"tcp://{host}:0",
-            replay_endpoint=config.kv_events_replay_endpoint or f"tcp://{host}:0",
+            replica=f"{config.model_name}-{os.getpid()}".replace("@", "-"),
+            model=config.model_name.replace("@", "-"),
+            endpoint=config.kv_events_endpoint or "tcp://127.0.0.1:0",
+            replay_endpoint=config.kv_events_replay_endpoint or "tcp://127.0.0.1:0",
             max_queue_batches=config.kv_events_queue,
+            encoding=config.kv_events_encoding,
+            publish_token_ids=config.kv_events_token_ids,
+            curve_secret_key_file=config.kv_events_curve_key,
+            curve_public_keys_dir=config.kv_events_curve_clients,
         )
     )
     engine.publish_events(TierEvents(publisher))

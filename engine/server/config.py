@@ -44,8 +44,13 @@ class EngineServerConfig:
         kv_events_queue: batches of events waiting for the publisher's thread at most; past
             it events are dropped and counted (a router's index heals by reconciling).
         kv_events_endpoint: where the events' PUB socket binds (``tcp://host:port``, for an
-            indexer configured with a fixed address); ``None``: ``host``, a port the OS picks.
+            indexer configured with a fixed address); ``None``: 127.0.0.1, a port the OS picks
+            (a non-loopback address needs the CURVE settings).
         kv_events_replay_endpoint: where the replay socket binds; ``None`` as above.
+        kv_events_curve_key: the publisher's CURVE certificate file with its secret key.
+        kv_events_curve_clients: the folder of the certificates allowed to read the events.
+        kv_events_token_ids: ``False`` publishes block hashes without token ids.
+        kv_events_encoding: ``"map"`` (vLLM's decoder) or ``"array"`` (llm-d's indexer).
     """
 
     model: str = SMOLLM2
@@ -63,6 +68,10 @@ class EngineServerConfig:
     kv_events_queue: int = 10_000
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    kv_events_curve_key: str | None = None
+    kv_events_curve_clients: str | None = None
+    kv_events_token_ids: bool = True
+    kv_events_encoding: str = "map"
 
     def __post_init__(self) -> None:
         if not self.model.strip():

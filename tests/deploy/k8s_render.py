@@ -86,7 +86,7 @@ def _generate(objects: list[dict], kind: str, generator: dict, folder: Path) -> 
         lines = (folder / env_file).read_text().splitlines()
         data.update(line.split("=", 1) for line in lines if line.strip() and line[0] != "#")
     if kind == "Secret":
-        data = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        data = {k: _kustomize_base64(v) for k, v in data.items()}
     name, behavior = generator["name"], generator.get("behavior", "create")
     if behavior != "create":  # merge into or replace what a base generated under the name
         (old,) = [o for o in objects if (o.get(_GENERATED), o["metadata"]["name"]) == (kind, name)]
@@ -95,6 +95,15 @@ def _generate(objects: list[dict], kind: str, generator: dict, folder: Path) -> 
     metadata = {"name": name, **generator.get("options", {})}
     obj = {"apiVersion": "v1", "kind": kind, "metadata": metadata, "data": data, _GENERATED: kind}
     objects.append({**obj, "type": "Opaque"} if kind == "Secret" else obj)
+
+
+def _kustomize_base64(text: str) -> str:
+    """A Secret value as kustomize encodes it (api/kv): base64 in lines of 70 characters, each
+    ended by a newline, once the encoding is 70 characters or longer."""
+    encoded = base64.b64encode(text.encode()).decode()
+    if len(encoded) < 70:
+        return encoded
+    return "".join(encoded[i : i + 70] + "\n" for i in range(0, len(encoded), 70))
 
 
 def _suffix(obj: dict) -> str:
@@ -236,3 +245,22 @@ def check_served(app: object, container: dict, objects: list[dict], job: str) ->
         assert route is not None, f"{container['name']}: nothing serves {url}"
         taken = {p.alias for p in getattr(getattr(route, "dependant", None), "query_params", [])}
         assert set(parse_qs(query)) <= taken, f"{container['name']}: {path}"
+
+
+def mounted_secret_files(
+    objects: list[dict], pod: dict, container: dict, values: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Every file of a Secret volume that ``container`` mounts, by its path in the container:
+    the Secret's values, or ``values`` (by the Secret's keys) in their place."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        data = find_object(objects, "Secret", secret["secretName"])["data"]
+        for item in secret.get("items") or [{"key": k, "path": k} for k in data]:
+            key = item["key"]
+            text = values[key] if values else base64.b64decode(data[key]).decode()
+            out[f"{mount['mountPath']}/{item['path']}"] = text
+    return out

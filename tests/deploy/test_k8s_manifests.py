@@ -153,7 +153,13 @@ def test_the_engine_runs_as_its_server_reads_it(base: list[dict], tokens: dict) 
     reads = {s.env for s in flat_settings(StoreConfig).values()} | {API_KEY_ENV, MODEL_CACHE_ENV}
     check_variables(container, reads)
     config, _ = server_config(argv[3:], env)
-    assert config.host == "0.0.0.0" and {"http": config.port} == container_ports(container)
+    # HTTP, and the KV events on the pod's fixed ports (the router dials them at the pod's name).
+    events = {"kv-events": config.kv_events_endpoint, "kv-replay": config.kv_events_replay_endpoint}
+    ports = {
+        name: int(endpoint.removeprefix("tcp://0.0.0.0:")) for name, endpoint in events.items()
+    }
+    assert config.host == "0.0.0.0" and {"http": config.port, **ports} == container_ports(container)
+    assert config.kv_events and all(e.startswith("tcp://0.0.0.0:") for e in events.values())
     check_served(create_app(config), container, base, "cachetier-engine")
     assert env[API_KEY_ENV] == tokens["engine-api-key"]
     # The sidecar of the pod's node, through the node-local Service, as tenant engine.

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import secrets
 import shlex
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.routing import Match
 
+from tests.cachetier.kvevents.curve_reads import intruder_messages, listed_stored_keys
+from tests.cachetier.kvevents.streams import random_keys
 from tests.deploy.k8s_render import (
     KUSTOMIZATIONS,
     argv_of,
@@ -18,6 +24,7 @@ from tests.deploy.k8s_render import (
     container_ports,
     environment_of,
     find_object,
+    mounted_secret_files,
     pod_spec,
     render,
     volume_at,
@@ -95,8 +102,8 @@ def test_the_routers_probe_is_a_route_of_its_app(base: list[dict]) -> None:
 
 
 def test_only_the_router_reaches_the_engines_kv_events(base: list[dict]) -> None:
-    """Events carry prompts' token ids on ports the engine picks: the NetworkPolicy lets
-    anyone reach the HTTP port and only the router's pods the rest."""
+    """Events carry prompts' token ids: the NetworkPolicy lets anyone reach the HTTP port and
+    only the router's pods the events' two ports (CURVE keeps other readers out besides)."""
     engines = workloads(base)["engine"]
     router = workloads(base)["engine-router"]
     (policy,) = [o for o in base if o["kind"] == "NetworkPolicy"]
@@ -105,8 +112,120 @@ def test_only_the_router_reaches_the_engines_kv_events(base: list[dict]) -> None
     assert spec["policyTypes"] == ["Ingress"]
     anyone, routers = spec["ingress"]
     assert "from" not in anyone and anyone["ports"] == [{"port": "http", "protocol": "TCP"}]
-    assert "ports" not in routers
     (source,) = routers["from"]
     assert source["podSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
     (engine,) = pod_spec(base, "engine")["containers"]
     assert "--kv-events" in engine["args"] and "http" in container_ports(engine)
+    events = set(container_ports(engine)) - {"http"}
+    assert events == {"kv-events", "kv-replay"}
+    assert routers["ports"] == [{"port": name, "protocol": "TCP"} for name in sorted(events)]
+
+
+def _in_container(files: dict[str, str], root: Path) -> Callable[[str], str]:
+    """Write a container's mounted files under ``root``; returns where a path of the
+    container is here."""
+    for path, text in files.items():
+        (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (root / path.lstrip("/")).write_text(text)
+    return lambda path: str(root / path.lstrip("/"))
+
+
+def _pods(base: list[dict]) -> dict[str, tuple[dict, dict]]:
+    return {c: (pod_spec(base, c), pod_spec(base, c)["containers"][0]) for c in _EVENTS_PODS}
+
+
+_EVENTS_PODS = ("engine", "engine-router")
+
+
+def _engine_publisher(base: list[dict], tokens: dict, where: Callable[[str], str]) -> Any:
+    """The engine's publisher settings as its command gives them (files found by ``where``),
+    on port 0 of the same address: a test listens where the OS says."""
+    from cachetier.engine.server.__main__ import server_config
+    from cachetier.kvevents import PublisherConfig
+
+    (engine,) = pod_spec(base, "engine")["containers"]
+    env = environment_of(engine, base, tokens)
+    config, _ = server_config(argv_of(engine, env)[3:], env)
+    anywhere = {
+        name: endpoint.rpartition(":")[0] + ":0"
+        for name, endpoint in (
+            ("endpoint", config.kv_events_endpoint),
+            ("replay_endpoint", config.kv_events_replay_endpoint),
+        )
+    }
+    assert anywhere == {"endpoint": "tcp://0.0.0.0:0", "replay_endpoint": "tcp://0.0.0.0:0"}
+    return PublisherConfig(
+        "engine-0",
+        **anywhere,
+        heartbeat_s=0.05,
+        curve_secret_key_file=where(config.kv_events_curve_key),
+        curve_public_keys_dir=where(config.kv_events_curve_clients),
+    )
+
+
+def _router(base: list[dict], tokens: dict) -> Any:
+    from cachetier.cli.main import build_parser
+    from cachetier.cli.route import route_config
+
+    (router,) = pod_spec(base, "engine-router")["containers"]
+    env = environment_of(router, base, tokens)
+    return route_config(build_parser().parse_args(argv_of(router, env)[1:]), env)
+
+
+def test_the_router_reads_the_engines_kv_events_with_the_keys_the_secret_mounts(
+    base: list[dict], tokens: dict, tmp_path: Path
+) -> None:
+    """Real keys of ``cachetier kv-events-keys`` in the Secret's place, mounted as the pods
+    mount them: a publisher as the engine's command sets it up serves the router's subscriber
+    as the router's command sets it up, and nobody without keys; neither pod holds the
+    other's secret key."""
+    from cachetier.cli.kv_events_keys import write_keys
+    from cachetier.cli.route import check_curve_files
+    from cachetier.kvevents import BlockStored, KVEventPublisher
+
+    write_keys(tmp_path / "made", ["router"])
+    secret = find_object(base, "Secret", "kv-events-keys")["data"]
+    made = {key: (tmp_path / "made" / key).read_text() for key in secret}
+    pods = _pods(base)
+    files = {c: mounted_secret_files(base, pod, box, made) for c, (pod, box) in pods.items()}
+    assert set(files["engine"].values()) == {made["publisher.key_secret"], made["router.key"]}
+    assert set(files["engine-router"].values()) == {
+        made["router.key_secret"],
+        made["publisher.key"],
+    }
+    engine_at = _in_container(files["engine"], tmp_path / "engine")
+    router_at = _in_container(files["engine-router"], tmp_path / "router")
+    router = _router(base, tokens)
+    key, server = router_at(router.events_curve_key), router_at(router.events_curve_server_key)
+    check_curve_files(replace(router, events_curve_key=key, events_curve_server_key=server))
+    stored = {bytes(k) for k in random_keys(3)}
+    with KVEventPublisher(_engine_publisher(base, tokens, engine_at), epoch=1) as publisher:
+        assert publisher.publish([BlockStored(tuple(stored), None, (), 16, "GPU")])
+        where = (publisher.endpoint, publisher.replay_endpoint)
+        assert intruder_messages(*where, Path(server), None) == 0
+        assert stored <= listed_stored_keys(*where, Path(key), Path(server), stored)
+
+
+def test_the_placeholder_keys_keep_the_engines_and_the_router_from_starting(
+    base: list[dict], tokens: dict, tmp_path: Path
+) -> None:
+    """As committed, the Secret holds placeholders, as secrets.env does: the engine's publisher
+    and the router (``cachetier route`` checks its files before it serves) refuse them."""
+    from cachetier.cli.route import check_curve_files
+    from cachetier.kvevents import KVEventPublisher
+
+    pods = _pods(base)
+    files = {c: mounted_secret_files(base, pod, box) for c, (pod, box) in pods.items()}
+    assert all("PLACEHOLDER" in text for f in files.values() for text in f.values())
+    engine_at = _in_container(files["engine"], tmp_path / "engine")
+    with pytest.raises(ValueError, match="not a ZMQ certificate"):
+        KVEventPublisher(_engine_publisher(base, tokens, engine_at))
+    router_at = _in_container(files["engine-router"], tmp_path / "router")
+    router = _router(base, tokens)
+    mounted = replace(
+        router,
+        events_curve_key=router_at(router.events_curve_key),
+        events_curve_server_key=router_at(router.events_curve_server_key),
+    )
+    with pytest.raises(ValueError, match="not a ZMQ certificate"):
+        check_curve_files(mounted)

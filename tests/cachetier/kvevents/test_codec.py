@@ -91,31 +91,36 @@ def test_a_truncated_payload_raises_one_error() -> None:
             codec.decode(payload[:cut])
 
 
-def test_topics_carry_the_replica_and_the_epoch() -> None:
-    topic = Topic("pod-7.ns", 0xABC)
-    assert topic.encode() == b"kv@pod-7.ns@0000000000000abc"
+def test_topics_carry_the_replica_and_the_model_as_llm_d_splits_them() -> None:
+    topic = Topic("pod-7.ns", "HuggingFaceTB/SmolLM2-135M")
+    assert topic.encode() == b"kv@pod-7.ns@HuggingFaceTB/SmolLM2-135M"
     assert parse_topic(topic.encode()) == topic
-    assert parse_topic(Topic("*", 2**64 - 1).encode()) == Topic("*", 2**64 - 1)
+    assert parse_topic(Topic("*").encode()) == Topic("*", "*")
 
 
 @pytest.mark.parametrize(
-    "frame", [b"", b"kv@", b"kv@a", b"kv@a@12", b"kv@a@zzzzzzzzzzzzzzzz", b"x kv@a@" + b"0" * 16]
+    "frame", [b"", b"kv@", b"kv@a", b"kv@a@", b"kv@a@b@c", b"x kv@a@m", b"\xff"]
 )
 def test_a_topic_that_is_not_ours_parses_to_none(frame: bytes) -> None:
     assert parse_topic(frame) is None
 
 
-@pytest.mark.parametrize("replica", ["", "a@b", "a b", "x" * 129, "é"])
-def test_a_replica_name_that_would_break_the_topic_is_refused(replica: str) -> None:
+@pytest.mark.parametrize("name", ["", "a@b", "a b", "x" * 129, "é"])
+def test_a_name_that_would_break_the_topic_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="replica"):
-        Topic(replica, 1)
+        Topic(name, "m")
+    with pytest.raises(ValueError, match="model"):
+        Topic("r", name)
 
 
-def test_an_epoch_must_fit_in_64_bits() -> None:
-    with pytest.raises(ValueError, match="epoch"):
-        Topic("a", 2**64)
-    with pytest.raises(TypeError, match="epoch"):
-        Topic("a", True)
+def test_the_epoch_rides_in_the_batch_in_either_event_encoding() -> None:
+    batch = EventBatch(
+        1.0, (BlockRemoved(tuple(KEYS), "disk"), AllBlocksCleared("disk")), None, 2**64 - 1
+    )
+    for encoding in ("map", "array"):
+        assert BatchCodec("map").decode(BatchCodec(encoding).encode(batch)) == batch
+    with pytest.raises(ValueError, match="encoding"):
+        BatchCodec("json")
 
 
 def test_sequence_frames_are_8_bytes_big_endian() -> None:

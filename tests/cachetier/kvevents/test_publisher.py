@@ -60,8 +60,8 @@ def _replay(ctx: zmq.Context, endpoint: str, request: list[bytes]) -> list[list[
 def test_live_frames_are_topic_sequence_payload_with_sequence_numbers_from_zero(
     make_publisher: MakePublisher, context: zmq.Context
 ) -> None:
-    publisher = make_publisher("pod-a", epoch=0x1234, data_parallel_rank=3)
-    assert publisher.topic == Topic("pod-a", 0x1234)
+    publisher = make_publisher("pod-a", epoch=0x1234, data_parallel_rank=3, model="org/m-1")
+    assert publisher.topic == Topic("pod-a", "org/m-1")
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod-a@")
@@ -71,9 +71,10 @@ def test_live_frames_are_topic_sequence_payload_with_sequence_numbers_from_zero(
         while len(seqs) < 5:  # heartbeats, every 50 ms
             assert sub.poll(int(WAIT_S * 1000))
             topic, seq, payload = sub.recv_multipart()
-            assert topic == b"kv@pod-a@0000000000001234"
+            assert topic == b"kv@pod-a@org/m-1"  # llm-d's kv@<pod-id>@<model-name>
             seqs.append(int.from_bytes(seq, "big"))
-            assert BatchCodec().decode(payload).data_parallel_rank == 3
+            batch = BatchCodec().decode(payload)
+            assert (batch.data_parallel_rank, batch.epoch) == (3, 0x1234)
     finally:
         sub.close()
     assert seqs == list(range(seqs[0], seqs[0] + 5)), "one stream, counting up by one"
@@ -237,3 +238,29 @@ def test_events_from_many_threads_all_go_out_without_a_timer_to_push_them(
     got = collect(subscriber, lambda got: sum(len(d.batch.events) for d in got) == len(keys))
     assert {e.block_hashes[0] for d in got for e in d.batch.events} == set(keys)
     assert all(d.num_missed == 0 for d in got) and publisher.stats().num_dropped_events == 0
+
+
+def test_one_answer_fits_a_clients_queue_and_clients_past_the_cap_get_the_end_marker(
+    make_publisher: MakePublisher, context: zmq.Context
+) -> None:
+    publisher = make_publisher(heartbeat_s=None, replay_hwm=4, max_replay_clients=1)
+    for i, key in enumerate(random_keys(5)):
+        assert publisher.publish([BlockRemoved((key,), "disk")])
+        wait_sent(publisher, i + 1)
+    assert publisher.replay_endpoint is not None
+    first = _replay(context, publisher.replay_endpoint, [b"", encode_seq(0)])
+    assert [a[2] for a in first] == [encode_seq(0), encode_seq(1), END_SEQ]
+    other = _replay(context, publisher.replay_endpoint, [b"", encode_seq(0)])
+    assert other == [[b"", b"", END_SEQ, b""]], "a second client, past max_replay_clients"
+    assert publisher.stats().num_replay_clients_refused == 1
+
+
+def test_hashes_only_batches_carry_no_token_ids(
+    make_publisher: MakePublisher, make_subscriber: MakeSubscriber
+) -> None:
+    publisher = make_publisher(publish_token_ids=False)
+    keys = random_keys(2)
+    assert publisher.publish([BlockStored(tuple(keys), None, tuple(range(32)), 16, "GPU")])
+    subscriber = make_subscriber(publisher)
+    got = with_events(collect(subscriber, lambda got: len(with_events(got)) == 1))
+    assert got[0].batch.events == (BlockStored(tuple(keys), None, (), 16, "GPU"),)

@@ -112,3 +112,15 @@ def test_epochs_fence_a_process_that_is_gone_and_a_restart_starts_a_new_stream(
     assert got[0].epoch == 6 and got[0].replica == "pod"
     assert got[0].num_missed == got[0].seq, "counted from the new epoch's sequence number 0"
     newer.close()
+
+
+def test_a_replay_longer_than_one_answer_is_asked_for_in_turns(
+    make_publisher: MakePublisher, make_subscriber: MakeSubscriber
+) -> None:
+    publisher = make_publisher(replay_hwm=4)  # two batches an answer
+    events = _publish_each(publisher, 9)
+    subscriber = make_subscriber(publisher)
+    got = collect(subscriber, lambda got: len(with_events(got)) == 9)
+    assert [d.batch.events[0] for d in with_events(got)] == events
+    assert all(d.num_missed == 0 for d in got)
+    assert publisher.stats().num_replay_requests >= 5

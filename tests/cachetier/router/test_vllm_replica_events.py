@@ -9,11 +9,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import zmq.auth
 
+from cachetier.kvevents import BlockStored, KVEventPublisher, PublisherConfig
 from cachetier.kvindex import PrefixIndex
 from cachetier.router.app import create_app
 from cachetier.router.config import RouterConfig
 from cachetier.router.decide import FleetDecider
+from cachetier.router.events import EventFeed
+from cachetier.router.replicas import ReplicaSet
 from tests.engine.server.live import EngineServer
 from tests.support import AppThread
 
@@ -70,3 +74,46 @@ def test_replica_events_must_name_a_replica_and_endpoints() -> None:
         RouterConfig(urls, replica_events=("r0=http://127.0.0.1:5557",))
     config = RouterConfig(urls, replica_events=("r0=tcp://h:5557",))
     assert config.events_of() == {"r0": ("tcp://h:5557", None)}
+
+
+def _feed_files(
+    feed_curve: tuple[str, str] | None, publisher: KVEventPublisher, wait_s: float
+) -> bool:
+    """Whether a router's ``EventFeed`` with ``feed_curve`` files the publisher's blocks."""
+    index = PrefixIndex()
+    feed = EventFeed(
+        ReplicaSet(["http://127.0.0.1:9"]),
+        index,
+        fixed={"r0": (publisher.endpoint, None)},
+        curve=feed_curve,
+    )
+    feed.start()
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            publisher.publish([BlockStored(tuple(KEYS), None, (), 16, "disk")])
+            if index.holdings(KEYS, ["r0"])[0].media == ("disk",) * 4:
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        feed.close()
+
+
+def test_the_router_reads_curve_protected_events_with_its_listed_key_only(
+    tmp_path: Path,
+) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    certs = {name: zmq.auth.create_certificates(tmp_path, name) for name in ("pub", "router", "x")}
+    (allowed / "router.key").write_bytes(Path(certs["router"][0]).read_bytes())
+    config = PublisherConfig(
+        "pod-a",
+        replay_endpoint=None,
+        curve_secret_key_file=certs["pub"][1],
+        curve_public_keys_dir=str(allowed),
+    )
+    with KVEventPublisher(config) as publisher:
+        assert _feed_files((certs["router"][1], certs["pub"][0]), publisher, 10)
+        assert not _feed_files((certs["x"][1], certs["pub"][0]), publisher, 1.5)
+        assert not _feed_files(None, publisher, 1.5)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,27 @@ def test_events_are_collected_only_where_vllm_publishes_them() -> None:
     assert kv_events_enabled(VllmConfig(kv_events_config=on))
     null = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     assert not kv_events_enabled(VllmConfig(kv_events_config=null))
+
+
+def test_vllms_publisher_beyond_loopback_is_warned_of() -> None:
+    """vLLM's publisher has no authentication, and our tiers' events carry token ids."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.cachetier.events")
+    logger.addHandler(handler)
+    try:
+        local = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:5557"
+        )
+        assert kv_events_enabled(VllmConfig(kv_events_config=local))
+        assert not records
+        wide = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")  # tcp://*:5557
+        assert kv_events_enabled(VllmConfig(kv_events_config=wide))
+        assert [r.levelno for r in records] == [logging.WARNING]
+        assert "tcp://*:5557" in records[0].getMessage()
+    finally:
+        logger.removeHandler(handler)
 
 
 # The worker side, on a real CPU + disk store.
