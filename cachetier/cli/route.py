@@ -62,6 +62,22 @@ def add_route(subparsers: argparse._SubParsersAction) -> None:
         help="a vllm serve replica's KV events (its --kv-events-config endpoints); NAME is "
         "r0 for the first --replica (repeatable)",
     )
+    p.add_argument(
+        "--keys-file",
+        help="JSON of client keys by tenant and each replica's own key: "
+        '{"clients": {"KEY": "TENANT"}, "replicas": {"r0": "KEY"}} (cachetier.router.keys)',
+    )
+    p.add_argument(
+        "--events-curve-key",
+        metavar="FILE",
+        help="the router's CURVE certificate with its secret key (zmq.auth's .key_secret; "
+        "cachetier kv-events-keys makes it), for publishers that take CURVE readers only",
+    )
+    p.add_argument(
+        "--events-curve-server-key",
+        metavar="FILE",
+        help="the publishers' public CURVE certificate (.key); with --events-curve-key",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run_route)
 
@@ -69,8 +85,11 @@ def add_route(subparsers: argparse._SubParsersAction) -> None:
 def route_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
     """The ``RouterConfig`` of the flags and the keys of ``env`` (default ``os.environ``)."""
     from cachetier.router.config import RouterConfig
+    from cachetier.router.keys import load_keys_file
 
     env = dict(os.environ if env is None else env)
+    keys_file = getattr(args, "keys_file", None)
+    clients, replica_keys = load_keys_file(keys_file) if keys_file else ((), {})
     return RouterConfig(
         replicas=tuple(args.replica),
         model=args.model,
@@ -80,12 +99,33 @@ def route_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         port=args.port,
         api_key=env.get(ROUTER_KEY_ENV) or None,
         replica_api_key=env.get(REPLICA_KEY_ENV) or None,
+        replica_api_keys=tuple(replica_keys.items()),
+        client_keys=clients,
         poll_interval_s=args.poll_interval_s,
         reconcile_interval_s=args.reconcile_interval_s,
         shared_events=args.shared_events,
         shared_events_replay=args.shared_events_replay,
         replica_events=tuple(args.replica_events),
+        events_curve_key=getattr(args, "events_curve_key", None),
+        events_curve_server_key=getattr(args, "events_curve_server_key", None),
     )
+
+
+def check_curve_files(config: Any) -> None:
+    """Read the router's CURVE certificates now, so that a missing or placeholder file is a
+    bad configuration at start rather than events silently not followed.
+
+    Raises:
+        ValueError: a file is missing, is not a certificate, or the first holds no secret key.
+    """
+    if config.events_curve_key is None:
+        return
+    import zmq
+
+    from cachetier.kvevents.curve import make_client
+
+    with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sock:
+        make_client(sock, config.events_curve_key, config.events_curve_server_key)
 
 
 def run_route(args: argparse.Namespace) -> int:
@@ -107,6 +147,7 @@ def run_route(args: argparse.Namespace) -> int:
 
     try:
         config = route_config(args)
+        check_curve_files(config)
         index = PrefixIndex()
         decide = FleetDecider(config.policy, index, config.max_imbalance)
         app = create_app(config, decide, index=index)

@@ -6,12 +6,15 @@ replicas that are up, and forwarded to the first that answers (``proxy``). ``GET
 goes to any replica that is up; ``/healthz`` is 200 while one is; ``/metrics`` counts every
 decision, retry and refusal. Each decision is logged with its estimates (logger
 ``cachetier.router``, at debug).
+
+Parsing, tokenizing and the policy's weighing run on the router's ``PrepareQueue`` threads, so
+no request holds the event loop: ``/healthz`` and the answers streaming back keep flowing
+whatever is being tokenized. A body past ``max_body_bytes`` gets 413, bad input 400, and a
+request the queue has no room or time for 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -33,11 +36,13 @@ from starlette.background import BackgroundTask
 from cachetier.kvindex import PrefixIndex
 from cachetier.router.config import RouterConfig
 from cachetier.router.events import EventFeed
-from cachetier.router.lookup import lookup_answer
-from cachetier.router.prompt import PromptTokens
+from cachetier.router.http import busy, error, read_body, tenant_or_refusal
+from cachetier.router.lookup import add_fleet_routes
+from cachetier.router.prompt import BadPromptError, PromptTokens, parse_body
 from cachetier.router.proxy import NoReplicaError, forward
 from cachetier.router.reconcile import Reconciler
 from cachetier.router.replicas import Replica, ReplicaSet
+from cachetier.router.work import PrepareBusyError, PrepareQueue
 
 log = logging.getLogger("cachetier.router")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -110,28 +115,60 @@ class Router:
     def __init__(self, config: RouterConfig, decide: Decide, prompt: PromptTokens | None) -> None:
         self.config = config
         self.decide = decide
-        self.replicas = ReplicaSet(config.replicas, config.replica_api_key, config.poll_interval_s)
+        self.replicas = ReplicaSet(config.replicas, config.key_of(), config.poll_interval_s)
         self.metrics = RouterMetrics(self.replicas, config.policy)
         self.tokens = prompt if prompt is not None else PromptTokens(config.model)
+        self.prepare = PrepareQueue(
+            config.num_prepare_threads, config.max_queued_prepares, config.prepare_timeout_s
+        )
+        # No key here: the session's middleware sends each replica its own.
         self.headers = {"Content-Type": "application/json"}
-        if config.replica_api_key:
-            self.headers["Authorization"] = f"Bearer {config.replica_api_key}"
         self.session: aiohttp.ClientSession | None = None
+
+    def body_limit(self) -> int:
+        """``max_body_bytes``, or the smallest limit a replica up reports if that is lower: a
+        body no replica would take is refused before any work is spent on it."""
+        reported = [r.state.get("max_request_bytes") for r in self.replicas.up()]
+        limits = [n for n in reported if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        return min([self.config.max_body_bytes, *limits])
+
+    def open_session(self) -> None:
+        timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=self.config.request_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, middlewares=(self.replicas.auth,))
+
+    async def prepared(
+        self, path: str, body: bytes, session_id: str | None
+    ) -> tuple[dict, RouteDecision] | Response:
+        """The body parsed and the policy's decision, worked out on a prepare thread; or the
+        answer to give instead (400 for bad input, 503 when the router has no room)."""
+        up = self.replicas.up()
+
+        def work() -> tuple[dict, RouteDecision]:
+            parsed = parse_body(body)
+            session = session_id or _str(parsed.get("user"))
+            return parsed, self.decide(self.tokens.of(path, parsed), session, up)
+
+        try:
+            return await self.prepare.run(work)
+        except BadPromptError as exc:
+            return error(400, str(exc))
+        except PrepareBusyError as exc:
+            return busy(str(exc))
 
     async def route(self, request: Request) -> Response:
         """Tokenize, decide, forward; the answer streams back as the replica sends it."""
         config, metrics = self.config, self.metrics
-        refused = _refusal(request, config)
-        if refused is not None:
-            return refused
-        body = await _body(request, config.max_body_bytes)
-        parsed = _json_object(body, config.max_body_bytes)
-        if isinstance(parsed, Response):
-            return parsed
-        assert body is not None
+        tenant = tenant_or_refusal(request, config)
+        if isinstance(tenant, Response):
+            return tenant
+        body = await read_body(request, self.body_limit())
+        if isinstance(body, Response):
+            return body
         path = request.url.path
-        session_id = request.headers.get("x-session-id") or _str(parsed.get("user"))
-        decision = self.decide(self.tokens.of(path, parsed), session_id, self.replicas.up())
+        prepared = await self.prepared(path, body, request.headers.get("x-session-id"))
+        if isinstance(prepared, Response):
+            return prepared
+        _, decision = prepared
         assert self.session is not None, "the lifespan opens the session"
         try:
             answer = await forward(
@@ -140,7 +177,7 @@ class Router:
             answer.take_work(decision.work_s.get(answer.replica.name, 0.0))
         except NoReplicaError as exc:
             metrics.unrouted.inc()
-            return _error(503, str(exc), "server_error")
+            return error(503, str(exc), "server_error")
         self.replicas.count_routed(answer.replica)
         metrics.routed.labels(config.policy, answer.replica.name).inc()
         metrics.retries.inc(answer.retries)
@@ -163,8 +200,8 @@ class Router:
 
     async def models(self, request: Request) -> Response:
         """Any replica's model list (they serve one model)."""
-        refused = _refusal(request, self.config)
-        if refused is not None:
+        refused = tenant_or_refusal(request, self.config)
+        if isinstance(refused, Response):
             return refused
         assert self.session is not None, "the lifespan opens the session"
         for replica in self.replicas.up():
@@ -175,7 +212,7 @@ class Router:
                     return Response(await resp.read(), resp.status, media_type="application/json")
             except aiohttp.ClientError as exc:
                 self.replicas.mark_failed(replica, f"{type(exc).__name__}: {exc}")
-        return _error(503, "no replica is up", "server_error")
+        return error(503, "no replica is up", "server_error")
 
 
 def create_app(
@@ -190,8 +227,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = aiohttp.ClientTimeout(sock_connect=5, sock_read=config.request_timeout_s)
-        router.session = aiohttp.ClientSession(timeout=timeout)
+        router.open_session()
+        assert router.session is not None, "just opened"
         await router.replicas.start()
         feed, reconciler = _follow_events(router, index) if index is not None else (None, None)
         app.state.feed, app.state.reconciler = feed, reconciler
@@ -204,6 +241,7 @@ def create_app(
                 feed.close()
             await router.replicas.close()
             await router.session.close()
+            router.prepare.close()
 
     app = FastAPI(title="cachetier router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
@@ -217,76 +255,11 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/fleet/index")
-    async def fleet_index(request: Request) -> JSONResponse:
-        """What the index holds of each replica: epoch and, per medium, count and digest."""
-        refused = _index_refusal(request, config, index)
-        if refused is not None:
-            return refused
-        assert index is not None, "refused above"
-        return JSONResponse({"replicas": describe_index(index)})
-
-    @app.post("/v1/fleet/lookup")
-    async def fleet_lookup(request: Request) -> Response:
-        """Where a prompt's blocks are held, per replica (``cachetier.router.lookup``)."""
-        refused = _index_refusal(request, config, index)
-        if refused is not None:
-            return refused
-        assert index is not None, "refused above"
-        parsed = _json_object(await _body(request, config.max_body_bytes), config.max_body_bytes)
-        if isinstance(parsed, Response):
-            return parsed
-        path = ROUTED_PATHS[1] if "messages" in parsed else ROUTED_PATHS[0]
-        tokens = router.tokens.of(path, parsed)
-        if not tokens:
-            return _error(
-                400,
-                "no prompt token ids: send 'prompt' as token ids, or text or 'messages' to a "
-                "router started with --model",
-            )
-        return JSONResponse(lookup_answer(index, router.replicas.replicas, tokens))
-
+    add_fleet_routes(app, config, router.replicas, router.tokens, router.prepare, index)
     for path in ROUTED_PATHS:
         app.add_api_route(path, router.route, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     return app
-
-
-def describe_index(index: PrefixIndex) -> dict[str, dict[str, object]]:
-    """Per replica: the epoch its blocks are held under and each medium's count and digest."""
-    out: dict[str, dict[str, object]] = {}
-    for name in index.replicas:
-        media = {
-            medium: {"count": count, "xor": f"{acc:016x}"}
-            for medium, (count, acc) in index.digests(name).items()
-        }
-        out[name] = {"epoch": index.epoch(name), "media": media}
-    return out
-
-
-def _refusal(request: Request, config: RouterConfig) -> Response | None:
-    if config.api_key is None:
-        return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(), config.api_key.encode()
-    ):
-        return None
-    return _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>'")
-
-
-async def _body(request: Request, limit: int) -> bytes | None:
-    """The body, or ``None`` once it passes ``limit`` (read no further)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _follow_events(router: Router, index: PrefixIndex) -> tuple[EventFeed, Reconciler]:
@@ -295,40 +268,15 @@ def _follow_events(router: Router, index: PrefixIndex) -> tuple[EventFeed, Recon
     shared = None
     if config.shared_events is not None:
         shared = (config.shared_events, config.shared_events_replay)
-    feed = EventFeed(router.replicas, index, shared, config.events_of())
+    curve = None
+    if config.events_curve_key is not None and config.events_curve_server_key is not None:
+        curve = (config.events_curve_key, config.events_curve_server_key)
+    feed = EventFeed(router.replicas, index, shared, config.events_of(), curve)
     feed.start()
     reconciler = Reconciler(router.replicas, index, config.reconcile_interval_s)
     reconciler.start()
     router.metrics.watch_index(feed, reconciler)
     return feed, reconciler
-
-
-def _index_refusal(
-    request: Request, config: RouterConfig, index: PrefixIndex | None
-) -> Response | None:
-    """The answer to a request for the index it may not have, or ``None`` to go on."""
-    refused = _refusal(request, config)
-    if refused is None and index is None:
-        return _error(404, "this router keeps no prefix index (its policy reads none)")
-    return refused
-
-
-def _json_object(body: bytes | None, limit: int) -> dict | Response:
-    """The body as a JSON object, or the error to answer."""
-    if body is None:
-        return _error(413, f"the body is over {limit} bytes")
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return _error(400, "the body is not JSON")
-    if not isinstance(parsed, dict):
-        return _error(400, "the body is not a JSON object")
-    return parsed
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status)
 
 
 def _str(value: object) -> str | None:

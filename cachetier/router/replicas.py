@@ -5,6 +5,11 @@ A poller asks every replica's ``/healthz`` and ``GET /v1/fleet/state`` (our engi
 its first byte (``mark_failed``), leaves the rotation; it comes back at its next good poll. A
 replica without the state route (``vllm serve`` with our connector) is still routed to, by its
 load as the router counts it (the requests it is proxying there) and the rates of the others.
+
+What a replica reports is checked before it is used: KV events are followed only at an endpoint
+on the replica's own host (the host of its URL, or a wildcard bind there); a replica that names
+another host (to draw the router's subscriber, and its traffic, elsewhere) is followed nowhere
+until it reports its own, unless the router was told its endpoint (``replica_events``).
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from cachetier.primitives.keys import KVLayout, Namespace
+from cachetier.router.keys import replica_auth
 
 log = logging.getLogger("cachetier.router")
 ROUTED_DECAY = 0.998
 """Per request routed: a count's half-life is about 350 requests."""
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass(slots=True)
@@ -41,6 +50,7 @@ class Replica:
     namespace: Namespace | None = None
     last_ok: float = 0.0
     failures: int = 0
+    refused_events: str | None = None  # an events endpoint it reported off its own host
 
     @property
     def load(self) -> int:
@@ -56,7 +66,8 @@ class ReplicaSet:
 
     Args:
         urls: the replicas' base URLs (``http://host:port``).
-        api_key: sent as a bearer token to each replica (its ``--api-key``).
+        keys: base URL -> the key sent to that replica as a bearer token (its ``--api-key``);
+            a replica not named is sent none.
         poll_interval_s: how often each replica is asked.
         timeout_s: how long a poll may take before the replica counts as down.
     """
@@ -64,14 +75,14 @@ class ReplicaSet:
     def __init__(
         self,
         urls: Sequence[str],
-        api_key: str | None = None,
+        keys: dict[str, str] | None = None,
         poll_interval_s: float = 1.0,
         timeout_s: float = 2.0,
     ) -> None:
         if not urls:
             raise ValueError("a router needs at least one replica URL")
         self.replicas = [Replica(f"r{i}", url.rstrip("/")) for i, url in enumerate(urls)]
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.auth = replica_auth(keys or {})
         self.poll_interval_s = poll_interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
@@ -79,7 +90,8 @@ class ReplicaSet:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The poller's session (with the replicas' API key), open between start and close."""
+        """The poller's session (each replica sent its own key), open between start and
+        close."""
         assert self._session is not None, "start() opens the session"
         return self._session
 
@@ -91,7 +103,7 @@ class ReplicaSet:
 
     async def start(self) -> None:
         """Poll once (so the first request finds the replicas that answer), then on a timer."""
-        self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        self._session = aiohttp.ClientSession(timeout=self._timeout, middlewares=(self.auth,))
         await self.poll()
         self._task = asyncio.create_task(self._loop())
 
@@ -139,7 +151,7 @@ class ReplicaSet:
             if healthy:
                 async with self._session.get(replica.url + "/v1/fleet/state") as resp:
                     if resp.status == 200:
-                        state = await resp.json()
+                        state = _own_events(replica, await resp.json())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             healthy, state = False, {}
             reason = f"{type(exc).__name__}: {exc}"
@@ -154,6 +166,45 @@ class ReplicaSet:
             replica.namespace = _namespace(state) or replica.namespace
         else:
             self.mark_failed(replica, reason)
+
+
+def _own_events(replica: Replica, state: Any) -> dict[str, Any]:
+    """``state`` without its ``kv_events`` when they name an endpoint off the replica's host."""
+    if not isinstance(state, dict):
+        return {}
+    events = state.get("kv_events")
+    if not isinstance(events, dict):
+        return state
+    host = (urlsplit(replica.url).hostname or "").lower()
+    named = [events.get("endpoint"), events.get("replay_endpoint")]
+    bad = next((e for e in named if e is not None and not _on_host(e, host)), None)
+    if bad is None:
+        replica.refused_events = None
+        return state
+    if replica.refused_events != str(bad):
+        log.warning(
+            "replica %s (%s) reports KV events off its host (%r): not followed",
+            replica.name,
+            replica.url,
+            bad,
+        )
+        replica.refused_events = str(bad)
+    return {**state, "kv_events": None}
+
+
+def _on_host(endpoint: object, host: str) -> bool:
+    """Whether a ZMQ endpoint is on ``host``: tcp at that host or a wildcard, or ipc when the
+    replica is on this machine's loopback."""
+    if not isinstance(endpoint, str):
+        return False
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc":
+        return host in LOOPBACK_HOSTS
+    if scheme != "tcp":
+        return False
+    where, _, port = rest.rpartition(":")
+    where = where.lower()
+    return port.isdigit() and (where in WILDCARD_HOSTS or where.strip("[]") == host)
 
 
 def _namespace(state: dict[str, Any]) -> Namespace | None:

@@ -29,6 +29,9 @@ class FleetState(BaseModel):
     num_waiting: int = Field(description="sequences queued at its last step")
     max_num_seqs: int = Field(description="the most sequences one batch runs")
     max_num_batched_tokens: int = Field(description="the most tokens one step computes")
+    max_request_bytes: int = Field(
+        description="the largest request body this server takes: a router in front takes no larger"
+    )
     namespace: dict[str, Any] = Field(
         description="model_fingerprint, layout (dtype, block_size, num_layers, num_kv_heads, "
         "head_dim, arrangement) and tenant: block keys are chained from it"
@@ -97,6 +100,7 @@ async def fleet_state(request: Request) -> FleetState:
         num_waiting=stats["num_waiting"],
         max_num_seqs=engine.config.max_num_seqs,
         max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        max_request_bytes=serving.config.max_request_bytes,
         namespace=namespace,
         # Without tiers there is no cost model, but the prefill speed is still measured (the
         # warm-up's forwards): a router weighs the recompute on every replica.

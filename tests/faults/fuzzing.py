@@ -5,6 +5,7 @@ data folder sits beside a file it may not touch."""
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import struct
@@ -230,3 +231,88 @@ def files_outside(top: Path, root: Path) -> list[str]:
             if not path.resolve().is_relative_to(root.resolve()):
                 out.append(str(path.relative_to(top)))
     return sorted(out)
+
+
+# The router's inputs: OpenAI request bodies, right, odd and hostile.
+TOKEN_IDS = st.one_of(
+    st.integers(0, 255),
+    st.sampled_from([-1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64, 2**70, -(2**70)]),
+    st.integers(-(2**80), 2**80),
+)
+ODD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.lists(st.integers(-5, 5), max_size=4),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@st.composite
+def openai_bodies(draw: st.DrawFn) -> dict:
+    """A completion or chat body whose every field may be right, odd or hostile; ``max_tokens``
+    stays small or invalid, so that no answer takes long to generate."""
+    body: dict = {}
+    prompt = draw(
+        st.one_of(
+            st.lists(TOKEN_IDS, max_size=40),
+            st.text(max_size=200),
+            st.lists(st.text(max_size=10), max_size=3),
+            st.lists(st.lists(st.integers(0, 255), max_size=5), max_size=3),
+            ODD_VALUES,
+        )
+    )
+    if draw(st.booleans()):
+        body["prompt"] = prompt
+    if draw(st.booleans()):
+        message = st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | ODD_VALUES,
+                "content": st.text(max_size=60) | ODD_VALUES | JSON_VALUES,
+            },
+        )
+        body["messages"] = draw(st.lists(message, max_size=3) | ODD_VALUES)
+    body["max_tokens"] = draw(st.sampled_from([1, 2, 0, -1, 2**70, "2", None, 1.5]))
+    for name in ("temperature", "stream", "user", "model", "n", "stop", "logprobs", "seed"):
+        if draw(st.integers(0, 3)) == 0:
+            body[name] = draw(ODD_VALUES)
+    if draw(st.integers(0, 4)) == 0:
+        body[draw(st.text(max_size=12))] = draw(JSON_VALUES)
+    return body
+
+
+def nested_json(depth: int, opener: bytes = b"[") -> bytes:
+    """An object whose one field nests ``depth`` arrays (or objects) deep."""
+    if opener == b"[":
+        inner = b"[" * depth + b"]" * depth
+    else:
+        inner = b'{"a":' * depth + b"1" + b"}" * depth
+    return b'{"prompt": [1, 2], "x": ' + inner + b"}"
+
+
+@st.composite
+def raw_json_bodies(draw: st.DrawFn) -> bytes:
+    """Bytes that are almost a request body: cut, nested deep, huge numbers, not UTF-8."""
+    kind = draw(st.sampled_from(["cut", "deep", "number", "binary", "surrogate", "empty"]))
+    if kind == "cut":
+        whole = json.dumps(draw(openai_bodies())).encode()
+        return whole[: draw(st.integers(0, max(len(whole) - 1, 0)))]
+    if kind == "deep":
+        depth = draw(st.sampled_from([63, 64, 65, 999, 1000, 5000, 100_000]))
+        return nested_json(depth, draw(st.sampled_from([b"[", b"{"])))
+    if kind == "number":
+        number = draw(st.sampled_from([b"1e999999", b"-1e400", b"NaN", b"Infinity", b"9" * 5000]))
+        return b'{"prompt": [' + number + b'], "max_tokens": 1}'
+    if kind == "surrogate":
+        return b'{"prompt": "a\\ud800b", "max_tokens": 1}'
+    if kind == "empty":
+        return draw(st.sampled_from([b"", b"{}", b"null", b"[]", b'"x"', b"1"]))
+    return draw(st.binary(max_size=200))

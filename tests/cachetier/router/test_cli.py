@@ -45,3 +45,38 @@ def test_a_bad_configuration_exits_2() -> None:
     proc.wait(timeout=60)
     _, err = end_process(proc)
     assert proc.returncode == 2 and "http://" in err
+
+
+def test_the_curve_flags_reach_the_router_config(tmp_path: Path) -> None:
+    from cachetier.cli.kv_events_keys import write_keys
+    from cachetier.cli.main import build_parser
+    from cachetier.cli.route import check_curve_files, route_config
+
+    write_keys(tmp_path, ["router"])
+    key, server = str(tmp_path / "router.key_secret"), str(tmp_path / "publisher.key")
+    argv = ["route", "--replica", "http://127.0.0.1:1", "--events-curve-key", key]
+    config = route_config(build_parser().parse_args([*argv, "--events-curve-server-key", server]))
+    assert (config.events_curve_key, config.events_curve_server_key) == (key, server)
+    check_curve_files(config)  # real certificates load
+    with pytest.raises(ValueError, match="go together"):
+        route_config(build_parser().parse_args(argv))
+    # The publisher's public certificate is no secret key for the router.
+    swapped = route_config(
+        build_parser().parse_args(
+            [*argv[:3], "--events-curve-key", server, "--events-curve-server-key", server]
+        )
+    )
+    with pytest.raises(ValueError, match="no secret key"):
+        check_curve_files(swapped)
+
+
+def test_placeholder_curve_files_keep_the_router_from_starting(tmp_path: Path) -> None:
+    placeholder = tmp_path / "router.key_secret"
+    placeholder.write_text("CHANGE-ME\n")
+    args = ["--replica", "http://127.0.0.1:1", "--events-curve-key", str(placeholder)]
+    proc = _route(
+        [*args, "--events-curve-server-key", str(placeholder), "--port", "0"], dict(os.environ)
+    )
+    proc.wait(timeout=60)
+    _, err = end_process(proc)
+    assert proc.returncode == 2 and "not a ZMQ certificate" in err, err[-2000:]
