@@ -10,6 +10,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from cachetier.engine.server.async_engine import EngineDeadError
 from cachetier.engine.server.errors import APIError
@@ -30,8 +31,10 @@ from cachetier.engine.server.schemas import (
     ModelList,
 )
 from cachetier.engine.server.serving import (
+    CLIENT_GONE,
     OpenAIServing,
     Piece,
+    api_error_of,
     cache_info_of,
     new_id,
     sse,
@@ -61,8 +64,6 @@ def usage_event(
     )
 
 
-# Status 499 (nginx's "client closed request"): logged, never read by anyone.
-CLIENT_GONE = 499
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
@@ -123,7 +124,9 @@ async def models(request: Request) -> ModelList:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     serving = get_serving(request)
     serving.check_model(body.model)
-    prompt = serving.completion_prompt(body)
+    # Tokenizing a long prompt takes a while: off the event loop, so health checks and other
+    # requests are answered meanwhile.
+    prompt = await run_in_threadpool(serving.completion_prompt, body)
     params = serving.sampling_params(body, len(prompt), body.max_tokens)
     text = serving.text_stream(body.stop_strings)
     serving.check_capacity()
@@ -157,7 +160,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     if piece.finish_reason and body.include_usage:
                         yield usage_event(CompletionResponse, request_id, created, name, piece)
 
-        return serving.stream(events())
+        return await serving.stream(request, events())
     last = await _finish(request, pieces)
     if last is None:
         return Response(status_code=CLIENT_GONE)
@@ -176,7 +179,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     serving = get_serving(request)
     serving.check_model(body.model)
-    prompt = serving.chat_prompt(body)
+    prompt = await run_in_threadpool(serving.chat_prompt, body)
     params = serving.sampling_params(body, len(prompt), body.requested_max_tokens)
     text = serving.text_stream(body.stop_strings)
     serving.check_capacity()
@@ -190,9 +193,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
 
         async def events() -> AsyncGenerator[str, None]:
-            yield chunk(ChatDelta(role="assistant", content=""))
+            role_sent = False
             async with aclosing(pieces) as run:
                 async for piece in run:
+                    if not role_sent:
+                        # With the first token, not before: until then a replica that dies
+                        # has sent nothing, and the router retries the request elsewhere.
+                        role_sent = True
+                        yield chunk(ChatDelta(role="assistant", content=""))
                     ids = piece.new_token_ids if body.return_token_ids else None
                     if piece.text or ids:
                         yield chunk(ChatDelta(content=piece.text), ids=ids)
@@ -201,7 +209,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                         if body.include_usage:
                             yield usage_event(ChatCompletionChunk, request_id, created, name, piece)
 
-        return serving.stream(events())
+        return await serving.stream(request, events())
     last = await _finish(request, pieces)
     if last is None:
         return Response(status_code=CLIENT_GONE)
@@ -236,7 +244,5 @@ async def _finish(request: Request, pieces: AsyncGenerator[Piece, None]) -> Piec
 
     try:
         return await unless_disconnected(request, last_piece())
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), type="server_error") from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+    except (EngineDeadError, ValueError) as exc:
+        raise api_error_of(exc) from exc

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from cachetier.engine.llm_engine import RequestOutput
@@ -31,6 +31,8 @@ from cachetier.engine.server.schemas import (
 from cachetier.engine.server.text_stream import TextStream
 
 T = TypeVar("T")
+# Status 499 (nginx's "client closed request"): logged, never read by anyone.
+CLIENT_GONE = 499
 
 
 @dataclass(slots=True)
@@ -113,7 +115,7 @@ class OpenAIServing:
 
     def completion_prompt(self, request: CompletionRequest) -> list[int]:
         if isinstance(request.prompt, str):
-            ids = list(self._need_tokenizer("a text prompt").encode(request.prompt))
+            ids = _encode(self._need_tokenizer("a text prompt"), request.prompt, "prompt")
         else:
             ids = list(request.prompt)
         return self._check_prompt(ids)
@@ -129,7 +131,7 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from exc
-        return self._check_prompt(list(tokenizer.encode(text, add_special_tokens=False)))
+        return self._check_prompt(_encode(tokenizer, text, "messages", add_special_tokens=False))
 
     def sampling_params(
         self,
@@ -208,20 +210,28 @@ class OpenAIServing:
             self.num_in_flight -= 1
             self.metrics.on_request_done(reason, time.perf_counter() - start)
 
-    def stream(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+    async def stream(self, request: Request, events: AsyncGenerator[str, None]) -> Response:
+        """The SSE answer of ``events``, its head held until the first event (the first
+        token) exists: a failure before it is an HTTP error that a router retries on another
+        replica, and a client that leaves during the prefill aborts its request (499)."""
+        first = await unless_disconnected(request, _first_event(events))
+        if first is None:
+            await events.aclose()
+            return Response(status_code=CLIENT_GONE)
+        if isinstance(first, BaseException):
+            await events.aclose()
+            raise first
+
         async def with_errors() -> AsyncGenerator[str, None]:
             # The status line is sent by now: a failure becomes an error event, then the end.
-            try:
-                async with aclosing(events) as inner:
+            async with aclosing(events) as inner:
+                try:
+                    for event in first:
+                        yield event
                     async for event in inner:
                         yield event
-            except (EngineDeadError, ValueError) as exc:
-                status, kind = (
-                    (503, "server_error")
-                    if isinstance(exc, EngineDeadError)
-                    else (400, "invalid_request_error")
-                )
-                yield sse(APIError(status, str(exc), type=kind).body)
+                except (EngineDeadError, ValueError) as exc:
+                    yield sse(api_error_of(exc).body)
             yield sse("[DONE]")
 
         return StreamingResponse(
@@ -258,6 +268,23 @@ class OpenAIServing:
         return ids
 
 
+def api_error_of(exc: EngineDeadError | ValueError) -> APIError:
+    """The HTTP error of a request the engine failed: 503 once it died, 400 for a refusal."""
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="server_error")
+    return APIError(400, str(exc))
+
+
+async def _first_event(events: AsyncGenerator[str, None]) -> list[str] | APIError:
+    """The stream's first event (``[]`` if it has none), or the error it failed with first."""
+    try:
+        async for event in events:
+            return [event]
+    except (EngineDeadError, ValueError) as exc:
+        return api_error_of(exc)
+    return []
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -287,3 +314,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     with suppress(asyncio.CancelledError):
         await task
     return None
+
+
+def _encode(tokenizer: Any, text: str, param: str, **options: Any) -> list[int]:
+    """``text``'s token ids; text that is not valid Unicode (a lone surrogate, which JSON's
+    ``\\ud800`` escapes can carry) is the client's error, not the tokenizer's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"the text is not valid Unicode: {exc.reason}", param=param) from None
+    return list(tokenizer.encode(text, **options))

@@ -1,6 +1,8 @@
 """The router as a proxy, over real HTTP to a real engine server: answers pass through streamed
 or not, a replica that refuses connections is retried past and leaves the rotation, bad bodies
-and missing keys are refused at the router, and every decision is counted in /metrics."""
+and missing keys are refused at the router, and every decision is counted in /metrics. A stream
+whose replica dies before its first whole event is retried elsewhere; one cut after that ends
+with an error event and [DONE], never in silence, and never with half an event."""
 
 from __future__ import annotations
 
@@ -100,3 +102,82 @@ def test_a_replica_whose_answer_breaks_before_its_body_is_retried_past(
         assert metric(router.url, "cachetier_router_retries_total") == 1
     finally:
         dying.stop()
+
+
+def _scripted_replica(script: list[bytes], then: str) -> AppThread:
+    """A healthy replica that answers every request with the SSE events of ``script`` (bytes
+    as sent, halves of events included), then dies (``then="die"``: the connection drops
+    without the chunked body's end) or closes cleanly (``then="close"``)."""
+    app = FastAPI()
+    app.get("/healthz")(lambda: {"ok": True})
+
+    async def events() -> AsyncIterator[bytes]:
+        for part in script:
+            yield part
+        if then == "die":
+            raise RuntimeError("killed mid-answer")
+
+    @app.post("/v1/completions")
+    async def complete() -> StreamingResponse:
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    server = AppThread(lambda: app, name="scripted replica")
+    server.start_thread()
+    return server
+
+
+def _chunk(text: str) -> bytes:
+    body = {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def test_a_stream_cut_mid_answer_ends_with_an_error_event_not_silence(
+    make_router: Callable[..., AppThread],
+) -> None:
+    half = _chunk("never whole")[:20]
+    for then, script in (
+        ("die", [_chunk("one"), _chunk("two"), half]),  # killed inside its third event
+        ("close", [_chunk("one"), _chunk("two")]),  # closed cleanly, but without [DONE]
+    ):
+        cut = _scripted_replica(script, then)
+        try:
+            router = make_router([cut.url], poll_interval_s=60)
+            events = stream(router.url, "/v1/completions", BODY)  # every event parses whole
+            assert [e["choices"][0]["text"] for e in events[:2]] == ["one", "two"], then
+            error = events[2]["error"]
+            assert error["type"] == "server_error" and error["code"] == "replica_failed", then
+            assert "r0" in error["message"] and events[3:] == ["[DONE]"], then
+            assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 0
+        finally:
+            cut.stop()
+
+
+def test_a_replica_that_dies_inside_its_first_event_is_retried_past(
+    replica: EngineServer, make_router: Callable[..., AppThread]
+) -> None:
+    # Bytes arrived, but not one whole event: nothing went to the client, so a retry is safe.
+    dying = _scripted_replica([_chunk("lost")[:25]], "die")
+    try:
+        router = make_router([dying.url, replica.url], poll_interval_s=60)
+        events = stream(router.url, "/v1/completions", BODY)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+        assert "lost" not in json.dumps(events)
+        assert metric(router.url, "cachetier_router_retries_total") == 1
+    finally:
+        dying.stop()
+
+
+def test_a_whole_stream_passes_through_unchanged(
+    make_router: Callable[..., AppThread],
+) -> None:
+    # Events split across reads anywhere, [DONE] last: passed on as sent, nothing added.
+    whole = _chunk("a") + _chunk("b") + b"data: [DONE]\n\n"
+    script = [whole[i : i + 7] for i in range(0, len(whole), 7)]
+    done = _scripted_replica(script, "close")
+    try:
+        router = make_router([done.url], poll_interval_s=60)
+        status, body = post_raw(router.url, "/v1/completions", json.dumps(BODY).encode())
+        assert status == 200 and body == whole
+        assert metric(router.url, "cachetier_router_replica_up", replica="r0") == 1
+    finally:
+        done.stop()

@@ -195,6 +195,13 @@ def test_models_healthz_and_metrics(shared_server: EngineServer) -> None:
         ("/v1/completions", {"prompt": PROMPT, "top_k": 0}, 400, "top_k"),
         ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, 400, "stop"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a lone \ud800 surrogate"}, 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a lone \udfff surrogate"}]},
+            400,
+            "messages",
+        ),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         (
             "/v1/chat/completions",
@@ -274,3 +281,49 @@ def test_a_client_that_leaves_aborts_its_request(
     )
     _wait_for(lambda: metric(url, "cachetier_engine_num_requests_running") == 0, "no running")
     assert metric(url, "cachetier_engine_generation_tokens_total") - generated < 1900
+
+
+def _events_until(resp: http.client.HTTPResponse, want: Any) -> list[Any]:
+    """Read a stream's events up to and including the first for which ``want`` holds."""
+    events: list[Any] = []
+    while True:
+        line = resp.readline()
+        assert line, f"the stream ended after {events}"
+        if line.startswith(b"data: "):
+            data = line[6:].strip().decode()
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if want(events[-1]):
+                return events
+
+
+def test_an_engine_that_dies_sends_an_error_event_mid_answer_and_an_error_before_it(
+    make_server: Any,
+) -> None:
+    # One seat: the first stream runs and the second waits in the queue, before its prefill.
+    server = make_server(engine_args={"kv_cache_bytes": 4 << 20, "max_num_seqs": 1})
+    body = {"messages": CHAT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    running = _open_stream(server.url, "/v1/chat/completions", body)
+    resp = running.getresponse()
+    assert resp.status == 200
+
+    def has_content(event: Any) -> bool:
+        return isinstance(event, dict) and bool(event["choices"][0]["delta"].get("content"))
+
+    first = _events_until(resp, has_content)
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    waiting = _open_stream(server.url, "/v1/chat/completions", body)
+    _wait_for(lambda: metric(server.url, "cachetier_engine_num_requests_waiting") == 1, "queued")
+    # The engine thread stops under both (what a failed step does to every request in flight).
+    server._server.lifespan.state["serving"].engine.shutdown()  # type: ignore[union-attr]
+
+    rest = _events_until(resp, lambda e: e == "[DONE]")
+    error = rest[-2]["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "server_error"
+    assert "engine stopped" in error["message"]
+    assert resp.read().strip() == b""  # [DONE] was the last event
+    # The queued stream had sent nothing, not even its head: it fails as a plain HTTP 503,
+    # which a router retries on another replica.
+    queued = waiting.getresponse()
+    assert queued.status == 503 and json.loads(queued.read())["error"]["type"] == "server_error"
+    running.close()
+    waiting.close()
