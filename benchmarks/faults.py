@@ -30,7 +30,17 @@ to 256 KiB, in one read, random chunks and 64-byte pieces; must be 0); from tena
 the sidecar (``tests/faults/test_tenant_fairness.py``): ``tenant_slot_starvation`` (a fresh
 client's failed gets and puts while another tenant holds every connection it may; must be 0)
 and ``noisy_tenant_victim_p99_ratio`` (a tenant's p99 latency while another floods, over its
-p99 alone; at most 2.0); and ``tests_passed``.
+p99 alone, at default settings; at most 2.0); from the fleet's listeners: the HTTP port's
+places by tenant (``http_tenant_starvation``: a fresh tenant's failed requests while another
+holds every HTTP connection it may; must be 0), ``pipelined_oversized_heads_accepted`` (must
+be 0), ``flood_rss_retained_mib`` (a minute after plain-HTTP floods; at most 32),
+``quarantine_cross_tenant_refusals`` (a tenant's reports refused while another fills its
+quota; must be 0), ``kv_events_unauthenticated_reads`` (events read without a listed CURVE
+key; must be 0), ``replay_clients_rss_growth_mib`` (100 replay clients that never read; at
+most 64), ``streams_cut_silently_with_replica_killed`` (of 20 streamed chats through the
+router, one replica SIGKILLed; must be 0), ``router_5xx`` (over the router's fuzzing corpus;
+must be 0) and ``router_healthz_p99_s_under_big_requests`` (four 4 MiB requests in flight; at
+most 0.1); and ``tests_passed``.
 """
 
 from __future__ import annotations
@@ -62,6 +72,12 @@ MUST_BE_ZERO = (
     "fd_flood_listeners_dead",
     "oversized_heads_accepted",
     "tenant_slot_starvation",
+    "http_tenant_starvation",
+    "pipelined_oversized_heads_accepted",
+    "kv_events_unauthenticated_reads",
+    "streams_cut_silently_with_replica_killed",
+    "quarantine_cross_tenant_refusals",
+    "router_5xx",
 )
 AT_LEAST = {  # figure -> its floor, checked when the suite reported it
     "fd_flood_legit_success_after": 1.0,
@@ -71,6 +87,9 @@ AT_MOST = {  # figure -> its ceiling, checked when the suite reported it
     "https_handshake_flood_rss_growth_mib": 256,
     "https_handshake_flood_rss_retained_mib": 32,
     "noisy_tenant_victim_p99_ratio": 2.0,
+    "router_healthz_p99_s_under_big_requests": 0.1,
+    "replay_clients_rss_growth_mib": 64,
+    "flood_rss_retained_mib": 32,
 }
 REPORTED = (
     "kill_rounds",
