@@ -316,7 +316,7 @@ class _HttpConnectionCollector(Collector):
         shed = CounterMetricFamily(
             "cachetier_http_connections_shed",
             "HTTP connections the caps closed: connection_cap, unauthenticated_cap, "
-            "tls_handshake_cap, unauthenticated_timeout, descriptors",
+            "tls_handshake_cap, unauthenticated_timeout, descriptors, tenant_share",
             labels=["reason"],
         )
         for reason, count in sorted(table.num_shed.items()):
