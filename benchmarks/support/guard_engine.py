@@ -35,7 +35,9 @@ from tests.models import make_tiny_llama
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
 OTHER = [(i * 13 + 1) % 250 for i in range(150)]
-TINY_POOL = {"kv_cache_bytes": 4 << 20}
+# Every hit loaded, whatever the cost model would pick on a busy machine: these cases check
+# what a restore serves, not whether it pays (a load refused as too slow is no test at all).
+TINY_POOL = {"kv_cache_bytes": 4 << 20, "kv_load_policy": "always"}
 FORGER = b"forger-process.."  # the forged records name a writer of their own: another process
 EVERY_HIT = {"guard": True, "guard_first_hits": 0, "guard_fraction": 1.0}
 

@@ -224,7 +224,11 @@ def record_check_overhead(
     from cachetier.engine.sampling import SamplingParams
 
     folder = workdir / "check-overhead"
-    engine = {"kv_cache_bytes": 3 << 30, "max_num_batched_tokens": tokens + 64}
+    engine = {
+        "kv_cache_bytes": 3 << 30,
+        "max_num_batched_tokens": tokens + 64,
+        "kv_load_policy": "always",
+    }
     one = SamplingParams(temperature=0, max_tokens=1)
     with LLM(model, store=disk_store(folder), guard=False, **engine) as llm:
         prompt = build_prompt(llm, tokens)

@@ -60,7 +60,13 @@ def vllm_record_cases(
         forge_records({**forge, "disk": str(case_disk), "targets": chosen[before]})
         spec = {
             **base,
-            "kv_extra": {"cpu_bytes": 0, "disk_path": str(case_disk), **guard},
+            # Every hit loaded: the cases check what a load serves, not whether it pays.
+            "kv_extra": {
+                "cpu_bytes": 0,
+                "disk_path": str(case_disk),
+                "kv_load_policy": "always",
+                **guard,
+            },
             "requests": [[SALT, first]] + [[SALT, t] for t in targets[before.start : after.stop]],
             "forge_after_first": {**forge, "disk": str(case_disk), "targets": chosen[after]},
         }
