@@ -1,7 +1,8 @@
-"""Admission (issue 54's figures): the disk's writes each policy saves, against the hits it keeps.
+"""Admission (issues 54 and 66): the disk's writes each policy saves, against the hits it keeps.
 
-Two traces, each replayed once per admission policy (``cachetier.admission``: ``all``, which is
-store-all and the baseline, ``second_hit``, ``tinylfu``, at their default settings) and disk
+Two traces, each replayed once per admission policy (``cachetier.admission``: ``adaptive``, the
+default, ``all``, which is store-all and the baseline, ``second_hit``, ``tinylfu``, at their
+default settings) and disk
 capacity, through a ``TieredStore`` of a CPU tier over a real ``DiskTier`` in a folder on a
 disk (``benchmarks.support.admission_tiers``: the store's own admission path, its writer,
 record files and byte budget):
@@ -18,8 +19,18 @@ record files and byte budget):
   twice, the questions never.
 
 Blocks are 512 tokens (a trace block); the CPU tier holds 10,000 and the disk is swept over
-14,000, 27,000, 50,000 and 100,000 (the report's capacity points above the CPU tier: a disk no
-larger than it holds nothing more under store-all). Figures, per trace, policy and capacity:
+the report's admission capacities (10,000, 14,000, 27,000, 50,000 and 100,000: its curve's
+points from the CPU tier's up).
+
+Issue 66's figures: ``adaptive_margin_min``, the adaptive policy's hit ratio minus the best
+fixed policy's at the same capacity (least over capacities and traces);
+``adaptive_writes_where_filter_wins``, its disk bytes against store-all's where a filter is the
+best fixed policy (most); ``sampled_curve_max_abs_error``, the largest difference between the
+report's default sampled replay and ``--exact`` over every curve policy, admission policy and
+capacity of both traces (``benchmarks.support.admission_curve``); and
+``report_conversation_trace_s``, the wall time of ``cachetier report --trace`` on the shipped
+conversation trace at its defaults (not measured with ``--quick``; it shares the cores with
+whatever else runs). Figures, per trace, policy and capacity:
 the block hit ratio, the bytes the disk tier wrote (its record files), and against store-all
 at the same capacity ``hit_rate_delta_vs_store_all`` (absolute) and
 ``disk_bytes_written_vs_store_all``. A policy meets issue 54's targets on a trace when, at
@@ -39,6 +50,7 @@ row says ``replayed_at_disk_blocks``).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -46,6 +58,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.support.admission_curve import sampled_vs_exact, time_report
 from benchmarks.support.admission_tiers import DiskReplay, replay_on_disk
 from benchmarks.support.admission_traces import (
     CONVERSATION_TRACE,
@@ -55,18 +68,34 @@ from benchmarks.support.admission_traces import (
 )
 from benchmarks.support.output import emit
 from benchmarks.support.workdir import disk_work_dir
-from cachetier.admission import ADMISSION_POLICIES, DEFAULT_ADMISSION_POLICY, AdmissionConfig
+from cachetier.admission import (
+    ADMISSION_POLICIES,
+    DEFAULT_ADMISSION_POLICY,
+    FIXED_POLICIES,
+    AdmissionConfig,
+)
 from cachetier.report.admission_figure import BASELINE, admission_figure
 from cachetier.report.admission_replay import FILTERED_TIER
-from cachetier.report.config import DEFAULT_POLICY
+from cachetier.report.config import DEFAULT_NUM_WORKERS, DEFAULT_POLICY, ReportConfig
+from cachetier.report.hierarchy_replay import admission_capacities
 from cachetier.report.replay import ReplayTrace
+from cachetier.report.workers import CurveRunner
 
 BYTES_TARGET = 0.5
 """Most of store-all's disk bytes a policy may write, at every capacity."""
 HIT_DELTA_TARGET = -0.005
 """Least hit rate change against store-all (absolute), at every capacity."""
+ADAPTIVE_MARGIN_TARGET = -0.005
+"""Least hit rate of ``adaptive`` minus the best fixed policy's, at every capacity."""
+ADAPTIVE_WRITES_TARGET = 0.5
+"""Most of store-all's disk bytes ``adaptive`` may write where a filter is the best policy."""
+SAMPLED_ERROR_TARGET = 0.005
+"""Largest error of the report's sampled curve against ``--exact``, at every point."""
+REPORT_SECONDS_TARGET = 20.0
+"""Most seconds of the default report of the shipped conversation trace."""
 CPU_BLOCKS = 10_000
-DISK_CAPACITIES = (14_000, 27_000, 50_000, 100_000)
+DISK_CAPACITIES = admission_capacities(ReportConfig(trace="-", cpu_blocks=CPU_BLOCKS))
+"""The report's admission capacities: its curve's points from the CPU tier's up."""
 EVICTION = DEFAULT_POLICY  # the store's default, as the report replays it
 QUICK_REQUESTS = 150
 QUICK_DOCUMENTS = 60
@@ -94,37 +123,75 @@ def traces(quick: bool) -> dict[str, tuple[ReplayTrace, dict[str, Any]]]:
 def replay_all(
     name: str, trace: ReplayTrace, folder: Path, cpu_blocks: int, capacities: tuple[int, ...]
 ) -> dict[str, tuple[DiskReplay, ...]]:
-    """Every policy at every capacity, each in a fresh folder under ``folder``.
+    """Every policy at every capacity, each in a fresh folder under ``folder``, the policies
+    spread over the cores (``CurveRunner``).
 
     A capacity is not replayed when the policy's disk evicted nothing at a smaller one: the
     capacity never bound, so a larger disk holds the same blocks before every request and the
     replay is the same (its ``replay.disk_blocks`` says where it ran).
     """
-    runs: dict[str, tuple[DiskReplay, ...]] = {}
-    for policy in ADMISSION_POLICIES:
-        done: list[DiskReplay] = []
-        for capacity in capacities:
-            if done and done[-1].disk_evictions == 0:
-                done.append(done[-1])
-                continue
-            with tempfile.TemporaryDirectory(dir=folder, prefix=f"{name}-{policy}-") as disk:
-                run = replay_on_disk(
-                    trace,
-                    AdmissionConfig(admission_policy=policy),
-                    Path(disk),
-                    cpu_blocks=cpu_blocks,
-                    disk_blocks=capacity,
-                    policy=EVICTION,
-                )
-            done.append(run)
-            print(
-                f"{name} {policy:>10} disk {capacity:>7,}: hit ratio "
-                f"{run.replay.block_hit_ratio:.4f}, {run.disk_bytes_written:>11,} bytes "
-                f"written, {run.disk_evictions:,} evicted, {run.replay.elapsed_s:.1f} s",
-                file=sys.stderr,
+    jobs = [(policy, 0) for policy in ADMISSION_POLICIES]
+    run = functools.partial(
+        _replay_policy, name=name, folder=folder, cpu_blocks=cpu_blocks, capacities=capacities
+    )
+    results = CurveRunner(trace, jobs, DEFAULT_NUM_WORKERS, run).run()
+    return {policy: runs for (policy, _), runs in zip(jobs, results)}
+
+
+def _replay_policy(
+    trace: ReplayTrace,
+    job: tuple[str, int],
+    *,
+    name: str,
+    folder: Path,
+    cpu_blocks: int,
+    capacities: tuple[int, ...],
+) -> tuple[DiskReplay, ...]:
+    policy = job[0]
+    done: list[DiskReplay] = []
+    for capacity in capacities:
+        if done and done[-1].disk_evictions == 0:
+            done.append(done[-1])
+            continue
+        with tempfile.TemporaryDirectory(dir=folder, prefix=f"{name}-{policy}-") as disk:
+            run = replay_on_disk(
+                trace,
+                AdmissionConfig(admission_policy=policy),
+                Path(disk),
+                cpu_blocks=cpu_blocks,
+                disk_blocks=capacity,
+                policy=EVICTION,
             )
-        runs[policy] = tuple(done)
-    return runs
+        done.append(run)
+        print(
+            f"{name} {policy:>10} disk {capacity:>7,}: hit ratio "
+            f"{run.replay.block_hit_ratio:.4f}, {run.disk_bytes_written:>11,} bytes "
+            f"written, {run.disk_evictions:,} evicted, {run.replay.elapsed_s:.1f} s",
+            file=sys.stderr,
+        )
+    return tuple(done)
+
+
+def adaptive_figures(
+    runs: dict[str, tuple[DiskReplay, ...]], capacities: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """Per capacity: ``adaptive`` against the best fixed policy there, and its writes."""
+    rows = []
+    for i, capacity in enumerate(capacities):
+        fixed = {p: runs[p][i].replay.block_hit_ratio for p in FIXED_POLICIES}
+        best = max(fixed, key=lambda p: fixed[p])
+        adaptive = runs["adaptive"][i]
+        rows.append(
+            {
+                "disk_blocks": capacity,
+                "best_fixed": best,
+                "adaptive_margin": round(adaptive.replay.block_hit_ratio - fixed[best], 5),
+                "adaptive_writes_vs_store_all": round(
+                    _ratio(adaptive.disk_bytes_written, runs[BASELINE][i].disk_bytes_written), 4
+                ),
+            }
+        )
+    return rows
 
 
 def _ratio(value: int, baseline: int) -> float:
@@ -220,7 +287,19 @@ def measure(
     for name, (trace, about) in traces(quick).items():
         runs = replay_all(name, trace, folder, cpu_blocks, capacities)
         rows[name], summary = trace_figures(runs, capacities, cpu_blocks)
-        per_trace[name] = {**about, **describe(trace, runs), "policies": summary}
+        per_trace[name] = {
+            **about,
+            **describe(trace, runs),
+            "policies": summary,
+            "adaptive": adaptive_figures(runs, capacities),
+            "sampled_curve": sampled_vs_exact(trace, cpu_blocks),
+        }
+    adaptive = [row for t in per_trace.values() for row in t["adaptive"]]
+    filter_wins = [
+        r["adaptive_writes_vs_store_all"] for r in adaptive if r["best_fixed"] != BASELINE
+    ]
+    # Other work may share the cores while it runs: read it beside the machine's load.
+    report_s = None if quick else round(time_report(CONVERSATION_TRACE), 1)
     best = {
         policy: _targets(
             max(
@@ -235,6 +314,18 @@ def measure(
     }
     default = best[DEFAULT_ADMISSION_POLICY]
     return {
+        "adaptive_margin_min": min(r["adaptive_margin"] for r in adaptive),
+        "adaptive_writes_where_filter_wins": max(filter_wins, default=None),
+        "sampled_curve_max_abs_error": max(
+            t["sampled_curve"]["max_abs_error"] for t in per_trace.values()
+        ),
+        "report_conversation_trace_s": report_s,
+        "adaptive_targets": {
+            "adaptive_margin_min": ADAPTIVE_MARGIN_TARGET,
+            "adaptive_writes_where_filter_wins": ADAPTIVE_WRITES_TARGET,
+            "sampled_curve_max_abs_error": SAMPLED_ERROR_TARGET,
+            "report_conversation_trace_s": REPORT_SECONDS_TARGET,
+        },
         "default_policy": DEFAULT_ADMISSION_POLICY,
         "disk_bytes_written_vs_store_all": default["disk_bytes_written_vs_store_all_max"],
         "hit_rate_delta_vs_store_all": default["hit_rate_delta_vs_store_all_min"],

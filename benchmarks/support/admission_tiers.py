@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachetier.admission import AdmissionConfig, make_admission_policy
+from cachetier.admission import AdmissionConfig, AdmissionPolicy, make_admission_policy
 from cachetier.record import KVBlock, encode_parts
 from cachetier.report.admission_replay import (
     CHEAP_TIER,
@@ -66,6 +66,17 @@ def record_bytes(block: KVBlock) -> int:
     return sum(memoryview(part).nbytes for part in encode_parts(block))
 
 
+def _policy(
+    admission: AdmissionConfig, tracked: int, cpu_bytes: int, disk_bytes: int
+) -> AdmissionPolicy:
+    """The store's policy, remembering ``tracked`` trace blocks; ``adaptive`` is told the
+    tiers' capacities in payload bytes (it counts blocks of the payload it is asked about)."""
+    return make_admission_policy(
+        dataclasses.replace(admission, admission_tracked_keys=tracked),
+        tier_bytes={CHEAP_TIER: cpu_bytes, FILTERED_TIER: disk_bytes},
+    )
+
+
 def replay_on_disk(
     trace: ReplayTrace,
     admission: AdmissionConfig,
@@ -94,7 +105,7 @@ def replay_on_disk(
     first = trace.blocks[0][0]
     size = record_bytes(first)
     tracked = replay_tracked_keys(admission, trace.block_size)
-    filter_ = make_admission_policy(dataclasses.replace(admission, admission_tracked_keys=tracked))
+    filter_ = _policy(admission, tracked, cpu_blocks * first.nbytes, disk_blocks * first.nbytes)
     cpu = CPUTier(CPUTierConfig(cpu_blocks * first.nbytes, policy=policy))
     disk = DiskTier(
         DiskTierConfig(str(folder), disk_blocks * size, policy=policy, fsync=False, spare_bytes=0)

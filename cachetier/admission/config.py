@@ -14,18 +14,24 @@ from cachetier.admission.sketch import MAX_COUNT, MAX_TRACKED_KEYS
 from cachetier.util.checks import positive_int
 from cachetier.util.settings import setting
 
-ADMISSION_POLICIES = ("all", "second_hit", "tinylfu")
-"""``all`` writes every block (no filter); ``second_hit`` writes a block the ghost queue saw
-before; ``tinylfu`` writes a block the frequency sketch has seen ``admission_threshold`` times
-(and more often than the tier's eviction victim, where the tier names one)."""
+ADMISSION_POLICIES = ("adaptive", "all", "second_hit", "tinylfu")
+"""``adaptive`` admits as whichever of the other three wins on recent traffic, per tier (ghost
+simulations on a hashed sample of keys: ``cachetier.admission.adaptive``); ``all`` writes every
+block (no filter); ``second_hit`` writes a block the ghost queue saw before; ``tinylfu`` writes a
+block the frequency sketch has seen ``admission_threshold`` times (and more often than the tier's
+eviction victim, where the tier names one)."""
 
-DEFAULT_ADMISSION_POLICY = "all"
+FIXED_POLICIES = ADMISSION_POLICIES[1:]
+"""The policies ``adaptive`` chooses among: each decides by a fixed rule."""
+
+DEFAULT_ADMISSION_POLICY = "adaptive"
 """Why this one: ``cachetier.admission`` (the package docstring)."""
 
 GENERATED_MODES = ("filter", "admit", "refuse")
 """What a filtered tier does with a generated block: judge it like a prompt block, take it
 always, or never take it."""
 
+MAX_SAMPLE_KEYS = 1 << 22  # about 0.5 GiB of ghost keys a tier: past that a setting is a typo
 _TIER_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -39,7 +45,9 @@ class AdmissionConfig:
 
     admission_policy: str = setting(
         DEFAULT_ADMISSION_POLICY,
-        "which blocks the tiers past the cheap ones write: ``all`` every block; ``second_hit`` "
+        "which blocks the tiers past the cheap ones write: ``adaptive`` as whichever of the "
+        "other three wins on recent traffic, per tier (ghost simulations of each on a hashed "
+        "sample of keys; starts as ``all``); ``all`` every block; ``second_hit`` "
         "a block seen before among the last ``admission_tracked_keys`` distinct keys; "
         "``tinylfu`` a block seen ``admission_threshold`` times lately (a frequency sketch "
         "aged every ``admission_tracked_keys`` sightings). Pinned blocks are always written.",
@@ -54,6 +62,12 @@ class AdmissionConfig:
         2,
         f"``tinylfu``: recent sightings (this one included) a block needs to be written, 1 to "
         f"{MAX_COUNT + 1}.",
+    )
+    admission_sample_keys: int = setting(
+        8_192,
+        "``adaptive``: most block keys each tier's ghost tiers hold (the CPU tier's and one per "
+        "candidate policy, about 170 bytes a key); keys are sampled at the rate that fits the "
+        "tiers' capacities into it, and the candidates' filters shrink by the same rate.",
     )
     admission_cheap_tiers: str = setting(
         "cpu",
@@ -81,6 +95,12 @@ class AdmissionConfig:
                 f"{self.admission_tracked_keys:,}"
             )
         positive_int("admission_threshold", self.admission_threshold)
+        positive_int("admission_sample_keys", self.admission_sample_keys)
+        if self.admission_sample_keys > MAX_SAMPLE_KEYS:
+            raise ValueError(
+                f"admission_sample_keys must be <= {MAX_SAMPLE_KEYS:,}, got "
+                f"{self.admission_sample_keys:,}"
+            )
         if self.admission_threshold > MAX_COUNT + 1:
             raise ValueError(
                 f"admission_threshold must be in [1, {MAX_COUNT + 1}] (the sketch counts to "

@@ -86,7 +86,7 @@ class AdmissionPolicy(ABC):
             elif generated and self.config.admission_generated != "filter":
                 verdict = self.config.admission_generated == "admit"
             else:
-                verdict = self._decide(key, victim)
+                verdict = self._decide(key, victim, tier, nbytes)
             stats = self._stats.get(tier)
             if stats is None:
                 stats = self._stats[tier] = AdmissionStats()
@@ -102,12 +102,13 @@ class AdmissionPolicy(ABC):
         with self._lock:
             return {tier: s.copy() for tier, s in self._stats.items()}
 
-    def _record(self, key: BlockHash) -> None:
+    def _record(self, key: bytes) -> None:
         """Count one sighting (under the lock)."""
 
     @abstractmethod
-    def _decide(self, key: BlockHash, victim: BlockHash | None) -> bool:
-        """The verdict for a filtered tier (under the lock)."""
+    def _decide(self, key: bytes, victim: bytes | None, tier: str, nbytes: int) -> bool:
+        """The verdict for a filtered tier (under the lock); ``tier`` and ``nbytes`` as given
+        to ``admit``."""
 
 
 class StoreAll(AdmissionPolicy):
@@ -115,7 +116,7 @@ class StoreAll(AdmissionPolicy):
 
     name = "all"
 
-    def _decide(self, key: BlockHash, victim: BlockHash | None) -> bool:
+    def _decide(self, key: bytes, victim: bytes | None, tier: str, nbytes: int) -> bool:
         return True
 
 
@@ -133,10 +134,10 @@ class SecondHit(AdmissionPolicy):
     def nbytes(self) -> int:
         return self._ghost.nbytes
 
-    def _record(self, key: BlockHash) -> None:
+    def _record(self, key: bytes) -> None:
         self._ghost.record(key)
 
-    def _decide(self, key: BlockHash, victim: BlockHash | None) -> bool:
+    def _decide(self, key: bytes, victim: bytes | None, tier: str, nbytes: int) -> bool:
         return self._ghost.sightings(key) >= 2
 
 
@@ -155,29 +156,17 @@ class TinyLFU(AdmissionPolicy):
     def nbytes(self) -> int:
         return self._sketch.nbytes
 
-    def _record(self, key: BlockHash) -> None:
+    def _record(self, key: bytes) -> None:
         self._sketch.record(key)
 
-    def _decide(self, key: BlockHash, victim: BlockHash | None) -> bool:
+    def _decide(self, key: bytes, victim: bytes | None, tier: str, nbytes: int) -> bool:
         count = self._sketch.estimate(key)
         if count < self.config.admission_threshold:
             return False
         return victim is None or count > self._sketch.estimate(victim)
 
 
-POLICY_CLASSES: dict[str, type[AdmissionPolicy]] = {
+FIXED_POLICY_CLASSES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls for cls in (StoreAll, SecondHit, TinyLFU)
 }
-
-
-def make_admission_policy(config: AdmissionConfig | None = None) -> AdmissionPolicy:
-    """The policy ``config.admission_policy`` names.
-
-    Args:
-        config: the settings (default: ``AdmissionConfig()``).
-
-    Returns:
-        A new policy with empty memory and counts.
-    """
-    config = config or AdmissionConfig()
-    return POLICY_CLASSES[config.admission_policy](config)
+"""The policies that decide by a fixed rule (``cachetier.admission.config.FIXED_POLICIES``)."""

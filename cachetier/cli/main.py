@@ -234,6 +234,12 @@ def _add_replay_flags(rep: argparse._ArgumentGroup) -> None:
         "from --cpu-blocks up, comma-separated (default: all of them; 'none' skips them)",
     )
     rep.add_argument(
+        "--exact",
+        action="store_true",
+        help="replay the curve and the admission policies on every key (default: on a hashed "
+        "sample of keys sized for half a point of error)",
+    )
+    rep.add_argument(
         "--jobs",
         type=int,
         default=DEFAULT_NUM_WORKERS,

@@ -2,7 +2,8 @@
 
 What an operator weighs before choosing a policy (``cachetier.admission``): the hit rate it
 keeps and the writes it saves the lower tier, at the lower tier's capacity. Each request is
-looked up with ``TieredStore.lookup`` (the longest leading run held by either tier), then its
+looked up as ``TieredStore.lookup`` does (``cachetier.report.lookup``: the longest leading run
+held by either tier), then its
 blocks are put as the store puts them: all into the CPU tier (a cheap tier takes everything),
 their sightings recorded with the policy, and into the disk tier those it already holds (a
 use, not a write) and those the policy admits. Both tiers are ``CPUTier`` (as in
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 from cachetier.admission import AdmissionConfig, AdmissionPolicy, make_admission_policy
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
+from cachetier.report.lookup import leading_spans
 from cachetier.report.replay import ReplayTrace, usable_hit
-from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from cachetier.util.checks import positive_int
 
@@ -118,35 +119,104 @@ def replay_admission(
     positive_int("cpu_blocks", cpu_blocks)
     positive_int("disk_blocks", disk_blocks)
     tracked = replay_tracked_keys(admission, trace.block_size, record_tokens)
-    filter_ = make_admission_policy(dataclasses.replace(admission, admission_tracked_keys=tracked))
-    cpu, disk = (CPUTier(CPUTierConfig(c, policy=policy)) for c in (cpu_blocks, disk_blocks))
-    ns, size = trace.namespace.id, trace.block_size
+    run = run_admission(trace, admission, tracked, cpu_blocks, disk_blocks, policy)
     hit_blocks = dict.fromkeys((CHEAP_TIER, FILTERED_TIER), 0)
-    num_hit = num_hit_tokens = 0
-    start = time.perf_counter()
-    with TieredStore([cpu, disk]) as store:
-        for request, keys, blocks in zip(trace.requests, trace.keys, trace.blocks):
-            hit = store.lookup(ns, keys)
-            num_hit += hit.num_blocks
-            num_hit_tokens += usable_hit(request, hit.num_blocks, size)[0] * size
-            for index, first, end in hit.spans:  # both tiers are CPUTiers: named by place
-                hit_blocks[(CHEAP_TIER, FILTERED_TIER)[index]] += end - first
-            cpu.put_many(ns, blocks)
-            filter_.record(keys)
-            disk.put_many(ns, [b for b in blocks if _held_or_admitted(disk, ns, b, filter_)])
-    elapsed = time.perf_counter() - start
-    disk_stats = filter_.stats().get(FILTERED_TIER)
+    for spans in run.spans:
+        for index, first, end in spans:
+            hit_blocks[(CHEAP_TIER, FILTERED_TIER)[index]] += end - first
+    size = trace.block_size
+    num_hit_tokens = sum(
+        usable_hit(request, hit, size)[0] * size for request, hit in zip(trace.requests, run.hits)
+    )
     return AdmissionReplay(
         admission=admission.admission_policy,
         cpu_blocks=cpu_blocks,
         disk_blocks=disk_blocks,
         tracked_keys=tracked,
         num_blocks=sum(len(keys) for keys in trace.keys),
-        num_hit_blocks=num_hit,
+        num_hit_blocks=sum(run.hits),
         hit_blocks=hit_blocks,
         num_tokens=sum(r.input_length for r in trace.requests),
         num_hit_tokens=num_hit_tokens,
-        blocks_written={CHEAP_TIER: cpu.stats()["puts"], FILTERED_TIER: disk.stats()["puts"]},
+        blocks_written=run.blocks_written,
+        admission_stats=run.admission_stats,
+        memory_bytes=run.memory_bytes,
+        elapsed_s=run.elapsed_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRun:
+    """What one run of the replay loop counted (of whatever references it was given).
+
+    Args:
+        hits: per request, the leading run of its keys either tier held.
+        spans: per request, ``(tier index, start, end)`` of that run by the tier that held it.
+        blocks_written: payload bytes each tier stored (blocks, for the trace's 1-byte ones).
+        admission_stats: the policy's decisions for the disk tier.
+        memory_bytes: bytes of the policy's memory of recent keys.
+        elapsed_s: wall time of the loop.
+    """
+
+    hits: tuple[int, ...]
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    blocks_written: dict[str, int]
+    admission_stats: dict[str, int]
+    memory_bytes: int
+    elapsed_s: float
+
+
+def run_admission(
+    trace: ReplayTrace,
+    admission: AdmissionConfig,
+    tracked: int,
+    cpu_blocks: int,
+    disk_blocks: int,
+    policy: str,
+    block_bytes: int | None = None,
+) -> AdmissionRun:
+    """The replay loop of ``replay_admission`` (also run on a sample of the keys).
+
+    Args:
+        trace: the keyed trace (or its sample).
+        admission: the admission settings.
+        tracked: keys the policy remembers, in the trace's blocks.
+        cpu_blocks: capacity of the CPU tier, in blocks.
+        disk_blocks: capacity of the disk tier, in blocks.
+        policy: eviction policy of both tiers.
+        block_bytes: ``adaptive``: the bytes of the blocks its ghost tiers count (default: the
+            first block's).
+
+    Returns:
+        The counts.
+    """
+    filter_ = make_admission_policy(
+        dataclasses.replace(admission, admission_tracked_keys=tracked),
+        tier_bytes={CHEAP_TIER: cpu_blocks, FILTERED_TIER: disk_blocks},  # 1-byte blocks
+        block_bytes=block_bytes,
+    )
+    cpu, disk = (CPUTier(CPUTierConfig(c, policy=policy)) for c in (cpu_blocks, disk_blocks))
+    ns = trace.namespace.id
+    hits: list[int] = []
+    spans: list[tuple[tuple[int, int, int], ...]] = []
+    start = time.perf_counter()
+    tiers = (cpu, disk)
+    for keys, blocks in zip(trace.keys, trace.blocks):
+        num_hit, hit_spans = leading_spans(tiers, ns, keys)
+        hits.append(num_hit)
+        spans.append(hit_spans)  # both tiers are CPUTiers: named by place
+        cpu.put_many(ns, blocks)
+        filter_.record(keys)
+        disk.put_many(ns, [b for b in blocks if _held_or_admitted(disk, ns, b, filter_)])
+    elapsed = time.perf_counter() - start
+    disk_stats = filter_.stats().get(FILTERED_TIER)
+    return AdmissionRun(
+        hits=tuple(hits),
+        spans=tuple(spans),
+        blocks_written={
+            CHEAP_TIER: cpu.stats()["bytes_in"],
+            FILTERED_TIER: disk.stats()["bytes_in"],
+        },
         admission_stats=disk_stats.as_dict() if disk_stats else {},
         memory_bytes=filter_.nbytes,
         elapsed_s=elapsed,

@@ -97,6 +97,8 @@ def _settings(config: ReportConfig) -> dict[str, Any]:
             pool_blocks=config.pool_blocks,
             guard_first_hits=config.guard_first_hits,
             in_flight=config.in_flight,
+            exact=config.exact,
+            max_error=config.max_error,
             policy=config.policy,
             num_tenants=config.num_tenants,
             curve_capacities=list(config.curve_capacities),

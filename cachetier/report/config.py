@@ -10,6 +10,7 @@ import numpy as np
 
 from cachetier.admission import ADMISSION_POLICIES
 from cachetier.report.replay import BLOCK_SIZE as TRACE_BLOCK_SIZE
+from cachetier.report.sampled import DEFAULT_MAX_ERROR
 from cachetier.store.config import StoreConfig
 from cachetier.tiers.eviction import POLICIES
 
@@ -23,8 +24,10 @@ PREFILL_SOURCE = (
     "its own figure with --prefill-tokens-per-s."
 )
 
-DEFAULT_NUM_WORKERS = min(2, os.cpu_count() or 1)
-"""Processes replaying the capacity curve: two where there are two cores (this machine)."""
+DEFAULT_NUM_WORKERS = (
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+)
+"""Processes replaying the capacity curve: one per core."""
 
 DEFAULT_POLICY = StoreConfig().policy
 """The eviction policy a store gets when none is named."""
@@ -104,6 +107,11 @@ class ReportConfig:
         prefill_tokens_per_s: prefill speed that turns hit tokens into seconds saved.
         bin_s: width of the time bins of the over-time plots; ``None`` picks about 60 bins.
         num_workers: trace replay: processes running the capacity curve, this one included.
+        exact: trace replay: the curve and the admission replays replay every key; by default
+            they replay a hashed sample of keys sized for ``max_error``
+            (``cachetier.report.sampled``).
+        max_error: trace replay: the error bound the sample is sized for (block hit ratio,
+            absolute, at any point of the curve).
         quiet: no progress bar.
     """
 
@@ -124,6 +132,8 @@ class ReportConfig:
     prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
     bin_s: float | None = None
     num_workers: int = DEFAULT_NUM_WORKERS
+    exact: bool = False
+    max_error: float = DEFAULT_MAX_ERROR
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -156,6 +166,8 @@ class ReportConfig:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.num_workers < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.num_workers}")
+        if not 0 < self.max_error < 1:
+            raise ValueError(f"max_error must be in (0, 1), got {self.max_error!r}")
         if self.num_tenants < 1:
             raise ValueError(f"--tenants must be >= 1, got {self.num_tenants}")
         if not self.capacities or min(self.capacities) <= 0:

@@ -42,6 +42,7 @@ def capacity_curve(
             "own figures. Policies run in a real CPUTier; Belady's policy evicts the block "
             "used again farthest in the future (with prefix hits a reference point, not a "
             "proven optimum); the infinite cache never evicts, the ceiling for any policy. "
+            + _sampling(replays.sample_rate, config.max_error)
             + (
                 f"The default policy is {default_policy.upper()} itself, so its line is LRU's."
                 if same
@@ -60,7 +61,21 @@ def capacity_curve(
             bool(default_hits and lru_hits) and all(d >= b for d, b in zip(default_hits, lru_hits))
         ),
         "replay_s": {n: sum(r.elapsed_s for r in rs) for n, rs in replays.curve.items()},
+        "sample_rate": replays.sample_rate,
+        "max_error": None if replays.sample_rate >= 1 else config.max_error,
     }
+
+
+def _sampling(rate: float, max_error: float) -> str:
+    if rate >= 1:
+        return "Every key of the trace is replayed (exact). "
+    return (
+        "LRU and Belady are replayed on a hashed sample of keys (SHARDS; the other policies on "
+        "every key): keys in 16 or more requests are all "
+        f"kept, the others one in {round(1 / rate)}, each standing for that many in a tier of "
+        f"the full capacity; sized for an error of at most {max_error} in block hit ratio at any "
+        "point (--exact replays every key). "
+    )
 
 
 def add_trace_figures(

@@ -27,9 +27,11 @@ from tqdm import tqdm
 from cachetier.admission import AdmissionConfig
 from cachetier.errors import PinLimitError
 from cachetier.primitives.keys import BlockHash
-from cachetier.report.admission_replay import AdmissionReplay, replay_admission
+from cachetier.report.admission_replay import AdmissionReplay
+from cachetier.report.admission_sampled import replay_admission_sampled
 from cachetier.report.config import ReportConfig
 from cachetier.report.events import LookupEvent
+from cachetier.report.lookup import leading_spans
 from cachetier.report.replay import (
     ReplayResult,
     ReplayTrace,
@@ -37,8 +39,14 @@ from cachetier.report.replay import (
     replay_infinite,
     usable_hit,
 )
+from cachetier.report.sampled import (
+    HOT_REFS,
+    CurvePoint,
+    SampledTrace,
+    sample_rate,
+    sample_trace,
+)
 from cachetier.report.workers import CurveRunner, Job, run_job
-from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 
 TIER_NAMES = ("cpu", "disk")
@@ -56,18 +64,21 @@ class TraceReplays:
         events: one lookup per request through the two-tier store, as an engine would log it.
         hit_blocks: leading blocks each of those lookups hit.
         ceiling: the infinite cache.
-        curve: replays by policy name (and ``"belady"``), one per curve capacity, ascending.
+        curve: points by policy name (and ``"belady"``), one per curve capacity, ascending.
         admission: replays by admission policy name (``"all"`` first, the baseline), one per
             ``admission_capacities`` disk capacity; empty when none was asked for.
         admission_capacities: the disk capacities of the admission replays, ascending.
+        sample_rate: the rate of the key sample the curve and the admission replays ran on
+            (1.0: the whole trace, exactly; ``cachetier.report.sampled``).
     """
 
     events: tuple[LookupEvent, ...]
     hit_blocks: tuple[int, ...]
     ceiling: ReplayResult
-    curve: dict[str, tuple[ReplayResult, ...]]
+    curve: dict[str, tuple[CurvePoint, ...]]
     admission: dict[str, tuple[AdmissionReplay, ...]] = field(default_factory=dict)
     admission_capacities: tuple[int, ...] = ()
+    sample_rate: float = 1.0
 
 
 def tenant_of(request: TraceRequest, num_tenants: int) -> str:
@@ -94,7 +105,8 @@ def replay_hierarchy(
     """Replay through a ``TieredStore`` of a ``cpu_blocks`` tier over a ``disk_blocks`` tier,
     under the engine's own pool of ``pool_blocks`` where one is given.
 
-    Each request is looked up with ``TieredStore.lookup`` (the longest leading run held by
+    Each request is looked up as ``TieredStore.lookup`` does (``cachetier.report.lookup``: the
+    longest leading run held by
     any tier, and which tier holds which part), then all its blocks are put into every tier:
     what an engine's pool keeps and ``TieredStore.put_many`` writes through, applied before
     the next request as after a ``flush()``, and into the upper tiers also the blocks a
@@ -133,33 +145,32 @@ def replay_hierarchy(
     ns, size = trace.namespace.id, trace.block_size
     events: list[LookupEvent] = []
     hits: list[int] = []
-    with TieredStore(tiers) as store:
-        for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
-            timeline.start()
-            hit = store.lookup(ns, keys)
-            usable, lost = usable_hit(request, hit.num_blocks, size)
-            spans = [(names[i], start, min(end, usable)) for i, start, end in hit.spans]
-            spans = [(name, start, end) for name, start, end in spans if end > start]
-            verified_from = _guard_draw(spans, guard_left)
-            per_tier = dict.fromkeys(names, 0)
-            for name, start, end in spans:
-                per_tier[name] += max(0, min(end, verified_from) - start) * size
-            events.append(
-                LookupEvent(
-                    time_s=request.timestamp_ms / 1000,
-                    tenant=tenant,
-                    num_tokens=request.input_length,
-                    hit_tokens=per_tier,
-                    block_size=size,
-                    num_alignment_lost_tokens=lost,
-                    origin="trace",
-                    verified_tokens=max(0, usable - verified_from) * size,
-                )
+    for request, keys, blocks, tenant in zip(trace.requests, trace.keys, trace.blocks, tenants):
+        timeline.start()
+        num_hit, hit_spans = leading_spans(tiers, ns, keys)
+        usable, lost = usable_hit(request, num_hit, size)
+        spans = [(names[i], start, min(end, usable)) for i, start, end in hit_spans]
+        spans = [(name, start, end) for name, start, end in spans if end > start]
+        verified_from = _guard_draw(spans, guard_left)
+        per_tier = dict.fromkeys(names, 0)
+        for name, start, end in spans:
+            per_tier[name] += max(0, min(end, verified_from) - start) * size
+        events.append(
+            LookupEvent(
+                time_s=request.timestamp_ms / 1000,
+                tenant=tenant,
+                num_tokens=request.input_length,
+                hit_tokens=per_tier,
+                block_size=size,
+                num_alignment_lost_tokens=lost,
+                origin="trace",
+                verified_tokens=max(0, usable - verified_from) * size,
             )
-            hits.append(hit.num_blocks)
-            for tier in tiers:
-                tier.put_many(ns, blocks)
-            timeline.run(keys, request.input_length - usable * size, request.output_length)
+        )
+        hits.append(num_hit)
+        for tier in tiers:
+            tier.put_many(ns, blocks)
+        timeline.run(keys, request.input_length - usable * size, request.output_length)
     return events, hits
 
 
@@ -257,23 +268,23 @@ def admission_names(config: ReportConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("all", *config.admission_policies)))
 
 
-def run_report_job(trace: ReplayTrace, job: Job, *, config: ReportConfig) -> Any:
+def run_report_job(sampled: SampledTrace, job: Job, *, config: ReportConfig) -> Any:
     """Run one replay of a report: a curve job (``run_job``) or an admission replay.
 
     Args:
-        trace: the keyed trace.
+        sampled: the keyed trace's sample (rate 1: the whole trace).
         job: a curve job, or ``(ADMISSION_JOB + policy, disk capacity)``.
         config: the CPU tier's capacity and the eviction policy of the admission replays.
 
     Returns:
-        A ``ReplayResult`` or an ``AdmissionReplay``.
+        A ``CurvePoint`` or an ``AdmissionReplay``.
     """
     name, capacity = job
     if not name.startswith(ADMISSION_JOB):
-        return run_job(trace, job)
+        return run_job(sampled, job)
     admission = AdmissionConfig(admission_policy=name.removeprefix(ADMISSION_JOB))
-    return replay_admission(
-        trace,
+    return replay_admission_sampled(
+        sampled,
         admission,
         cpu_blocks=config.cpu_blocks,
         disk_blocks=capacity,
@@ -299,9 +310,10 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
     jobs = [(name, capacity) for name in curve_names for capacity in capacities]
     disk_capacities = admission_capacities(config)
     jobs += [(ADMISSION_JOB + n, c) for n in admission_names(config) for c in disk_capacities]
+    sampled = sample_trace(trace, report_sample_rate(trace, config))
     # Built first: it forks its helpers before the bar and the store start their threads.
     runner = CurveRunner(
-        trace, jobs, config.num_workers, functools.partial(run_report_job, config=config)
+        sampled, jobs, config.num_workers, functools.partial(run_report_job, config=config)
     )
     bar = tqdm(
         total=(2 + len(jobs)) * len(trace.requests),
@@ -331,5 +343,20 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
         for name in admission_names(config)
     }
     return TraceReplays(
-        tuple(events), tuple(hit_blocks), ceiling, curve, admission, disk_capacities
+        tuple(events),
+        tuple(hit_blocks),
+        ceiling,
+        curve,
+        admission,
+        disk_capacities,
+        sampled.rate,
     )
+
+
+def report_sample_rate(trace: ReplayTrace, config: ReportConfig) -> float:
+    """The rate the curve and the admission replays sample keys at: 1.0 with ``exact``, else
+    the one ``config.max_error`` asks for (``cachetier.report.sampled.sample_rate``)."""
+    if config.exact:
+        return 1.0
+    refs = Counter(key for keys in trace.keys for key in keys)
+    return sample_rate(sum(1 for n in refs.values() if n < HOT_REFS), config.max_error)

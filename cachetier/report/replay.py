@@ -367,7 +367,8 @@ def replay_belady(trace: ReplayTrace, capacity_blocks: int) -> ReplayResult:
 
     Args:
         trace: the keyed trace.
-        capacity_blocks: blocks the cache holds at most.
+        capacity_blocks: blocks the cache holds at most (payload bytes, for blocks of more
+            than one byte).
 
     Returns:
         The result.
@@ -384,18 +385,24 @@ def replay_belady(trace: ReplayTrace, capacity_blocks: int) -> ReplayResult:
     cached: dict[BlockHash, int] = {}  # key -> its next use
     heap: list[tuple[int, BlockHash]] = []  # (-next use, key); stale when cached disagrees
     hits: list[int] = []
-    position = 0
+    position = used = 0
+    # A block takes its payload's bytes (1 in a trace; a sampled trace's weigh what they
+    # stand for: ``cachetier.report.sampled``).
+    size_of = {block.key: block.nbytes for blocks in trace.blocks for block in blocks}
     for keys in trace.keys:
         hits.append(num_leading_hits(keys, cached))
         for key in keys:
             use = next_use[position]
             position += 1
+            if key not in cached:
+                used += size_of[key]
             cached[key] = use
             heapq.heappush(heap, (-use, key))
-            while len(cached) > capacity_blocks:
+            while used > capacity_blocks:
                 neg_use, victim = heapq.heappop(heap)
                 if cached.get(victim) == -neg_use:
                     del cached[victim]
+                    used -= size_of[victim]
     return _result(trace, "belady", capacity_blocks, hits, time.perf_counter() - start)
 
 

@@ -4,8 +4,10 @@ A report replays the trace once per policy and capacity of the curve; each repla
 single-threaded Python, so forked helpers run some of them on the other cores.
 Helpers are forked as soon as the runner is built, before the caller starts any thread (the
 progress bar's, a store's writers): fork copies only the calling thread, and the keyed trace
-is inherited rather than pickled. Each helper takes every n-th job and sends results back on a
-pipe of its own, so a helper that dies costs only a rerun of its missing jobs here. Where fork
+is inherited rather than pickled. Every process takes the next job not yet taken (a shared
+counter), so a long job does not leave the others idle behind a fixed share, and each helper
+sends results back on a pipe of its own: a helper that dies costs only a rerun of its missing
+jobs here. Where fork
 is unavailable, or with one worker, everything runs here.
 """
 
@@ -17,29 +19,47 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from cachetier.report.replay import ReplayResult, ReplayTrace, replay_belady, replay_tier
+from cachetier.report.replay import replay_belady, replay_tier
+from cachetier.report.sampled import SAMPLED_POLICIES, CurvePoint, SampledTrace, curve_point
 
 Job = tuple[str, int]
 """One replay of the curve: an eviction policy name (or ``"belady"``) and a capacity in blocks."""
 
 
-def run_job(trace: ReplayTrace, job: Job) -> ReplayResult:
-    """Replay ``trace`` as ``job`` says.
+def run_job(sampled: SampledTrace, job: Job) -> CurvePoint:
+    """Replay the sample of a trace as ``job`` says (its blocks weigh what they stand for, so
+    the tier has the whole cache's capacity in bytes); a policy not in ``SAMPLED_POLICIES`` is
+    replayed on the whole trace.
 
     Args:
-        trace: the keyed trace.
-        job: policy (or ``"belady"``) and capacity.
+        sampled: the sampled trace (rate 1: the whole trace, exactly).
+        job: policy (or ``"belady"``) and capacity of the whole trace's cache.
 
     Returns:
-        The replay's result.
+        The curve's point.
     """
     name, capacity = job
+    if name not in SAMPLED_POLICIES:
+        whole = replay_tier(sampled.whole, name, capacity)
+        return CurvePoint(
+            name,
+            capacity,
+            whole.num_blocks,
+            whole.num_hit_blocks,
+            whole.num_tokens,
+            whole.num_hit_tokens,
+            1.0,
+            whole.elapsed_s,
+        )
     if name == "belady":
-        return replay_belady(trace, capacity)
-    return replay_tier(trace, name, capacity)
+        result = replay_belady(sampled.trace, capacity)
+    else:
+        result = replay_tier(sampled.trace, name, capacity)
+    hits = [record.num_hit_blocks for record in result.records]
+    return curve_point(sampled, name, capacity, hits, result.elapsed_s)
 
 
-Runner = Callable[[ReplayTrace, Job], Any]
+Runner = Callable[[Any, Job], Any]
 """Runs one job: ``run_job``, or a caller's own that also knows other replays (the report's
 admission replays)."""
 
@@ -48,14 +68,15 @@ class CurveRunner:
     """Runs a list of jobs here and in ``num_workers - 1`` forked helpers.
 
     Args:
-        trace: the keyed trace.
+        trace: what every job replays (a ``SampledTrace`` with ``run_job``), inherited by the
+            helpers.
         jobs: the replays to run.
         num_workers: processes in all, this one included.
         run: what runs one job (default ``run_job``); its results must pickle.
     """
 
     def __init__(
-        self, trace: ReplayTrace, jobs: Sequence[Job], num_workers: int, run: Runner = run_job
+        self, trace: Any, jobs: Sequence[Job], num_workers: int, run: Runner = run_job
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -65,15 +86,16 @@ class CurveRunner:
         num_workers = min(num_workers, len(self._jobs))
         if "fork" not in multiprocessing.get_all_start_methods():
             num_workers = 1
-        self._stride = num_workers
+        self._local = [0]  # the next job, where no helper shares a counter
         self._helpers: list[tuple[BaseProcess, Connection]] = []
         ctx = multiprocessing.get_context("fork") if num_workers > 1 else None
-        for offset in range(1, num_workers):
+        self._next: Any = ctx.Value("i", 0) if ctx is not None else None
+        for _ in range(1, num_workers):
             assert ctx is not None, "helpers only where fork is available"
             reader, writer = ctx.Pipe(duplex=False)
             helper = ctx.Process(
                 target=_helper,
-                args=(trace, self._jobs, offset, num_workers, writer, run),
+                args=(trace, self._jobs, self._next, writer, run),
                 name="cachetier-report-replay",
                 daemon=True,
             )
@@ -93,7 +115,7 @@ class CurveRunner:
             on_done: called here with each job as its result arrives (a progress bar).
 
         Returns:
-            The results, in job order (``ReplayResult``s with ``run_job``).
+            The results, in job order (``CurvePoint``s with ``run_job``).
         """
         done = on_done or (lambda job: None)
         results: list[Any] = [None] * len(self._jobs)
@@ -109,7 +131,7 @@ class CurveRunner:
                 results[index] = result
                 done(self._jobs[index])
 
-        for index in range(0, len(self._jobs), self._stride):
+        while (index := _take(self._next, len(self._jobs), self._local)) is not None:
             results[index] = self._run(self._trace, self._jobs[index])
             done(self._jobs[index])
             collect(0)
@@ -125,9 +147,19 @@ class CurveRunner:
         return [r for r in results if r is not None]
 
 
-def _helper(
-    trace: ReplayTrace, jobs: list[Job], offset: int, stride: int, writer: Connection, run: Runner
-) -> None:
+def _take(counter: Any, num_jobs: int, local: list[int]) -> int | None:
+    """The next job nobody took yet (``local`` counts where there is no shared counter)."""
+    if counter is None:
+        index = local[0]
+        local[0] += 1
+    else:
+        with counter.get_lock():
+            index = counter.value
+            counter.value = index + 1
+    return index if index < num_jobs else None
+
+
+def _helper(trace: Any, jobs: list[Job], counter: Any, writer: Connection, run: Runner) -> None:
     with writer:
-        for index in range(offset, len(jobs), stride):
+        while (index := _take(counter, len(jobs), [0])) is not None:
             writer.send((index, run(trace, jobs[index])))

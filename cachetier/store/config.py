@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachetier.admission import AdmissionConfig, make_admission_policy
+from cachetier.admission import (
+    STATE_FILE_NAME,
+    AdmissionConfig,
+    AdmissionStateFile,
+    make_admission_policy,
+)
 from cachetier.misses.token_file import FOLDER_NAME, TokenFiles
 from cachetier.pins.registry import PinRegistry
 from cachetier.store.namespace_watch import NamespaceWatch
@@ -330,6 +335,14 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
+def _tier_bytes(config: StoreConfig) -> dict[str, int]:
+    """Capacities of the tiers whose size is known, by the names the tiers report."""
+    sizes = {"cpu": config.cpu_bytes, "disk": config.disk_bytes if config.has_disk else 0}
+    if config.redis_url and config.redis_bytes:
+        sizes["redis"] = config.redis_bytes
+    return {name: size for name, size in sizes.items() if size}
+
+
 def build_store(config: StoreConfig) -> TieredStore:
     """A ``TieredStore`` over the tiers ``config`` names.
 
@@ -348,7 +361,16 @@ def build_store(config: StoreConfig) -> TieredStore:
             write_queue_bytes=config.write_queue_bytes,
             writer_nice=config.writer_nice,
             pin_registry=registry,
-            admission=make_admission_policy(config.admission),
+            admission=make_admission_policy(
+                config.admission,
+                tier_bytes=_tier_bytes(config),
+                # What adaptive admission learnt, kept in the disk folder for the next process.
+                state_file=AdmissionStateFile(
+                    Path(config.disk_path) / STATE_FILE_NAME, config.disk_file_mode
+                )
+                if config.has_disk
+                else None,
+            ),
             miss_tracked_keys=config.miss_tracked_keys,
             namespaces=NamespaceWatch(
                 config.miss_tracked_keys,

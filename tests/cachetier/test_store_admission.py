@@ -47,7 +47,7 @@ def _on_disk(store: TieredStore, blocks: list[KVBlock]) -> int:
 
 
 def test_store_all_writes_every_block_and_counts_it(tmp_path: Path) -> None:
-    with _store(tmp_path / "disk") as store:
+    with _store(tmp_path / "disk", admission_policy="all") as store:
         blocks = make_blocks(NS, 4)
         store.put_many(NS.id, blocks)
         assert _on_disk(store, blocks) == 4

@@ -24,6 +24,7 @@ from cachetier.report.hierarchy_replay import (
     run_report_job,
 )
 from cachetier.report.replay import ReplayTrace
+from cachetier.report.sampled import sample_trace
 from tests.cachetier.report import tiny
 from tests.support import CONVERSATION_TRACE as CONVERSATION
 
@@ -104,7 +105,8 @@ def test_the_report_replays_each_policy_at_each_disk_capacity(tiny_trace: Replay
     for name, results in replays.admission.items():
         assert [r.disk_blocks for r in results] == [3, 100]
         assert {r.admission for r in results} == {name}
-        direct = run_report_job(tiny_trace, (ADMISSION_JOB + name, 100), config=config)
+        whole = sample_trace(tiny_trace, 1.0)
+        direct = run_report_job(whole, (ADMISSION_JOB + name, 100), config=config)
         assert results[1].num_hit_blocks == direct.num_hit_blocks
     assert replays.admission["all"][1].num_hit_blocks == sum(tiny.HIT_BLOCKS)
 

@@ -91,7 +91,7 @@ def test_trace_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "served from cache  4,096 (55.5%)" in out
     assert "default policy (lru) >= LRU at every capacity: yes" in out
     admission = doc["figures"]["admission"]
-    assert admission["policies"] == ["all", "second_hit", "tinylfu"]
+    assert admission["policies"] == ["all", "adaptive", "second_hit", "tinylfu"]
     assert admission["capacities"] == [3, 100]  # the curve's, from the CPU tier's up
     assert "admission, over 3 cpu blocks" in out
     assert "disk capacity (blocks)" in html  # its table
@@ -110,6 +110,17 @@ def test_admission_replays_can_be_left_out(tmp_path: Path) -> None:
     )
     assert status == 0 and doc is not None
     assert doc["figures"]["admission"]["policies"] == ["all", "tinylfu"]
+
+
+def test_exact_replays_every_key_and_says_so(tmp_path: Path) -> None:
+    trace = tiny.write_tiny_trace(tmp_path / "tiny.jsonl")
+    for flags, exact in (((), False), (("--exact",), True)):
+        status, doc, _ = _report(tmp_path, "--trace", str(trace), "--capacities", "5", *flags)
+        assert status == 0 and doc is not None
+        curve = doc["figures"]["capacity_curve"]
+        assert doc["settings"]["exact"] is exact and doc["settings"]["max_error"] == 0.005
+        assert curve["sample_rate"] == 1.0  # a tiny trace is replayed whole either way
+        assert "Every key of the trace is replayed" in curve["how"]
 
 
 def test_event_log_report_end_to_end(tmp_path: Path) -> None:

@@ -134,7 +134,9 @@ def independent_ceiling(requests: list[TraceRequest]) -> float:
     reason="builds the whole conversation trace's report and an independent LRU of it"
 )
 def test_the_report_reproduces_an_independent_lru_on_the_conversation_trace() -> None:
-    config = ReportConfig(trace=str(CONVERSATION), capacities=(10_000, 50_000), quiet=True)
+    config = ReportConfig(
+        trace=str(CONVERSATION), capacities=(10_000, 50_000), quiet=True, exact=True
+    )
     doc = json.loads(json.dumps(build_report(config)))  # as the JSON output holds it
     requests = read_trace(CONVERSATION)
     at = doc["headline"]["at_capacity"]
