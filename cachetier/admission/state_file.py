@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cachetier.admission.config import FIXED_POLICIES
+from cachetier.util.json_file import replace_json
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +108,7 @@ class AdmissionStateFile:
     def save(self, tiers: dict[str, dict[str, Any]]) -> None:
         """Keep ``tiers`` (replacing the file whole; a failed write is logged)."""
         doc = {"version": VERSION, "tiers": tiers, "crc32": _checksum(tiers)}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                self._file_mode,
-            )
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_json(self.path, doc, self._file_mode, fsync=True)
         except (OSError, ValueError) as exc:
             log.warning("could not keep the admission state in %s: %s", self.path, exc)
-            tmp.unlink(missing_ok=True)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from cachetier.store.costmodel import TierRate
+from cachetier.util.json_file import replace_json
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,7 @@ class RatesFile:
             "seconds_per_byte": rate.seconds_per_byte,
             "num_reads": rate.num_reads,
         }
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                self._file_mode,
-            )
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.path)
-        except OSError as exc:
+            replace_json(self.path, doc, self._file_mode)
+        except (OSError, ValueError) as exc:
             log.warning("could not keep the %s tier's rate in %s: %s", self.tier, self.path, exc)
-            tmp.unlink(missing_ok=True)

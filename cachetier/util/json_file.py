@@ -1,0 +1,36 @@
+"""A small JSON file replaced whole, so a reader sees the old document or the new, never half."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def replace_json(path: Path, doc: Any, file_mode: int, fsync: bool = False) -> None:
+    """Write ``doc`` to a temporary file beside ``path`` (never through a link), then rename
+    it over ``path``; the temporary file is removed if anything fails.
+
+    Args:
+        path: the file to replace.
+        doc: what to write (NaN and infinities are refused).
+        file_mode: the new file's mode.
+        fsync: flush the file to the disk before the rename.
+
+    Raises:
+        OSError: the file could not be written or renamed.
+        ValueError: ``doc`` is not plain JSON.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+        with os.fdopen(os.open(tmp, flags, file_mode), "w") as f:
+            json.dump(doc, f, allow_nan=False)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        tmp.unlink(missing_ok=True)
+        raise
