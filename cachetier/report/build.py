@@ -16,6 +16,7 @@ from cachetier.report.curve import add_trace_figures
 from cachetier.report.figures import lookup_figures
 from cachetier.report.hierarchy_replay import replay_for_report
 from cachetier.report.inputs import load_events, load_stats, load_trace
+from cachetier.report.live_curve import live_curve_figure
 
 SCHEMA = "cachetier-report/1"
 
@@ -70,6 +71,9 @@ def build_report(config: ReportConfig) -> dict[str, Any]:
     if stats is not None:
         assert config.stats is not None, "stats were read from config.stats"
         figures["tier_counters"] = counters_table(stats, config.stats)
+        live = live_curve_figure(stats, config.stats)
+        if live is not None:
+            figures["live_curve"] = live
         doc_input.setdefault("kind", "stats")
         doc_input["stats"] = config.stats
     return {

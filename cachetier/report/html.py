@@ -240,7 +240,7 @@ def figure_table(name: str, fig: dict[str, Any]) -> tuple[list[str], list[list[A
         rows += [["verified", fig["verified_tokens"], ""]]
         rows += [["unexplained", fig["unexplained_tokens"], ""]]
         return ["cause", "tokens", "share of misses"], rows
-    if name == "tier_counters":
+    if name in ("tier_counters", "live_curve"):
         return fig["columns"], fig["rows"]
     return None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachetier.report.live_curve import live_curve_lines
+
 
 def render_summary(doc: dict[str, Any]) -> str:
     """A few lines for a terminal.
@@ -65,6 +67,8 @@ def render_summary(doc: dict[str, Any]) -> str:
                 f"  misses {values['misses'] or 0:>10,}"
                 + (f"  hit rate {rate:.3f}" if isinstance(rate, float) else "")
             )
+    if "live_curve" in figures:
+        lines += live_curve_lines(figures["live_curve"])
     steps = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in doc["timings_s"].items())
     lines.append(
         f"  inputs read and figures computed in {doc['build_s']:.1f} s"

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cachetier.admission import FIXED_POLICIES
 from cachetier.server.connections import ConnectionTable
 from cachetier.server.listener import HttpAcceptor
 from cachetier.server.service import BlockService
@@ -152,6 +153,7 @@ class _StoreCollector(Collector):
         yield from store_health_families(stats)
         yield from guard_families(stats["guard"], len(self._service.store.quarantines.entries()))
         yield from admission_families(stats)
+        yield from live_curve_families(stats)
         per_tenant = {t: self._service.tenant_stats(t) for t in self._service.tenant_names}
         for name in _TENANT_COUNTERS:
             family = CounterMetricFamily(
@@ -211,6 +213,34 @@ def admission_families(stats: dict[str, Any]) -> Iterator[Metric]:
     }
     by_name = {name: {tier: counts[name] for tier, counts in tiers.items()} for name in docs}
     yield from _counters_by_tier("cachetier_admission_", docs, by_name)
+
+
+def live_curve_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """What more capacity would buy (``TieredStore.stats()["live_curve"]``), and the admission
+    policy's current choice per filtered tier (``stats()["admission"]["choices"]``).
+
+    Args:
+        stats: ``TieredStore.stats()``.
+    """
+    curve = GaugeMetricFamily(
+        "cachetier_tier_hit_ratio_at_capacity",
+        "Block hit ratio the lookups so far would have had in an LRU tier of capacity_factor "
+        "times this tier's capacity (ghosts on a hashed sample of keys)",
+        labels=["tier", "capacity_factor"],
+    )
+    for tier, figures in stats.get("live_curve", {}).items():
+        for factor, value in figures["hit_ratio"].items():
+            curve.add_metric([tier, factor], value)
+    yield curve
+    choice = GaugeMetricFamily(
+        "cachetier_admission_choice",
+        "1 for the fixed policy a filtered tier admits as now (adaptive: its current choice)",
+        labels=["tier", "policy"],
+    )
+    for tier, chosen in stats.get("admission", {}).get("choices", {}).items():
+        for policy in FIXED_POLICIES:
+            choice.add_metric([tier, policy], float(policy == chosen))
+    yield choice
 
 
 def _counters_by_tier(

@@ -74,6 +74,7 @@ async def stats(caller: CallerDep, service: ServiceDep) -> StatsPublic:
         tiers=store["tiers"],
         pending_writes=store["pending_writes"],
         admission=store.get("admission"),
+        live_curve=store.get("live_curve"),
     )
 
 

@@ -107,6 +107,11 @@ class StatsPublic(BaseModel):
         default=None,
         description="the admission policy and its decisions per lower tier (admin tenants only)",
     )
+    live_curve: dict[str, dict[str, Any]] | None = Field(
+        default=None,
+        description="per tier: the block hit ratio its lookups would have at 0.5, 1, 2 and 4 "
+        "times its capacity (admin tenants only; absent with live_curve off)",
+    )
 
 
 class PinsCreate(BaseModel):

@@ -200,6 +200,8 @@ class BlockService:
             keys = [b.key for b in blocks]
             for name in stored:  # the store's own puts tell its listeners; these bypass it
                 self.store.block_events.tell("stored", name, scope.storage, keys)
+            if blocks and self.store.live_curve is not None:  # likewise its live curve
+                self.store.live_curve.stored(keys, blocks[0].nbytes)
         else:
             stored = {self.store.tiers[0].name: self.store.put_many(scope.storage, blocks)}
         nbytes = sum(b.nbytes for b in blocks)

@@ -20,6 +20,8 @@ from cachetier.admission import (
     AdmissionStateFile,
     make_admission_policy,
 )
+from cachetier.admission.config import MAX_SAMPLE_KEYS
+from cachetier.admission.live_curve import DEFAULT_SAMPLE_KEYS, LiveCurve
 from cachetier.misses.token_file import FOLDER_NAME, TokenFiles
 from cachetier.pins.registry import PinRegistry
 from cachetier.store.namespace_watch import NamespaceWatch
@@ -190,6 +192,19 @@ class StoreConfig:
         "share of recently missed blocks held under another namespace (model, dtype, block "
         "size, format, tenant) above which the store logs once what differs, in [0, 1).",
     )
+    live_curve: bool = setting(
+        False,
+        "keep each tier's capacity curve live: the hit ratio the lookups would have at 0.5, "
+        "1, 2 and 4 times its capacity (LRU ghosts on a hashed sample of keys; "
+        "``cachetier_tier_hit_ratio_at_capacity``, ``GET /v1/stats``); tiers of unknown "
+        "capacity have none. Off by default: it costs more than 1% of a sidecar's lookup, "
+        "get and put throughput (``python -m benchmarks.live_curve``).",
+    )
+    live_curve_sample_keys: int = setting(
+        DEFAULT_SAMPLE_KEYS,
+        "most block keys the largest (4x) ghost of each tier holds (the four hold 1.875 times "
+        "it, about 170 bytes a key); keys are sampled at the rate that fits 4x the tier into it.",
+    )
     admission: AdmissionConfig = nested(
         AdmissionConfig, "which blocks the tiers below the first write (``cachetier.admission``)."
     )
@@ -208,6 +223,12 @@ class StoreConfig:
         fraction("max_pinned_fraction", self.max_pinned_fraction)
         fraction("mismatch_alarm_share", self.mismatch_alarm_share)
         positive_int("miss_tracked_keys", self.miss_tracked_keys)
+        positive_int("live_curve_sample_keys", self.live_curve_sample_keys)
+        if self.live_curve_sample_keys > MAX_SAMPLE_KEYS:
+            raise ValueError(
+                f"live_curve_sample_keys must be <= {MAX_SAMPLE_KEYS:,}, got "
+                f"{self.live_curve_sample_keys:,}"
+            )
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
         if not (self.cpu_bytes or self.has_disk or self.redis_url or self.remote_url):
@@ -372,6 +393,9 @@ def build_store(config: StoreConfig) -> TieredStore:
                 else None,
             ),
             miss_tracked_keys=config.miss_tracked_keys,
+            live_curve=LiveCurve(_tier_bytes(config), sample_keys=config.live_curve_sample_keys)
+            if config.live_curve
+            else None,
             namespaces=NamespaceWatch(
                 config.miss_tracked_keys,
                 config.mismatch_alarm_share,

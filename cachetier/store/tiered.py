@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachetier.admission import AdmissionPolicy
+from cachetier.admission.live_curve import LiveCurve, admission_choices
 from cachetier.guard import QuarantineList
 from cachetier.misses import MissCause, MissLedger, why_missed
 from cachetier.pins.registry import PinRegistry
@@ -60,6 +61,7 @@ class TieredStore(StorePinning, Tier):
         miss_tracked_keys: keys the why-miss ledger and token index remember at most.
         namespaces: where tokens stored under other namespaces are told (kept across
             restarts where it has files); ``None``: one in memory.
+        live_curve: fed every ``lookup`` (``cachetier.admission.live_curve``); ``None``: none.
     """
 
     name = "tiered"
@@ -77,6 +79,7 @@ class TieredStore(StorePinning, Tier):
         admission: AdmissionPolicy | None = None,
         miss_tracked_keys: int = 1 << 20,
         namespaces: NamespaceWatch | None = None,
+        live_curve: LiveCurve | None = None,
     ) -> None:
         super().__init__()
         if not tiers:
@@ -112,6 +115,7 @@ class TieredStore(StorePinning, Tier):
                 self.rates.adopt(self._rates_file.tier, kept)
         self._pins = StorePins(self._tiers, pin_registry)
         self._admission = admission
+        self.live_curve = live_curve
         # Keys let go (evicted, refused, dropped, corrupt): a later miss of one names its
         # cause; the same tokens under another namespace are told by ``namespaces``.
         self.misses = MissLedger(miss_tracked_keys)
@@ -166,6 +170,8 @@ class TieredStore(StorePinning, Tier):
         blocks = list(blocks)
         stored = self._tiers[0].put_many(namespace, blocks)
         self.block_events.tell("stored", self._names[0], namespace, [b.key for b in blocks])
+        if self.live_curve is not None:
+            self.live_curve.stored([b.key for b in blocks], blocks[0].nbytes)
         policy = self._admission
         if policy is not None:
             policy.record(b.key for b in blocks)
@@ -185,17 +191,22 @@ class TieredStore(StorePinning, Tier):
         self._stats.add(puts=len(blocks))
         return stored
 
-    def lookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
+    def lookup(
+        self, namespace: str, keys: Sequence[BlockHash], *, observed: bool = True
+    ) -> PrefixHit:
         """Find the leading run of ``keys`` stored in any tier, without reading blocks.
 
         Args:
             namespace: storage namespace.
             keys: block keys in sequence order.
+            observed: a request's lookup, which the live curve counts (not a probe).
 
         Returns:
             The run's length and which tier holds which part of it.
         """
         check_namespace(namespace)
+        if observed and self.live_curve is not None:
+            self.live_curve.observe(keys)
         spans: list[tuple[int, int, int]] = []
         held: list[Tier] = []  # tiers the namespace is quarantined in
         down: list[str] = []  # tiers whose lookup failed
@@ -254,7 +265,7 @@ class TieredStore(StorePinning, Tier):
         return lambda namespace, keys: self.block_events.tell("stored", tier, namespace, keys)
 
     def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
-        return self.lookup(namespace, keys).num_blocks
+        return self.lookup(namespace, keys, observed=False).num_blocks
 
     def verify(
         self, namespace: str, tier_name: str, computed: Sequence[KVBlock], writer: str = ""
@@ -300,7 +311,7 @@ class TieredStore(StorePinning, Tier):
             vanished or failed its checks between lookup and read ends the run there).
         """
         if hit is None:
-            hit = self.lookup(namespace, keys)
+            hit = self.lookup(namespace, keys, observed=False)
         n = min(hit.num_blocks, len(keys))
         found, sources = self._fetch(
             namespace, keys[:n], fingerprint, None if dests is None else dests[:n]
@@ -443,7 +454,10 @@ class TieredStore(StorePinning, Tier):
             out["admission"] = {
                 "policy": self._admission.name,
                 "tiers": {t: a.as_dict() for t, a in self._admission.stats().items()},
+                "choices": admission_choices(self._admission, self._names),
             }
+        if self.live_curve is not None:
+            out["live_curve"] = self.live_curve.snapshot()
         return out
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from cachetier.engine.llm_engine import RequestOutput
 from cachetier.report.events import SOURCES
 from cachetier.server.metrics import (
     admission_families,
+    live_curve_families,
     pin_families,
     store_health_families,
     tier_counter_families,
@@ -229,3 +230,4 @@ class _EngineStoreCollector(Collector):
         yield from pin_families(stats["tiers"])
         yield from store_health_families(stats)
         yield from admission_families(stats)
+        yield from live_curve_families(stats)

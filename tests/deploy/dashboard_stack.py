@@ -118,6 +118,7 @@ def sidecar_service(folder: Path, redis_url: str) -> LocalService:
         "CACHETIER_ADMIN_TENANTS": "ops",
         "CACHETIER_CPU_BYTES": str(SIDECAR_CPU_BYTES),
         "CACHETIER_DISK_BYTES": str(64 << 20),
+        "CACHETIER_LIVE_CURVE": "true",  # the "what more capacity would buy" panel
         "CACHETIER_FSYNC": "false",
     }
     check = _healthcheck(PORT_SLOT)
@@ -138,6 +139,7 @@ def engine_service(folder: Path, model: Path, sidecar_port: int) -> LocalService
     env = {
         **_base_env(),
         "CACHETIER_CPU_BYTES": str(ENGINE_CPU_BYTES),
+        "CACHETIER_LIVE_CURVE": "true",
         "CACHETIER_REMOTE_URL": f"http://127.0.0.1:{sidecar_port}",
         "CACHETIER_REMOTE_TOKEN": ENGINE_TOKEN,
     }

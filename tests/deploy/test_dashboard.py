@@ -67,6 +67,8 @@ def test_the_panels_cover_what_an_operator_watches(dashboards: dict[str, dict]) 
         "cachetier_tier_breaker_state",
         "cachetier_load_plans_total",  # the cost model's choices
         "cachetier_recomputed_by_choice_tokens_total",
+        "cachetier_tier_hit_ratio_at_capacity",  # what more capacity would buy
+        "cachetier_admission_choice",
     ):
         assert metric in exprs, metric
 
@@ -149,6 +151,31 @@ def test_every_dashboard_and_readme_query_returns_data(
     assert max(evictions) > 0
     errors = next(v for w, v in values.items() if "Errors" in w and w.endswith("A"))
     assert max(errors) > 0
+    # The live curve: every factor of every tier of known capacity, of both jobs, a ratio,
+    # and never less at a larger capacity (LRU's stack property, on the same sample).
+    curve = next(a for a in report.dashboard_answers if "What more capacity" in a.query.where)
+    assert curve.num_series == 4 * 3, curve  # sidecar cpu and disk, engine cpu; 4 factors
+    assert all(0 <= v <= 1 for v in curve.values), curve
+    ratios = live.prometheus.api("/api/v1/query", query="cachetier_tier_hit_ratio_at_capacity")
+    ratios = ratios["result"]
+    by_tier: dict[tuple[str, str], dict[str, float]] = {}
+    for series in ratios:
+        labels = series["metric"]
+        by_tier.setdefault((labels["job"], labels["tier"]), {})[labels["capacity_factor"]] = float(
+            series["value"][1]
+        )
+    assert set(by_tier) == {
+        ("cachetier-sidecar", "cpu"),
+        ("cachetier-sidecar", "disk"),
+        ("cachetier-engine", "cpu"),
+    }, by_tier
+    for points in by_tier.values():
+        assert list(points) and sorted(points, key=float) == ["0.5", "1", "2", "4"], points
+        line = [points[f] for f in ("0.5", "1", "2", "4")]
+        assert line == sorted(line), points
+    assert max(max(p.values()) for p in by_tier.values()) > 0, by_tier  # the load's repeats
+    choice = next(a for a in report.dashboard_answers if "Admission: what" in a.query.where)
+    assert choice.has_data and set(choice.values) == {1.0}, choice
 
 
 @pytest.mark.slow(
