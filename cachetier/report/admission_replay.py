@@ -6,9 +6,10 @@ looked up as ``TieredStore.lookup`` does (``cachetier.report.lookup``: the longe
 held by either tier), then its
 blocks are put as the store puts them: all into the CPU tier (a cheap tier takes everything),
 their sightings recorded with the policy, and into the disk tier those it already holds (a
-use, not a write) and those the policy admits. Both tiers are ``CPUTier`` (as in
-``cachetier.report.hierarchy_replay``: a ``DiskTier`` writes a file per block, too slow for a
-full trace); writes are counted by the tiers themselves.
+use, not a write) and those the policy admits. Both tiers are ``ReplayCache``s
+(``cachetier.report.replay_cache``: what a ``CPUTier`` holds, without its serving costs; a
+``DiskTier`` writes a file per block, too slow for a full trace); writes are counted by the
+tiers themselves.
 
 A trace block is ``block_size`` tokens (512 in Mooncake traces), a stored record
 ``record_tokens`` (16): the policy remembers ``admission_tracked_keys`` records, so the replay
@@ -26,7 +27,7 @@ from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
 from cachetier.report.lookup import leading_spans
 from cachetier.report.replay import ReplayTrace, usable_hit
-from cachetier.tiers.cpu import CPUTier, CPUTierConfig
+from cachetier.report.replay_cache import ReplayCache
 from cachetier.util.checks import positive_int
 
 CHEAP_TIER, FILTERED_TIER = "cpu", "disk"
@@ -119,7 +120,8 @@ def replay_admission(
     positive_int("cpu_blocks", cpu_blocks)
     positive_int("disk_blocks", disk_blocks)
     tracked = replay_tracked_keys(admission, trace.block_size, record_tokens)
-    run = run_admission(trace, admission, tracked, cpu_blocks, disk_blocks, policy)
+    filter_ = replay_filter(admission, tracked, cpu_blocks, disk_blocks)
+    run = run_admission(trace, filter_, cpu_blocks, disk_blocks, policy)
     hit_blocks = dict.fromkeys((CHEAP_TIER, FILTERED_TIER), 0)
     for spans in run.spans:
         for index, first, end in spans:
@@ -166,36 +168,48 @@ class AdmissionRun:
     elapsed_s: float
 
 
+def replay_filter(
+    admission: AdmissionConfig, tracked: int, cpu_blocks: int, disk_blocks: int
+) -> AdmissionPolicy:
+    """The policy a replay of the whole trace filters its disk tier with.
+
+    Args:
+        admission: the admission settings.
+        tracked: keys the policy remembers, in the trace's blocks.
+        cpu_blocks: capacity of the CPU tier, in blocks.
+        disk_blocks: capacity of the disk tier, in blocks.
+
+    Returns:
+        A new policy; ``adaptive`` simulates the disk tier under the CPU tier, counting both
+        in the trace's 1-byte blocks.
+    """
+    return make_admission_policy(
+        dataclasses.replace(admission, admission_tracked_keys=tracked),
+        tier_bytes={CHEAP_TIER: cpu_blocks, FILTERED_TIER: disk_blocks},  # 1-byte blocks
+        block_bytes=1,
+    )
+
+
 def run_admission(
     trace: ReplayTrace,
-    admission: AdmissionConfig,
-    tracked: int,
+    filter_: AdmissionPolicy,
     cpu_blocks: int,
     disk_blocks: int,
     policy: str,
-    block_bytes: int | None = None,
 ) -> AdmissionRun:
     """The replay loop of ``replay_admission`` (also run on a sample of the keys).
 
     Args:
         trace: the keyed trace (or its sample).
-        admission: the admission settings.
-        tracked: keys the policy remembers, in the trace's blocks.
-        cpu_blocks: capacity of the CPU tier, in blocks.
-        disk_blocks: capacity of the disk tier, in blocks.
+        filter_: the admission policy of the disk tier (``replay_filter``), new.
+        cpu_blocks: capacity of the CPU tier, in blocks (bytes of the trace's blocks).
+        disk_blocks: capacity of the disk tier, likewise.
         policy: eviction policy of both tiers.
-        block_bytes: ``adaptive``: the bytes of the blocks its ghost tiers count (default: the
-            first block's).
 
     Returns:
         The counts.
     """
-    filter_ = make_admission_policy(
-        dataclasses.replace(admission, admission_tracked_keys=tracked),
-        tier_bytes={CHEAP_TIER: cpu_blocks, FILTERED_TIER: disk_blocks},  # 1-byte blocks
-        block_bytes=block_bytes,
-    )
-    cpu, disk = (CPUTier(CPUTierConfig(c, policy=policy)) for c in (cpu_blocks, disk_blocks))
+    cpu, disk = (ReplayCache(c, policy) for c in (cpu_blocks, disk_blocks))
     ns = trace.namespace.id
     hits: list[int] = []
     spans: list[tuple[tuple[int, int, int], ...]] = []
@@ -204,28 +218,25 @@ def run_admission(
     for keys, blocks in zip(trace.keys, trace.blocks):
         num_hit, hit_spans = leading_spans(tiers, ns, keys)
         hits.append(num_hit)
-        spans.append(hit_spans)  # both tiers are CPUTiers: named by place
+        spans.append(hit_spans)  # both tiers are of one class: named by place
         cpu.put_many(ns, blocks)
         filter_.record(keys)
-        disk.put_many(ns, [b for b in blocks if _held_or_admitted(disk, ns, b, filter_)])
+        disk.put_many(ns, [b for b in blocks if _held_or_admitted(disk, b, filter_)])
     elapsed = time.perf_counter() - start
     disk_stats = filter_.stats().get(FILTERED_TIER)
     return AdmissionRun(
         hits=tuple(hits),
         spans=tuple(spans),
-        blocks_written={
-            CHEAP_TIER: cpu.stats()["bytes_in"],
-            FILTERED_TIER: disk.stats()["bytes_in"],
-        },
+        blocks_written={CHEAP_TIER: cpu.bytes_in, FILTERED_TIER: disk.bytes_in},
         admission_stats=disk_stats.as_dict() if disk_stats else {},
         memory_bytes=filter_.nbytes,
         elapsed_s=elapsed,
     )
 
 
-def _held_or_admitted(disk: CPUTier, ns: str, block: KVBlock, filter_: AdmissionPolicy) -> bool:
+def _held_or_admitted(disk: ReplayCache, block: KVBlock, filter_: AdmissionPolicy) -> bool:
     """A block the tier holds is put again (a use, which refreshes it; not a write); one it
     does not hold is written if the policy admits it."""
-    if disk.contains_prefix(ns, [block.key]):
+    if block.key in disk:
         return True
     return filter_.admit(block.key, tier=FILTERED_TIER, nbytes=block.nbytes)

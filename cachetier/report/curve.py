@@ -39,7 +39,8 @@ def capacity_curve(
             "capacity (blocks of 512 tokens): its hit is the leading run of its blocks the "
             "cache holds, then all its blocks are stored or refreshed. Block hit ratio = hit "
             "blocks / block references, every hash id counting as a block as in the trace's "
-            "own figures. Policies run in a real CPUTier; Belady's policy evicts the block "
+            "own figures. Policies run the tiers' own eviction code, holding what a CPUTier "
+            "would; Belady's policy evicts the block "
             "used again farthest in the future (with prefix hits a reference point, not a "
             "proven optimum); the infinite cache never evicts, the ceiling for any policy. "
             + _sampling(replays.sample_rate, config.max_error)
@@ -124,9 +125,9 @@ def add_trace_figures(
     per_tier["how"] += (
         f" Trace replay: a TieredStore of a {config.cpu_blocks:,}-block tier ('cpu') over a "
         f"{config.disk_blocks:,}-block tier ('disk'), both {config.policy.upper()}, written "
-        "through, looked up with TieredStore.lookup. Both are CPUTier (a DiskTier writes a "
-        "file per block: too slow for a full trace), standing in for a small fast tier over a "
-        "large slow one; the hit accounting is the store's own."
+        "through, looked up as TieredStore.lookup looks up. Both hold what a CPUTier holds (a "
+        "DiskTier writes a file per block: too slow for a full trace), standing in for a small "
+        "fast tier over a large slow one; the hit accounting is the store's own."
     )
     alignment = figures["alignment"]
     alignment["breakdown"]["infinite cache"] = _breakdown(ceiling)

@@ -7,8 +7,9 @@ lookups would see them (which tier served which part of a prefix), and ``replay_
 adds the infinite-cache ceiling, the capacity curve's single-cache replays and the admission
 replays (``cachetier.report.admission_replay``: each admission policy at each disk capacity).
 
-Every hit is counted by real tier code. Payloads are the replay's 1-byte blocks, so capacities
-count blocks.
+Every hit is counted by the tiers' own eviction code (``cachetier.report.replay_cache``: what a
+``CPUTier`` holds, without what serving adds). Payloads are the replay's 1-byte blocks, so
+capacities count blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from cachetier.admission import AdmissionConfig
+from cachetier.admission import Adaptive, AdmissionConfig
 from cachetier.errors import PinLimitError
 from cachetier.primitives.keys import BlockHash
 from cachetier.report.admission_replay import AdmissionReplay
@@ -39,10 +40,13 @@ from cachetier.report.replay import (
     replay_infinite,
     usable_hit,
 )
+from cachetier.report.replay_cache import ReplayCache
 from cachetier.report.sampled import (
     HOT_REFS,
+    SAMPLED_POLICIES,
     CurvePoint,
     SampledTrace,
+    count_refs,
     sample_rate,
     sample_trace,
 )
@@ -110,9 +114,9 @@ def replay_hierarchy(
     any tier, and which tier holds which part), then all its blocks are put into every tier:
     what an engine's pool keeps and ``TieredStore.put_many`` writes through, applied before
     the next request as after a ``flush()``, and into the upper tiers also the blocks a
-    restore would promote. Every tier is a ``CPUTier``: a real ``DiskTier`` writes a file per
-    block, too slow for a report of a full trace, and hit accounting depends only on
-    capacities and policy.
+    restore would promote. The two tiers are ``ReplayCache``s (what a ``CPUTier`` holds; a real
+    ``DiskTier`` writes a file per block, too slow for a report of a full trace, and hit
+    accounting depends only on capacities and policy); the pool, which pins, is a ``CPUTier``.
 
     With ``guard_first_hits``, the restore guard is modelled as the engines run it: the first
     that many requests a tier (not the pool) serves are computed, not loaded, from that tier's
@@ -128,9 +132,8 @@ def replay_hierarchy(
         number of leading blocks each request hit.
     """
     names = (("pool",) if config.pool_blocks else ()) + TIER_NAMES
-    tiers = [
-        CPUTier(CPUTierConfig(capacity, policy=config.policy))
-        for capacity in (config.cpu_blocks, config.disk_blocks)
+    tiers: list[CPUTier | ReplayCache] = [
+        ReplayCache(capacity, config.policy) for capacity in (config.cpu_blocks, config.disk_blocks)
     ]
     pool = None
     if config.pool_blocks:
@@ -292,6 +295,20 @@ def run_report_job(sampled: SampledTrace, job: Job, *, config: ReportConfig) -> 
     )
 
 
+def _expected_length(job: Job) -> int:
+    """A rank of how long a job runs: the runner starts the longest first, so that none is
+    left for last to run alone while the other processes idle. Replays of the whole trace
+    (the curve's policies SHARDS does not fit) and ``adaptive``'s (three filters and a ghost
+    simulation per reference) run longest; the other admission replays run two tiers; the
+    curve's sampled replays one."""
+    name = job[0]
+    if name == ADMISSION_JOB + Adaptive.name:
+        return 2
+    if name.startswith(ADMISSION_JOB):
+        return 1
+    return 0 if name in SAMPLED_POLICIES else 2
+
+
 def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
     """The two-tier replay, the ceiling, every replay of the capacity curve and the admission
     replays, with a progress bar on stderr (off when stderr is not a terminal or with
@@ -310,7 +327,9 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
     jobs = [(name, capacity) for name in curve_names for capacity in capacities]
     disk_capacities = admission_capacities(config)
     jobs += [(ADMISSION_JOB + n, c) for n in admission_names(config) for c in disk_capacities]
-    sampled = sample_trace(trace, report_sample_rate(trace, config))
+    jobs.sort(key=_expected_length, reverse=True)  # results are matched to jobs by name
+    refs = count_refs(trace)
+    sampled = sample_trace(trace, report_sample_rate(refs, config), refs)
     # Built first: it forks its helpers before the bar and the store start their threads.
     runner = CurveRunner(
         sampled, jobs, config.num_workers, functools.partial(run_report_job, config=config)
@@ -353,10 +372,14 @@ def replay_for_report(trace: ReplayTrace, config: ReportConfig) -> TraceReplays:
     )
 
 
-def report_sample_rate(trace: ReplayTrace, config: ReportConfig) -> float:
+def report_sample_rate(refs: Counter[bytes], config: ReportConfig) -> float:
     """The rate the curve and the admission replays sample keys at: 1.0 with ``exact``, else
-    the one ``config.max_error`` asks for (``cachetier.report.sampled.sample_rate``)."""
+    the one ``config.max_error`` asks for (``cachetier.report.sampled.sample_rate``).
+
+    Args:
+        refs: references of each key of the trace (``cachetier.report.sampled.count_refs``).
+        config: ``exact`` and ``max_error``.
+    """
     if config.exact:
         return 1.0
-    refs = Counter(key for keys in trace.keys for key in keys)
     return sample_rate(sum(1 for n in refs.values() if n < HOT_REFS), config.max_error)

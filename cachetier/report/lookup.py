@@ -10,13 +10,19 @@ spans are the same; ``tests/cachetier/report`` checks them against ``TieredStore
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from cachetier.primitives.keys import BlockHash
-from cachetier.tiers.cpu import CPUTier
+
+
+class PrefixHolder(Protocol):
+    """What a lookup asks of a tier (``CPUTier``, ``ReplayCache``)."""
+
+    def contains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int: ...
 
 
 def leading_spans(
-    tiers: Sequence[CPUTier], namespace: str, keys: Sequence[BlockHash]
+    tiers: Sequence[PrefixHolder], namespace: str, keys: Sequence[BlockHash]
 ) -> tuple[int, tuple[tuple[int, int, int], ...]]:
     """The leading run of ``keys`` held by any tier, and which tier holds which part.
 

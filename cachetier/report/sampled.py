@@ -8,7 +8,7 @@ prompt's blocks, a popular document's): in or out of the sample as a whole, one 
 the estimate by its whole share. So the sample is stratified: a key with at least ``HOT_REFS``
 references in the trace is always kept and stands for itself; every other key is kept at rate
 ``1 / m`` by its hash and stands for ``m`` keys. Each kept block's payload is its weight in
-bytes, so the replayed tiers (real ``CPUTier``s, of the whole cache's capacity in bytes) give a
+bytes, so the replayed caches (``ReplayCache``s, of the whole cache's capacity in bytes) give a
 kept cold key the room of the ``m`` keys it stands for. A request's hit is the weight of the
 leading run of its kept keys the cache holds, over the weight of all of them; tokens likewise
 over the keys at reusable positions (a whole block before the prompt's last token).
@@ -17,9 +17,9 @@ The rate is chosen for an error bound ``max_error`` (absolute, in block hit rati
 of the curve): the sample keeps about ``0.6 / max_error**2`` of the cold keys (24,000 for half a
 point), a size at which LRU's and Belady's curves and the fixed admission policies' replays
 stay under the bound on the shipped conversation trace and the admission benchmark's RAG trace
-(``python -m benchmarks.admission`` measures it against the exact replay). The adaptive
-policy's replay on a sample can stray further near the capacity where it switches: its own
-ghost tiers then see a sample of a sample. Policies not in ``SAMPLED_POLICIES``, a trace with
+(``python -m benchmarks.admission`` measures it against the exact replay); the adaptive
+policy's ghost simulation is fed as on the whole trace (``cachetier.report.admission_sampled``),
+so its replay stays as close. Policies not in ``SAMPLED_POLICIES``, a trace with
 fewer keys, and every trace with ``rate=1`` (``--exact``) are replayed whole: every formula
 here then reduces to the plain counts.
 """
@@ -33,7 +33,7 @@ from itertools import accumulate
 
 from cachetier.admission.sample import KeySample
 from cachetier.record import KVBlock
-from cachetier.report.replay import ReplayTrace
+from cachetier.report.replay import ReplayTrace, usable_hit
 
 DEFAULT_MAX_ERROR = 0.005
 """The error bound of the default (sampled) curve: half a point of block hit ratio."""
@@ -96,12 +96,20 @@ class SampledTrace:
     num_tokens: int
 
 
-def sample_trace(trace: ReplayTrace, rate: float) -> SampledTrace:
+def count_refs(trace: ReplayTrace) -> Counter[bytes]:
+    """References of each key of ``trace``."""
+    return Counter(key for keys in trace.keys for key in keys)
+
+
+def sample_trace(
+    trace: ReplayTrace, rate: float, refs: Counter[bytes] | None = None
+) -> SampledTrace:
     """Keep the hot keys and a hashed ``rate`` of the others.
 
     Args:
         trace: the keyed trace.
         rate: in (0, 1], rounded to ``1 / m``; 1.0 keeps every reference.
+        refs: ``count_refs(trace)``, where the caller has it already.
 
     Returns:
         The sampled trace.
@@ -110,7 +118,7 @@ def sample_trace(trace: ReplayTrace, rate: float) -> SampledTrace:
     if weight == 1:
         return _whole(trace)
     sample = KeySample(1 / weight)
-    refs = Counter(key for keys in trace.keys for key in keys)
+    refs = refs if refs is not None else count_refs(trace)
     size = trace.block_size
     block_of: dict[bytes, KVBlock] = {}
     keys_out, blocks_out, cum_out, usable_out = [], [], [], []
@@ -266,5 +274,30 @@ def curve_point(
         sampled.num_tokens,
         tokens,
         sampled.rate,
+        elapsed_s,
+    )
+
+
+def exact_point(
+    trace: ReplayTrace, policy: str, capacity: int, hits: Sequence[int], elapsed_s: float
+) -> CurvePoint:
+    """A replay of the whole trace as a point of its curve (exact counts).
+
+    Args:
+        trace: the keyed trace.
+        policy: the replayed policy.
+        capacity: the cache's capacity in blocks.
+        hits: per request, its leading hit run.
+        elapsed_s: wall time of the replay.
+    """
+    size = trace.block_size
+    return CurvePoint(
+        policy,
+        capacity,
+        sum(len(keys) for keys in trace.keys),
+        float(sum(hits)),
+        sum(r.input_length for r in trace.requests),
+        float(sum(usable_hit(r, hit, size)[0] * size for r, hit in zip(trace.requests, hits))),
+        1.0,
         elapsed_s,
     )

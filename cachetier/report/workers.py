@@ -19,8 +19,16 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from cachetier.report.replay import replay_belady, replay_tier
-from cachetier.report.sampled import SAMPLED_POLICIES, CurvePoint, SampledTrace, curve_point
+from cachetier.report.replay import replay_belady
+from cachetier.report.replay_cache import replay_hits
+from cachetier.report.sampled import (
+    SAMPLED_POLICIES,
+    CurvePoint,
+    SampledTrace,
+    curve_point,
+    exact_point,
+)
+from cachetier.util.checks import positive_int
 
 Job = tuple[str, int]
 """One replay of the curve: an eviction policy name (or ``"belady"``) and a capacity in blocks."""
@@ -28,8 +36,9 @@ Job = tuple[str, int]
 
 def run_job(sampled: SampledTrace, job: Job) -> CurvePoint:
     """Replay the sample of a trace as ``job`` says (its blocks weigh what they stand for, so
-    the tier has the whole cache's capacity in bytes); a policy not in ``SAMPLED_POLICIES`` is
-    replayed on the whole trace.
+    the cache has the whole cache's capacity in bytes); a policy not in ``SAMPLED_POLICIES`` is
+    replayed on the whole trace. Eviction policies run in a ``ReplayCache``, which holds what
+    a ``CPUTier`` would.
 
     Args:
         sampled: the sampled trace (rate 1: the whole trace, exactly).
@@ -39,24 +48,17 @@ def run_job(sampled: SampledTrace, job: Job) -> CurvePoint:
         The curve's point.
     """
     name, capacity = job
-    if name not in SAMPLED_POLICIES:
-        whole = replay_tier(sampled.whole, name, capacity)
-        return CurvePoint(
-            name,
-            capacity,
-            whole.num_blocks,
-            whole.num_hit_blocks,
-            whole.num_tokens,
-            whole.num_hit_tokens,
-            1.0,
-            whole.elapsed_s,
-        )
+    positive_int("capacity_blocks", capacity)
     if name == "belady":
         result = replay_belady(sampled.trace, capacity)
-    else:
-        result = replay_tier(sampled.trace, name, capacity)
-    hits = [record.num_hit_blocks for record in result.records]
-    return curve_point(sampled, name, capacity, hits, result.elapsed_s)
+        hits = [record.num_hit_blocks for record in result.records]
+        return curve_point(sampled, name, capacity, hits, result.elapsed_s)
+    if name not in SAMPLED_POLICIES:
+        whole = sampled.whole
+        hits, elapsed_s = replay_hits(whole.keys, whole.blocks, name, capacity)
+        return exact_point(whole, name, capacity, hits, elapsed_s)
+    hits, elapsed_s = replay_hits(sampled.trace.keys, sampled.trace.blocks, name, capacity)
+    return curve_point(sampled, name, capacity, hits, elapsed_s)
 
 
 Runner = Callable[[Any, Job], Any]

@@ -4,45 +4,23 @@ bound, and the replays' lookup equal to ``TieredStore.lookup``."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from cachetier.report.lookup import leading_spans
-from cachetier.report.replay import ReplayTrace, TraceRequest, replay_belady, replay_tier
+from cachetier.report.replay import ReplayTrace, replay_belady, replay_tier
 from cachetier.report.sampled import HOT_REFS, sample_rate, sample_trace
 from cachetier.report.workers import run_job
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.cpu import CPUTier, CPUTierConfig
 from tests.cachetier.report import tiny
-
-
-def _chat_trace(num_requests: int = 3_000, seed: int = 0) -> ReplayTrace:
-    """A system prompt of 4 blocks in every request, then conversations whose turns resend
-    the previous turn and add 1 to 4 blocks; recent conversations are picked more often."""
-    rng = random.Random(seed)
-    next_id = 4
-    convs: list[list[int]] = []
-    requests = []
-    for i in range(num_requests):
-        if not convs or rng.random() < 0.3:
-            convs.append([0, 1, 2, 3])
-        conv = convs[-1 - min(len(convs) - 1, int(rng.expovariate(1 / 20)))]
-        if len(conv) > 24:  # a long chat ends; a new one starts
-            conv = [0, 1, 2, 3]
-            convs.append(conv)
-        conv.extend(range(next_id, next_id + rng.randint(1, 4)))
-        next_id = conv[-1] + 1
-        requests.append(
-            TraceRequest(i * 100, len(conv) * 512 - rng.randint(0, 400), 64, tuple(conv))
-        )
-    return ReplayTrace.from_requests(requests)
+from tests.cachetier.report.chat import chat_trace
 
 
 @pytest.fixture(scope="module")
 def chat() -> ReplayTrace:
-    return _chat_trace()
+    return chat_trace()
 
 
 def test_rate_one_is_the_exact_replay(tmp_path: Path) -> None:
