@@ -1,7 +1,8 @@
 """A trace replayed through the store's own admission path, over a real disk tier.
 
-``cachetier.report.admission_replay`` models the disk with a ``CPUTier`` and decides the disk's
-puts itself; this replay runs what a user runs: a ``TieredStore`` of a ``CPUTier`` over a
+``cachetier.report.admission_replay`` models the disk with a keys-only cache
+(``cachetier.report.replay_cache``) and decides the disk's puts itself; this replay runs what a
+user runs: a ``TieredStore`` of a ``CPUTier`` over a
 ``DiskTier`` (one record file per block in a folder) with the admission policy given to the
 store. Each request is looked up with ``TieredStore.lookup``, then all its blocks are put with
 ``TieredStore.put_many`` (the CPU tier takes them at once; the store's writer thread writes
