@@ -1,33 +1,19 @@
 """Traffic for the live-curve tests: chats that resend their history, and the plain LRU replay
-their curve is checked against (one request: its leading held run hits, then all stored)."""
+their curve is checked against (the benchmark's: a request's leading held run hits, then all
+its keys are stored)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict
+
+from benchmarks.live_curve import exact_lru as lru_hit_ratio  # the one reference LRU
+
+__all__ = ["chats", "key", "lru_hit_ratio"]
 
 
 def key(n: int) -> bytes:
     return hashlib.sha256(n.to_bytes(8, "little")).digest()
-
-
-def lru_hit_ratio(requests: list[list[bytes]], capacity: int) -> float:
-    """The reference: one plain LRU, a request's hit its leading held run, then all stored."""
-    held: OrderedDict[bytes, None] = OrderedDict()
-    hits = total = 0
-    for keys in requests:
-        run = 0
-        while run < len(keys) and keys[run] in held:
-            run += 1
-        hits += run
-        total += len(keys)
-        for k in keys:
-            held.pop(k, None)
-            held[k] = None
-            if len(held) > capacity:
-                held.popitem(last=False)
-    return hits / total
 
 
 def chats(num_requests: int, seed: int) -> list[list[bytes]]:
