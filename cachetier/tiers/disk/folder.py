@@ -223,15 +223,26 @@ class SharedFolder(FolderView):
                     any(owner != self.owner_id for owner in state.reserved)
                     or self._reserved > self.spares.held_bytes
                 )
+                with self.lock:
+                    stale = self._seen is None  # records were added since our last look
             if outcome == "scan":
                 self._rescan()
                 rescanned = True
                 continue
-            if not others_writing or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 return None
+            if not others_writing:
+                if not stale:
+                    return None
+                # Stuck on an old look: the batches we waited for landed after our last scan
+                # and are evictable now. Giving up here lost a put whenever its writer was the
+                # last one waiting.
+                rescanned = False
+                continue
             # Other batches in flight hold all the room; they land (and become evictable)
-            # within moments.
+            # within moments. Each look after the wait starts afresh, for the same reason.
             time.sleep(_ADMIT_POLL_S)
+            rescanned = False
 
     def settle(self) -> None:
         """Evict until the folder fits again (after a commit, or at open)."""
