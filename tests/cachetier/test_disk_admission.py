@@ -60,7 +60,9 @@ def test_a_put_that_waited_takes_the_room_of_batches_that_landed_after_its_last_
 
     monkeypatch.setattr(waiter._folder, "_rescan", rescan_then_another_lands)
     monkeypatch.setattr(
-        folder_module, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep_while_the_others_land)
+        folder_module,
+        "time",
+        SimpleNamespace(monotonic=time.monotonic, sleep=sleep_while_the_others_land),
     )
     assert waiter.put_many(namespace.id, blocks[5:]) == 1
     assert sleeps, "the put never waited: the interleaving was not made"
