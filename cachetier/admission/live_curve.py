@@ -5,7 +5,8 @@
 ``KeySample`` the adaptive policy's ghost tiers use). A lookup is one request: its hit at a
 size is the leading run of its sampled keys that size's ghost holds, then every sampled key is
 stored or refreshed in order, the definition of ``cachetier report``'s capacity curve; a put's
-keys are stored too (a tier holds what it is given, looked up first or not). So a
+keys are stored or refreshed too (a tier holds what it is given, looked up first or not, and a
+put of a block it holds marks it used). So a
 tier's point at factor 1 is what an LRU cache of its size alone would hit on the lookups (for
 the largest tier of a write-through stack, the store's own block hit ratio), and the points at
 2 and 4 say what more capacity would buy.
@@ -14,17 +15,21 @@ Counts are since the store opened (the ghosts start empty, as the tiers did not)
 are of every lookup so far. Hits are read back as the whole stream's with SHARDS's
 adjustment (``adjusted_ratio``); at rate 1 they are the exact LRU hit ratios.
 
+The ghosts of every tier sampled at one rate are one ``SegmentedStack`` (LRU caches of several
+sizes are the tops of one recency stack): a sampled key costs one lookup and one move, not one
+of each per ghost, which keeps the curve within a percent of a sidecar's throughput
+(``python -m benchmarks.live_curve``).
+
 Memory, fixed at construction: per tier, the rate is chosen so that the largest ghost (4x)
-holds at most ``sample_keys`` keys, so the four ghosts hold at most ``1.875 * sample_keys``
-(plus rounding, a key each) keys of ``KEY_BYTES`` each (``nbytes``); a key is kept as at
-most its first ``MAX_KEY_BYTES`` bytes. Thread-safe (one lock); a lookup costs
-one hash test per key and a few dictionary operations per sampled key and ghost.
+holds at most ``sample_keys`` keys; tiers sampled at one rate share their keys, so the stacks
+hold at most ``sample_keys`` keys a tier, of ``KEY_BYTES`` each (``nbytes``); a key is kept as
+at most its first ``MAX_KEY_BYTES`` bytes. Thread-safe (one lock); a lookup costs one hash
+test per key and a few dictionary operations per sampled key and sample.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,18 +42,20 @@ from cachetier.admission.sample import (
     sample_rate_for,
 )
 from cachetier.admission.simulation import START_CHOICE
+from cachetier.admission.stack import SegmentedStack
 from cachetier.admission.sketch import MIN_KEY_BYTES
 from cachetier.util.checks import positive_int
 
 CAPACITY_FACTORS = (0.5, 1.0, 2.0, 4.0)
 """The sizes each tier is simulated at, as multiples of its capacity."""
-KEY_BYTES = 170
-"""Bytes a ghost key takes: its ``OrderedDict`` entry and the key object."""
+KEY_BYTES = 260
+"""Bytes a ghost key takes: its stack's ``OrderedDict`` entry and segment entry (195, measured
+with ``tracemalloc`` over 200,000 keys) and the key object."""
 MAX_KEY_BYTES = 32
 """A key is kept as at most its first 32 bytes (a block key is a 32-byte digest), whatever a
 caller sent."""
 DEFAULT_SAMPLE_KEYS = 65_536
-"""Keys the largest ghost of a tier holds at most (at most about 20 MiB of ghosts a tier):
+"""Keys the largest ghost of a tier holds at most (at most about 17 MiB of ghosts a tier):
 sized so that the live curve stays within a point of block hit ratio of the exact one on the
 shipped conversation trace at the report's disk capacities (``python -m benchmarks.live_curve``;
 a quarter of it strays past a point there)."""
@@ -68,12 +75,8 @@ def factor_label(factor: float) -> str:
 
 
 class _TierCurve:
-    """The ghosts of one tier and their hit counts (under ``LiveCurve``'s lock).
-
-    A ghost is an ``OrderedDict`` of keys, least recent first (``GhostLRU``'s stack, used
-    directly: four of them see every sampled key of every request, so a method call per key
-    and ghost is most of the cost).
-    """
+    """One tier's points: its ghost capacities (in sampled keys) and their hit counts, read
+    from the stack of its sample (under ``LiveCurve``'s lock)."""
 
     def __init__(self, capacity_blocks: int, block_bytes: int, sample_keys: int) -> None:
         self.capacity_blocks = capacity_blocks
@@ -83,41 +86,21 @@ class _TierCurve:
         self.capacities = [
             self.sample.scaled(max(1, round(f * capacity_blocks))) for f in CAPACITY_FACTORS
         ]
-        self.stacks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in CAPACITY_FACTORS]
+        self.indexes: list[int] = []  # each capacity's place in its stack's bounds
         self.hits = [0] * len(CAPACITY_FACTORS)
         self.num_lookups = 0
         self.num_blocks = 0
         self.num_sampled = 0
 
-    def request(self, num_keys: int, sampled: Sequence[bytes]) -> None:
-        """A lookup: count each ghost's leading run of held keys, then store them all."""
+    def count(self, num_keys: int, num_sampled: int, runs: Sequence[int]) -> None:
+        """A lookup of ``num_keys`` keys, ``num_sampled`` of them sampled, whose leading runs
+        at the stack's bounds are ``runs``."""
         self.num_lookups += 1
         self.num_blocks += num_keys
-        self.num_sampled += len(sampled)
+        self.num_sampled += num_sampled
         hits = self.hits
-        for index, (stack, capacity) in enumerate(zip(self.stacks, self.capacities)):
-            run = 0
-            for key in sampled:
-                if key not in stack:
-                    break
-                run += 1
-            hits[index] += run
-            for key in sampled:
-                if key in stack:
-                    stack.move_to_end(key)
-                else:
-                    stack[key] = None
-                    if len(stack) > capacity:
-                        stack.popitem(last=False)
-
-    def store(self, sampled: Sequence[bytes]) -> None:
-        """A put: add the keys a ghost lacks (those it holds were refreshed by their lookup)."""
-        for stack, capacity in zip(self.stacks, self.capacities):
-            for key in sampled:
-                if key not in stack:
-                    stack[key] = None
-                    if len(stack) > capacity:
-                        stack.popitem(last=False)
+        for point, index in enumerate(self.indexes):
+            hits[point] += runs[index]
 
     def snapshot(self) -> dict[str, Any]:
         rate = self.sample.rate
@@ -133,6 +116,17 @@ class _TierCurve:
                 for f, h in zip(CAPACITY_FACTORS, self.hits)
             },
         }
+
+
+class _SampleStack:
+    """The tiers of one sample and the one stack that holds all their ghosts."""
+
+    def __init__(self, sample: KeySample, curves: list[_TierCurve]) -> None:
+        self.sample = sample
+        self.curves = curves
+        self.stack = SegmentedStack([c for curve in curves for c in curve.capacities])
+        for curve in curves:
+            curve.indexes = [self.stack.index_of(c) for c in curve.capacities]
 
 
 class LiveCurve:
@@ -159,6 +153,7 @@ class LiveCurve:
         self._tier_bytes = {t: b for t, b in tier_bytes.items() if b and b > 0}
         self._lock = threading.Lock()
         self._tiers: dict[str, _TierCurve] = {}
+        self._stacks: list[_SampleStack] = []  # one per sample, the widest first
         self._widest: KeySample | None = None  # the sample every other one is a subset of
         self._pending: list[tuple[int, list[bytes]]] = []  # lookups before the block size
         self._num_pending_keys = 0
@@ -170,7 +165,7 @@ class LiveCurve:
     def nbytes(self) -> int:
         """Bytes the ghosts may take at most (0 before the block size is known)."""
         with self._lock:
-            keys = sum(sum(c.capacities) for c in self._tiers.values())
+            keys = sum(max(s.stack.bounds) for s in self._stacks)
         return keys * KEY_BYTES
 
     def observe(self, keys: Sequence[bytes]) -> None:
@@ -192,7 +187,7 @@ class LiveCurve:
             self._feed(len(valid), kept, count=True)
 
     def stored(self, keys: Sequence[bytes], block_bytes: int) -> None:
-        """Add one put's keys to every tier's ghosts that lack them (a tier keeps what it is
+        """Store or refresh one put's keys in every tier's ghosts (a tier keeps what it is
         given, whether or not a lookup asked for it first: a generated block, say).
 
         Args:
@@ -234,21 +229,26 @@ class LiveCurve:
             }
             # Widest sample first: each narrower one keeps a subset of its keys (same hash).
             self._tiers = dict(sorted(tiers.items(), key=lambda kv: -kv[1].sample.threshold))
-            widest = next(iter(self._tiers.values()), None)
-            self._widest = widest.sample if widest is not None else KeySample(1.0)
+            by_sample: dict[int, list[_TierCurve]] = {}
+            for curve in self._tiers.values():
+                by_sample.setdefault(curve.sample.threshold, []).append(curve)
+            self._stacks = [_SampleStack(curves[0].sample, curves) for curves in by_sample.values()]
+            self._widest = self._stacks[0].sample if self._stacks else KeySample(1.0)
             pending, self._pending, self._num_pending_keys = self._pending, [], 0
             for num_keys, keys in pending:
                 self._feed(num_keys, [k for k in keys if self._widest.keeps(k)], count=True)
 
     def _feed(self, num_keys: int, kept: list[bytes], *, count: bool) -> None:
-        """``kept`` (the widest sample's keys) into each tier's own sample (under the lock)."""
+        """``kept`` (the widest sample's keys) into each sample's stack (under the lock)."""
         widest = self._widest
-        for curve in self._tiers.values():
-            mine = kept if curve.sample is widest else [k for k in kept if curve.sample.keeps(k)]
+        for group in self._stacks:
+            sample = group.sample
+            mine = kept if sample is widest else [k for k in kept if sample.keeps(k)]
             if count:
-                curve.request(num_keys, mine)
-            else:
-                curve.store(mine)
+                runs = group.stack.leading_runs(mine)
+                for curve in group.curves:
+                    curve.count(num_keys, len(mine), runs)
+            group.stack.use(mine)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per tier with a curve: its capacity and sample, the lookups counted, and

@@ -193,17 +193,18 @@ class StoreConfig:
         "size, format, tenant) above which the store logs once what differs, in [0, 1).",
     )
     live_curve: bool = setting(
-        False,
+        True,
         "keep each tier's capacity curve live: the hit ratio the lookups would have at 0.5, "
         "1, 2 and 4 times its capacity (LRU ghosts on a hashed sample of keys; "
         "``cachetier_tier_hit_ratio_at_capacity``, ``GET /v1/stats``); tiers of unknown "
-        "capacity have none. Off by default: it costs more than 1% of a sidecar's lookup, "
-        "get and put throughput (``python -m benchmarks.live_curve``).",
+        "capacity have none. It costs under 1% of a sidecar's lookup, get and put throughput "
+        "(``python -m benchmarks.live_curve``).",
     )
     live_curve_sample_keys: int = setting(
         DEFAULT_SAMPLE_KEYS,
-        "most block keys the largest (4x) ghost of each tier holds (the four hold 1.875 times "
-        "it, about 170 bytes a key); keys are sampled at the rate that fits 4x the tier into it.",
+        "most block keys the largest (4x) ghost of each tier holds (tiers sampled at one rate "
+        "share them; about 260 bytes a key); keys are sampled at the rate that fits 4x the "
+        "tier into it.",
     )
     admission: AdmissionConfig = nested(
         AdmissionConfig, "which blocks the tiers below the first write (``cachetier.admission``)."

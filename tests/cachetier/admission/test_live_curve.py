@@ -69,18 +69,20 @@ def test_a_sample_estimates_the_exact_curve() -> None:
 def test_memory_is_bounded_whatever_the_traffic() -> None:
     curve = LiveCurve({"cpu": 10_000_000, "disk": 100}, sample_keys=256, block_bytes=1)
     bound = curve.nbytes
-    assert bound <= 2 * (1.875 * 256 + 4) * KEY_BYTES
+    assert bound <= 2 * (256 + 1) * KEY_BYTES  # two tiers of two rates: two stacks
     rng = random.Random(3)
     for _ in range(400):  # 40,000 distinct keys, far past every ghost
         curve.observe([rng.randbytes(32) for _ in range(100)])
-    held = [len(s) for c in curve._tiers.values() for s in c.stacks]
-    capacities = [cap for c in curve._tiers.values() for cap in c.capacities]
-    assert all(h <= cap for h, cap in zip(held, capacities))
-    assert sum(capacities) <= 2 * (1.875 * 256 + 4)
+    stacks = [group.stack for group in curve._stacks]
+    assert len(stacks) == 2
+    for group in curve._stacks:
+        for c in group.curves:
+            assert all(group.stack.held_by(cap) <= cap for cap in c.capacities)
+    assert sum(len(s) for s in stacks) <= 2 * (256 + 1)
     assert curve.nbytes == bound
     # A hostile client's long keys are held as their first 32 bytes only.
     curve.observe([b"\xff" * 13 + b"\0\0\0" + b"x" * 1_000_000 for _ in range(10)])
-    assert all(len(k) <= 32 for c in curve._tiers.values() for s in c.stacks for k in s)
+    assert all(len(k) <= 32 for s in stacks for k in s)
 
 
 def test_bad_keys_are_never_sampled_and_never_raise() -> None:
@@ -174,8 +176,12 @@ def test_the_store_feeds_lookups_not_probes_or_restores(tmp_path: Path) -> None:
     assert stats["admission"]["choices"] == {"disk": "all"}
 
 
-def test_the_curve_is_off_by_default() -> None:
+def test_the_curve_is_on_by_default_and_can_be_turned_off() -> None:
     with build_store(StoreConfig(cpu_bytes=1 << 20)) as store:
+        store.put_many("ns", [block(1)])
+        store.lookup("ns", [key(1)])
+        assert store.stats()["live_curve"]["cpu"]["num_lookups"] == 1
+    with build_store(StoreConfig(cpu_bytes=1 << 20, live_curve=False)) as store:
         store.put_many("ns", [block(1)])
         store.lookup("ns", [key(1)])
         assert "live_curve" not in store.stats() and store.live_curve is None

@@ -28,7 +28,7 @@ def curve_of(server: EngineServer) -> dict[tuple[str, str], float]:
 def test_the_engine_exports_its_tiers_curve(make_server: Callable[..., EngineServer]) -> None:
     # A pool of 20 blocks holds one prompt (15 blocks) at a time, so each prompt's return is
     # looked up in the tiers; a CPU tier of 16 holds about one prompt, 4x it all three.
-    store = StoreConfig(cpu_bytes=16 * BLOCK_BYTES, fsync=False, live_curve=True)
+    store = StoreConfig(cpu_bytes=16 * BLOCK_BYTES, fsync=False)  # the curve is on by default
     server = make_server(
         store=store, engine_args={"kv_cache_bytes": 20 * BLOCK_BYTES, "guard": False}
     )
@@ -44,10 +44,10 @@ def test_the_engine_exports_its_tiers_curve(make_server: Callable[..., EngineSer
     assert line[-1] > 0.5 and line[0] < line[-1], line
 
 
-def test_with_the_curve_off_by_default_there_is_no_series(
+def test_with_the_curve_off_there_is_no_series(
     make_server: Callable[..., EngineServer],
 ) -> None:
-    off = StoreConfig(cpu_bytes=16 * BLOCK_BYTES, fsync=False)
+    off = StoreConfig(cpu_bytes=16 * BLOCK_BYTES, fsync=False, live_curve=False)
     server = make_server(store=off, engine_args={"kv_cache_bytes": 20 * BLOCK_BYTES})
     body = {"prompt": PROMPTS[0], "max_tokens": 1}
     assert call_json(server.url, "POST", "/v1/completions", body)[0] == 200
