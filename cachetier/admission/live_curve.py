@@ -42,8 +42,8 @@ from cachetier.admission.sample import (
     sample_rate_for,
 )
 from cachetier.admission.simulation import START_CHOICE
-from cachetier.admission.stack import SegmentedStack
 from cachetier.admission.sketch import MIN_KEY_BYTES
+from cachetier.admission.stack import SegmentedStack
 from cachetier.util.checks import positive_int
 
 CAPACITY_FACTORS = (0.5, 1.0, 2.0, 4.0)
