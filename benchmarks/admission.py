@@ -302,7 +302,6 @@ def measure(
     ]
     # Other work may share the cores while it runs: read it beside the machine's load.
     report_s = None if quick else round(time_report(CONVERSATION_TRACE), 1)
-    load = round(os.getloadavg()[0], 2)  # the run queue over the last minute, when it ended
     best = {
         policy: _targets(
             max(
@@ -323,7 +322,7 @@ def measure(
             t["sampled_curve"]["max_abs_error"] for t in per_trace.values()
         ),
         "report_conversation_trace_s": report_s,
-        "report_load_average": load,
+        "report_load_average": round(os.getloadavg()[0], 2),  # over the last minute
         "adaptive_targets": {
             "adaptive_margin_min": ADAPTIVE_MARGIN_TARGET,
             "adaptive_writes_where_filter_wins": ADAPTIVE_WRITES_TARGET,

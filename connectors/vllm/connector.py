@@ -30,11 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MLAAttentionSpec,
-    get_kv_cache_spec_kind,
-)
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_cache_spec_kind
 
 from cachetier.connectors.config import (
     VLLM_PLUGIN_KEYS,
@@ -48,6 +44,7 @@ from cachetier.connectors.vllm.events import (
     VllmEventSink,
     kv_events_enabled,
 )
+from cachetier.connectors.vllm.kv_groups import storable_spec
 from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
 from cachetier.connectors.vllm.scheduler import CacheTierScheduler
@@ -84,7 +81,8 @@ class CacheTierConnector(KVConnectorBase_V1):
         vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``
             holds the ``ConnectorConfig`` keys.
         role: scheduler or worker.
-        kv_cache_config: the engine's KV cache groups (one full-attention group is supported).
+        kv_cache_config: the engine's KV cache groups (one group that keeps every token's
+            KV: ``cachetier.connectors.vllm.kv_groups``).
     """
 
     def __init__(
@@ -330,27 +328,12 @@ class CacheTierConnector(KVConnectorBase_V1):
 def _arrangement_of(
     kv_cache_config: KVCacheConfig, vllm_config: VllmConfig
 ) -> tuple[VllmArrangement, list[str]]:
-    """How blocks map to canonical ones, and the layer order, for one full-attention KV group."""
+    """How blocks map to canonical ones, and the layer order, of the one KV cache group whose
+    every full block cachetier stores (``cachetier.connectors.vllm.kv_groups``)."""
     from vllm.platforms import current_platform
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            "CacheTierConnector supports models with one KV cache group, "
-            f"this one has {len(groups)}"
-        )
-    spec = groups[0].kv_cache_spec
-    if (
-        not isinstance(spec, FullAttentionSpec)
-        or spec.sliding_window is not None
-        or spec.head_size_v != spec.head_size
-        # Unquantized or fp8 with one scale per layer; other modes keep per-token scales or
-        # packed formats the canonical block does not hold.
-        or int(getattr(spec, "kv_quant_mode", 0)) not in (0, 1)
-    ):
-        raise ValueError(
-            f"CacheTierConnector supports full attention only, not {type(spec).__name__}"
-        )
+    spec = storable_spec(kv_cache_config, vllm_config.model_config.model)
+    (group,) = kv_cache_config.kv_cache_groups
     block_size = vllm_config.cache_config.block_size
     if spec.block_size != block_size:
         raise ValueError(f"KV spec block size {spec.block_size} != cache block size {block_size}")
@@ -359,12 +342,12 @@ def _arrangement_of(
         is_mla=isinstance(spec, MLAAttentionSpec),
         dtype=spec.dtype,
         block_size=block_size,
-        num_layers=len(groups[0].layer_names),
+        num_layers=len(group.layer_names),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         kv_cache_dtype=vllm_config.cache_config.cache_dtype,
     )
-    return arrangement, list(groups[0].layer_names)
+    return arrangement, list(group.layer_names)
 
 
 def record_check_of(config: ConnectorConfig, model: str) -> RecordCheck | None:

@@ -1,0 +1,211 @@
+"""Small random-weight model folders of several attention arrangements, made from a config.
+
+    python -m benchmarks.support.arch_models --kind gemma3 --out DIR [--seed 0]
+
+Each folder holds ``config.json``, ``model.safetensors`` (random weights, float32) and SmolLM2's
+tokenizer (the converted folder of ``cachetier.engine.smollm2``), with ``vocab_size`` set to the
+tokenizer's. The shapes are tiny (hidden 64, head size 32: the smallest vLLM-CPU's attention
+takes, 2-4 layers) and the window is ``WINDOW`` tokens, so that a prompt of a few vLLM-CPU blocks
+(32 tokens each) reaches past it. Tokens from random weights mean nothing; what a test may read
+off such a folder is whether an engine runs it, and whether two runs of it agree.
+
+Kinds (``KINDS``):
+
+- ``llama``: full attention on every layer.
+- ``mistral_sliding``: Mistral, a sliding window on every layer.
+- ``qwen2_interleaved``: Qwen2 with ``use_sliding_window`` and ``max_window_layers``: the first
+  layers full, the others sliding (transformers runs it; vLLM's Qwen2 refuses a window on some
+  layers only).
+- ``gemma3``: Gemma-3 (text), local (sliding) and global layers interleaved.
+- ``granitemoehybrid``: Granite-4 hybrid, Mamba-2 (recurrent state) layers and attention layers
+  (vLLM needs its hybrid KV cache manager for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+WINDOW = 48  # tokens; not a multiple of a 32-token block, so a window starts inside a block
+HIDDEN = 64
+HEAD_DIM = 32
+MAX_POSITIONS = 4096
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _common(vocab_size: int, num_layers: int) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+
+
+def _llama(vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common(vocab_size, 2))
+
+
+def _mistral_sliding(vocab_size: int) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(**_common(vocab_size, 2), sliding_window=WINDOW)
+
+
+def _qwen2_interleaved(vocab_size: int) -> Any:
+    from transformers import Qwen2Config
+
+    # transformers makes layer i sliding where i >= max_window_layers.
+    return Qwen2Config(
+        **_common(vocab_size, 4),
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=2,
+    )
+
+
+def _gemma3(vocab_size: int) -> Any:
+    from transformers import Gemma3TextConfig
+
+    common = _common(vocab_size, 4)
+    common.pop("intermediate_size")
+    return Gemma3TextConfig(
+        **common,
+        intermediate_size=2 * HIDDEN,
+        sliding_window=WINDOW,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        query_pre_attn_scalar=HEAD_DIM,
+    )
+
+
+def _granitemoehybrid(vocab_size: int) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    common = _common(vocab_size, 4)
+    common.pop("head_dim")  # hidden / heads
+    return GraniteMoeHybridConfig(
+        **common,
+        layer_types=["mamba", "attention", "mamba", "attention"],  # saved as linear/full
+        num_local_experts=0,
+        shared_intermediate_size=2 * HIDDEN,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=32,
+        position_embedding_type="rope",
+    )
+
+
+KINDS: dict[str, Callable[[int], Any]] = {
+    "llama": _llama,
+    "mistral_sliding": _mistral_sliding,
+    "qwen2_interleaved": _qwen2_interleaved,
+    "gemma3": _gemma3,
+    "granitemoehybrid": _granitemoehybrid,
+}
+
+
+def layer_windows(folder: str | Path) -> list[int | None]:
+    """Each layer's attention window in tokens, from a folder's ``config.json``: ``None`` for a
+    layer that attends to every token before it, or that is no attention layer (recurrent).
+
+    Args:
+        folder: a model folder (``make_arch_model``'s, or any with ``num_hidden_layers``).
+
+    Returns:
+        One entry per layer, in layer order.
+    """
+    config = json.loads((Path(folder) / "config.json").read_text())
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if layer_types is None:  # Mistral: one window for every layer, if any
+        return [window] * config["num_hidden_layers"]
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight model folder of ``kind`` (``KINDS``) to ``out_dir``.
+
+    Args:
+        kind: one of ``KINDS``.
+        out_dir: the folder to write (made if missing); it must not hold weights yet.
+        seed: seeds the random weights (the same seed gives the same weights).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        ValueError: an unknown ``kind``, or ``out_dir`` already holds ``model.safetensors``.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from cachetier.engine.smollm2 import smollm2_path
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; pick one of {sorted(KINDS)}")
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        raise ValueError(f"{out} already holds model.safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = smollm2_path()
+    for name in _TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir / name, out / name)
+    vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config = KINDS[kind](vocab_size)
+    config.dtype = "float32"
+    # transformers draws its initial weights from the global RNG: fork it, seed the fork.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The architecture is what vLLM picks its model class by; save_pretrained of the model
+    # would write it, of a config alone it does not.
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        # One tensor under two names: stored once, under the embeddings' name, as HF does.
+        state.pop("lm_head.weight", None)
+    save_file({name: t.contiguous() for name, t in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kind", required=True, choices=sorted(KINDS))
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        print(make_arch_model(args.kind, Path(args.out), args.seed))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()
