@@ -2,7 +2,9 @@
 
 Weights are Hugging Face's, by name; q/k/v and gate/up are fused into one matmul each. The math
 follows transformers' LlamaModel step for step (RMSNorm in fp32, rotate-half RoPE), so logits
-agree with it to float rounding.
+agree with it to float rounding. Sliding-window layers (Mistral, Qwen2 with use_sliding_window)
+mask keys outside their window but keep every block, as vLLM does with its hybrid KV cache
+manager off, so the pool and its records are those of full attention.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from cachetier.kernels.torch_paged_attention import (
     CPU_FLASH_WITH_LSE,
     attend_unmasked,
     gather_layer_kv,
+    window_mask,
+    window_start,
 )
 
 
@@ -159,8 +163,6 @@ class LlamaModel:
         kernel_backend: str = "auto",
         device: str | torch.device = "cpu",
     ) -> None:
-        if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
-            raise ValueError("sliding-window attention is not supported by the engine")
         self.spec = spec
         self.dtype = dtype
         self.kernel_backend = kernel_backend
@@ -280,6 +282,8 @@ class LlamaModel:
         # for add and norm, cachetier.kernels.fused_ops), so it is carried as ``delta`` until then.
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
+            # The native prefill kernel has no window: a windowed layer prefills on the torch path.
+            window = spec.window_of(index)
             h = rms_norm(x, layer["in_norm"], eps, delta, backend=backend)
             qkv = linear(h, layer["qkv"], layer["qkv_bias"])
             # q and k rotated in place in qkv; k and v written to the pool in the same pass.
@@ -295,14 +299,14 @@ class LlamaModel:
             if kv_scales is not None:
                 store_kv_fp8(k, v, kv_cache, kv_scales, index, batch.slot_mapping)
             attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is a strided view
-            self._decode_attention(q, groups, kv_cache, index, kv_scales, attn)
+            self._decode_attention(q, groups, kv_cache, index, kv_scales, attn, window)
             native = plan is not None and paged_prefill_attention(
-                q, kv_cache, index, plan, self.scale, attn
+                q, kv_cache, index, plan, self.scale, attn, window
             )
             for s, table in () if native else zip(others, prefill_tables):
                 rows = slice(s.start, s.start + s.num_new)
                 attn[rows] = self._prefill_attention(
-                    q[rows], k[rows], v[rows], s, table, kv_cache, index, kv_scales
+                    q[rows], k[rows], v[rows], s, table, kv_cache, index, kv_scales, window
                 )
             delta = linear(attn.view(-1, hq * d), layer["o"])
             h = rms_norm(x, layer["post_norm"], eps, delta, backend=backend)
@@ -320,6 +324,7 @@ class LlamaModel:
         layer: int,
         kv_scales: torch.Tensor | None,
         out: torch.Tensor,
+        window: int | None,
     ) -> None:
         # Each decode group's rows of ``out`` ([T, hq, d], like q) from the paged decode kernel.
         for group in groups:
@@ -340,7 +345,8 @@ class LlamaModel:
                 tables,
                 group.context_lens,
                 self.scale,
-                num_shared_blocks=group.num_shared_blocks,
+                num_shared_blocks=group.num_shared_blocks if window is None else 0,
+                window=window,
                 backend=self.kernel_backend,
             )
 
@@ -369,29 +375,34 @@ class LlamaModel:
         kv_cache: torch.Tensor,
         layer: int,
         kv_scales: torch.Tensor | None,
+        window: int | None,
     ) -> torch.Tensor:
         # q: [n, hq, d]; attends to context [0, context_len) of which the last n are new, whose
-        # blocks ``table`` (s.block_table on the pool's device) lists.
+        # blocks ``table`` (s.block_table on the pool's device) lists. Under a window the keys
+        # before ``first`` are seen by none of the chunk's queries and are not read.
         n, cached = s.num_new, s.context_len - s.num_new
+        if window is not None and s.context_len <= window:
+            window = None  # every query sees every key before it: plain causal
         on_cpu_flash = CPU_FLASH_WITH_LSE is not None and q.device.type == "cpu"
-        if cached and kv_scales is None and on_cpu_flash:
+        if cached and kv_scales is None and on_cpu_flash and window is None:
             return self._split_attention(q, k_new, v_new, s, kv_cache, layer)
+        first = window_start(cached + 1, window)  # the chunk's first query sits at ``cached``
         if cached == 0 and kv_scales is None:
             k, v = k_new, v_new  # nothing cached: skip the gather from the pool
         elif kv_scales is None:
-            k, v = gather_layer_kv(kv_cache, layer, table, s.context_len)
+            k, v = gather_layer_kv(kv_cache, layer, table, s.context_len, first)
         else:
             # fp8 always reads the pool: attention sees the quantised K/V, the same whether a
             # prefix was computed here or restored from a tier.
             kv = dequantize_blocks(kv_cache, kv_scales, table, layer, self.dtype)
-            kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, : s.context_len]
+            kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, first : s.context_len]
             k, v = kv[0], kv[1]
+        # Query i sits at position cached + i: it sees keys up to itself, and under a window
+        # none at or before cached + i - window. [n, context_len - first] bool.
         if n <= _SMALL_CHUNK:
             mask = None
-            if cached:
-                # Query i sits at position cached + i and sees keys 0 .. cached + i.
-                rows = torch.arange(n, device=q.device)[:, None] + cached
-                mask = torch.arange(s.context_len, device=q.device)[None, :] <= rows
+            if cached or window is not None:
+                mask = window_mask(n, s.context_len, first, window, q.device)
             return self._grouped_attention(q, k, v, mask)
         gqa = q.device.type not in _EXPAND_GQA_DEVICES
         if not gqa:
@@ -404,6 +415,8 @@ class LlamaModel:
         # memory (faster than the explicit [n, context] mask this replaced, with the same
         # outputs); on CPU it is materialised, as the mask was.
         bias = causal_lower_right(n, s.context_len) if cached else None
+        if window is not None:  # no bias object for a window: an explicit mask
+            bias = window_mask(n, s.context_len, first, window, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),

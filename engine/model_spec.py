@@ -35,8 +35,12 @@ class ModelSpec:
     """What the engine must know of a Llama-family model to run it and to size its KV cache.
 
     ``rope_scaling`` is None for plain RoPE, else the scaling dict (with ``rope_type``).
-    ``attention_bias`` is True for Qwen2 (q/k/v projections carry a bias); ``sliding_window``
-    is None unless every layer attends to a window (Mistral v0.1).
+    ``attention_bias`` is True for Qwen2 (q/k/v projections carry a bias). ``sliding_window``
+    is the config's window (None where the model has none, as transformers sets it);
+    ``layer_windows`` says which layers use it: one entry a layer, None for full attention, else
+    ``sliding_window`` (a query at position p sees keys p - window + 1 .. p). A model whose
+    every layer attends fully has ``()`` (entries all None are stored so), so specs compare
+    equal however they were built.
     """
 
     architecture: str
@@ -56,6 +60,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         _check_architecture(self.architecture)
@@ -94,6 +99,13 @@ class ModelSpec:
             raise ValueError(
                 f"sliding_window must be None or a positive int, got {self.sliding_window!r}"
             )
+        _check_layer_windows(self.layer_windows, self.num_layers, self.sliding_window)
+        if all(window is None for window in self.layer_windows):
+            object.__setattr__(self, "layer_windows", ())  # frozen: the one canonical form
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window in tokens, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelSpec:
@@ -114,6 +126,7 @@ class ModelSpec:
         rope_theta, rope_scaling = rope_settings(config)
         eos = config.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        window = _sliding_window(architecture, config)
         return cls(
             architecture=architecture,
             num_layers=need("num_hidden_layers"),
@@ -131,7 +144,8 @@ class ModelSpec:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
-            sliding_window=_sliding_window(architecture, config),
+            sliding_window=window,
+            layer_windows=_layer_windows(architecture, config, window, need("num_hidden_layers")),
         )
 
     @classmethod
@@ -162,13 +176,68 @@ def _check_architecture(architecture: object) -> None:
         )
 
 
+def _check_layer_windows(windows: object, num_layers: int, sliding_window: int | None) -> None:
+    if not isinstance(windows, tuple):
+        raise TypeError(f"layer_windows must be a tuple, got {windows!r}")
+    if windows and len(windows) != num_layers:
+        raise ValueError(
+            f"layer_windows has {len(windows)} entries; give one per layer ({num_layers}) or none"
+        )
+    for window in windows:
+        if window is not None and window != sliding_window:
+            raise ValueError(
+                f"a layer window must be None or sliding_window ({sliding_window}), got {window!r}"
+            )
+
+
+# Window semantics, the same in the three places that compute it:
+# - transformers 5.19 masking_utils.py:93-101 (sliding_window_overlay): key kv_idx is seen by
+#   query q_idx iff kv_idx > q_idx - sliding_window, on top of the causal kv_idx <= q_idx
+#   (masking_utils.py:77-82): a query sees `window` keys, itself included.
+# - vLLM flash_attn.py:1082 (and triton_attn.py:484) pass window_size (sliding_window - 1, 0):
+#   sliding_window - 1 keys to the left plus the query's own, the same `window` keys;
+#   flex_attention.py:746 starts at q_idx - (sliding_window - 1).
+# - ours: cachetier.kernels.torch_paged_attention.window_start.
+
+
 def _sliding_window(architecture: str, config: Mapping[str, Any]) -> int | None:
-    if architecture == "Qwen2ForCausalLM":
-        if config.get("use_sliding_window"):
-            # Qwen2 windows only the layers past max_window_layers; the engine has no per-layer
-            # windows, and running full attention there would give different logits.
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+    if architecture == "LlamaForCausalLM":
         return None
-    if architecture == "MistralForCausalLM":
-        return config.get("sliding_window")
-    return None
+    if architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window"):
+        # transformers configuration_qwen2.py:84 drops the window unless use_sliding_window.
+        return None
+    # A config without the key gets the class default, 4096 in MistralConfig and Qwen2Config
+    # (configuration_mistral.py:80, configuration_qwen2.py:75); an explicit null means none.
+    window = config.get("sliding_window", 4096)
+    if window is not None and not _is_count(window):
+        raise ValueError(f"sliding_window must be null or a positive int, got {window!r}")
+    return window
+
+
+def _layer_windows(
+    architecture: str, config: Mapping[str, Any], window: int | None, num_layers: int
+) -> tuple[int | None, ...]:
+    if not _is_count(num_layers):
+        raise ValueError(f"num_hidden_layers must be a positive int, got {num_layers!r}")
+    if architecture != "Qwen2ForCausalLM":
+        # MistralModel windows every layer with config.sliding_window and ignores layer_types
+        # (transformers modeling_mistral.py:353, configuration_mistral.py:88 only warns).
+        return (window,) * num_layers
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        # Derived as transformers configuration_qwen2.py:88-94 does: the layers from
+        # max_window_layers (default 28) on slide, the ones before attend fully.
+        first = config.get("max_window_layers", 28)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types must list one type per layer ({num_layers})")
+    kinds = {"full_attention": None, "sliding_attention": window}
+    if not set(layer_types) <= kinds.keys():
+        raise ValueError(f"layer_types may hold only {sorted(kinds)}, got {layer_types!r}")
+    if window is None and "sliding_attention" in layer_types:
+        # transformers raises here too (masking_utils.create_sliding_window_causal_mask).
+        raise ValueError("layer_types has sliding_attention layers but the config no window")
+    return tuple(kinds[t] for t in layer_types)

@@ -137,6 +137,7 @@ def paged_prefill_attention(
     plan: PrefillPlan,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> bool:
     """Write every planned chunk's attention output into ``out``.
 
@@ -149,10 +150,12 @@ def paged_prefill_attention(
         plan: from ``plan_prefill`` for this step.
         scale: softmax scale.
         out: ``[T, num_heads, head_dim]`` float32; the planned chunks' rows are written.
+        window: a sliding window (``paged_prefill_attention_ref``). The kernel has none, so a
+            window returns ``False`` and the caller takes the torch path.
 
     Returns:
         ``False`` (``out`` untouched) where the kernel is unavailable or does not cover these
-        tensors: not CPU float32, head_dim not 64 or 128, no AVX2 and FMA. The caller then
+        tensors: a window, not CPU float32, head_dim not 64 or 128, no AVX2 and FMA. The caller then
         takes the torch path.
 
     Raises:
@@ -161,7 +164,8 @@ def paged_prefill_attention(
     """
     _check(query, kv_cache, layer, plan, out)
     if (
-        query.device.type != "cpu"
+        window is not None
+        or query.device.type != "cpu"
         or query.dtype != torch.float32
         or kv_cache.dtype != torch.float32
         or not kv_cache.is_contiguous()
@@ -218,9 +222,10 @@ def paged_prefill_attention_ref(
     layer: int,
     chunks: Sequence[PrefillChunk],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same in plain torch, float64 inside: ``[T, num_heads, head_dim]``, zeros in rows no
-    chunk covers."""
+    chunk covers. Under ``window`` a query at position p sees keys p - window + 1 .. p only."""
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -236,6 +241,10 @@ def paged_prefill_attention_ref(
         scores = q @ k.transpose(1, 2) * scale
         cached = c.context_len - c.num_new
         rows = torch.arange(c.num_new)[:, None] + cached
-        scores = scores.masked_fill(torch.arange(c.context_len)[None, :] > rows, float("-inf"))
+        cols = torch.arange(c.context_len)[None, :]
+        hidden = cols > rows
+        if window is not None:
+            hidden |= cols <= rows - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[c.start : c.start + c.num_new] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out

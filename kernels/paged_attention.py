@@ -39,6 +39,7 @@ def paged_attention_decode(
     scale: float,
     *,
     num_shared_blocks: int = 0,
+    window: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attends each sequence's query token to its cached K/V in the pool.
@@ -59,6 +60,9 @@ def paged_attention_decode(
         num_shared_blocks: leading block-table columns that every row has in common and that
             lie inside every row's context (``common_prefix_blocks``); the CPU paths read
             them once for the whole batch. It never changes the result, only the work.
+        window: sliding-window attention: each query sees only its last ``window`` keys
+            (itself included; ``window_start``); None for all of them. The compiled CPU kernel
+            has no window, so a windowed call takes the torch path there.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``cachetier.kernels.backend``). On CPU
             tensors ``"auto"`` takes the compiled kernel where it is available and ``"torch"``
             always the plain-torch code.
@@ -72,17 +76,21 @@ def paged_attention_decode(
     """
     inputs = DecodeInputs(query, kv_cache, layer, block_tables, context_lens, scale)
     pool = _check_decode_inputs(inputs, num_shared_blocks)  # scale is a number from here on
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
     inputs = dataclasses.replace(inputs, scale=float(scale))
     resolved = resolve_backend(backend, query, kv_cache, block_tables, context_lens)
     if resolved == "triton":
         from cachetier.kernels.triton_paged_attention import paged_attention_decode_triton
 
-        return paged_attention_decode_triton(inputs, pool)
+        return paged_attention_decode_triton(inputs, pool, window)
     if backend == "auto":
-        out = paged_attention_decode_native(inputs, num_shared_blocks)
+        out = paged_attention_decode_native(inputs, num_shared_blocks, window)
         if out is not None:
             return out
-    return paged_attention_decode_torch(inputs, num_shared_blocks)
+    return paged_attention_decode_torch(inputs, num_shared_blocks, window)
 
 
 def _check_decode_inputs(inputs: DecodeInputs, num_shared_blocks: int) -> PoolShape:
@@ -124,11 +132,12 @@ def _check_decode_inputs(inputs: DecodeInputs, num_shared_blocks: int) -> PoolSh
     return pool
 
 
-def paged_attention_decode_ref(inputs: DecodeInputs) -> torch.Tensor:
+def paged_attention_decode_ref(inputs: DecodeInputs, window: int | None = None) -> torch.Tensor:
     """Plain-torch ``paged_attention_decode`` (no input checks), batched with a length mask.
 
     Args:
         inputs: the step's inputs (``paged_attention_decode``'s first six arguments).
+        window: keys before ``context_len - window`` are masked too (None: none are).
 
     Returns:
         ``[batch, num_heads, head_dim]`` in the query's dtype.
@@ -150,11 +159,13 @@ def paged_attention_decode_ref(inputs: DecodeInputs) -> torch.Tensor:
 
     scores = torch.einsum("bhgd,bthd->bhgt", q, k) * scale  # [batch, num_kv_heads, group, T]
     positions = torch.arange(num_tokens, device=query.device)
-    past_end = positions[None, :] >= context_lens[:, None]  # [batch, T]
-    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    masked = positions[None, :] >= context_lens[:, None]  # [batch, T]
+    if window is not None:
+        masked |= positions[None, :] < context_lens[:, None] - window
+    scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
     # Slots past the end may hold anything (torch.empty, stale blocks), NaN included, and
     # 0 * NaN is NaN: zero them rather than rely on their zero weight.
-    v = v.masked_fill(past_end[:, :, None, None], 0.0)
+    v = v.masked_fill(masked[:, :, None, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)  # [batch, num_kv_heads, group, head_dim]
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)

@@ -23,25 +23,56 @@ from cachetier.kernels.pool_shape import DecodeInputs
 CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def window_start(context_len: int, window: int | None) -> int:
+    """The first key a query at position ``context_len - 1`` sees under ``window``.
+
+    A window of W lets a query see W keys, itself included: keys ``p - W + 1 .. p`` for a query
+    at position p (transformers' sliding_window_overlay, vLLM's window_size ``(W - 1, 0)``; see
+    ``cachetier.engine.model_spec``). ``None`` is full attention: key 0.
+    """
+    return 0 if window is None else max(0, context_len - window)
+
+
+def window_mask(
+    num_new: int, context_len: int, first_key: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[num_new, context_len - first_key]`` bool, True where a query may see a key.
+
+    The queries are the last ``num_new`` positions of the context; the keys are positions
+    ``first_key .. context_len - 1``. Causal, and under ``window`` no key at or before
+    ``position - window``.
+    """
+    rows = torch.arange(num_new, device=device)[:, None] + (context_len - num_new)
+    cols = torch.arange(first_key, context_len, device=device)[None, :]
+    mask = cols <= rows
+    return mask if window is None else mask & (cols > rows - window)
+
+
 def gather_layer_kv(
-    kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, length: int
+    kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, length: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` tokens' K and V of one layer, read through ``block_ids`` in order.
+    """Tokens ``start .. length - 1``'s K and V of one layer, read through ``block_ids`` in order.
 
     Args:
         kv_cache: the pool, ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
         layer: which layer.
-        block_ids: the blocks holding the tokens, at least ``ceil(length / block_size)``.
-        length: tokens to return.
+        block_ids: the blocks holding the tokens from token 0 on, at least
+            ``ceil(length / block_size)``.
+        length: the end (exclusive) of the tokens to return.
+        start: the first token to return (a window's first key); blocks before it are not read.
 
     Returns:
-        K and V, ``[length, num_kv_heads, head_dim]`` each: one copy each out of the pool's
-        blocks, straight into the layout attention reads (a gather of whole blocks then a
+        K and V, ``[length - start, num_kv_heads, head_dim]`` each: one copy each out of the
+        pool's blocks, straight into the layout attention reads (a gather of whole blocks then a
         transpose would copy everything twice).
     """
-    ids = block_ids[: -(-length // kv_cache.shape[3])]
-    k = kv_cache[:, layer, 0].index_select(0, ids).flatten(0, 1)[:length]
-    v = kv_cache[:, layer, 1].index_select(0, ids).flatten(0, 1)[:length]
+    block_size = kv_cache.shape[3]
+    first = start // block_size
+    ids = block_ids[first : -(-length // block_size)]
+    # Token offsets inside the gathered blocks, which begin at token first * block_size.
+    lo, hi = start - first * block_size, length - first * block_size
+    k = kv_cache[:, layer, 0].index_select(0, ids).flatten(0, 1)[lo:hi]
+    v = kv_cache[:, layer, 1].index_select(0, ids).flatten(0, 1)[lo:hi]
     return k, v
 
 
@@ -117,13 +148,18 @@ def merge_attention(
     return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
-def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 0) -> torch.Tensor:
-    """``paged_attention_decode`` on CPU (see there).
+def paged_attention_decode_torch(
+    inputs: DecodeInputs, num_shared_blocks: int = 0, window: int | None = None
+) -> torch.Tensor:
+    """``paged_attention_decode`` on CPU (see there); the definition of its ``window``.
 
     Args:
         inputs: the step's inputs, already checked.
         num_shared_blocks: leading block-table columns every row has in common, each inside
-            every row's context; their K/V are read once for the whole batch.
+            every row's context; their K/V are read once for the whole batch. Not used with a
+            window: each row reads its own window's blocks alone.
+        window: each row's query (the last of its context) sees only the keys from
+            ``window_start(context_len, window)`` on; None for all of them.
     """
     query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     batch, num_heads, head_dim = query.shape
@@ -137,6 +173,8 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
     lens = context_lens.tolist()
     tables = block_tables.long()
 
+    if window is not None:
+        num_shared_blocks = 0
     shared_out = shared_lse = None
     shared_len = num_shared_blocks * block_size
     if num_shared_blocks:
@@ -148,7 +186,7 @@ def paged_attention_decode_torch(inputs: DecodeInputs, num_shared_blocks: int = 
             result = shared_out[row]  # type: ignore[index]
         else:
             ids = tables[row, num_shared_blocks:]
-            k, v = gather_layer_kv(kv_cache, layer, ids, own_len)
+            k, v = gather_layer_kv(kv_cache, layer, ids, own_len, window_start(own_len, window))
             result, lse = _attend(q[row], k, v, scale)
             if shared_out is not None:
                 result = merge_attention(shared_out[row], shared_lse[row], result, lse)  # type: ignore[index]

@@ -23,6 +23,7 @@ def paged_attention_decode_kernel(
     kv_cache_ptr,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
     block_tables_ptr,  # [batch, max_blocks_per_seq]
     context_lens_ptr,  # [batch], each >= 1
+    window,  # keys seen per query, itself included (the whole table's tokens for no window)
     scale_log2,  # softmax scale * log2(e): scores go through exp2 instead of exp
     query_stride_batch,
     query_stride_head,
@@ -66,10 +67,13 @@ def paged_attention_decode_kernel(
 
     kv_base = kv_cache_ptr + layer_offset + kv_head * cache_stride_head
     num_context_blocks = tl.cdiv(context_len, block_size)
-    for i in range(0, num_context_blocks):
+    # A window starts the walk at the block of its first key (the query is the last token).
+    first_key = tl.maximum(context_len - window, 0)
+    for i in range(first_key // block_size, num_context_blocks):
         # In bounds: the wrapper checked context_len <= max_blocks_per_seq * block_size.
         block_id = tl.load(block_tables_ptr + seq * block_tables_stride_batch + i).to(tl.int64)
-        t_mask = (t < block_size) & (i * block_size + t < context_len)  # [T]
+        pos = i * block_size + t
+        t_mask = (t < block_size) & (pos < context_len) & (pos >= first_key)  # [T]
         kv_mask = t_mask[:, None] & d_mask[None, :]  # [T, D]
         kv_offs = block_id * cache_stride_block + t[:, None] * cache_stride_token + d[None, :]
         k = tl.load(kv_base + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
@@ -91,7 +95,9 @@ def paged_attention_decode_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def paged_attention_decode_triton(inputs: DecodeInputs, pool: PoolShape) -> torch.Tensor:
+def paged_attention_decode_triton(
+    inputs: DecodeInputs, pool: PoolShape, window: int | None = None
+) -> torch.Tensor:
     """Launches ``paged_attention_decode_kernel``; see ``paged_attention_decode``."""
     query, kv_cache, layer, block_tables, context_lens, scale = inputs.unpack()
     batch, num_heads, head_dim = query.shape
@@ -110,6 +116,7 @@ def paged_attention_decode_triton(inputs: DecodeInputs, pool: PoolShape) -> torc
         kv_cache,
         block_tables,
         context_lens,
+        block_tables.shape[1] * pool.block_size if window is None else window,
         scale * LOG2E,
         query.stride(0),
         query.stride(1),

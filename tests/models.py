@@ -6,6 +6,7 @@ A support module (not a test module): conftest.py and test modules import it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,16 +76,78 @@ def make_tiny_llama(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
     )
+    return _save_random(LlamaForCausalLM, config, path, seed)
+
+
+def make_tiny_sliding(
+    path: str | Path,
+    architecture: str,
+    *,
+    sliding_window: int,
+    layer_types: list[str] | None = None,
+    max_window_layers: int | None = None,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 256,
+) -> Path:
+    """Write a random-weight sliding-window folder and return its path, as ``make_tiny_llama``.
+
+    Args:
+        architecture: ``"mistral"`` (every layer slides) or ``"qwen2"`` (``use_sliding_window``
+            on; the layers ``layer_types`` names, else those from ``max_window_layers`` on).
+        sliding_window: the window in tokens.
+        layer_types: Qwen2 only: ``"sliding_attention"`` / ``"full_attention"`` per layer.
+        max_window_layers: Qwen2 only: the first sliding layer where ``layer_types`` is None.
+    """
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    sizes = dict(
+        num_hidden_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=sliding_window,
+    )
+    if architecture == "mistral":
+        if layer_types is not None or max_window_layers is not None:
+            raise ValueError("Mistral windows every layer: pass no layer_types/max_window_layers")
+        return _save_random(MistralForCausalLM, MistralConfig(**sizes), path, seed)
+    if architecture != "qwen2":
+        raise ValueError(f"architecture must be 'mistral' or 'qwen2', got {architecture!r}")
+    config = Qwen2Config(
+        **sizes,
+        use_sliding_window=True,
+        layer_types=layer_types,
+        max_window_layers=num_layers if max_window_layers is None else max_window_layers,
+    )
+    return _save_random(Qwen2ForCausalLM, config, path, seed)
+
+
+def _save_random(model_class: type, config: Any, path: str | Path, seed: int) -> Path:
+    """Build ``model_class(config)`` with seeded random weights and save it under ``path``."""
     # transformers initialises from the global RNG; fork it so the caller's stream is unchanged.
     with torch.random.fork_rng(devices=[]):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if param.ndim == 1:  # RMSNorm gains: near one
+            if param.ndim == 1 and name.endswith("norm.weight"):  # RMSNorm gains: near one
                 param.copy_(1.0 + 0.1 * noise)
-            elif name == "model.embed_tokens.weight" and not spec.tie_word_embeddings:
+            elif param.ndim == 1:  # projection biases (Qwen2's q/k/v): small
+                param.copy_(0.1 * noise)
+            elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 param.copy_(noise)
             else:  # [out_features, in_features]: 1/sqrt(fan_in) keeps outputs near unit size
                 param.copy_(noise / param.shape[1] ** 0.5)

@@ -94,10 +94,16 @@ def test_model_spec_reads_qwen2_and_mistral() -> None:
         llama_config(architectures=None, model_type="mistral", sliding_window=4096)
     )
     assert mistral.architecture == "MistralForCausalLM" and mistral.sliding_window == 4096
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelSpec.from_config(
-            llama_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
+    # Qwen2 windows the layers from max_window_layers on (transformers' layer_types).
+    windowed = ModelSpec.from_config(
+        llama_config(
+            architectures=["Qwen2ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=64,
+            max_window_layers=2,
         )
+    )
+    assert windowed.layer_windows == (None, None, 64, 64)
 
 
 @pytest.mark.parametrize(
