@@ -10,8 +10,12 @@ engine's pool stores. HF keeps no pages, so a block here is one record of the de
 ``record_tokens``: for the same model folder and dtype, our engine, vLLM (at any multiple of
 that size) and this connector read each other's records.
 
-Only batch-1 prompts without padding, and models whose every layer is full attention (Llama,
-Qwen2, SmolLM2; not sliding-window or hybrid models), are supported.
+Only batch-1 prompts without padding are supported, and models whose every layer is full or
+sliding-window attention (Llama, SmolLM2, Mistral, Qwen2 with or without its window). Models
+with recurrent layers (Qwen3-Next, Jamba, Bamba, ...) are refused when the connector is made:
+a record holds no recurrent state (``cachetier.connectors.hf_layers``). While ``generate`` runs,
+a sliding-window layer keeps every token, as a full-attention one does, so that the blocks
+past its window can be saved; it is trimmed back to its window afterwards.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cachetier.connectors.hf_layers import (
+    check_layer_types,
+    held_from,
+    keep_whole_history,
+    trim_history,
+)
 from cachetier.guard.first_layer import FirstLayer
 from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
@@ -92,7 +102,8 @@ class HFCacheConnector:
     """Restore and save a transformers model's prompt KV through a ``TieredStore``.
 
     Args:
-        model: a causal LM whose layers are all full attention (e.g. ``LlamaForCausalLM``).
+        model: a causal LM whose layers are all full or sliding-window attention (e.g.
+            ``LlamaForCausalLM``, ``MistralForCausalLM``).
         store: the tiers (owned by the caller, who closes it).
         model_folder: the folder the weights were loaded from; its ``model_fingerprint`` names
             the model in every key. Give this or ``fingerprint``.
@@ -106,6 +117,11 @@ class HFCacheConnector:
             (``cachetier.store.record_guard``: the first layer's K and V of a few tokens,
             recomputed from the model's own weights; a record that fails is a miss, deleted,
             and its writer quarantined).
+
+    Raises:
+        ValueError: a model with recurrent layers (Qwen3-Next, Jamba, Bamba, ...) or another
+            layer kind than full and sliding-window attention, named with the model's layer
+            types (``hf_layers.check_layer_types``); a bad argument.
     """
 
     def __init__(
@@ -124,10 +140,12 @@ class HFCacheConnector:
             raise ValueError("pass exactly one of model_folder and fingerprint")
         if fingerprint is None:
             fingerprint = model_fingerprint(model_folder)  # type: ignore[arg-type]
+        config = model.config.get_text_config(decoder=True)
+        # First: a hybrid model may lack what the layout and the record check read below.
+        check_layer_types(model.config, config.num_hidden_layers)
         if not model.dtype.is_floating_point:
             raise ValueError(f"model dtype {model.dtype} is not a float dtype")
         dtype = dtype_name(model.dtype)  # raises for a float dtype no layout has (float64)
-        config = model.config.get_text_config(decoder=True)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -138,7 +156,6 @@ class HFCacheConnector:
         self.block_shape = layout.payload_shape
         self.save_generated_tokens = save_generated_tokens
         self.stats = HFConnectorStats()
-        self._check_full_attention()
         check = None
         if record_check:
             params = dict(model.named_parameters())
@@ -154,23 +171,6 @@ class HFCacheConnector:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
-
-    def _check_full_attention(self) -> None:
-        from transformers.cache_utils import DynamicLayer
-
-        layers = self._new_cache().layers
-        kinds = sorted({type(x).__name__ for x in layers if type(x) is not DynamicLayer})
-        if kinds:
-            # A sliding-window layer keeps only its window: a restored prefix would not fit it.
-            raise ValueError(
-                f"the model's cache has {', '.join(kinds)} layers; the connector supports "
-                "models whose every layer is full attention"
-            )
-        if len(layers) != self.namespace.layout.num_layers:
-            raise ValueError(
-                f"the model's cache has {len(layers)} layers, its config says "
-                f"{self.namespace.layout.num_layers}"
-            )
 
     def restore(self, input_ids: Any) -> tuple[DynamicCache | None, int]:
         """Read the longest stored prefix of a prompt into a fresh ``DynamicCache``.
@@ -223,6 +223,8 @@ class HFCacheConnector:
             for _ in range(layout.num_layers)
         ]
         _staging(layers, self.block_size).load(range(len(blocks)), [b.data for b in blocks])
+        # Through each layer's own update, as a prefill of the prefix would: a sliding-window
+        # layer counts every token and keeps its last window - 1 (``hf_layers``).
         for index, (k, v) in enumerate(layers):
             cache.update(k, v, index)
         sources = tuple(found.sources[: len(blocks)])
@@ -259,7 +261,10 @@ class HFCacheConnector:
             cache: a ``DynamicCache`` of this model, batch row 0 holding those tokens.
 
         Returns:
-            Blocks handed to the store (0 on a store error, which is logged and counted).
+            Blocks handed to the store (0 on a store error, which is logged and counted). A
+            sliding-window layer keeps only its window, so a cache not filled by this
+            connector's ``generate`` (which keeps the whole history while it runs) saves
+            nothing once a layer has dropped a token of the first block the store lacks.
 
         Raises:
             ValueError: ``cache`` is not of this model (layer count, dtype or head shape).
@@ -278,6 +283,12 @@ class HFCacheConnector:
             return 0
         if start == num_blocks:
             return 0
+        first = max((held_from(layer) for layer in cache.layers), default=0)
+        if first > start * self.block_size:
+            # A layer dropped tokens of the first missing block: a later block alone would
+            # never be restored (restores take a prefix), and its tokens' KV is gone.
+            log.debug("cache holds tokens from %d only; nothing to save", first)
+            return 0
         records = self._records(cache, keys, start)
         try:
             self.store.put_many(self.namespace.id, records)
@@ -291,7 +302,7 @@ class HFCacheConnector:
     def _records(self, cache: DynamicCache, keys: Sequence[BlockHash], start: int) -> list[KVBlock]:
         layout = self.namespace.layout
         bs = layout.block_size
-        end = len(keys) * bs
+        begin, end = start * bs, len(keys) * bs
         if len(cache.layers) != layout.num_layers:
             raise ValueError(f"cache has {len(cache.layers)} layers, the model {layout.num_layers}")
         layers = []
@@ -303,9 +314,13 @@ class HFCacheConnector:
                     f"cache layer {index} holds {k.dtype} {tuple(k.shape)}, the layout needs "
                     f"{layout.dtype} [*, {layout.num_kv_heads}, *, {layout.head_dim}]"
                 )
-            layers.append((k[:1, :, :end], v[:1, :, :end]))
+            # A sliding-window layer's first held token is not token 0.
+            first = held_from(layer)
+            layers.append(
+                (k[:1, :, begin - first : end - first], v[:1, :, begin - first : end - first])
+            )
         staging = _staging(layers, bs)
-        staging.save(range(start, len(keys)), None)
+        staging.save(range(len(keys) - start), None)
         payloads = [p for saved in staging.drain() for p in saved.payloads]
         fp = self.namespace.fingerprint
         return [
@@ -345,6 +360,7 @@ class HFCacheConnector:
         prompt = torch.tensor([tokens], dtype=torch.long, device=device)
         restored = self._restore(tokens)
         cache = restored.cache if restored.cache is not None else self._new_cache()
+        keep_whole_history(cache)  # so the blocks past a sliding window can be saved below
         output = self.model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
@@ -358,7 +374,10 @@ class HFCacheConnector:
         keep = len(tokens)
         if self.save_generated_tokens and sequences.shape[0] == 1 and cache.get_seq_length():
             keep = sequences.shape[-1] if cache.layers[0].keys.shape[0] == 1 else keep
-        num_saved = self.save(sequences[0, :keep], cache)
+        try:
+            num_saved = self.save(sequences[0, :keep], cache)
+        finally:
+            trim_history(cache)  # the cache returned to the caller is as plain generate leaves it
         by_source: dict[str, int] = {}
         for name in restored.sources:
             by_source[name] = by_source.get(name, 0) + self.block_size
