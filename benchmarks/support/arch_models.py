@@ -51,6 +51,9 @@ def _common(vocab_size: int, num_layers: int) -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 2,
+        # At transformers' default (0.02) these tiny tied-embedding models answer one token
+        # over and over, which no comparison of greedy tokens can tell apart; at 0.2 they vary.
+        "initializer_range": 0.2,
     }
 
 
@@ -83,6 +86,7 @@ def _gemma3(vocab_size: int) -> Any:
 
     common = _common(vocab_size, 4)
     common.pop("intermediate_size")
+    common.pop("initializer_range")
     return Gemma3TextConfig(
         **common,
         intermediate_size=2 * HIDDEN,
@@ -94,6 +98,7 @@ def _gemma3(vocab_size: int) -> Any:
             "full_attention",
         ],
         query_pre_attn_scalar=HEAD_DIM,
+        initializer_range=0.02,  # Gemma's scaled embeddings vary at the default, not at 0.2
     )
 
 
