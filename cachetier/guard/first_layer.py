@@ -60,6 +60,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
     raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
+LLAMA_FAMILY = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+"""The model types whose first layer is what ``FirstLayer`` computes (by their architecture
+names too, for a config that gives only those)."""
+
+
+def check_family(config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a model of another family than ``LLAMA_FAMILY``: Gemma scales
+    its embeddings and norms by ``1 + weight``, Qwen3 norms its keys, and so on, so this check
+    would call every honest record of theirs forged. A config naming neither a model type nor
+    an architecture is let through (the engine's own, built by its loader, checks those)."""
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    known = model_type in LLAMA_FAMILY or any(a in LLAMA_FAMILY.values() for a in architectures)
+    if (model_type is not None or architectures) and not known:
+        name = model_type if model_type is not None else architectures[0]
+        raise ValueError(
+            f"the first-layer record check follows Llama-family models "
+            f"({', '.join(LLAMA_FAMILY)}), not {name!r}, whose first layer differs; turn "
+            "record_check off to serve this model without it"
+        )
+
+
 # The most memory the table of each token's K (before RoPE) and V may take: a vocabulary whose
 # table is larger (an 8B model's is about 1 GiB) computes every check's tokens afresh.
 TABLE_BYTES = 256 << 20
@@ -121,6 +147,7 @@ class FirstLayer:
                 raise ValueError(f"the model has no weight {name!r}")
             return found.detach().to("cpu")
 
+        check_family(config)
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)

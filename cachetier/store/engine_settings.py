@@ -70,7 +70,9 @@ def record_check_setting() -> Any:
         "whose first layer is not that of its tokens (another prompt's KV, K and V swapped, "
         "heads permuted, a first layer zeroed), not one that changes deeper layers only (the "
         "guard's draws catch those). Our engine, vLLM and the HF connector: SGLang's and "
-        "LMCache's plugins are not given a read's tokens, and ignore it.",
+        "LMCache's plugins are not given a read's tokens, and ignore it. Llama-family models "
+        "only (llama, mistral, qwen2): the HF connector refuses another family at start while "
+        "it is on, vLLM logs a warning and restores unchecked by it.",
     )
 
 

@@ -121,3 +121,36 @@ def test_records_gathered_at_once_are_judged_alike(check: RecordCheck, kv: np.nd
     failure = check.first_failure(records, TOKENS, 0, layer0)
     assert failure is not None and failure.index == 3
     assert check.first_failure(records[:3], TOKENS, 0, layer0) is None
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+        {"model_type": "qwen3"},
+        {"architectures": ["Qwen3ForCausalLM"]},
+    ],
+)
+def test_a_model_of_another_family_is_refused_by_name(tiny_model_dir: Path, family: dict) -> None:
+    # Its first layer is not Llama's: a check by Llama's would call its honest records forged.
+    import json
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.pop("model_type", None)
+    config.pop("architectures", None)
+    weights = FirstLayer.from_folder(tiny_model_dir)  # the folder itself is Llama's: accepted
+    assert weights.head_dim > 0
+    name = family.get("model_type") or family["architectures"][0]
+    with pytest.raises(ValueError, match=f"not '{name}'.*record_check off"):
+        FirstLayer.from_tensors({**config, **family}, lambda _: torch.zeros(1))
+    # A config naming no family at all (an engine's own, checked by its loader) passes on.
+    assert FirstLayer.from_tensors(config, _tensors_of(tiny_model_dir)).head_dim == weights.head_dim
+
+
+def _tensors_of(folder: Path):
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        tensors.update(load_file(str(path)))
+    return tensors.get

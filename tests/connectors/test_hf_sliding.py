@@ -307,3 +307,35 @@ def test_a_layer_kind_not_checked_here_is_refused_by_name() -> None:
     check_layer_types(config, 2)
     with pytest.raises(ValueError, match="cache has 2 layers, its config says 3"):
         check_layer_types(config, 3)
+
+
+def test_gemma3_is_refused_by_the_record_check_and_restores_right_without_it(
+    tmp_path: Path, store: TieredStore
+) -> None:
+    # Gemma's first layer is not Llama's (scaled embeddings, 1 + weight norms): the per-record
+    # check cannot follow it and says so at start; without it, sliding and full layers mixed
+    # restore as Qwen2's do.
+    settings = dict(
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    _build("gemma3_text", settings).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, local_files_only=True
+    ).eval()
+    with pytest.raises(ValueError, match="not 'gemma3_text'.*record_check off"):
+        HFCacheConnector(model, store, model_folder=tmp_path, record_tokens=BLOCK_SIZE)
+    conn = HFCacheConnector(
+        model, store, model_folder=tmp_path, record_tokens=BLOCK_SIZE, record_check=False
+    )
+    prompt = _prompt(PROMPT_TOKENS)
+    plain = _plain(model, prompt)
+    cold, cold_info = _generate(conn.generate, prompt)
+    warm, warm_info = _generate(conn.generate, prompt)
+    assert cold_info.num_saved_blocks == 6 and warm_info.num_cached_tokens == 96
+    _assert_same_output(cold, plain)
+    _assert_same_output(warm, plain)
+    num_cached = PROMPT_TOKENS + NEW_TOKENS - 1
+    assert _held(warm.past_key_values) == _expected_held(model, num_cached)
