@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cachetier.admission.config import FIXED_POLICIES
-from cachetier.util.json_file import replace_json
+from cachetier.util.json_file import read_json, replace_json
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +77,13 @@ class AdmissionStateFile:
     def load(self) -> dict[str, dict[str, Any]] | None:
         """The kept state by tier, or ``None`` (no file, or one that is not valid)."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
-        except OSError:
+            doc = read_json(self.path, MAX_BYTES)
+        except ValueError as exc:
+            log.warning("ignoring %s: %s; starting as store-all", self.path, exc)
             return None
-        if len(raw) > MAX_BYTES:
-            log.warning(
-                "ignoring %s: larger than %d bytes; starting as store-all", self.path, MAX_BYTES
-            )
+        if doc is None:
             return None
         try:
-            doc = json.loads(raw)
             ok = (
                 isinstance(doc, dict)
                 and doc.get("version") == VERSION

@@ -16,7 +16,6 @@ torn one; the last writer wins, and all of them measured the same disk.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 from cachetier.store.costmodel import TierRate
-from cachetier.util.json_file import replace_json
+from cachetier.util.json_file import read_json, replace_json
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +53,14 @@ class RatesFile:
     def load(self) -> TierRate | None:
         """The kept rate, or ``None`` (no file, or one that is not a valid rate)."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
-        except OSError:
-            return None
-        if len(raw) > MAX_BYTES:
-            log.warning("ignoring %s: larger than %d bytes", self.path, MAX_BYTES)
-            return None
-        try:
-            doc = json.loads(raw)
+            doc = read_json(self.path, MAX_BYTES)
+            if doc is None:
+                return None
             if doc["version"] != VERSION or doc["tier"] != self.tier:
                 return None
             latency, spb, reads = doc["latency_s"], doc["seconds_per_byte"], doc["num_reads"]
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring %s: not a rates file of this version", self.path)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring %s: not a rates file of this version (%s)", self.path, exc)
             return None
         numbers_ok = all(
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0

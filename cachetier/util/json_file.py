@@ -1,4 +1,5 @@
-"""A small JSON file replaced whole, so a reader sees the old document or the new, never half."""
+"""A small JSON file replaced whole, so a reader sees the old document or the new, never half,
+and read back within a bound."""
 
 from __future__ import annotations
 
@@ -34,3 +35,29 @@ def replace_json(path: Path, doc: Any, file_mode: int, fsync: bool = False) -> N
     except (OSError, ValueError):
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_json(path: Path, max_bytes: int) -> Any | None:
+    """The document in ``path``, read no further than ``max_bytes``.
+
+    Args:
+        path: the file.
+        max_bytes: the largest file read (a bigger one is not this program's).
+
+    Returns:
+        The parsed document; ``None`` if the file cannot be opened (missing, say).
+
+    Raises:
+        ValueError: the file is larger than ``max_bytes``, or is not JSON (too deep too).
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError:
+        return None
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
