@@ -26,7 +26,7 @@ from cachetier.admission import AdmissionConfig, AdmissionPolicy, make_admission
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
 from cachetier.record import KVBlock
 from cachetier.report.lookup import leading_spans
-from cachetier.report.replay import ReplayTrace, usable_hit
+from cachetier.report.replay import HitRatios, ReplayTrace, usable_hit
 from cachetier.report.replay_cache import ReplayCache
 from cachetier.util.checks import positive_int
 
@@ -34,7 +34,7 @@ CHEAP_TIER, FILTERED_TIER = "cpu", "disk"
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionReplay:
+class AdmissionReplay(HitRatios):
     """Hits and writes of one replay with one admission policy.
 
     Args:
@@ -66,16 +66,6 @@ class AdmissionReplay:
     admission_stats: dict[str, int]
     memory_bytes: int
     elapsed_s: float
-
-    @property
-    def block_hit_ratio(self) -> float:
-        """Hit blocks over all block references (0.0 for an empty trace)."""
-        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        """Tokens served from whole hit blocks over all prompt tokens."""
-        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
 
 
 def replay_tracked_keys(

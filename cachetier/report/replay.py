@@ -268,8 +268,29 @@ class RequestRecord:
     num_alignment_lost_tokens: int
 
 
+class HitRatios:
+    """``block_hit_ratio`` and ``token_hit_ratio`` of a replay's totals, for any class that has
+    ``num_blocks``, ``num_hit_blocks``, ``num_tokens`` and ``num_hit_tokens``."""
+
+    __slots__ = ()
+    num_blocks: int
+    num_hit_blocks: float
+    num_tokens: int
+    num_hit_tokens: float
+
+    @property
+    def block_hit_ratio(self) -> float:
+        """Hit blocks over all block references (0.0 for an empty trace)."""
+        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        """Tokens served from whole hit blocks over all prompt tokens."""
+        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
+
+
 @dataclass(frozen=True, slots=True)
-class ReplayResult:
+class ReplayResult(HitRatios):
     """Per-request records and totals of one replay.
 
     Args:
@@ -303,17 +324,6 @@ class ReplayResult:
     @property
     def num_alignment_lost_tokens(self) -> int:
         return sum(r.num_alignment_lost_tokens for r in self.records)
-
-    @property
-    def block_hit_ratio(self) -> float:
-        """Hit blocks over all block references (0.0 for an empty trace)."""
-        return self.num_hit_blocks / self.num_blocks if self.records else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        """Tokens served from whole hit blocks over all prompt tokens."""
-        total = self.num_tokens
-        return self.num_hit_tokens / total if total else 0.0
 
     def summary(self) -> dict[str, object]:
         """The totals as a flat dict (for JSON)."""

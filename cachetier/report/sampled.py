@@ -33,7 +33,7 @@ from itertools import accumulate
 
 from cachetier.admission.sample import KeySample
 from cachetier.record import KVBlock
-from cachetier.report.replay import ReplayTrace, usable_hit
+from cachetier.report.replay import HitRatios, ReplayTrace, usable_hit
 
 DEFAULT_MAX_ERROR = 0.005
 """The error bound of the default (sampled) curve: half a point of block hit ratio."""
@@ -187,7 +187,7 @@ def _weighted(cache: dict[bytes, KVBlock], block: KVBlock, weight: int) -> KVBlo
 
 
 @dataclass(frozen=True, slots=True)
-class CurvePoint:
+class CurvePoint(HitRatios):
     """One point of the capacity curve: a policy at a capacity, estimated from a sample.
 
     Args:
@@ -209,16 +209,6 @@ class CurvePoint:
     num_hit_tokens: float
     sample_rate: float
     elapsed_s: float
-
-    @property
-    def block_hit_ratio(self) -> float:
-        """Hit blocks over all block references (0.0 for an empty trace)."""
-        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        """Tokens served from whole hit blocks over all prompt tokens."""
-        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
 
 
 def weight_of(sampled: SampledTrace, request: int, first: int, end: int) -> int:
