@@ -13,40 +13,17 @@ from cachetier.engine.block_manager import BlockManager
 from cachetier.engine.config import FP8_KV_DTYPES, EngineConfig
 from cachetier.engine.kv_cache import KVPool, dequantize_blocks, store_kv_fp8
 from cachetier.engine.llm import LLM
-from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice
+from cachetier.engine.model import LlamaModel
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.weights import load_weights
 from cachetier.primitives.keys import block_keys
 from cachetier.store.config import StoreConfig, build_store
+from tests.engine.pool_forward import pool_logits
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
-
-
-def pool_logits(
-    model: LlamaModel, spec: ModelSpec, tokens: list[int], chunks: list[int], dtype: str
-) -> torch.Tensor:
-    """Every position's logits, the tokens fed in ``chunks`` (1-token chunks are decodes)."""
-    pool = KVPool(spec, BLOCK, 1 << 24, dtype)
-    # Non-contiguous, shuffled block ids, as in test_model.
-    num_blocks = -(-len(tokens) // BLOCK)
-    table = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0))[:num_blocks]
-    out, start = [], 0
-    for n in chunks:
-        pos = torch.arange(start, start + n)
-        ctx = start + n
-        batch = ForwardBatch(
-            torch.tensor(tokens[start:ctx]),
-            pos,
-            table[pos // BLOCK] * BLOCK + pos % BLOCK,
-            (SeqSlice(0, n, ctx, table[: -(-ctx // BLOCK)]),),
-            torch.tensor([n - 1]),
-        )
-        out.append(model.forward(batch, pool.cache, all_logits=True, kv_scales=pool.scales))
-        start = ctx
-    return torch.cat(out)
 
 
 def test_config_names_the_fp8_pool_dtypes(tiny_model_dir: Path) -> None:
@@ -110,8 +87,8 @@ def test_fp8_logits_are_close_to_full_precision(tiny_model_dir: Path, dtype: str
     max_bound, mean_bound = TINY_BOUNDS[dtype]
     # One prefill, chunked prefill, decodes first, decodes last (re-scaling blocks as they fill).
     for chunks in ([100], [37, 1, 62], [16, 16, 16, 52], [1] * 5 + [95], [60] + [1] * 40):
-        ref = pool_logits(model, spec, tokens, chunks, "float32")
-        got = pool_logits(model, spec, tokens, chunks, dtype)
+        ref = pool_logits(model, tokens, chunks, "float32")[0]
+        got = pool_logits(model, tokens, chunks, dtype)[0]
         diff = (got - ref).abs()
         assert 0 < diff.max().item() < max_bound, chunks
         assert diff.mean().item() < mean_bound, chunks
@@ -261,8 +238,8 @@ def test_smollm2_fp8_kv_bytes_logits_and_greedy_agreement(smollm2_dir: Path) -> 
             # Teacher-forced on the fp32 continuation: rows predicting each of its tokens.
             tokens, n = prompt + continuation, len(prompt)
             chunks = [n] + [1] * len(continuation)
-            ref = pool_logits(model, spec, tokens, chunks, "float32")[n - 1 : -1]
-            got = pool_logits(model, spec, tokens, chunks, dtype)[n - 1 : -1]
+            ref = pool_logits(model, tokens, chunks, "float32")[0][n - 1 : -1]
+            got = pool_logits(model, tokens, chunks, dtype)[0][n - 1 : -1]
             diffs.append((got - ref).abs())
             flip = got.argmax(-1) != ref.argmax(-1)
             top2 = ref.topk(2, dim=-1).values

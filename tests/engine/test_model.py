@@ -7,38 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachetier.engine.kv_cache import KVPool
-from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice, _decode_groups
+from cachetier.engine.model import LlamaModel, SeqSlice, _decode_groups
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.weights import load_weights
+from tests.engine.pool_forward import pool_logits
 from tests.models import make_tiny_llama
 
 BLOCK = 16
 
 
 def _engine_logits(folder: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    spec = ModelSpec.from_folder(folder)
-    model = LlamaModel(spec, load_weights(folder), torch.float32)
-    pool = KVPool(spec, BLOCK, 1 << 26, "float32")
-    # Non-contiguous, shuffled block ids: the pool indirection must not matter.
-    num_blocks = -(-len(tokens) // BLOCK)
-    table = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0))[:num_blocks]
-    out = []
-    start = 0
-    for n in chunks:
-        pos = torch.arange(start, start + n)
-        slots = table[pos // BLOCK] * BLOCK + pos % BLOCK
-        ctx = start + n
-        batch = ForwardBatch(
-            torch.tensor(tokens[start : start + n]),
-            pos,
-            slots,
-            (SeqSlice(0, n, ctx, table[: -(-ctx // BLOCK)]),),
-            torch.tensor([n - 1]),
-        )
-        out.append(model.forward(batch, pool.cache, all_logits=True))
-        start += n
-    return torch.cat(out)
+    model = LlamaModel(ModelSpec.from_folder(folder), load_weights(folder), torch.float32)
+    return pool_logits(model, tokens, chunks, pool_bytes=1 << 26)[0]
 
 
 def _hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachetier.engine.kv_cache import KVPool
 from cachetier.engine.llm import LLM
-from cachetier.engine.model import ForwardBatch, LlamaModel, SeqSlice
+from cachetier.engine.model import LlamaModel
 from cachetier.engine.model_spec import ModelSpec
 from cachetier.engine.sampling import SamplingParams
 from cachetier.engine.weights import load_weights
 from cachetier.store.config import StoreConfig
+from tests.engine.pool_forward import pool_logits
 from tests.models import make_tiny_sliding
 
 BLOCK = 16
@@ -104,37 +104,6 @@ def test_mistral_windows_every_layer_and_a_bad_layer_type_is_refused() -> None:
     assert dataclasses.replace(spec, layer_windows=(None,) * 4) == spec  # stored as ()
 
 
-def _engine_logits(
-    model: LlamaModel,
-    prompt: list[int],
-    chunks: list[int],
-    num_decode: int,
-    pool_dtype: str = "float32",
-) -> tuple[torch.Tensor, list[int]]:
-    # The prompt in chunks over shuffled pool blocks, then greedy decode steps: a logits row
-    # for every token of the returned sequence.
-    pool = KVPool(model.spec, BLOCK, 1 << 24, pool_dtype)
-    tokens = list(prompt)
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randperm(pool.num_blocks, generator=gen)[: -(-(len(prompt) + num_decode) // 16)]
-    rows, start = [], 0
-    for n in chunks + [1] * num_decode:
-        if start == len(tokens):
-            tokens.append(int(rows[-1][-1].argmax()))
-        pos = torch.arange(start, start + n)
-        ctx = start + n
-        batch = ForwardBatch(
-            torch.tensor(tokens[start:ctx]),
-            pos,
-            table[pos // BLOCK] * BLOCK + pos % BLOCK,
-            (SeqSlice(0, n, ctx, table[: -(-ctx // BLOCK)]),),
-            torch.tensor([n - 1]),
-        )
-        rows.append(model.forward(batch, pool.cache, all_logits=True, kv_scales=pool.scales))
-        start = ctx
-    return torch.cat(rows), tokens
-
-
 def _hf_logits(folder: Path, tokens: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -164,7 +133,9 @@ def test_logits_match_transformers_past_the_window(
     monkeypatch.setattr(decode_module, "paged_attention_decode_native", recording)
     prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     weights = load_weights(folder)
-    ours, tokens = _engine_logits(LlamaModel(spec, weights, torch.float32), prompt, chunks, 6)
+    ours, tokens = pool_logits(
+        LlamaModel(spec, weights, torch.float32), prompt, chunks, num_decode=6
+    )
     expected = _hf_logits(folder, tokens)
     assert len(tokens) == 106
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
@@ -176,7 +147,7 @@ def test_logits_match_transformers_past_the_window(
     # changes; every row past it moves by far more than the tolerance above, so the match is
     # the window's and cannot hold by accident.
     unwindowed = LlamaModel(dataclasses.replace(spec, layer_windows=()), weights, torch.float32)
-    full, _ = _engine_logits(unwindowed, tokens, [len(tokens)], 0)
+    full, _ = pool_logits(unwindowed, tokens, [len(tokens)])
     torch.testing.assert_close(full[:WINDOW], expected[:WINDOW], atol=1e-4, rtol=1e-4)
     assert (full[WINDOW:] - expected[WINDOW:]).abs().amax(dim=-1).min() > 1e-3
 
@@ -232,7 +203,7 @@ def test_windowed_prefill_with_kv_repeated_per_query_head_matches_transformers(
     folder = folders[name]
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     model = LlamaModel(ModelSpec.from_folder(folder), load_weights(folder), torch.float32)
-    ours, tokens = _engine_logits(model, prompt, [80, 70], 2)
+    ours, tokens = pool_logits(model, prompt, [80, 70], num_decode=2)
     torch.testing.assert_close(ours, _hf_logits(folder, tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -245,9 +216,9 @@ def test_fp8_pool_windows_like_full_precision(folders: dict[str, Path], name: st
     unwindowed = LlamaModel(dataclasses.replace(spec, layer_windows=()), weights, torch.float32)
     prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     for chunks in ([100], [37, 1, 62], [60] + [1] * 16):
-        ref = _engine_logits(model, prompt, chunks, 0)[0]
-        full = _engine_logits(unwindowed, prompt, chunks, 0)[0]
-        got = _engine_logits(model, prompt, chunks, 0, "float8_e4m3fn")[0]
+        ref = pool_logits(model, prompt, chunks)[0]
+        full = pool_logits(unwindowed, prompt, chunks)[0]
+        got = pool_logits(model, prompt, chunks, "float8_e4m3fn")[0]
         diff = (got - ref).abs()
         # Measured (|logit| up to ~4): max 0.15, mean 0.022, top-1 0.95 or more; against the
         # same model without windows the mean past the window is 0.23 or more.
