@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.support.random_model import write_random_weights
+
 WINDOW = 48  # tokens; not a multiple of a 32-token block, so a window starts inside a block
 HIDDEN = 64
 HEAD_DIM = 32
@@ -164,10 +166,6 @@ def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     Raises:
         ValueError: an unknown ``kind``, or ``out_dir`` already holds ``model.safetensors``.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
     from cachetier.engine.smollm2 import smollm2_path
 
     if kind not in KINDS:
@@ -182,19 +180,11 @@ def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = KINDS[kind](vocab_size)
     config.dtype = "float32"
-    # transformers draws its initial weights from the global RNG: fork it, seed the fork.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = write_random_weights(config, out, seed)
     # The architecture is what vLLM picks its model class by; save_pretrained of the model
     # would write it, of a config alone it does not.
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out)
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        # One tensor under two names: stored once, under the embeddings' name, as HF does.
-        state.pop("lm_head.weight", None)
-    save_file({name: t.contiguous() for name, t in state.items()}, str(out / "model.safetensors"))
     return out
 
 

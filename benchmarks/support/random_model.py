@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 # Files that hold weights (or point at them): not copied, the new folder has its own.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
@@ -27,9 +28,7 @@ def make_random_model(like: Path, out: Path, seed: int = 0) -> Path:
         ValueError: ``like`` has no ``config.json``, or ``out`` is ``like`` or already holds a
             weight file.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     like, out = Path(like), Path(out)
     if not (like / "config.json").is_file():
@@ -43,7 +42,20 @@ def make_random_model(like: Path, out: Path, seed: int = 0) -> Path:
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             if path.name not in _WEIGHT_INDEXES:
                 shutil.copy2(path, out / path.name)
-    config = AutoConfig.from_pretrained(like)
+    write_random_weights(AutoConfig.from_pretrained(like), out, seed)
+    return out
+
+
+def write_random_weights(config: Any, out: Path, seed: int) -> Any:
+    """Write ``out/model.safetensors``: random weights of ``config``'s model, in float32.
+
+    Returns:
+        The model (its ``config`` as transformers completed it).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     # transformers draws its initial weights from the global RNG: fork it, seed the fork.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -53,7 +65,7 @@ def make_random_model(like: Path, out: Path, seed: int = 0) -> Path:
         # One tensor under two names: stored once, under the embeddings' name, as HF does.
         state.pop("lm_head.weight", None)
     save_file({name: t.contiguous() for name, t in state.items()}, str(out / "model.safetensors"))
-    return out
+    return model
 
 
 def main() -> None:
