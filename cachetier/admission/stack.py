@@ -15,7 +15,7 @@ Not thread-safe: the caller holds its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 
 from cachetier.util.checks import positive_int
@@ -42,7 +42,7 @@ class SegmentedStack:
         """Keys held (by the largest cache)."""
         return len(self._segment_of)
 
-    def __iter__(self):  # noqa: ANN204 - an iterator of keys
+    def __iter__(self) -> Iterator[bytes]:
         return iter(self._segment_of)
 
     def index_of(self, capacity: int) -> int:
