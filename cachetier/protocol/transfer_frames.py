@@ -15,18 +15,22 @@ destination with ``recv_into`` and checksum them chunk by chunk. Little-endian t
                OK to GET: value = records answered (<= count; fewer when the server's byte
                  budget ran out: ask again for the rest) | value x length u64 | records
                  (length 0 = miss)
-               OK to PUT: value = records stored
+               OK to PUT: value = records the server holds of the put (stored now or held
+                 before) | count x present u8: per record in request order, 1 when its key
+                 was held already (that record is kept, the one sent dropped), else 0
                not OK: value = message length | message (UTF-8)
 
 A record is a ``cachetier.record`` record, checked on arrival (checksum, key, fingerprint);
-the tenant comes from the hello's token, exactly as with HTTP. After an error reply to a
-malformed request the server closes the connection; after a refused put (a bad record) the
-body has been read to its end and the connection stays usable.
+the tenant comes from the hello's token, exactly as with HTTP. Records are immutable (a key
+names its KV): a put of a held key keeps the first record, and the put reply's flags say so.
+After an error reply to a malformed request the server closes the connection; after a refused
+put (a bad record) the body has been read to its end and the connection stays usable.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -128,6 +132,45 @@ def error_reply(status: Status, message: str) -> bytes:
     """
     text = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
     return REPLY.pack(status, len(text)) + text
+
+
+def put_reply(num_stored: int, already_present: Sequence[bool]) -> list[bytes]:
+    """The OK reply to a put.
+
+    Args:
+        num_stored: records the server holds of the put (stored now or held before).
+        already_present: per record of the put, in request order, whether its key was held
+            before the put.
+
+    Returns:
+        The reply's buffers: its head, then one flag byte per record.
+    """
+    return [REPLY.pack(Status.OK, num_stored), bytes(already_present)]
+
+
+def already_present_flags(raw: bytes, count: int) -> list[bool]:
+    """The flags of an OK put reply, read back.
+
+    Args:
+        raw: the bytes after the reply head (as many as were read).
+        count: how many records the put sent.
+
+    Returns:
+        Per record, in request order, whether the server held its key before the put.
+
+    Raises:
+        TierUnavailableError: fewer than ``count`` bytes, or a byte other than 0 or 1 (not
+            a reply of this protocol).
+    """
+    if len(raw) != count:
+        raise TierUnavailableError(
+            f"transfer server's put reply has {len(raw)} already-present flags for {count} records"
+        )
+    if raw.translate(None, b"\x00\x01"):  # what is left is neither 0 nor 1
+        raise TierUnavailableError(
+            "transfer server's put reply has an already-present flag other than 0 or 1"
+        )
+    return [flag == 1 for flag in raw]
 
 
 def failure(status: int, message: str) -> Exception:

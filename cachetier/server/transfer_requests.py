@@ -20,7 +20,7 @@ from typing import TypeVar
 from cachetier.errors import CorruptBlockError
 from cachetier.primitives.keys import BlockHash
 from cachetier.protocol.sockets import BoundedReader, BufferedSocket
-from cachetier.protocol.transfer_frames import KEY_BYTES, LENGTH, REPLY, Op, Status
+from cachetier.protocol.transfer_frames import KEY_BYTES, LENGTH, REPLY, Op, Status, put_reply
 from cachetier.record import PEEK_BYTES, Buffer, KVBlock, peek_inflated_nbytes, read_record
 from cachetier.server.auth import Scope
 from cachetier.server.budget import Hold
@@ -178,11 +178,11 @@ class TransferRequests:
                 io.skip(total)  # the connection stays in step; the client retries later
                 raise Refused(Status.BUSY, _no_room(total, held), close=False)
             blocks = self._read_records(io, scope, lengths, held)
-            stored = self._in_slot(scope.tenant, lambda: self._service.put(scope, blocks))
+            stored = self._in_slot(scope.tenant, lambda: self._service.put_reporting(scope, blocks))
         finally:
             held.release()
             uploads.give(scope.tenant, total)
-        return [REPLY.pack(Status.OK, max(stored.values(), default=0))]
+        return list(put_reply(max(stored.tiers.values(), default=0), stored.already_present))
 
     def _read_records(
         self, io: BufferedSocket, scope: Scope, lengths: Sequence[int], held: Hold

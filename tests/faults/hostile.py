@@ -220,11 +220,15 @@ def transfer_session(port: int, token: str | None = ALICE) -> socket.socket:
 
 
 def transfer_put(sock: socket.socket, namespace: str, records: list[bytes]) -> tuple[int, bytes]:
-    """A put over a session; returns its reply (asserts there was one)."""
+    """A put over a session; returns its reply (asserts there was one), its already-present
+    flags read so that the session stays in step."""
     lengths = b"".join(len(r).to_bytes(8, "little") for r in records)
     sock.sendall(request(Op.PUT, namespace, len(records)) + lengths + b"".join(records))
     got = transfer_reply(sock)
     assert got is not None, "the server closed instead of answering the put"
+    if got[0] == Status.OK:
+        flags = read_exactly(sock, len(records))  # one per record
+        assert flags is not None, "the server closed inside the put reply's flags"
     return got
 
 

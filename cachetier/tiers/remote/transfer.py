@@ -24,6 +24,7 @@ from cachetier.protocol.transfer_frames import (
     REPLY,
     Op,
     Status,
+    already_present_flags,
     failure,
     hello,
     request,
@@ -118,6 +119,35 @@ def read_reply(io: BufferedSocket) -> int:
     raise failure(status, message)
 
 
+def _read_flags(io: BufferedSocket, count: int) -> list[bool]:
+    """The already-present flags after an OK put reply's head."""
+    try:
+        raw = io.read_exactly(count)
+    except OSError as exc:
+        # The head came, so the server is up: a reply that then closes or goes silent past the
+        # read timeout is a bad answer (a server from before the flags sends none), and the
+        # pool drops the connection, which is out of step after it.
+        raise TierUnavailableError(
+            f"transfer server's put reply ended before its {count} already-present flags"
+            f" ({type(exc).__name__}); a server older than this client sends none"
+        ) from exc
+    return already_present_flags(raw, count)
+
+
+@dataclass(frozen=True, slots=True)
+class PutAnswer:
+    """What one put request was answered.
+
+    Args:
+        stored: records the server holds of the put (stored now or held already).
+        already_present: per record, in request order, whether the server held its key
+            before the put (records are immutable: it kept its own, the one sent was dropped).
+    """
+
+    stored: int
+    already_present: list[bool]
+
+
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """What one get request brought back.
@@ -204,7 +234,23 @@ class TransferClient:
         """Store records (each as its parts, ``encode_parts``) in one request.
 
         Returns:
-            How many the server stored.
+            How many the server stored (or held already).
+        """
+        return self.put_reporting(namespace, records).stored
+
+    def put_reporting(self, namespace: str, records: Sequence[Sequence[Buffer]]) -> PutAnswer:
+        """``put``, and which of the records the server held already.
+
+        Args:
+            namespace: the client's namespace.
+            records: the records to store, each as its parts (``encode_parts``).
+
+        Returns:
+            The server's answer.
+
+        Raises:
+            TierUnavailableError: the reply's flags are short or not flags (the connection is
+                dropped); otherwise as ``put``.
         """
         lengths = [record_nbytes(parts) for parts in records]
         return self._put(namespace, lengths, iter(records))
@@ -214,12 +260,14 @@ class TransferClient:
         is sent, so the server reads one record while the next is hashed here.
 
         Returns:
-            How many the server stored.
+            How many the server stored (or held already).
         """
         lengths = [plain_record_nbytes(b) for b in blocks]
-        return self._put(namespace, lengths, (encode_parts(b) for b in blocks))
+        return self._put(namespace, lengths, (encode_parts(b) for b in blocks)).stored
 
-    def _put(self, namespace: str, lengths: list[int], records: Iterator[Sequence[Buffer]]) -> int:
+    def _put(
+        self, namespace: str, lengths: list[int], records: Iterator[Sequence[Buffer]]
+    ) -> PutAnswer:
         count = len(lengths)
         head = [request(Op.PUT, namespace, count), struct.pack(f"<{count}Q", *lengths)]
         with self._pool.connection() as conn:
@@ -234,7 +282,8 @@ class TransferClient:
                     conn.io.send(run)
                     run, run_bytes = [], 0
             conn.io.send(run)
-            return read_reply(conn.io)
+            stored = read_reply(conn.io)
+            return PutAnswer(stored, _read_flags(conn.io, count))
 
     def close(self) -> None:
         self._pool.close()
