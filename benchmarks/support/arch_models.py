@@ -152,6 +152,52 @@ def layer_windows(folder: str | Path) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
+def stored_records(
+    disk: str | Path,
+    model: str | Path,
+    prompt: list[int],
+    grouped: bool,
+    record_tokens: int = 16,
+) -> dict[str, int]:
+    """How many of a prompt's records a disk tier folder holds, per layer set.
+
+    Args:
+        disk: the disk tier's folder.
+        model: the model folder (fp32 records, its fingerprint, its layer windows).
+        prompt: the prompt's token ids.
+        grouped: the records of vLLM's hybrid KV cache manager: one layer set for the
+            full-attention layers and one for the sliding-window ones, each named by its layer
+            indices (``Namespace.layers``; the tiny models have as many of each, so vLLM makes
+            one group of each); else one set of every layer, named ``""``.
+        record_tokens: tokens per record.
+
+    Returns:
+        Records held per layer set name.
+    """
+    from cachetier.primitives.fingerprint import model_fingerprint
+    from cachetier.primitives.keys import KVLayout, Namespace, block_keys
+    from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+
+    # From the config, not ModelSpec: Gemma 3 is no architecture of our engine's.
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    windows = layer_windows(model)
+    sets = [[i for i, w in enumerate(windows) if (w is None) == full] for full in (True, False)]
+    named = {"": len(windows)}
+    if grouped and all(sets):
+        named = {",".join(map(str, layers)): len(layers) for layers in sets}
+    out = {}
+    fingerprint = model_fingerprint(model)
+    with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
+        for name, num_layers in named.items():
+            layout = KVLayout("float32", record_tokens, num_layers, heads, head_dim)
+            namespace = Namespace(fingerprint, layout, "", name)
+            keys = block_keys(namespace, prompt)
+            out[name] = sum(tier.path_of(namespace.id, key).exists() for key in keys)
+    return out
+
+
 def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a random-weight model folder of ``kind`` (``KINDS``) to ``out_dir``.
 

@@ -195,11 +195,15 @@ class Namespace:
         model_fingerprint: identity of the weights and config (e.g. a sha256 hex digest).
         layout: the KV layout of a block.
         tenant: tenant name or cache salt; different values never share blocks.
+        layers: which of the model's layers a record holds, where it holds some only (vLLM's
+            hybrid KV cache groups: ``"0,2"``); ``""`` for every layer, the keys of which are
+            unchanged by this field.
     """
 
     model_fingerprint: str
     layout: KVLayout
     tenant: str = ""
+    layers: str = ""
     fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -207,8 +211,10 @@ class Namespace:
             raise ValueError("model_fingerprint must be a non-empty string")
         if not isinstance(self.layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
+        named: dict[str, object] = {"layers": self.layers} if self.layers else {}
         canonical = json.dumps(
             {
+                **named,
                 "model": self.model_fingerprint,
                 "layout": [
                     self.layout.dtype,
@@ -238,8 +244,10 @@ class Namespace:
     def describe(self) -> str:
         """What the namespace's writers claim to be, in one line for a log: the parts of the
         fingerprint a reader of another model, engine version or layout differs in."""
+        layers = f", layers {self.layers}" if self.layers else ""
         return (
-            f"model {self.model_fingerprint[:16]}, {self.layout.describe()}, tenant {self.tenant!r}"
+            f"model {self.model_fingerprint[:16]}, {self.layout.describe()}, "
+            f"tenant {self.tenant!r}{layers}"
         )
 
 

@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_cache_spec_kind
@@ -44,7 +46,7 @@ from cachetier.connectors.vllm.events import (
     VllmEventSink,
     kv_events_enabled,
 )
-from cachetier.connectors.vllm.kv_groups import storable_spec
+from cachetier.connectors.vllm.kv_groups import StoredGroup, storable_groups
 from cachetier.connectors.vllm.layouts import VllmArrangement, fp8_scales, resolve
 from cachetier.connectors.vllm.metadata import CacheTierConnectorMetadata
 from cachetier.connectors.vllm.scheduler import CacheTierScheduler
@@ -74,15 +76,17 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.cachetier.connector")
 
 
-class CacheTierConnector(KVConnectorBase_V1):
+class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Persistent prefix KV in cachetier's tiers, for vLLM on CPU or CUDA (module docstring).
+
+    It takes vLLM's hybrid KV cache manager (``SupportsHMA``): a model of sliding-window and
+    full-attention layers keeps its KV cache groups, and each group's records hold its layers.
 
     Args:
         vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``
             holds the ``ConnectorConfig`` keys.
         role: scheduler or worker.
-        kv_cache_config: the engine's KV cache groups (one group that keeps every token's
-            KV: ``cachetier.connectors.vllm.kv_groups``).
+        kv_cache_config: the engine's KV cache groups (``cachetier.connectors.vllm.kv_groups``).
     """
 
     def __init__(
@@ -129,10 +133,9 @@ class CacheTierConnector(KVConnectorBase_V1):
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             # Each rank holds a slice of the heads or layers; one key would name several slices.
             raise ValueError("CacheTierConnector supports tensor/pipeline parallel size 1 only")
-        arrangement, layer_names = _arrangement_of(kv_cache_config, vllm_config)
-        layout = arrangement.layout
-        self._layout = layout
-        self._layer_names = layer_names
+        groups = _groups_of(kv_cache_config, vllm_config)
+        self._groups = groups
+        layout = groups[0][1].layout
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "cachetier: kv_load_failure_policy is %r, so a block that cannot be restored "
@@ -149,7 +152,8 @@ class CacheTierConnector(KVConnectorBase_V1):
                 config.tenant,
                 # The worker's CPU tier holds records, several per block where they are smaller.
                 config.store.cpu_bytes
-                // layout.block_bytes
+                // sum(arrangement.layout.block_bytes for _, arrangement in groups)
+                * len(groups)
                 * (layout.block_size // config.record_tokens),
                 cost_model=config.kv_load_policy == "cost",
                 chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
@@ -157,6 +161,7 @@ class CacheTierConnector(KVConnectorBase_V1):
                 record_tokens=config.record_tokens,
                 guard=GuardSampler(config.guard_config()) if config.guard else None,
                 with_tokens=publish,
+                groups=[(group, arrangement.layout) for group, arrangement in groups],
             )
             # The worker publishes every tier's changes, the shared ones included: its store
             # holds the same disk, Redis and sidecar tiers as this side's, which only looks
@@ -172,14 +177,19 @@ class CacheTierConnector(KVConnectorBase_V1):
         else:
             store = open_store(config, with_cpu=True)
             kind = get_kv_cache_spec_kind(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+            (first, arrangement), *more = groups
             self._worker = CacheTierWorker(
                 store,
                 arrangement,
-                layer_names,
+                first.layer_names,
                 config.record_tokens,
                 events=VllmEventSink.for_store(store, kind.value) if publish else None,
                 record_check=record_check_of(config, vllm_config.model_config.model),
                 guard=GuardSampler(config.guard_config()) if config.guard else None,
+                more_groups=[(a, group.layer_names) for group, a in more],
+                checked_groups=[
+                    i for i, (g, _) in enumerate(groups) if g.layers.split(",")[0] in ("", "0")
+                ],
             )
 
     @property
@@ -190,7 +200,10 @@ class CacheTierConnector(KVConnectorBase_V1):
     # Worker side.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        scales = fp8_scales(self._vllm_config, self._layer_names, self._layout)
+        scales = [
+            fp8_scales(self._vllm_config, group.layer_names, arrangement.layout)
+            for group, arrangement in self._groups
+        ]
         self._require_worker().register_kv_caches(kv_caches, scales)
 
     @timed("bind_connector_metadata")
@@ -212,6 +225,13 @@ class CacheTierConnector(KVConnectorBase_V1):
         ended since the last call, failed ones included (their failed blocks are reported by
         ``get_block_ids_with_load_errors`` in the same step or an earlier one)."""
         return None, self._require_worker().take_finished_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s loads, and those that failed: with several KV cache groups a
+        failed load is reported by request (vLLM recomputes it from its start), never by
+        block id (``get_block_ids_with_load_errors``), which vLLM refuses for several."""
+        finished, failed = self._require_worker().take_load_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: ``start_load_kv`` copied every layer already."""
@@ -304,6 +324,14 @@ class CacheTierConnector(KVConnectorBase_V1):
         """The request's full blocks were saved as they were computed: free them now."""
         return self._require_scheduler().request_finished(request)
 
+    @timed("request_finished")
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` where vLLM's hybrid KV cache manager is on: every group's
+        blocks were saved (those a hit can use) as they were computed."""
+        return self._require_scheduler().request_finished(request)
+
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
@@ -325,29 +353,33 @@ class CacheTierConnector(KVConnectorBase_V1):
         return self._scheduler
 
 
-def _arrangement_of(
+def _groups_of(
     kv_cache_config: KVCacheConfig, vllm_config: VllmConfig
-) -> tuple[VllmArrangement, list[str]]:
-    """How blocks map to canonical ones, and the layer order, of the one KV cache group whose
-    every full block cachetier stores (``cachetier.connectors.vllm.kv_groups``)."""
+) -> list[tuple[StoredGroup, VllmArrangement]]:
+    """Each KV cache group cachetier stores (``cachetier.connectors.vllm.kv_groups``), with how
+    its blocks map to canonical ones."""
     from vllm.platforms import current_platform
 
-    spec = storable_spec(kv_cache_config, vllm_config.model_config.model)
-    (group,) = kv_cache_config.kv_cache_groups
     block_size = vllm_config.cache_config.block_size
-    if spec.block_size != block_size:
-        raise ValueError(f"KV spec block size {spec.block_size} != cache block size {block_size}")
-    arrangement = resolve(
-        device_type=current_platform.device_type,
-        is_mla=isinstance(spec, MLAAttentionSpec),
-        dtype=spec.dtype,
-        block_size=block_size,
-        num_layers=len(group.layer_names),
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        kv_cache_dtype=vllm_config.cache_config.cache_dtype,
-    )
-    return arrangement, list(group.layer_names)
+    out = []
+    for group in storable_groups(kv_cache_config, vllm_config.model_config.model):
+        spec = group.spec
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"KV spec block size {spec.block_size} != cache block size {block_size}"
+            )
+        arrangement = resolve(
+            device_type=current_platform.device_type,
+            is_mla=isinstance(spec, MLAAttentionSpec),
+            dtype=spec.dtype,
+            block_size=block_size,
+            num_layers=len(group.layer_names),
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+        )
+        out.append((group, arrangement))
+    return out
 
 
 def record_check_of(config: ConnectorConfig, model: str) -> RecordCheck | None:

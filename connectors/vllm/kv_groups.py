@@ -1,23 +1,31 @@
 """Which of vLLM's KV cache configs cachetier can store, checked as the connector starts.
 
-cachetier stores and restores every full block of one KV cache group, the same bytes for every
-layer, keyed by the tokens before it. That is right where vLLM keeps the KV of every token of
-that group: a ``FullAttentionSpec`` (or MLA) group. The connector does not take vLLM's hybrid
-KV cache manager (``SupportsHMA``), so vLLM turns that manager off, and then a model with both
-sliding-window and full-attention layers (Gemma-3) gets one ``FullAttentionSpec``
-group with ``sliding_window`` set: blocks are kept for every token, and the attention applies
-the window on its own (``vllm.v1.core.kv_cache_utils._promote_local_kv_cache_specs``). Chunked
-local attention next to full attention is promoted the same way (``attention_chunk_size`` set).
+cachetier stores the blocks of each KV cache group in records of that group's layers, keyed
+by the tokens before them. The connector takes vLLM's hybrid KV cache manager
+(``SupportsHMA``), so vLLM splits a model's layers into groups of one kind each
+(``storable_groups``):
+
+- a ``FullAttentionSpec`` (or MLA) group keeps every token's KV: every full block is stored,
+  and a hit needs every block of its prefix;
+- a ``SlidingWindowSpec`` group keeps the blocks of the window only (vLLM frees the others):
+  a hit ending at token ``P`` needs the blocks holding tokens ``[P - W + 1, P)``, and the
+  scheduler stores only the blocks some hit it can offer would need.
+
+Where the manager is off (``disable_hybrid_kv_cache_manager``), a model with both kinds
+(Gemma-3) gets one ``FullAttentionSpec`` group with ``sliding_window`` set, whose blocks are
+kept for every token (``vllm.v1.core.kv_cache_utils._promote_local_kv_cache_specs``); chunked
+local attention next to full attention is promoted the same way.
 
 Anything else is refused before a request runs, with what is unsupported in the message:
-recurrent state (Mamba and other linear-attention layers), a group of sliding-window layers
-only (vLLM frees its blocks outside the window, so there is no whole prefix to store), several
-groups, encoder or cross attention, non-causal layers, sink tokens. A restored block must never
-meet a model that needs state the block does not hold.
+recurrent state (Mamba and other linear-attention layers), chunked local attention in a group
+of its own, groups of several block sizes, encoder or cross attention, non-causal layers, sink
+tokens. A restored block must never meet a model that needs state the block does not hold.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.v1.kv_cache_interface import (
@@ -41,11 +49,6 @@ _SERVE_WITHOUT = "serve this model without the cachetier connector"
 _REFUSED: tuple[tuple[type[KVCacheSpec], str], ...] = (
     (MambaSpec, "recurrent state; cachetier does not store recurrent state"),
     (
-        SlidingWindowSpec,
-        "a sliding window on every attention layer; vLLM frees their blocks outside the window, "
-        "so cachetier has no whole prefix to store",
-    ),
-    (
         ChunkedLocalAttentionSpec,
         "chunked local attention on every attention layer; vLLM frees their blocks of earlier "
         "chunks, so cachetier has no whole prefix to store",
@@ -57,9 +60,10 @@ _REFUSED: tuple[tuple[type[KVCacheSpec], str], ...] = (
         "layers of different KV shapes in one group; cachetier stores one shape per block",
     ),
 )
-# Exactly these types hold every token's KV in one shape; their subclasses (sink tokens,
-# R-SWA, hidden-state caches) keep other things or free blocks, and are refused.
-_STORED = (FullAttentionSpec, MLAAttentionSpec)
+# Exactly these types hold every token's KV (or a window's) in one shape; their subclasses
+# (sink tokens, R-SWA, hidden-state caches, sliding MLA) keep other things, and are refused.
+_STORED = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 def refusal_of(spec: KVCacheSpec) -> str | None:
@@ -77,9 +81,18 @@ def refusal_of(spec: KVCacheSpec) -> str | None:
             return f"{name} layers ({why})"
     if type(spec) not in _STORED:
         return f"{name} layers (a kind of attention cachetier does not store)"
-    assert isinstance(spec, FullAttentionSpec), "every class of _STORED is a FullAttentionSpec"
+    if isinstance(spec, SlidingWindowSpec):
+        if spec.extra_retained_tokens:  # blocks kept for spec decoding, not attended
+            return f"{name} layers retaining {spec.extra_retained_tokens} tokens past the window"
+        return _shape_refusal(spec, name)
+    assert isinstance(spec, FullAttentionSpec), "the other classes of _STORED are full attention"
     if spec.non_causal:
         return f"non-causal {name} layers (a block's KV depends on the tokens after it)"
+    return _shape_refusal(spec, name)
+
+
+def _shape_refusal(spec: FullAttentionSpec | SlidingWindowSpec, name: str) -> str | None:
+    """Why a group's cells do not fit a canonical block, else ``None``."""
     # MLA stores one latent per token (``head_size_v`` 0), which its arrangement reads whole.
     if not isinstance(spec, MLAAttentionSpec) and spec.head_size_v != spec.head_size:
         return f"{name} layers with a value size {spec.head_size_v} != key size {spec.head_size}"
@@ -90,35 +103,82 @@ def refusal_of(spec: KVCacheSpec) -> str | None:
     return None
 
 
-def storable_spec(kv_cache_config: KVCacheConfig, model: str) -> FullAttentionSpec:
-    """The spec of the one KV cache group whose every full block cachetier stores.
+@dataclass(frozen=True, slots=True)
+class StoredGroup:
+    """One KV cache group as cachetier stores it.
+
+    Args:
+        index: the group's index in vLLM's ``kv_cache_groups`` (its block ids' place).
+        spec: the group's spec.
+        layer_names: its attention layers in model order (the layers of its records).
+        window: tokens a query attends to, itself included, where vLLM keeps only the window's
+            blocks (``SlidingWindowSpec``); ``None`` where it keeps every block.
+        layers: the model layer indices the group's records hold (``Namespace.layers``), ``""``
+            where one group holds every layer.
+    """
+
+    index: int
+    spec: FullAttentionSpec | SlidingWindowSpec
+    layer_names: tuple[str, ...]
+    window: int | None
+    layers: str
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block a hit of ``num_tokens`` tokens needs in this group: 0 for full
+        attention; for a window ``W``, the block of token ``num_tokens - W + 1`` (the first the
+        next token attends to), as vLLM's ``SlidingWindowManager.get_num_skipped_tokens``."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.spec.block_size
+
+
+def storable_groups(kv_cache_config: KVCacheConfig, model: str) -> list[StoredGroup]:
+    """Every KV cache group, as cachetier stores it (module docstring).
 
     Args:
         kv_cache_config: vLLM's KV cache config, as the connector receives it.
         model: the model's name or folder, for the message.
 
     Returns:
-        The group's spec: a ``FullAttentionSpec`` (or MLA), ``sliding_window`` or
-        ``attention_chunk_size`` possibly set (every token's KV kept all the same).
+        The groups in vLLM's order; a single group stands for every layer (``layers`` "").
 
     Raises:
-        ValueError: the config holds anything else; the message names it.
+        ValueError: a group cachetier cannot store, or groups of several block sizes; the
+            message names it.
     """
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError(f"{model} has no KV cache (attention-free): {_SERVE_WITHOUT}")
-    for group in groups:
-        refusal = refusal_of(group.kv_cache_spec)
+    out: list[StoredGroup] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        refusal = refusal_of(spec)
         if refusal is not None:
             raise ValueError(
                 f"{refusal} of {model} ({', '.join(group.layer_names[:2])}, ...): {_SERVE_WITHOUT}"
             )
-    if len(groups) != 1:
-        kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
+        assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)), "refusal_of passed it"
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        layers = "" if len(groups) == 1 else ",".join(_layer_indices(group.layer_names, model))
+        out.append(StoredGroup(index, spec, tuple(group.layer_names), window, layers))
+    sizes = sorted({group.spec.block_size for group in out})
+    if len(sizes) > 1:
         raise ValueError(
-            f"{len(groups)} KV cache groups ({kinds}) of {model}: cachetier stores the blocks "
-            f"of one group; {_SERVE_WITHOUT}"
+            f"KV cache groups of {model} with block sizes {sizes}: cachetier keys one block size "
+            f"for all groups; {_SERVE_WITHOUT}"
         )
-    spec = groups[0].kv_cache_spec
-    assert isinstance(spec, FullAttentionSpec), "refusal_of passes FullAttentionSpecs only"
-    return spec
+    return out
+
+
+def _layer_indices(layer_names: tuple[str, ...] | list[str], model: str) -> list[str]:
+    """Each layer's index in the model, from its name (``model.layers.3.self_attn.attn``)."""
+    out = []
+    for name in layer_names:
+        found = _LAYER_INDEX.findall(name)
+        if len(found) != 1:
+            raise ValueError(
+                f"layer {name!r} of {model} does not name one layer index; cachetier names a "
+                f"group's records by its layers: {_SERVE_WITHOUT}"
+            )
+        out.append(found[0])
+    return out

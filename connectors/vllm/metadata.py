@@ -38,6 +38,7 @@ class BlockTransfer:
         parent: the key before ``keys[0]`` in the request's chain (``None`` for its first
             record), sent with ``token_ids``.
         first_position: the position in the request of ``keys[0]``'s first token.
+        group: the KV cache group whose layers and block ids these are (``kv_groups``).
     """
 
     req_id: str
@@ -50,6 +51,7 @@ class BlockTransfer:
     token_ids: tuple[int, ...] = ()
     parent: BlockHash | None = None
     first_position: int = 0
+    group: int = 0
 
     def __post_init__(self) -> None:
         num_keys, num_blocks = len(self.keys), len(self.block_ids)

@@ -2,11 +2,10 @@
 of whole-block loads and saves the worker carries out each step.
 
 A request's records are keyed with ``cachetier.primitives.keys.block_keys`` over its token ids in a
-``Namespace(model fingerprint, canonical record layout, tenant + cache salt)``. A record holds
-``record_tokens`` tokens, the same in every engine of a deployment, and a vLLM block of
-``block_size`` tokens holds ``block_size / record_tokens`` of them: block ``i`` of the request
-is vLLM block ``block_ids[i]`` and keys ``[i * n, (i + 1) * n)``. vLLM takes a hit in whole
-blocks, so a hit that ends inside a block is cut back to the block before it.
+``Namespace(model fingerprint, canonical record layout, tenant + cache salt, layers)``, one per
+KV cache group. A record holds ``record_tokens`` tokens, the same in every engine, and a vLLM
+block ``block_size / record_tokens`` of them: block ``i`` is keys ``[i * n, (i + 1) * n)``.
+vLLM takes a hit in whole blocks, and in every group at once (``windows``).
 
 - ``get_num_new_matched_tokens`` asks the store how many blocks after vLLM's own prefix hit are
   stored, stopping one token short of the prompt (vLLM must compute at least one token), and
@@ -14,8 +13,8 @@ blocks, so a hit that ends inside a block is cut back to the block before it.
   rates, the copy into vLLM's KV memory and prefill speed come from the worker's reports).
 - ``update_state_after_alloc`` turns a hit into a load of those keys into the allocated blocks.
   A hit whose every block comes over a network (Redis, a sidecar) is loaded asynchronously by
-  default: vLLM holds that request back and keeps running the others until the worker reports
-  it loaded (``load_async``), since its read waits on a link, not on the cores the forward uses.
+  default (``load_async``): vLLM runs the others until the worker reports it loaded. With
+  several groups every load is asynchronous: vLLM then takes failures by request only.
 - ``build_connector_meta`` hands the step's loads to the worker, plus a save of every block
   whose last token this step computes; the worker saves after the forward, in the same step, so
   no block is ever freed while a save of it is pending and ``request_finished`` frees at once.
@@ -23,9 +22,7 @@ blocks, so a hit that ends inside a block is cut back to the block before it.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -34,12 +31,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from cachetier.connectors.config import check_load_async
 from cachetier.connectors.vllm.cpu_index import WorkerCPUIndex
 from cachetier.connectors.vllm.guard import draw
+from cachetier.connectors.vllm.kv_groups import StoredGroup
 from cachetier.connectors.vllm.metadata import (
     BlockTransfer,
     CacheTierConnectorMetadata,
     StoredBlocks,
 )
+from cachetier.connectors.vllm.refusals import RefusalLearner
 from cachetier.connectors.vllm.steps import cacheable, describe_step
+from cachetier.connectors.vllm.tracked import Tracked
+from cachetier.connectors.vllm.windows import WindowedLookup, first_saved_block
 from cachetier.errors import CacheTierError
 from cachetier.guard import GuardSampler, QuarantineList
 from cachetier.primitives.keys import (
@@ -51,7 +52,7 @@ from cachetier.primitives.keys import (
     records_per_block,
 )
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
-from cachetier.store.costmodel import CopyRate, CostModel, LoadPlan, PrefillModel, TierRates
+from cachetier.store.costmodel import CopyRate, CostModel, PrefillModel, TierRates
 from cachetier.store.tiered import TieredStore
 
 if TYPE_CHECKING:
@@ -62,37 +63,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.cachetier.scheduler")
 
 _HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """What the scheduler side knows of one request."""
-
-    request: Request
-    namespace: Namespace
-    keys: list[BlockHash] = field(default_factory=list)  # of its first full records
-    block_ids: list[int] = field(default_factory=list)  # vLLM block ids, in token order
-    num_stored_blocks: int = 0  # leading blocks known stored (hit, loaded or saved)
-    hit: tuple[int, int, dict[str, int]] = (0, 0, {})  # first block, num blocks, tokens by tier
-    hit_async: bool = False  # the hit is loaded beside the forwards
-    # First block the worker failed to load or store: no hit reaches past it again. vLLM asks
-    # again after an async load that failed (the request starts over from its local hit), and
-    # a tier that times out on these blocks would be asked for them for ever.
-    failed_from: int | None = None
-    pending_load: BlockTransfer | None = None
-    # A plan that recomputed stored blocks, and the forward seconds of the steps that computed
-    # the prompt since: the cost model learns its error from them once the prompt is done.
-    refused_plan: LoadPlan | None = None
-    refused_compute_s: float = 0.0
-    prompt_scheduled: bool = False  # the step computing its last prompt token is planned
-    num_known_stored: int = 0  # leading blocks a shared tier was seen to hold
-    # A hit the guard drew: each hit record's key and the tier that held it, until vLLM's
-    # computed block of that key is saved and compared (``cachetier.connectors.vllm.guard``).
-    verify: dict[BlockHash, str] = field(default_factory=dict)
-    # Whether the guard has drawn for this request's hit: vLLM asks a waiting request's match
-    # again at every step it stays queued, and a draw at each ask would verify far more than
-    # ``guard_fraction`` of requests.
-    guard_drawn: bool = False
 
 
 class CacheTierScheduler:
@@ -114,6 +84,9 @@ class CacheTierScheduler:
             size must be a multiple of it.
         guard: which hits to verify by letting vLLM compute them (``None``: none).
         with_tokens: send loads' and saves' tokens to the worker, for vLLM's KV events.
+        groups: each KV cache group with its block layout, where vLLM's hybrid manager made
+            several or a sliding-window one (``cachetier.connectors.vllm.windows``); empty for
+            one group of every layer, whose block layout is ``layout``.
     """
 
     def __init__(
@@ -130,6 +103,7 @@ class CacheTierScheduler:
         record_tokens: int = DEFAULT_RECORD_TOKENS,
         guard: GuardSampler | None = None,
         with_tokens: bool = False,
+        groups: Sequence[tuple[StoredGroup, KVLayout]] = (),
     ) -> None:
         check_load_async(load_async)
         self._store = store
@@ -148,10 +122,20 @@ class CacheTierScheduler:
         self._block_size = layout.block_size
         self._record_layout = record_layout(layout, record_tokens)
         self._per_block = records_per_block(layout.block_size, record_tokens)
+        self._groups = [group for group, _ in groups]
+        # Namespaces' layers and record layouts per group, the first group's first.
+        self._group_layers = [group.layers for group in self._groups] or [""]
+        self._group_layouts = [record_layout(lay, record_tokens) for _, lay in groups] or [
+            self._record_layout
+        ]
+        self._windowed = any(group.window is not None for group in self._groups)
+        # vLLM maps failed block ids back to requests for one group only: with several, every
+        # load is asynchronous, so a failure is reported by request.
+        self._by_request = len(self._groups) > 1
         self._model_fingerprint = model_fingerprint
         self._tenant = tenant
         self._cpu_index = WorkerCPUIndex(cpu_index_blocks)
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         # Lookups here measure latency; reads and forwards happen in the worker, which reports
         # its rates and prefill step times back (``StoredBlocks``).
         self.rates = store.rates if store is not None else TierRates()
@@ -160,14 +144,19 @@ class CacheTierScheduler:
         self.cost = CostModel(self.rates, self.prefill, copy=self.copy, enabled=cost_model)
         self._chunk_tokens = chunk_tokens
         self.num_recomputed_by_choice_tokens = 0
-        # Per prefill step not yet reported by the worker, oldest first: the requests with a
-        # refused plan that it computes prompt tokens of.
-        self._step_refusals: deque[list[str]] = deque()
+        self._refusals = RefusalLearner(self.cost, self._requests)
 
     def namespace(self, cache_salt: str | None) -> Namespace:
-        """The namespace of a request with this cache salt."""
+        """The namespace of a request with this cache salt (of its first KV cache group)."""
+        return self.namespaces(cache_salt)[0]
+
+    def namespaces(self, cache_salt: str | None) -> list[Namespace]:
+        """The namespace of each KV cache group of a request with this cache salt."""
         tenant = self._tenant if not cache_salt else f"{self._tenant}\0{cache_salt}"
-        return Namespace(self._model_fingerprint, self._record_layout, tenant)
+        return [
+            Namespace(self._model_fingerprint, lay, tenant, layers)
+            for lay, layers in zip(self._group_layouts, self._group_layers, strict=True)
+        ]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -185,7 +174,12 @@ class CacheTierScheduler:
             return 0, False
         n = self._per_block
         keys = self._keys_upto(tracked, last * n)[first * n : last * n]
-        spans = self._lookup(tracked.namespace.id, keys)  # in records
+        windows = self._windowed_lookup(tracked) if self._windowed else None
+        if windows is not None:
+            _, spans = windows.hit(first, last)
+            keys = keys[: sum(count for _, count in spans)]
+        else:
+            spans = self._lookup(tracked.namespace.id, keys)  # in records
         if tracked.verify or self._drawn(tracked, spans, keys):
             tracked.hit = (first, 0, {})  # vLLM computes it; its saves are compared
             return 0, False
@@ -208,6 +202,8 @@ class CacheTierScheduler:
             # CPU tier is known from reports only, and may have evicted what it reported.)
             tracked.num_known_stored = first + plan.num_hit_blocks // n
         num_hit = plan.num_load_blocks // n  # vLLM loads whole blocks
+        if windows is not None and num_hit:
+            num_hit = windows.end_within(first, first + num_hit) - first
         by_tier: dict[str, int] = {}  # tokens
         left = num_hit * n
         for tier, count in spans:
@@ -216,7 +212,7 @@ class CacheTierScheduler:
                 by_tier[tier] = by_tier.get(tier, 0) + take * record_tokens
             left -= take
         tracked.hit = (first, num_hit, by_tier)
-        tracked.hit_async = num_hit > 0 and self._asynchronous(by_tier)
+        tracked.hit_async = num_hit > 0 and (self._by_request or self._asynchronous(by_tier))
         if plan.num_recompute_blocks:
             self.num_recomputed_by_choice_tokens += plan.num_recompute_blocks * record_tokens
             logger.info(
@@ -241,9 +237,17 @@ class CacheTierScheduler:
             )
         return num_hit * self._block_size, tracked.hit_async
 
-    def _drawn(
-        self, tracked: _Tracked, spans: list[tuple[str, int]], keys: list[BlockHash]
-    ) -> bool:
+    def _windowed_lookup(self, tracked: Tracked) -> WindowedLookup:
+        """The hit over every KV cache group of this request (``windows``)."""
+        n = self._per_block
+        return WindowedLookup(
+            self._groups,
+            n,
+            lambda group, num_blocks: self._keys_upto(tracked, num_blocks * n, group),
+            lambda group, keys: self._lookup(tracked.namespaces[group].id, keys),
+        )
+
+    def _drawn(self, tracked: Tracked, spans: list[tuple[str, int]], keys: list[BlockHash]) -> bool:
         if tracked.guard_drawn:
             return False
         if spans:  # one draw per request, at its first hit
@@ -282,23 +286,38 @@ class CacheTierScheduler:
         assert num_external_tokens % self._block_size == 0 and num_blocks <= num_hit, (
             f"vLLM asked to load {num_external_tokens} tokens of a {num_hit}-block hit"
         )
-        (block_ids,) = blocks.get_block_ids()
-        n = self._per_block
-        transfer = BlockTransfer(
-            request.request_id,
-            tracked.namespace.id,
-            tracked.namespace.fingerprint,
-            tuple(tracked.keys[first * n : (first + num_blocks) * n]),
-            tuple(block_ids[first : first + num_blocks]),
-            **self._chain(tracked, first * n, (first + num_blocks) * n, load=True),
-        )
+        group_block_ids = blocks.get_block_ids()
+        end = first + num_blocks
+        transfers = [
+            self._load_of(tracked, group, group_block_ids[group], first, end)
+            for group in range(len(self._group_layouts))
+        ]
         if tracked.hit_async:
             # vLLM does not schedule the request until the worker reports it loaded, so the
             # load goes out with the next step's metadata, whatever that step runs.
-            self._async_loads.append(transfer)
+            self._async_loads.extend(transfers)
         else:
-            tracked.pending_load = transfer
-        tracked.num_stored_blocks = max(first + num_blocks, tracked.num_known_stored)
+            tracked.pending_loads.extend(transfers)
+        tracked.num_stored_blocks = max(end, tracked.num_known_stored)
+
+    def _load_of(
+        self, tracked: Tracked, group: int, block_ids: Sequence[int], first: int, end: int
+    ) -> BlockTransfer:
+        """The load of blocks ``[first, end)`` of one KV cache group: where it keeps a window,
+        of the blocks a hit ending at ``end`` needs (vLLM gave the others its null block)."""
+        if self._groups and self._groups[group].window is not None:
+            first = max(first, self._groups[group].first_needed_block(end * self._block_size))
+        n = self._per_block
+        namespace = tracked.namespaces[group]
+        return BlockTransfer(
+            tracked.request.request_id,
+            namespace.id,
+            namespace.fingerprint,
+            tuple(self._keys_upto(tracked, end * n, group)[first * n : end * n]),
+            tuple(block_ids[first:end]),
+            **self._chain(tracked, first * n, end * n, load=True, group=group),
+            group=group,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CacheTierConnectorMetadata:
         """This step's loads and saves; consumes the pending loads."""
@@ -307,14 +326,14 @@ class CacheTierScheduler:
         num_scheduled = scheduler_output.num_scheduled_tokens
         describe_step(scheduler_output, meta)
         if meta.step_tokens:
-            self._step_refusals.append(self._refused_in_step(scheduler_output))
+            self._refusals.step_planned(scheduler_output)
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:  # its blocks are freed; a resume brings new ones
-                self._requests[req_id].block_ids = []
+                self._requests[req_id].group_block_ids = [[] for _ in self._group_layouts]
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.group_block_ids = [list(ids) for ids in new.block_ids]
                 self._plan(tracked, new.num_computed_tokens + num_scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -323,9 +342,14 @@ class CacheTierScheduler:
                 continue
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # new_block_ids is then the whole list
-                tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                tracked.group_block_ids = (
+                    [list(ids) for ids in new_block_ids]
+                    if new_block_ids
+                    else [[] for _ in self._group_layouts]
+                )
             elif new_block_ids is not None:
-                tracked.block_ids.extend(new_block_ids[0])
+                for have, ids in zip(tracked.group_block_ids, new_block_ids, strict=True):
+                    have.extend(ids)
             self._plan(tracked, cached.num_computed_tokens[i] + num_scheduled[req_id], meta)
         return meta
 
@@ -338,7 +362,7 @@ class CacheTierScheduler:
             return
         for tokens, attention, seconds in report.steps:
             self.prefill.observe(tokens, attention, seconds)
-            self._learn_from_step(seconds)
+            self._refusals.step_reported(seconds)
         for tier, rate in report.rates.items():
             self.rates.adopt(tier, rate)
         for nbytes, seconds in report.copies:
@@ -349,9 +373,12 @@ class CacheTierScheduler:
         for namespace_id, keys in report.failed.items():
             failed = set(keys)
             for tracked in self._requests.values():
-                if tracked.namespace.id != namespace_id:
+                group = next(
+                    (g for g, ns in enumerate(tracked.namespaces) if ns.id == namespace_id), None
+                )
+                if group is None:
                     continue
-                stored = tracked.keys[: tracked.num_stored_blocks * self._per_block]
+                stored = tracked.group_keys[group][: tracked.num_stored_blocks * self._per_block]
                 bad = next((i for i, key in enumerate(stored) if key in failed), None)
                 if bad is not None:
                     bad //= self._per_block  # the block that record is part of
@@ -382,73 +409,36 @@ class CacheTierScheduler:
         if self._store is not None:
             self._store.close()
 
-    def _track(self, request: Request) -> _Tracked:
+    def _track(self, request: Request) -> Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tracked = _Tracked(request, self.namespace(request.cache_salt))
+            tracked = Tracked(request, self.namespaces(request.cache_salt))
             self._requests[request.request_id] = tracked
         return tracked
 
-    def _refused_in_step(self, scheduler_output: SchedulerOutput) -> list[str]:
-        """Requests with a refused plan whose prompt tokens this step computes."""
-        out = []
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        scheduled = [
-            (new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
-        ]
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, num_computed in scheduled:
-            tracked = self._requests.get(req_id)
-            if tracked is None or tracked.refused_plan is None or tracked.prompt_scheduled:
-                continue
-            out.append(req_id)
-            if num_computed + num_scheduled.get(req_id, 0) >= tracked.request.num_prompt_tokens:
-                tracked.prompt_scheduled = True
-        return out
-
-    def _learn_from_step(self, seconds: float) -> None:
-        """Charge one reported prefill step to the refused requests it computed; a request
-        whose prompt is done then tells the cost model what its refusal really cost."""
-        if not self._step_refusals:
-            return
-        for req_id in self._step_refusals.popleft():
-            tracked = self._requests.get(req_id)
-            if tracked is None or tracked.refused_plan is None:
-                continue
-            tracked.refused_compute_s += seconds
-            if tracked.prompt_scheduled:
-                self.cost.observe_outcome(
-                    tracked.refused_plan, tracked.refused_compute_s, request_id=req_id
-                )
-                logger.info(
-                    "request %s: the refused load's prompt took %.3f s of forward against "
-                    "%.3f s estimated",
-                    req_id,
-                    tracked.refused_compute_s,
-                    tracked.refused_plan.est_compute_s or 0.0,
-                )
-                tracked.refused_plan = None
-
-    def _keys_upto(self, tracked: _Tracked, num_records: int) -> list[BlockHash]:
-        """The request's keys of its first ``num_records`` records, extending the cached
-        chain."""
-        have = len(tracked.keys)
+    def _keys_upto(self, tracked: Tracked, num_records: int, group: int = 0) -> list[BlockHash]:
+        """The request's keys of its first ``num_records`` records in a KV cache group's
+        namespace, extending the cached chain."""
+        keys = tracked.group_keys[group]
+        have = len(keys)
         if num_records > have:
             size = self._record_layout.block_size
             tokens = tracked.request.all_token_ids[have * size : num_records * size]
-            parent = tracked.keys[-1] if tracked.keys else None
-            tracked.keys.extend(block_keys(tracked.namespace, list(tokens), parent=parent))
-        return tracked.keys
+            parent = keys[-1] if keys else None
+            keys.extend(block_keys(tracked.namespaces[group], list(tokens), parent=parent))
+        return keys
 
-    def _chain(self, tracked: _Tracked, first: int, end: int, load: bool = False) -> dict[str, Any]:
-        """Tokens, parent and position of records ``[first, end)``: a load's always (the
-        worker checks its records by them), a save's if KV events want them."""
+    def _chain(
+        self, tracked: Tracked, first: int, end: int, load: bool = False, group: int = 0
+    ) -> dict[str, Any]:
+        """Tokens, parent and position of records ``[first, end)`` of a KV cache group: a
+        load's always (the worker checks its records by them), a save's if KV events want
+        them."""
         if not (self._with_tokens or load):
             return {}
         size = self._record_layout.block_size
         tokens = tuple(tracked.request.all_token_ids[first * size : end * size])
-        parent = tracked.keys[first - 1] if first else None
+        parent = tracked.group_keys[group][first - 1] if first else None
         return {"token_ids": tokens, "parent": parent, "first_position": first * size}
 
     def _lookup(self, namespace_id: str, keys: Sequence[BlockHash]) -> list[tuple[str, int]]:
@@ -468,33 +458,43 @@ class CacheTierScheduler:
         return spans
 
     def _plan(
-        self, tracked: _Tracked, num_computed_after: int, meta: CacheTierConnectorMetadata
+        self, tracked: Tracked, num_computed_after: int, meta: CacheTierConnectorMetadata
     ) -> None:
-        if tracked.pending_load is not None:
-            meta.loads.append(tracked.pending_load)
-            tracked.pending_load = None
+        meta.loads.extend(tracked.pending_loads)
+        tracked.pending_loads = []
         # Only tokens already known (no draft tokens, no placeholders) are keyed and saved.
         num_full = min(num_computed_after, tracked.request.num_tokens) // self._block_size
-        num_full = min(num_full, len(tracked.block_ids))
+        num_full = min(num_full, *(len(ids) for ids in tracked.group_block_ids))
         start = tracked.num_stored_blocks
         if num_full <= start:
             return
+        for group in range(len(self._group_layouts)):
+            first = start
+            if self._groups:  # a window's blocks no hit needs are not written
+                saved = first_saved_block(self._groups[group], tracked.request.num_prompt_tokens)
+                first = max(first, saved)
+            if first < num_full:
+                meta.saves.append(self._save_of(tracked, group, first, num_full))
+        tracked.num_stored_blocks = num_full
+
+    def _save_of(self, tracked: Tracked, group: int, start: int, end: int) -> BlockTransfer:
+        """The save of blocks ``[start, end)`` of one KV cache group."""
         n = self._per_block
-        keys = self._keys_upto(tracked, num_full * n)[start * n : num_full * n]
+        keys = self._keys_upto(tracked, end * n, group)[start * n : end * n]
+        # A hit the guard drew compares the first group's records.
         verify = tuple(tracked.verify.pop(k, "") for k in keys) if tracked.verify else ()
         # A record whose end is past the prompt holds generated tokens (as our engine marks).
         size, prompt = self._record_layout.block_size, tracked.request.num_prompt_tokens
-        generated = tuple((r + 1) * size > prompt for r in range(start * n, num_full * n))
-        meta.saves.append(
-            BlockTransfer(
-                tracked.request.request_id,
-                tracked.namespace.id,
-                tracked.namespace.fingerprint,
-                tuple(keys),
-                tuple(tracked.block_ids[start:num_full]),
-                verify if any(verify) else (),
-                generated if any(generated) else (),
-                **self._chain(tracked, start * n, num_full * n),
-            )
+        generated = tuple((r + 1) * size > prompt for r in range(start * n, end * n))
+        namespace = tracked.namespaces[group]
+        return BlockTransfer(
+            tracked.request.request_id,
+            namespace.id,
+            namespace.fingerprint,
+            tuple(keys),
+            tuple(tracked.group_block_ids[group][start:end]),
+            verify if any(verify) else (),
+            generated if any(generated) else (),
+            **self._chain(tracked, start * n, end * n, group=group),
+            group=group,
         )
-        tracked.num_stored_blocks = num_full

@@ -35,6 +35,7 @@ from cachetier.connectors.vllm.events import (
     note_tokens,
     watch_store,
 )
+from cachetier.connectors.vllm.group_kv import GroupKV
 from cachetier.connectors.vllm.guard import verify_saved
 from cachetier.connectors.vllm.layouts import VllmArrangement
 from cachetier.connectors.vllm.metadata import (
@@ -42,16 +43,14 @@ from cachetier.connectors.vllm.metadata import (
     CacheTierConnectorMetadata,
     StoredBlocks,
 )
-from cachetier.connectors.vllm.paged import PagedKV
 from cachetier.connectors.vllm.stats import CacheTierConnectorStats
 from cachetier.errors import CacheTierError
 from cachetier.guard import GuardSampler
 from cachetier.guard.record_check import RecordCheck
-from cachetier.kernels.records import join_records, split_block
-from cachetier.kernels.staging import PendingSave, payload_tensor, payload_view
-from cachetier.primitives.keys import BlockHash, record_layout, torch_dtype
+from cachetier.kernels.staging import PendingSave
+from cachetier.primitives.keys import BlockHash
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
-from cachetier.record import Buffer, KVBlock
+from cachetier.record import KVBlock
 from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
 
@@ -78,6 +77,12 @@ class CacheTierWorker:
         record_check: the check of every loaded record against its tokens
             (``cachetier.store.record_guard``); ``None`` for none.
         guard: the worker's own draws of new writers to verify first; ``None`` for none.
+        more_groups: the arrangement and layers of each further KV cache group, after the
+            first's (``arrangement``, ``layer_names``), where vLLM's hybrid manager made several.
+            With several groups a failed load is reported as its request's
+            (``take_load_results``): vLLM cannot map block ids of several groups back.
+        checked_groups: the groups whose first layer is the model's, which ``record_check``
+            recomputes; the others' records are not checked against their tokens.
     """
 
     def __init__(
@@ -89,6 +94,8 @@ class CacheTierWorker:
         events: VllmEventSink | None = None,
         record_check: RecordCheck | None = None,
         guard: GuardSampler | None = None,
+        more_groups: Sequence[tuple[VllmArrangement, Sequence[str]]] = (),
+        checked_groups: Sequence[int] = (0,),
     ) -> None:
         self._store = store
         self._guard = guard
@@ -99,12 +106,13 @@ class CacheTierWorker:
         # A load from a store with a CPU tier leaves the records there, just used (a CPU hit is
         # touched, a lower tier's is promoted): the scheduler's view of that tier must learn it.
         self._cpu_takes_loads = any(tier.name == "cpu" for tier in store.tiers)
-        self._arrangement = arrangement
-        self._layout = arrangement.layout
-        self._record_layout = record_layout(self._layout, record_tokens)
-        self._aux = b""
-        self._layer_names = list(layer_names)
-        self._paged: PagedKV | None = None
+        groups = [(arrangement, layer_names), *more_groups]
+        self._groups = [
+            GroupKV(a, names, record_tokens, i in checked_groups)
+            for i, (a, names) in enumerate(groups)
+        ]
+        self._by_request = len(self._groups) > 1
+        self._failed_loads: set[str] = set()
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._report = StoredBlocks()
@@ -119,31 +127,33 @@ class CacheTierWorker:
         self._loader: ThreadPoolExecutor | None = None
         self._finished_loads: set[str] = set()
         self._events = events
-        self._tier_events = (
-            None if events is None else watch_store(store, events, self._record_layout.block_size)
-        )
+        self._tier_events = None if events is None else watch_store(store, events, record_tokens)
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], aux: bytes = b"") -> None:
-        """Take vLLM's per-layer KV tensors (checked against the layout).
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], aux: bytes | Sequence[bytes] = b""
+    ) -> None:
+        """Take vLLM's per-layer KV tensors (checked against each group's layout).
 
         Args:
             kv_caches: the tensors by layer name.
             aux: what every record's ``aux`` holds: the layers' fp8 scales
-                (``layouts.fp8_scales``), ``b""`` for unscaled KV. A restored record with
-                other side data is refused (recomputed).
+                (``layouts.fp8_scales``), ``b""`` for unscaled KV, one per group where there
+                are several. A restored record with other side data is refused (recomputed).
         """
-        self._aux = aux
-        self._paged = PagedKV(kv_caches, self._layer_names, self._arrangement)
-        logger.info(
-            "cachetier: %d layers x %d blocks of %d tokens on %s (%s), %.2f MB per block, tiers %s",
-            len(self._layer_names),
-            self._paged.num_blocks,
-            self._layout.block_size,
-            self._paged.device,
-            self._arrangement.kind,
-            self._layout.block_bytes / 1e6,
-            [tier.name for tier in self._store.tiers],
-        )
+        auxes = [aux] * len(self._groups) if isinstance(aux, bytes) else list(aux)
+        for group, group_aux in zip(self._groups, auxes, strict=True):
+            paged = group.register(kv_caches, group_aux)
+            logger.info(
+                "cachetier: %d layers x %d blocks of %d tokens on %s (%s), %.2f MB per block, "
+                "tiers %s",
+                len(group.layer_names),
+                paged.num_blocks,
+                group.layout.block_size,
+                paged.device,
+                group.arrangement.kind,
+                group.layout.block_bytes / 1e6,
+                [tier.name for tier in self._store.tiers],
+            )
 
     def step_started(self) -> None:
         """vLLM bound this step's metadata: its forward is about to run."""
@@ -160,33 +170,41 @@ class CacheTierWorker:
 
     def _load(self, meta: CacheTierConnectorMetadata) -> None:
         self._failed_req_ids.clear()
-        paged = self._require_paged()
-        self._store_saved(paged.poll())
-        # These loads and this step's forward may write pages that earlier saves are still
-        # copying out: order them after those copies (on the GPU; the host does not wait).
-        paged.fence()
+        for group in self._groups:
+            self._store_saved(group.paged.poll())
+            # These loads and this step's forward may write pages that earlier saves are still
+            # copying out: order them after those copies (on the GPU; the host does not wait).
+            group.paged.fence()
         for transfer in meta.loads:
             self._load_one(transfer)
+        # A request's loads of every group end together: vLLM hears of it once.
+        by_request: dict[str, list[BlockTransfer]] = {}
         for transfer in meta.async_loads:
-            if paged.device.type == "cpu":
+            by_request.setdefault(transfer.req_id, []).append(transfer)
+        for transfers in by_request.values():
+            if self._groups[0].paged.device.type == "cpu":
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="cachetier-load")
-                self._loader.submit(self._load_async, transfer)
+                self._loader.submit(self._load_async, transfers)
             else:
-                self._load_async(transfer)
+                self._load_async(transfers)
 
-    def _load_async(self, transfer: BlockTransfer) -> None:
-        """One async load, then its request reported finished, whatever happened: vLLM holds
-        the request (and, if it was aborted meanwhile, its blocks) until then."""
+    def _load_async(self, transfers: Sequence[BlockTransfer]) -> None:
+        """One request's async loads, then the request reported finished, whatever happened:
+        vLLM holds the request (and, if it was aborted meanwhile, its blocks) until then."""
         try:
-            self._load_one(transfer, asynchronous=True)
+            for transfer in transfers:
+                self._load_one(transfer, asynchronous=True)
         except BaseException as exc:  # a thread's error would otherwise vanish
-            logger.error("cachetier: async load for request %s failed: %r", transfer.req_id, exc)
+            logger.error(
+                "cachetier: async load for request %s failed: %r", transfers[0].req_id, exc
+            )
             with self._lock:
-                self._failed_from(transfer, 0)
+                for transfer in transfers:
+                    self._failed_from(transfer, 0)
         finally:
             with self._lock:
-                self._finished_loads.add(transfer.req_id)
+                self._finished_loads.add(transfers[0].req_id)
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose async loads ended since the last call (their failed blocks were
@@ -194,6 +212,16 @@ class CacheTierWorker:
         with self._lock:
             finished, self._finished_loads = self._finished_loads, set()
         return finished
+
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """The requests whose async loads ended since the last call, and those of them whose
+        load failed where there are several KV cache groups (vLLM then recomputes each from its
+        start: it cannot map block ids of several groups back to a request)."""
+        with self._lock:
+            finished, self._finished_loads = self._finished_loads, set()
+            failed = self._failed_loads & finished
+            self._failed_loads -= failed
+        return finished, failed
 
     def save(self, meta: CacheTierConnectorMetadata) -> None:
         """Store this step's completed blocks (after the forward wrote them)."""
@@ -213,7 +241,8 @@ class CacheTierWorker:
             self._save_one(transfer)
         copied = time.perf_counter()
         timing.add("wait_for_save.copy", copied - start)
-        self._store_saved(self._require_paged().poll())
+        for group in self._groups:
+            self._store_saved(group.paged.poll())
         timing.add("wait_for_save.store", time.perf_counter() - copied)
 
     def take_failed_block_ids(self) -> set[int]:
@@ -262,8 +291,9 @@ class CacheTierWorker:
         them."""
         if self._loader is not None:
             self._loader.shutdown(wait=True)
-        if self._paged is not None:
-            self._store_saved(self._paged.drain())
+        for group in self._groups:
+            if group.registered is not None:
+                self._store_saved(group.registered.drain())
         self._store.close()
         # What each tier took in over the process's life: what an operator (or a benchmark)
         # reads to see whether the lower tiers kept up with the saves.
@@ -275,7 +305,7 @@ class CacheTierWorker:
         )
 
     def _load_one(self, transfer: BlockTransfer, *, asynchronous: bool = False) -> None:
-        paged = self._require_paged()
+        group = self._groups[transfer.group]
         start = time.perf_counter()
         if self._tier_events is not None:
             # A block restored from a lower tier is promoted into the first: its event there
@@ -297,8 +327,8 @@ class CacheTierWorker:
             # ``write`` waits for the copy's end, so its time never counts as the forward's
             # (the prefill model's), and the scheduler's cost model adds what a loaded block
             # costs to copy in.
-            copy_s = paged.write(
-                transfer.block_ids[:num_good], self._block_payloads(good, per_block, num_good)
+            copy_s = group.paged.write(
+                transfer.block_ids[:num_good], group.block_payloads(good, per_block, num_good)
             )
         elapsed = time.perf_counter() - start
         by_tier: dict[str, int] = {}
@@ -307,7 +337,7 @@ class CacheTierWorker:
             by_tier[source] = by_tier.get(source, 0) + 1
         with self._lock:
             if num_good:
-                self._report.copies.append((num_good * self._layout.block_bytes, copy_s))
+                self._report.copies.append((num_good * group.layout.block_bytes, copy_s))
                 self._stats.add(copy_s=copy_s)
                 if self._cpu_takes_loads:
                     loaded = transfer.keys[: num_good * per_block]
@@ -323,7 +353,7 @@ class CacheTierWorker:
                 num_loaded_blocks=num_good,
                 num_load_errors=len(transfer.block_ids) - num_good,
                 num_async_loads=int(asynchronous),
-                loaded_bytes=num_good * self._layout.block_bytes,
+                loaded_bytes=num_good * group.layout.block_bytes,
                 load_s=elapsed,
                 **{f"loaded_from_{tier}": count for tier, count in by_tier.items()},
             )
@@ -332,7 +362,7 @@ class CacheTierWorker:
             transfer.req_id,
             num_good,
             len(transfer.block_ids),
-            num_good * self._layout.block_size,
+            num_good * group.layout.block_size,
             by_tier or "no tier",
             1e3 * elapsed,
             " (async)" if asynchronous else "",
@@ -348,9 +378,10 @@ class CacheTierWorker:
         fingerprint, layout), then by writer and against their tokens (``RecordGuard``);
         where it stops at a writer to verify, the rest wait for vLLM's computed blocks."""
         good: list[KVBlock] = []
+        group = self._groups[transfer.group]
         for record, key in zip(records, transfer.keys, strict=False):
             problem = check_record(
-                record, key, transfer.fingerprint, self._record_layout, self._aux
+                record, key, transfer.fingerprint, group.record_layout, group.aux
             )
             if problem is not None:
                 logger.warning("cachetier: record %s... holds %s", key.hex()[:16], problem)
@@ -362,7 +393,8 @@ class CacheTierWorker:
             transfer.namespace_id,
             good,
             sources[: len(good)],
-            transfer.token_ids or None,
+            # The check recomputes the model's first layer: only a group that starts with it.
+            (transfer.token_ids or None) if group.starts_with_first_layer else None,
             transfer.first_position,
         )
         if admitted.verify:
@@ -375,35 +407,19 @@ class CacheTierWorker:
                     self._verify_pending.pop(next(iter(self._verify_pending)))
         return good[: admitted.count]
 
-    def _block_payloads(
-        self, records: Sequence[KVBlock], per_block: int, num_blocks: int
-    ) -> list[Buffer]:
-        """One canonical payload per vLLM block: a record's bytes as they are, or its records
-        joined (one copy) where a block holds several."""
-        if per_block == 1:
-            return [record.data for record in records[:num_blocks]]
-        dtype = torch_dtype(self._record_layout.dtype)
-        shape = self._record_layout.payload_shape
-        return [
-            join_records(
-                [
-                    payload_tensor(record.data, dtype, shape)
-                    for record in records[b * per_block : (b + 1) * per_block]
-                ]
-            )
-            for b in range(num_blocks)
-        ]
-
     def _failed_from(self, transfer: BlockTransfer, index: int) -> None:
         """Report a load's blocks from ``index`` on as failed: to vLLM, which recomputes them,
         and to the scheduler, which stops counting them stored. Under ``_lock``."""
-        self._failed_block_ids.update(transfer.block_ids[index:])
+        if self._by_request:
+            self._failed_loads.add(transfer.req_id)
+        else:
+            self._failed_block_ids.update(transfer.block_ids[index:])
         failed_keys = transfer.keys[index * transfer.per_block :]
         self._report.failed.setdefault(transfer.namespace_id, []).extend(failed_keys)
 
     def _save_one(self, transfer: BlockTransfer) -> None:
-        paged = self._require_paged()
         try:
+            paged = self._groups[transfer.group].paged
             paged.save(transfer.block_ids, (transfer, time.perf_counter()))
         except ValueError as exc:
             logger.warning("cachetier: save for request %s failed: %s", transfer.req_id, exc)
@@ -414,14 +430,15 @@ class CacheTierWorker:
         """Hand finished copies to the store, and tell the scheduler what is stored."""
         for pending in saved:
             transfer, start = pending.tag  # type: ignore[misc]
-            records = self._records(transfer, pending.payloads)
+            group = self._groups[transfer.group]
+            records = group.records(transfer, pending.payloads)
             if transfer.verify_tiers or self._verify_pending:
                 # Compared before storing: the tier's own record.
                 began = verify_saved(
                     self._store,
                     transfer,
                     records,
-                    self._record_layout.describe(),
+                    group.record_layout.describe(),
                     self._verify_pending,
                     self._guard,
                 )
@@ -444,41 +461,9 @@ class CacheTierWorker:
                 self._stats.add(
                     num_saved_blocks=stored,
                     num_save_errors=len(records) - stored,
-                    saved_bytes=stored * self._record_layout.block_bytes,
+                    saved_bytes=stored * group.record_layout.block_bytes,
                     save_s=time.perf_counter() - start,
                 )
             logger.debug(
                 "cachetier: request %s saved %d/%d blocks", transfer.req_id, stored, len(records)
             )
-
-    def _records(self, transfer: BlockTransfer, payloads: Sequence[torch.Tensor]) -> list[KVBlock]:
-        """The records of saved vLLM blocks: each block's payload, cut into ``per_block``
-        records where it holds several."""
-        layout = self._record_layout
-        per_block = transfer.per_block
-        if len(payloads) * per_block != len(transfer.keys):
-            raise ValueError(f"{len(payloads)} payloads for {len(transfer.keys)} records")
-        pieces: list[torch.Tensor] = []
-        for payload in payloads:
-            if per_block == 1:
-                pieces.append(payload)
-            else:
-                block = payload.reshape(self._layout.payload_shape)
-                pieces.extend(split_block(block, per_block))
-        return [
-            KVBlock(
-                key,
-                transfer.fingerprint,
-                layout.dtype,
-                layout.payload_shape,
-                layout.block_size,
-                payload_view(piece),
-                self._aux,
-            )
-            for key, piece in zip(transfer.keys, pieces, strict=True)
-        ]
-
-    def _require_paged(self) -> PagedKV:
-        if self._paged is None:
-            raise RuntimeError("vLLM has not registered its KV caches with the connector yet")
-        return self._paged

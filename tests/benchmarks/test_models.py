@@ -51,8 +51,14 @@ def test_an_architecture_is_identical_only_if_every_restore_matches_its_cold_run
     }
 
 
-def test_the_sliding_share_is_blocks_stored_over_full_blocks_beside_the_window_bound() -> None:
-    assert sliding_bytes([None, None], stored_blocks=12) is None
-    share = sliding_bytes([32, None, 64], stored_blocks=12, block_tokens=16)
+def test_the_sliding_share_counts_the_sliding_layers_of_each_layer_set() -> None:
+    assert sliding_bytes([None, None], {"": 12}, block_tokens=16) is None
+    # Every record holds every layer: the sliding layers are stored as whole as the rest.
+    share = sliding_bytes([32, None, 64], {"": 12}, block_tokens=16)
     assert share == {"ratio": 1.0, "bound": 64 / PROMPT_TOKENS + 16 / PROMPT_TOKENS}
-    assert sliding_bytes([32], stored_blocks=3, block_tokens=16)["ratio"] == 3 / 12
+    assert sliding_bytes([32], {"": 3}, block_tokens=32)["ratio"] == 3 / 12
+    # vLLM's groups: the full layers' set whole, the sliding layers' set a window of it.
+    share = sliding_bytes([48, None, 48, None], {"1,3": 12, "0,2": 4}, block_tokens=32)
+    assert share == {"ratio": 4 / 12, "bound": (48 + 32) / PROMPT_TOKENS}
+    # A set that mixes kinds counts its sliding layers only.
+    assert sliding_bytes([48, None], {"0,1": 6}, block_tokens=32)["ratio"] == 6 / 12

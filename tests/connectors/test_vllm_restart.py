@@ -75,6 +75,7 @@ def _run_engines(spec: dict[str, Any]) -> list[dict[str, Any]]:
             block_size=BLOCK_SIZE,
             max_model_len=2048,
             seed=0,
+            **spec.get("engine_args", {}),
             **kwargs,
         )
         print(f"=== run {run['name']} start", flush=True)

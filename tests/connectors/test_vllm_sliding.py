@@ -7,14 +7,14 @@ a run that stores the prompt on an empty disk tier, then a new engine with no CP
 disk tier, which must restore every full block and give the baseline's greedy tokens and top-5
 logprobs. One process of this file's own then tries the connector on the models it must refuse.
 
-- ``llama`` (full attention) and ``gemma3`` (sliding-window and global layers interleaved, which
-  vLLM keeps as one full-attention group with the window set, since the connector turns its
-  hybrid KV cache manager off) are restored, from a prompt several windows long.
-- ``mistral_sliding`` (a window on every layer: vLLM keeps only the window's blocks) runs
-  without the connector; the connector refuses it at start, naming ``SlidingWindowSpec``.
+- ``llama`` (full attention), ``gemma3`` (sliding-window and global layers interleaved: two KV
+  cache groups under vLLM's hybrid manager, which the connector keeps on) and
+  ``mistral_sliding`` (a window on every layer: one sliding-window group) are restored, from a
+  prompt several windows long; the sliding groups store and load only the blocks of the
+  window before the hit's end. ``gemma3`` runs again with the hybrid manager off (one
+  full-attention group with the window set, every block stored).
 - ``granitemoehybrid`` (Mamba-2 layers, recurrent state, and attention layers) runs without the
-  connector (prefix caching off); with it, vLLM itself refuses it first, its hybrid KV cache
-  manager off.
+  connector (prefix caching off); the connector refuses it at start, naming ``MambaSpec``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ import pytest
 
 from tests.children import run_spec_module, spec_main
 
-RESTORED_KINDS = ("llama", "gemma3")
-REFUSED_KINDS = ("mistral_sliding", "granitemoehybrid")
+RESTORED_KINDS = ("llama", "gemma3", "mistral_sliding", "gemma3_hma_off")
+REFUSED_KINDS = ("granitemoehybrid",)
+# Each restored kind's model, and vLLM's arguments beside the test's own.
+MODEL_OF = {"gemma3_hma_off": "gemma3"}
+ENGINE_ARGS = {"gemma3_hma_off": {"disable_hybrid_kv_cache_manager": True}}
 # What test_vllm_restart's child runs: 32-token blocks (vLLM-CPU's attention takes multiples
 # of 32), 6 greedy tokens with their top-5 logprobs.
 BLOCK_SIZE = 32
@@ -136,8 +139,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def models(workdir: Path) -> dict[str, Path]:
     from benchmarks.support.arch_models import make_arch_model
 
-    kinds = (*RESTORED_KINDS, *REFUSED_KINDS)
-    return {kind: make_arch_model(kind, workdir / "models" / kind) for kind in kinds}
+    kinds = {MODEL_OF.get(kind, kind) for kind in (*RESTORED_KINDS, *REFUSED_KINDS)}
+    return {kind: make_arch_model(kind, workdir / "models" / kind) for kind in sorted(kinds)}
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +151,9 @@ def restored(workdir: Path, models: dict[str, Path]) -> dict[str, tuple[list[dic
     for kind in RESTORED_KINDS:
         disk = str(workdir / f"disk-{kind}")
         spec = {
-            "model": str(models[kind]),
+            "model": str(models[MODEL_OF.get(kind, kind)]),
             "prompt": _prompt(),
+            "engine_args": ENGINE_ARGS.get(kind, {}),
             "runs": [
                 {"name": "baseline", "kv_extra": None},
                 {"name": "store", "kv_extra": {"cpu_bytes": 64 << 20, "disk_path": disk}},
@@ -168,7 +172,6 @@ def refused(workdir: Path, models: dict[str, Path]) -> dict[str, Any]:
     spec = {
         "prompt": _prompt(),
         "plain": {
-            "mistral_sliding": {"model": str(models["mistral_sliding"])},
             # vLLM-CPU runs it with its hybrid KV cache manager, but not with prefix caching:
             # its Mamba-2 prefill then fails (an IndexError in mamba_mixer2.conv_ssm_forward).
             "granitemoehybrid": {
@@ -200,21 +203,59 @@ def test_store_run_matches_the_baseline(restored: dict[str, Any], kind: str) -> 
     _assert_same_output(store, baseline)
 
 
-def test_interleaved_model_runs_as_one_full_attention_group(restored: dict[str, Any]) -> None:
+def test_hybrid_manager_stays_on_unless_turned_off(restored: dict[str, Any]) -> None:
     # vLLM says so as it turns Gemma-3's sliding-window specs into full-attention ones.
-    assert HMA_OFF_WARNING in _section(restored["gemma3"][1], "store")
-    assert HMA_OFF_WARNING not in _section(restored["llama"][1], "store")
+    assert HMA_OFF_WARNING in _section(restored["gemma3_hma_off"][1], "store")
+    for kind in ("gemma3", "mistral_sliding", "llama"):
+        assert HMA_OFF_WARNING not in _section(restored[kind][1], "store"), kind
+
+
+def _loaded(n: int) -> str:
+    return f"loaded {n}/{n} blocks ({n * BLOCK_SIZE} tokens) from {{'disk': {n}}}"
+
+
+# Blocks a hit of the prompt's full blocks (192 tokens) needs of a 48-token window: the next
+# token sees tokens 145..192, in blocks 4 and 5.
+WINDOW_BLOCKS = 2
+LOADS = {
+    "llama": [NUM_FULL_BLOCKS],
+    "gemma3": [NUM_FULL_BLOCKS, WINDOW_BLOCKS],  # its full group, then its sliding group
+    "mistral_sliding": [WINDOW_BLOCKS],
+    "gemma3_hma_off": [NUM_FULL_BLOCKS],
+}
 
 
 @pytest.mark.parametrize("kind", RESTORED_KINDS)
 def test_restart_restores_every_full_block(restored: dict[str, Any], kind: str) -> None:
     (baseline, _, restore), log = restored[kind]
-    n = NUM_FULL_BLOCKS
-    assert restore["num_cached_tokens"] == n * BLOCK_SIZE
-    want = f"loaded {n}/{n} blocks ({n * BLOCK_SIZE} tokens) from {{'disk': {n}}}"
+    assert restore["num_cached_tokens"] == NUM_FULL_BLOCKS * BLOCK_SIZE
     section = _section(log, "restore")
-    assert want in section, [line for line in section.splitlines() if "cachetier: request" in line]
+    lines = [line for line in section.splitlines() if "cachetier: request" in line]
+    loads = [line for line in lines if " loaded " in line]
+    assert len(loads) == len(LOADS[kind]), lines
+    for n in LOADS[kind]:
+        assert any(_loaded(n) in line for line in loads), (n, lines)
     _assert_same_output(restore, baseline)
+
+
+@pytest.mark.parametrize(
+    ("kind", "want"),
+    [
+        ("llama", {"": 12}),
+        # 16-token records: the full group's 12 (6 blocks), the sliding group's 4 (blocks 4, 5).
+        ("gemma3", {"1,3": 12, "0,2": 2 * WINDOW_BLOCKS}),
+        ("mistral_sliding", {"": 2 * WINDOW_BLOCKS}),
+        ("gemma3_hma_off", {"": 12}),
+    ],
+)
+def test_sliding_groups_store_only_the_window(
+    restored: dict[str, Any], models: dict[str, Path], workdir: Path, kind: str, want: dict
+) -> None:
+    from benchmarks.support.arch_models import stored_records
+
+    model = models[MODEL_OF.get(kind, kind)]
+    disk = workdir / f"disk-{kind}"
+    assert stored_records(disk, model, _prompt(), grouped=kind != "gemma3_hma_off") == want
 
 
 @pytest.mark.parametrize("kind", REFUSED_KINDS)
@@ -222,21 +263,14 @@ def test_refused_model_runs_without_the_connector(refused: dict[str, Any], kind:
     assert len(refused["plain"][kind]) == MAX_TOKENS
 
 
-def test_connector_refuses_sliding_only_model(
+def test_connector_refuses_hybrid_recurrent_model(
     refused: dict[str, Any], models: dict[str, Path]
 ) -> None:
-    message = refused["refusals"]["mistral_sliding"]
-    assert "SlidingWindowSpec layers" in message, message
-    assert str(models["mistral_sliding"]) in message, message
-    assert "serve this model without the cachetier connector" in message, message
-
-
-def test_vllm_refuses_hybrid_recurrent_model_without_hma(refused: dict[str, Any]) -> None:
-    # vLLM fails first: with its hybrid KV cache manager off it cannot make Mamba-2 and
-    # attention layers one group (kv_cache_utils.unify_hybrid_kv_cache_specs), before the
-    # connector is built; the connector would refuse the MambaSpec itself (test_vllm_kv_groups).
+    # vLLM keeps its hybrid manager on for the connector, so the Mamba-2 group reaches it.
     message = refused["refusals"]["granitemoehybrid"]
-    assert "Failed to promote local KV cache specs to one unified type" in message, message
+    assert "MambaSpec layers (recurrent state" in message, message
+    assert str(models["granitemoehybrid"]) in message, message
+    assert "serve this model without the cachetier connector" in message, message
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,9 @@ def _put(
     store: TieredStore, namespace: Namespace, keys: list[BlockHash], payloads: list[torch.Tensor]
 ) -> None:
     """Store one record per key, its payload a canonical block gathered from pages."""
+    layout = namespace.layout
     records = [
-        KVBlock(key, namespace.fingerprint, LAYOUT.dtype, LAYOUT.payload_shape, BS, view)
+        KVBlock(key, namespace.fingerprint, layout.dtype, layout.payload_shape, BS, view)
         for key, view in zip(keys, map(payload_view, payloads), strict=True)
     ]
     store.put_many(namespace.id, records)
@@ -288,3 +290,48 @@ def test_a_load_is_reported_as_a_use_of_the_cpu_tier(tmp_path: Path) -> None:
     index.update(StoredBlocks(stored={namespace.id: [others[1]]}))
     assert index.leading(namespace.id, keys) == 2
     assert index.leading(namespace.id, others) == 0
+
+
+def test_two_groups_load_their_own_layers_and_fail_by_request(store: TieredStore) -> None:
+    # vLLM's hybrid manager: layer 0 one group, layer 1 another, each with its own block ids
+    # into the same pages; a request's loads of both groups end together, and a failure is
+    # reported by request (vLLM refuses block ids with several groups).
+    one = KVLayout("float32", BS, 1, NUM_KV_HEADS, HEAD_SIZE)
+    arrangement = VllmArrangement(CPU_VEC, one)
+    spaces = [Namespace("test-model", one, "", str(i)) for i in range(2)]
+    keys = [block_keys(ns, list(range(100, 100 + 2 * BS))) for ns in spaces]
+    source = _caches(0)
+    for i, ns in enumerate(spaces):
+        _put(store, ns, keys[i], PagedKV(source, NAMES[i : i + 1], arrangement).gather([5, 6]))
+    caches = _caches(1)
+    worker = CacheTierWorker(
+        store, arrangement, NAMES[:1], BS, more_groups=[(arrangement, NAMES[1:])]
+    )
+    worker.register_kv_caches(caches)
+    # Group 0 loads blocks 0-1 into pages 2-3; group 1 only its second block, into page 7.
+    loads = [
+        BlockTransfer("r", spaces[0].id, spaces[0].fingerprint, tuple(keys[0]), (2, 3)),
+        BlockTransfer("r", spaces[1].id, spaces[1].fingerprint, tuple(keys[1][1:]), (7,), group=1),
+    ]
+    worker.load(CacheTierConnectorMetadata(async_loads=loads))
+    deadline = time.monotonic() + 30
+    while not (results := worker.take_load_results())[0] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert results == ({"r"}, set())
+    assert torch.equal(caches[NAMES[0]][2:4], source[NAMES[0]][5:7])
+    assert torch.equal(caches[NAMES[1]][7], source[NAMES[1]][6])
+    assert not torch.equal(caches[NAMES[1]][2], source[NAMES[1]][5])  # layer 1 not loaded there
+
+    # The second group's record gone: the request fails as a whole, no block id is named.
+    store.delete(spaces[1].id, keys[1][1:])
+    worker.load(
+        CacheTierConnectorMetadata(
+            async_loads=[replace(loads[0], req_id="s"), replace(loads[1], req_id="s")]
+        )
+    )
+    deadline = time.monotonic() + 30
+    while not (results := worker.take_load_results())[0] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert results == ({"s"}, {"s"})
+    assert worker.take_failed_block_ids() == set()
+    worker.close()
