@@ -94,7 +94,14 @@ def _store_saves(store: TieredStore, saves: list[BlockTransfer]) -> None:
     """What the worker would store of the saves (records of zeros: the plan is under test)."""
     for save in saves:
         records = [
-            KVBlock(key, save.fingerprint, "float32", LAYOUT.payload_shape, BS, bytes(LAYOUT.block_bytes))
+            KVBlock(
+                key,
+                save.fingerprint,
+                "float32",
+                LAYOUT.payload_shape,
+                BS,
+                bytes(LAYOUT.block_bytes),
+            )
             for key in save.keys
         ]
         store.put_many(save.namespace_id, records)
