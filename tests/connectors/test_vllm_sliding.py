@@ -19,7 +19,9 @@ logprobs. One process of this file's own then tries the connector on the models 
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +258,47 @@ def test_sliding_groups_store_only_the_window(
     model = models[MODEL_OF.get(kind, kind)]
     disk = workdir / f"disk-{kind}"
     assert stored_records(disk, model, _prompt(), grouped=kind != "gemma3_hma_off") == want
+
+
+def test_a_bad_sliding_record_fails_the_request_and_vllm_recomputes_it(
+    restored: dict[str, Any], models: dict[str, Path], workdir: Path
+) -> None:
+    # With two KV cache groups a failed load goes back by request (vLLM refuses block ids):
+    # the full group's records load whole, the sliding group's second fails its checksum, and
+    # vLLM computes the prompt again; the answer is the baseline's.
+    from benchmarks.support.arch_models import layer_windows
+    from cachetier.primitives.fingerprint import model_fingerprint
+    from cachetier.primitives.keys import KVLayout, Namespace, block_keys
+    from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+
+    model = models["gemma3"]
+    disk = workdir / "disk-gemma3-tampered"
+    shutil.copytree(workdir / "disk-gemma3", disk)
+    config = json.loads((model / "config.json").read_text())
+    sliding = [i for i, w in enumerate(layer_windows(model)) if w is not None]
+    layout = KVLayout(
+        "float32", 16, len(sliding), config["num_key_value_heads"], config["head_dim"]
+    )
+    namespace = Namespace(model_fingerprint(model), layout, "", ",".join(map(str, sliding)))
+    with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
+        paths = [tier.path_of(namespace.id, key) for key in block_keys(namespace, _prompt())]
+    held = [path for path in paths if path.exists()]
+    assert len(held) == 2 * WINDOW_BLOCKS
+    data = bytearray(held[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the payload
+    held[-1].write_bytes(bytes(data))
+    spec = {
+        "model": str(model),
+        "prompt": _prompt(),
+        "runs": [{"name": "restore", "kv_extra": {"cpu_bytes": 0, "disk_path": str(disk)}}],
+    }
+    (got,), log = run_spec_module(
+        "tests.connectors.test_vllm_restart", spec, workdir, "gemma3-bad", timeout=RUN_TIMEOUT_S
+    )
+    lines = [line for line in log.splitlines() if "cachetier: request" in line]
+    assert any(_loaded(NUM_FULL_BLOCKS) in line for line in lines), lines
+    assert any("loaded 1/2 blocks" in line and "1 failed" in line for line in lines), lines
+    _assert_same_output(got, restored["gemma3"][0][0])
 
 
 @pytest.mark.parametrize("kind", REFUSED_KINDS)
