@@ -17,7 +17,11 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.output import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -28,7 +32,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from cachetier.connectors.config import ConnectorConfig, open_store  # noqa: E402
 from cachetier.connectors.vllm.kv_groups import storable_groups  # noqa: E402
-from cachetier.connectors.vllm.metadata import BlockTransfer  # noqa: E402
+from cachetier.connectors.vllm.metadata import BlockTransfer, StoredBlocks  # noqa: E402
 from cachetier.connectors.vllm.scheduler import CacheTierScheduler  # noqa: E402
 from cachetier.primitives.keys import KVLayout  # noqa: E402
 from cachetier.record import KVBlock  # noqa: E402
@@ -160,3 +164,45 @@ def test_no_hit_where_a_window_is_not_whole(store: TieredStore) -> None:
     # Every full block is held, but the window of a hit at 192 lacks block 5, and no shorter
     # hit's window was stored: nothing is offered.
     assert _scheduler(store).get_num_new_matched_tokens(_request("b", PROMPT), 0) == (0, False)
+
+
+def test_a_failed_sliding_record_stops_later_hits_before_it(store: TieredStore) -> None:
+    meta = _prefill(
+        _scheduler(store), _request("a", PROMPT), ([1, 2, 3, 4, 5, 6, 7], list(range(11, 18)))
+    )
+    _store_saves(store, meta.saves)
+    sched = _scheduler(store)
+    request = _request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(request, 0) == (6 * BS, True)
+    blocks = _blocks(list(range(21, 28)), [0, 0, 0, 0, 35, 36, 37])
+    sched.update_state_after_alloc(request, blocks, 6 * BS)
+    sliding = {s.group: s for s in meta.saves}[1]
+    # The worker could not load the sliding group's block 5: vLLM starts the request over,
+    # and asks again; no hit may reach that block.
+    sched.update_connector_output(StoredBlocks(failed={sliding.namespace_id: [sliding.keys[1]]}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_a_preempted_request_resumes_with_every_groups_new_blocks(store: TieredStore) -> None:
+    sched = _scheduler(store)
+    request = _request("a", PROMPT)
+    _prefill(sched, request, ([1, 2, 3, 4, 5, 6, 7], list(range(11, 18))))
+    out = SchedulerOutput.make_empty()
+    out.preempted_req_ids = {"a"}
+    sched.build_connector_meta(out)
+    request.append_output_token_ids(list(range(200, 200 + 2 * BS)))  # two more full blocks
+    out = SchedulerOutput.make_empty()
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["a"],
+        resumed_req_ids={"a"},
+        new_token_ids=[[]],
+        all_token_ids={},
+        new_block_ids=[(list(range(31, 40)), [0, 0, 0, 0, 0, 45, 46, 47, 48])],
+        num_computed_tokens=[0],
+        num_output_tokens=[2 * BS],
+    )
+    out.num_scheduled_tokens = {"a": PROMPT + 2 * BS}
+    saves = {s.group: s for s in sched.build_connector_meta(out).saves}
+    # Blocks 6 and 7 are new: each group saves them into its new block ids.
+    assert saves[0].block_ids == (37, 38)
+    assert saves[1].block_ids == (46, 47)
