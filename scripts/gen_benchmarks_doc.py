@@ -89,9 +89,12 @@ ABOUT = {
         "fp32 and bf16 verifying every hit, and the overhead at the default sampling in one "
         "engine per backend, the guard switched off, on and to a fresh sampler between rounds "
         "of the same batch: `guard_overhead` is the larger steady-state median ratio, each "
-        "with its 95% interval. The run shared the machine's two cores with other work: the "
-        "intervals are far wider than the 0.01 target, so it cannot tell the steady-state cost "
-        "from zero; read the batch times (`*_batch_s`) with it."
+        "with its 95% interval. On two shared cores the intervals are wider than the 0.01 "
+        "target, so the run cannot tell the steady-state cost from zero; read the batch times "
+        "(`*_batch_s`) and the expected cost (`guard_overhead_expected*`) with it. The whole "
+        "run also gives the per-record figures of `guard_records` below; a test ran beside "
+        "its per-record overhead rounds, so the quiet run of that table is the one to read for "
+        "`record_check_overhead`."
     ),
     "guard_records": (
         "Every restored record checked against its own tokens (`--records-only`), in our "
