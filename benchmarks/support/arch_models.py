@@ -152,14 +152,14 @@ def layer_windows(folder: str | Path) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def stored_records(
+def record_paths(
     disk: str | Path,
     model: str | Path,
     prompt: list[int],
     grouped: bool,
     record_tokens: int = 16,
-) -> dict[str, int]:
-    """How many of a prompt's records a disk tier folder holds, per layer set.
+) -> dict[str, list[Path]]:
+    """Where a disk tier folder keeps each of a prompt's records, per layer set.
 
     Args:
         disk: the disk tier's folder.
@@ -172,7 +172,7 @@ def stored_records(
         record_tokens: tokens per record.
 
     Returns:
-        Records held per layer set name.
+        Per layer set name, the path of each full record of the prompt, in prompt order.
     """
     from cachetier.primitives.fingerprint import model_fingerprint
     from cachetier.primitives.keys import KVLayout, Namespace, block_keys
@@ -193,9 +193,17 @@ def stored_records(
         for name, num_layers in named.items():
             layout = KVLayout("float32", record_tokens, num_layers, heads, head_dim)
             namespace = Namespace(fingerprint, layout, "", name)
-            keys = block_keys(namespace, prompt)
-            out[name] = sum(tier.path_of(namespace.id, key).exists() for key in keys)
+            out[name] = [tier.path_of(namespace.id, key) for key in block_keys(namespace, prompt)]
     return out
+
+
+def stored_records(
+    disk: str | Path, model: str | Path, prompt: list[int], grouped: bool
+) -> dict[str, int]:
+    """How many of a prompt's records a disk tier folder holds, per layer set
+    (``record_paths``' sets)."""
+    paths = record_paths(disk, model, prompt, grouped)
+    return {name: sum(path.exists() for path in held) for name, held in paths.items()}
 
 
 def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> Path:

@@ -19,7 +19,6 @@ logprobs. One process of this file's own then tries the connector on the models 
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
@@ -266,22 +265,12 @@ def test_a_bad_sliding_record_fails_the_request_and_vllm_recomputes_it(
     # With two KV cache groups a failed load goes back by request (vLLM refuses block ids):
     # the full group's records load whole, the sliding group's second fails its checksum, and
     # vLLM computes the prompt again; the answer is the baseline's.
-    from benchmarks.support.arch_models import layer_windows
-    from cachetier.primitives.fingerprint import model_fingerprint
-    from cachetier.primitives.keys import KVLayout, Namespace, block_keys
-    from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
+    from benchmarks.support.arch_models import record_paths
 
     model = models["gemma3"]
     disk = workdir / "disk-gemma3-tampered"
     shutil.copytree(workdir / "disk-gemma3", disk)
-    config = json.loads((model / "config.json").read_text())
-    sliding = [i for i, w in enumerate(layer_windows(model)) if w is not None]
-    layout = KVLayout(
-        "float32", 16, len(sliding), config["num_key_value_heads"], config["head_dim"]
-    )
-    namespace = Namespace(model_fingerprint(model), layout, "", ",".join(map(str, sliding)))
-    with DiskTier(DiskTierConfig(root=str(disk), capacity_bytes=1 << 40)) as tier:
-        paths = [tier.path_of(namespace.id, key) for key in block_keys(namespace, _prompt())]
+    paths = record_paths(disk, model, _prompt(), grouped=True)["0,2"]  # the sliding layers
     held = [path for path in paths if path.exists()]
     assert len(held) == 2 * WINDOW_BLOCKS
     data = bytearray(held[-1].read_bytes())

@@ -5,7 +5,7 @@ and what copying them in cost reaches the scheduler's cost model. The store is a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -125,11 +125,22 @@ def test_failed_load_copies_only_the_good_prefix(store: TieredStore) -> None:
 
 def _finished_loads(worker: CacheTierWorker, timeout_s: float = 30.0) -> set[str]:
     """Wait until the loader thread reports a finished load; what it reported."""
+    return _load_results(worker, timeout_s, take=lambda: (worker.take_finished_loads(), set()))[0]
+
+
+def _load_results(
+    worker: CacheTierWorker,
+    timeout_s: float = 30.0,
+    take: Callable[[], tuple[set[str], set[str]]] | None = None,
+) -> tuple[set[str], set[str]]:
+    """Wait until the loader thread reports a finished load: the finished requests and the
+    failed ones (``take_load_results``, or ``take``)."""
+    take = take or worker.take_load_results
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        finished = worker.take_finished_loads()
+        finished, failed = take()
         if finished:
-            return finished
+            return finished, failed
         time.sleep(0.005)
     raise AssertionError(f"no async load finished within {timeout_s} s")
 
@@ -314,10 +325,7 @@ def test_two_groups_load_their_own_layers_and_fail_by_request(store: TieredStore
         BlockTransfer("r", spaces[1].id, spaces[1].fingerprint, tuple(keys[1][1:]), (7,), group=1),
     ]
     worker.load(CacheTierConnectorMetadata(async_loads=loads))
-    deadline = time.monotonic() + 30
-    while not (results := worker.take_load_results())[0] and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert results == ({"r"}, set())
+    assert _load_results(worker) == ({"r"}, set())
     assert torch.equal(caches[NAMES[0]][2:4], source[NAMES[0]][5:7])
     assert torch.equal(caches[NAMES[1]][7], source[NAMES[1]][6])
     assert not torch.equal(caches[NAMES[1]][2], source[NAMES[1]][5])  # layer 1 not loaded there
@@ -329,9 +337,6 @@ def test_two_groups_load_their_own_layers_and_fail_by_request(store: TieredStore
             async_loads=[replace(loads[0], req_id="s"), replace(loads[1], req_id="s")]
         )
     )
-    deadline = time.monotonic() + 30
-    while not (results := worker.take_load_results())[0] and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert results == ({"s"}, {"s"})
+    assert _load_results(worker) == ({"s"}, {"s"})
     assert worker.take_failed_block_ids() == set()
     worker.close()
