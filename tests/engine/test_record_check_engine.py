@@ -24,7 +24,14 @@ FIRST = [(i * 11 + 5) % 250 for i in range(70)]  # the honest first hit
 PROMPT = [(i * 7 + 3) % 250 for i in range(150)]  # 9 full blocks of 16 and a partial one
 OTHER = [(i * 13 + 1) % 250 for i in range(150)]
 POOL = {"kv_cache_bytes": 4 << 20}
-DEFAULTS = {"guard": True, "guard_first_hits": 1, "guard_fraction": 0.0}
+# Every hit loaded: what is restored here is the guard's to decide, not the cost model's (on a
+# busy machine its measured disk rate may send a hit's head to be recomputed).
+DEFAULTS = {
+    "guard": True,
+    "guard_first_hits": 1,
+    "guard_fraction": 0.0,
+    "kv_load_policy": "always",
+}
 
 Change = Callable[[np.ndarray], np.ndarray]
 
