@@ -319,11 +319,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 return await receive()
 
             async def send_watched(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    self._maybe_promote(request)
-                    if message["status"] in (401, 403) and events is not None:
-                        events.note_refused_body(request.body_bytes)
-                await send(message)
+                if message["type"] != "http.response.start":
+                    await send(message)
+                    return
+                self._maybe_promote(request)
+                if message["status"] in (401, 403) and events is not None:
+                    events.note_refused_body(request.body_bytes)
+                if request.body_done:
+                    await send(message)
+                    return
+                # Answered before its body was read: the connection ends after the linger
+                # (on_response_complete). Said in the answer, or a keep-alive client sends its
+                # next request into the linger and waits it out before it finds the close.
+                headers = [*message.get("headers", ()), (b"connection", b"close")]
+                await send({**message, "headers": headers})
+                cycle = self.cycle
+                if cycle is not None:
+                    cycle.keep_alive = True  # uvicorn would close at once, unread bytes and all
 
             await app(scope, receive_watched, send_watched)
 

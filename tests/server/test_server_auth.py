@@ -4,6 +4,7 @@ same prompts can neither read, overwrite, delete nor detect each other's blocks.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 
 import pytest
@@ -51,6 +52,46 @@ def test_requests_without_a_valid_token_are_refused(
             assert answer_headers["www-authenticate"] == "Bearer"
     # Nothing was stored by any of them.
     assert get_batch(url, ns, [block.key]) == [None]
+
+
+def _answer_head(sock: socket.socket) -> bytes:
+    """An answer's head, lowercased; its body (by Content-Length) is read and dropped."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1)
+        assert chunk, f"closed before an answer: {data!r}"
+        data += chunk
+    head = data.lower()
+    length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+    while length:
+        length -= len(sock.recv(length))
+    return head
+
+
+def test_a_refusal_before_the_body_says_the_connection_closes(
+    shared_server: ThreadServer, own_namespace: Namespace
+) -> None:
+    port = int(shared_server.url.rsplit(":", 1)[1])
+    body = b'{"keys": []}'
+    head = (
+        f"POST /v1/namespaces/{own_namespace.id}/lookup HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)  # the body only after the answer: the server never read it
+        answer = _answer_head(sock)
+        assert answer.startswith(b"http/1.1 401") and b"connection: close" in answer
+        sock.sendall(body + head + body)  # dropped, not answered: the connection ends
+        rest = b""
+        while chunk := sock.recv(4096):
+            rest += chunk
+        assert b"http/1.1" not in rest.lower(), rest
+    # The same refusal with the body in the same send: read whole, the connection stays.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(head + body)
+            answer = _answer_head(sock)
+            assert answer.startswith(b"http/1.1 401") and b"connection: close" not in answer
 
 
 def test_the_right_tenant_claim_is_accepted(
