@@ -10,6 +10,12 @@ turns active starts at the least of the active ones, so idle time earns no credi
 later). A tenant sending more than its share therefore waits behind its own requests, not the
 others'.
 
+A slot is kept free for each other tenant that asked within ``RESERVE_S`` and holds none (at
+most all slots but one): a tenant that sends a request now and then would otherwise find every
+slot taken by a flooding one at each request, and wait out the rest of a flood request's work
+every time. A tenant alone gets every slot; the reservation lapses at the next slot given back
+after ``RESERVE_S`` without a request of the other tenant.
+
 Past its share a tenant is refused rather than queued without end: the capacity is measured
 (slots over the mean time a request holds one), and once a tenant's oldest queued request has
 waited ``MAX_QUEUE_S``, a request whose tenant's queue would wait longer than that at the
@@ -32,6 +38,7 @@ from cachetier.util.backoff import Clock
 MAX_QUEUE_S = 1.0  # longest a tenant's queued requests may wait, at its share, before refusal
 _FIRST_SERVICE_S = 1e-3  # the mean before any request was measured
 _EWMA = 0.02  # weight of each new request's time in the measured mean
+RESERVE_S = 0.5  # how long a tenant's last request keeps a slot free for its next one
 
 
 @dataclass(slots=True)
@@ -81,6 +88,7 @@ class FairScheduler:
         self._running: dict[str, int] = {}
         self._served: dict[str, float] = {}  # tenant -> slot seconds over its weight
         self._vtime = 0.0  # the served mark of the last tenant given a slot
+        self._asked: dict[str, float] = {}  # tenant -> when it last asked for a slot
         self._mean_s = _FIRST_SERVICE_S
         self.num_refused: dict[str, int] = {}
         self.num_queued = 0  # requests that waited for a slot
@@ -96,18 +104,31 @@ class FairScheduler:
     def _active_locked(self, tenant: str) -> bool:
         return bool(self._queues.get(tenant)) or self._running.get(tenant, 0) > 0
 
+    def _reserved_locked(self, tenant: str, now: float) -> bool:
+        """Whether the free slots are all kept for other tenants that asked lately."""
+        if self._free > 1 or self.num_slots < 2:
+            return False  # more free than the at most num_slots - 1 kept
+        for other, asked in list(self._asked.items()):
+            if now - asked >= RESERVE_S:
+                del self._asked[other]
+            elif other != tenant and not self._running.get(other, 0):
+                return True
+        return False
+
     def _enter(
         self, tenant: str, make_wake: Callable[[], Callable[[], None]], may_refuse: bool
     ) -> Held | _Waiter | float:
         """A slot now, a place in ``tenant``'s queue, or (``may_refuse``) the seconds its
         queue needs before it may ask again."""
         with self._lock:
+            now = self._clock()
+            self._asked[tenant] = now
             if not self._active_locked(tenant):  # idle time earns no credit
                 self._served[tenant] = max(self._served.get(tenant, 0.0), self._vtime)
             if self._free > 0 and not any(self._queues.values()):
-                return self._grant_locked(tenant)
+                if not self._reserved_locked(tenant, now):
+                    return self._grant_locked(tenant)
             queue = self._queues.setdefault(tenant, deque())
-            now = self._clock()
             # Refused on evidence and estimate both: its oldest request has waited past the
             # bound, and its queue would take longer still at its share of the capacity
             # (the estimate alone errs after a run of large requests: requests vary in size).
@@ -119,7 +140,10 @@ class FairScheduler:
             waiter = _Waiter(tenant, make_wake(), now)
             queue.append(waiter)
             self.num_queued += 1
-            return waiter
+            wake = self._dispatch_locked()
+        for call in wake:  # a slot kept free for this tenant, or one it may take
+            call()
+        return waiter
 
     def _queue_wait_locked(self, tenant: str, num_queued: int) -> float:
         """Seconds ``num_queued`` requests of ``tenant`` wait at its share of the measured
@@ -151,7 +175,6 @@ class FairScheduler:
         Returns:
             The request's slot seconds so far (``spent`` and this slot's).
         """
-        wake = []
         with self._lock:
             elapsed = max(0.0, self._clock() - held.since)
             tenant = held.tenant
@@ -160,17 +183,26 @@ class FairScheduler:
                 self._mean_s += _EWMA * (max(held.spent + elapsed, 1e-6) - self._mean_s)
             self._running[tenant] -= 1
             self._free += 1
-            while self._free > 0:
-                waiting = [t for t, q in self._queues.items() if q]
-                if not waiting:
-                    break
-                chosen = min(waiting, key=lambda t: (self._served[t], self._running.get(t, 0)))
-                waiter = self._queues[chosen].popleft()
-                waiter.held = self._grant_locked(chosen)
-                wake.append(waiter.wake)
+            wake = self._dispatch_locked()
         for call in wake:
             call()
         return held.spent + elapsed
+
+    def _dispatch_locked(self) -> list[Callable[[], None]]:
+        """Give free slots to waiting requests, the least served tenant first, past those
+        whose free slots are kept for others; returns the wake-ups to call."""
+        wake = []
+        now = self._clock()
+        while self._free > 0:
+            waiting = [t for t, q in self._queues.items() if q]
+            waiting = [t for t in waiting if not self._reserved_locked(t, now)]
+            if not waiting:
+                break
+            chosen = min(waiting, key=lambda t: (self._served[t], self._running.get(t, 0)))
+            waiter = self._queues[chosen].popleft()
+            waiter.held = self._grant_locked(chosen)
+            wake.append(waiter.wake)
+        return wake
 
     def _withdraw(self, waiter: _Waiter) -> Held | None:
         """Take a waiter out of its queue; returns the slot it was given meanwhile, if any."""

@@ -42,7 +42,7 @@ NS = Namespace("fairness-model", SMALL_LAYOUT)
 SLOTS = 6  # transfer connections of the test server: a guaranteed 2 for each of 3 tenants
 FLOOD_S = 3.0  # how long a flood lasts
 VICTIM_REQUESTS = 60  # the victim's requests, alone and during the flood
-ROUNDS, ROUND_REQUESTS = 4, 40  # at default settings: turns of bob alone and during the flood
+ROUNDS, ROUND_REQUESTS = 8, 40  # at default settings: turns of bob alone and during the flood
 
 
 def transfer_port(server: ThreadServer) -> int:

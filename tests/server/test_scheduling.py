@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from cachetier.server.fairness import TenantWeights
-from cachetier.server.scheduling import MAX_QUEUE_S, FairScheduler, Held
+from cachetier.server.scheduling import MAX_QUEUE_S, RESERVE_S, FairScheduler, Held
 
 
 class Clock:
@@ -101,5 +101,54 @@ def test_a_waiter_that_goes_away_gives_its_place_and_slot_back() -> None:
         sched.release(got)
         again = await sched.acquire("bob")  # every slot is free again
         assert isinstance(again, Held)
+
+    asyncio.run(run())
+
+
+def test_a_slot_is_kept_for_a_tenant_that_asked_lately() -> None:
+    async def run() -> None:
+        sched, clock = scheduler(2, alice=1.0, bob=1.0)
+        first = [await sched.acquire("alice") for _ in range(2)]  # alone: every slot
+        assert all(isinstance(h, Held) for h in first)
+        for held in first:
+            sched.release(held)  # type: ignore[arg-type]
+        bob = await sched.acquire("bob")  # bob asks now and then
+        assert isinstance(bob, Held)
+        clock.now += 0.01
+        sched.release(bob)
+        alice = await sched.acquire("alice")
+        assert isinstance(alice, Held)
+        kept = asyncio.ensure_future(sched.acquire("alice"))
+        await asyncio.sleep(0)
+        assert not kept.done(), "alice took the slot kept for bob"
+        again = await asyncio.wait_for(sched.acquire("bob"), 1)  # at once: the kept slot
+        assert isinstance(again, Held) and not kept.done()
+        clock.now += RESERVE_S  # bob quiet since: the slot he gives back is alice's
+        sched.release(again)
+        got = await asyncio.wait_for(kept, 1)
+        assert isinstance(got, Held) and got.tenant == "alice"
+        sched.release(alice)
+        sched.release(got)
+
+    asyncio.run(run())
+
+
+def test_a_kept_slot_lapses_when_its_tenant_stops_asking() -> None:
+    async def run() -> None:
+        sched, clock = scheduler(2, alice=1.0, bob=1.0)
+        bob = await sched.acquire("bob")
+        assert isinstance(bob, Held)
+        sched.release(bob)
+        held = await sched.acquire("alice")
+        assert isinstance(held, Held)
+        waiting = asyncio.ensure_future(sched.acquire("alice"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        clock.now += RESERVE_S
+        sched.release(held)  # the next slot given back goes to alice's waiting request
+        got = await asyncio.wait_for(waiting, 1)
+        assert isinstance(got, Held)
+        both = await sched.acquire("alice")  # both slots hers again
+        assert isinstance(both, Held)
 
     asyncio.run(run())
