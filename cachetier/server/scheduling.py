@@ -10,11 +10,11 @@ turns active starts at the least of the active ones, so idle time earns no credi
 later). A tenant sending more than its share therefore waits behind its own requests, not the
 others'.
 
-A slot is kept free for each other tenant that asked within ``RESERVE_S`` and holds none (at
-most all slots but one): a tenant that sends a request now and then would otherwise find every
-slot taken by a flooding one at each request, and wait out the rest of a flood request's work
-every time. A tenant alone gets every slot; the reservation lapses at the next slot given back
-after ``RESERVE_S`` without a request of the other tenant.
+While another tenant that asked within ``RESERVE_S`` holds no slot, one slot is kept free for
+it (with two slots or more): a tenant that sends a request now and then would otherwise find
+every slot taken by a flooding one at each request, and wait out the rest of a flood request's
+work every time. A tenant alone gets every slot; the kept slot goes back to the others at the
+first slot given back ``RESERVE_S`` after the other tenant's last request.
 
 Past its share a tenant is refused rather than queued without end: the capacity is measured
 (slots over the mean time a request holds one), and once a tenant's oldest queued request has
@@ -105,7 +105,8 @@ class FairScheduler:
         return bool(self._queues.get(tenant)) or self._running.get(tenant, 0) > 0
 
     def _reserved_locked(self, tenant: str, now: float) -> bool:
-        """Whether the free slots are all kept for other tenants that asked lately."""
+        """Whether the one free slot is kept for another tenant that asked lately and holds
+        none (so ``tenant`` may not take it)."""
         if self._free > 1 or self.num_slots < 2:
             return False  # more free than the at most num_slots - 1 kept
         for other, asked in list(self._asked.items()):
