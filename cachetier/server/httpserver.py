@@ -48,6 +48,7 @@ from cachetier.util.checks import positive_int
 HEAD_READ_BYTES = 64 << 10  # one read, until the app asks for the body
 BODY_READ_BYTES = 256 << 10  # one read while it streams one (what asyncio and uvloop read)
 LINGER_S = 2.0  # reading and dropping the rest of a refused request's body
+_CLOSE = (b"connection", b"close")
 MAX_PIPELINED = 8  # requests queued behind the one being answered (clients we know send none)
 CHUNKED_SLICE_BYTES = 1024  # a chunked body's bytes are fed this many at a time (``heads``)
 _ABORT_AFTER_CLOSE_S = 1.0  # a closed connection whose client reads nothing is reset after it
@@ -319,23 +320,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 return await receive()
 
             async def send_watched(message: Message) -> None:
-                if message["type"] != "http.response.start":
-                    await send(message)
-                    return
-                self._maybe_promote(request)
-                if message["status"] in (401, 403) and events is not None:
-                    events.note_refused_body(request.body_bytes)
-                if request.body_done:
-                    await send(message)
-                    return
-                # Answered before its body was read: the connection ends after the linger
-                # (on_response_complete). Said in the answer, or a keep-alive client sends its
-                # next request into the linger and waits it out before it finds the close.
-                headers = [*message.get("headers", ()), (b"connection", b"close")]
-                await send({**message, "headers": headers})
-                cycle = self.cycle
-                if cycle is not None:
-                    cycle.keep_alive = True  # uvicorn would close at once, unread bytes and all
+                starts = message["type"] == "http.response.start"
+                if starts:
+                    self._maybe_promote(request)
+                    if message["status"] in (401, 403) and events is not None:
+                        events.note_refused_body(request.body_bytes)
+                if not starts or request.body_done:
+                    return await send(message)
+                # Answered before its body was read: closed after the linger. Said, or a client
+                # sends its next request into the linger and waits it out to find the close.
+                await send({**message, "headers": [*message.get("headers", ()), _CLOSE]})
+                if self.cycle is not None:
+                    self.cycle.keep_alive = True  # uvicorn would close at once, bytes unread
 
             await app(scope, receive_watched, send_watched)
 
@@ -490,8 +486,7 @@ def http_server(
         log_level=config.log_level,
         lifespan="on",
         http=guarded_protocol(ConnectionLimits.of(config)),
-        # No WebSockets here; an upgrade would hand the connection to a protocol without the
-        # guard.
+        # No WebSockets: an upgrade would hand the connection to a protocol without the guard.
         ws="none",
         # 75 s by default: longer than the remote tier keeps idle connections (30 s), so a
         # client never reuses a connection the server has just closed.
