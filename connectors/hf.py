@@ -34,6 +34,7 @@ from cachetier.connectors.hf_layers import (
     keep_whole_history,
     trim_history,
 )
+from cachetier.connectors.hf_windows import WindowedRecords
 from cachetier.guard.first_layer import FirstLayer
 from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.paged_layouts import PagedBlocks, axes_view
@@ -48,6 +49,7 @@ from cachetier.primitives.keys import (
     torch_dtype,
 )
 from cachetier.primitives.kv_format import DEFAULT_RECORD_TOKENS
+from cachetier.primitives.layer_sets import layer_sets
 from cachetier.record import KVBlock
 from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
@@ -162,6 +164,18 @@ class HFCacheConnector:
             layer = FirstLayer.from_tensors(config.to_dict(), params.get)
             check = RecordCheck(layer)
         self.record_guard = RecordGuard(store, check, None, self.namespace.describe())
+        # Sliding-window layers: each layer set in records of its own, a window's as far as a
+        # hit needs it, as our engine and vLLM store them (``hf_windows``).
+        windows = [
+            layer.sliding_window if getattr(layer, "is_sliding", False) else None
+            for layer in self._new_cache().layers
+        ]
+        sets = layer_sets(windows, self.namespace) if len(windows) == layout.num_layers else []
+        self.windowed = (
+            WindowedRecords(store, sets, self.record_guard, model.device)
+            if any(s.window is not None for s in sets)
+            else None
+        )
 
     @property
     def block_size(self) -> int:
@@ -191,6 +205,8 @@ class HFCacheConnector:
         max_blocks = (len(tokens) - 1) // self.block_size
         if max_blocks <= 0:
             return _Restored(None, 0, ())
+        if self.windowed is not None:
+            return self._restore_windowed(tokens)
         keys = block_keys(self.namespace, tokens[: max_blocks * self.block_size])
         try:
             found = self.store.restore_prefix(
@@ -233,6 +249,25 @@ class HFCacheConnector:
             self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
         return _Restored(cache, len(blocks) * self.block_size, sources)
 
+    def _restore_windowed(self, tokens: list[int]) -> _Restored:
+        assert self.windowed is not None
+        try:
+            hit = self.windowed.restore(tokens)
+        except Exception as exc:  # noqa: BLE001 - a failing store is a miss, never a failed generate
+            self.stats.store_errors += 1
+            log.warning("cachetier restore failed, computing the whole prompt: %r", exc)
+            return _Restored(None, 0, ())
+        self.stats.rejected_blocks = self.windowed.rejected
+        if hit is None:
+            return _Restored(None, 0, ())
+        cache = self._new_cache()
+        for index, (k, v) in enumerate(hit.layers):
+            cache.update(k, v, index)  # a sliding-window layer keeps its last window - 1
+        self.stats.restored_blocks += len(hit.sources)
+        for name in hit.sources:
+            self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
+        return _Restored(cache, len(hit.sources) * self.block_size, hit.sources)
+
     def _usable(self, blocks: Sequence[KVBlock], keys: Sequence[BlockHash]) -> list[KVBlock]:
         # The store already checked key and namespace fingerprint; check what the payload claims.
         layout = self.namespace.layout
@@ -274,6 +309,8 @@ class HFCacheConnector:
         num_blocks = num_tokens // self.block_size
         if num_blocks == 0:
             return 0
+        if self.windowed is not None:
+            return self._save_windowed(tokens[:num_tokens], cache)
         keys = block_keys(self.namespace, tokens[: num_blocks * self.block_size])
         try:
             start = self.store.lookup(self.namespace.id, keys).num_blocks
@@ -298,6 +335,22 @@ class HFCacheConnector:
             return 0
         self.stats.saved_blocks += len(records)
         return len(records)
+
+    def _save_windowed(self, tokens: list[int], cache: DynamicCache) -> int:
+        assert self.windowed is not None
+        num_layers = self.namespace.layout.num_layers
+        if len(cache.layers) != num_layers:
+            raise ValueError(f"cache has {len(cache.layers)} layers, the model {num_layers}")
+        try:
+            saved = self.windowed.save(tokens, cache)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a lost save costs a recompute later, nothing more
+            self.stats.store_errors += 1
+            log.warning("cachetier save failed: %r", exc)
+            return 0
+        self.stats.saved_blocks += saved
+        return saved
 
     def _records(self, cache: DynamicCache, keys: Sequence[BlockHash], start: int) -> list[KVBlock]:
         layout = self.namespace.layout

@@ -57,6 +57,10 @@ class EngineConfig:
         device: where the weights, the KV pool and the forward live: ``cpu`` or ``cuda`` /
             ``cuda:N`` (the same code either way; off the CPU the kernels take their Triton or
             torch paths, and blocks reach the tiers through one host copy per batch).
+        window_block_tokens: the largest block size of the engines that read this engine's
+            tiers (vLLM-CPU: 32): a sliding-window layer set's records are saved from a block
+            boundary of that size, so that such an engine, which loads whole blocks of its
+            own, finds every record of a window; ``None``: this engine's ``block_size``.
     """
 
     model: str
@@ -80,6 +84,7 @@ class EngineConfig:
     guard_fraction: float = guard_fraction_setting()
     record_check: bool = record_check_setting()
     record_check_tokens: int = record_check_tokens_setting()
+    window_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -109,6 +114,13 @@ class EngineConfig:
             raise ValueError("event_log must be a file path, or None for no log")
         positive_int("record_tokens", self.record_tokens)
         positive_int("record_check_tokens", self.record_check_tokens)
+        if self.window_block_tokens is not None and (
+            self.window_block_tokens <= 0 or self.window_block_tokens % self.block_size
+        ):
+            raise ValueError(
+                f"window_block_tokens must be a multiple of block_size ({self.block_size}), "
+                f"got {self.window_block_tokens}"
+            )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         self.guard_config()  # checks the guard's settings

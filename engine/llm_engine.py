@@ -24,10 +24,13 @@ from cachetier.engine.scheduler import Scheduler
 from cachetier.engine.sequence import Sequence
 from cachetier.engine.tier_bridge import TierBridge
 from cachetier.engine.weights import load_weights, record_check_of
+from cachetier.engine.windowed_bridge import WindowedTierBridge, windowed_supported
 from cachetier.guard import GuardSampler
+from cachetier.guard.record_check import RecordCheck
 from cachetier.kvevents import MEDIUM_GPU, TierEvents
 from cachetier.primitives.fingerprint import model_fingerprint
 from cachetier.primitives.keys import BlockHash, Namespace, record_layout, torch_dtype
+from cachetier.primitives.layer_sets import layer_sets
 from cachetier.report.events import EventLog
 from cachetier.store.costmodel import CopyRate, CostModel, PrefillModel
 from cachetier.store.events import publish_store
@@ -151,16 +154,7 @@ class LLMEngine:
         if copy_timing is not None:
             self.copy_rate.observe(*copy_timing)
         self.bridge = (
-            TierBridge(
-                store,
-                self.namespace,
-                self.pool,
-                self.copy_rate,
-                guard=GuardSampler(config.guard_config()) if config.guard else None,
-                record_check=record_check,
-            )
-            if store is not None
-            else None
+            _tier_bridge(store, self, config, record_check) if store is not None else None
         )
         self.kv_events: TierEvents | None = None  # the pool's KV events (``publish_events``)
         self.blocks = BlockManager(
@@ -170,7 +164,9 @@ class LLMEngine:
         )
         # Owned here (the config names a file, not an object): close() closes it.
         self.events = EventLog(config.event_log) if config.event_log is not None else None
-        self.prefill_model, self.cost_model = _cost_model(config, store, warm_up, self.copy_rate)
+        self.prefill_model, self.cost_model = _cost_model(
+            config, store, warm_up, self.copy_rate, isinstance(self.bridge, WindowedTierBridge)
+        )
         self.scheduler = Scheduler(
             config, self.namespace, self.blocks, self.bridge, self.events, self.cost_model
         )
@@ -430,21 +426,53 @@ class LLMEngine:
         return out
 
 
+def _tier_bridge(
+    store: TieredStore, engine: LLMEngine, config: EngineConfig, record_check: RecordCheck | None
+) -> TierBridge:
+    """The engine's bridge to its tiers: layer sets with a window in records of their own
+    (``WindowedTierBridge``) where the pool's blocks allow it, whole blocks otherwise."""
+    guard = GuardSampler(config.guard_config()) if config.guard else None
+    spec, pool, namespace = engine.spec, engine.pool, engine.namespace
+    sets = layer_sets([spec.window_of(i) for i in range(spec.num_layers)], namespace)
+    if any(s.window is not None for s in sets):
+        per_block = config.block_size // namespace.block_size
+        if windowed_supported(pool, per_block):
+            return WindowedTierBridge(
+                store,
+                namespace,
+                pool,
+                sets,
+                engine.copy_rate,
+                guard,
+                record_check,
+                config.window_block_tokens,
+            )
+        log.warning(
+            "cachetier: sliding-window layers stored whole (every block): windowed records "
+            "need pool blocks of one record without fp8 scales"
+        )
+    return TierBridge(store, namespace, pool, engine.copy_rate, guard, record_check)
+
+
 def _cost_model(
     config: EngineConfig,
     store: TieredStore | None,
     warm_up: list[tuple[int, float]],
     copy_rate: CopyRate,
+    windowed: bool = False,
 ) -> tuple[PrefillModel, CostModel | None]:
     """The engine's measured prefill speed (seeded by the warm-up's forwards), weighed against
     the store's measured tier speeds for every tier hit (``kv_load_policy="always"`` loads
-    without asking); no cost model without tiers."""
+    without asking); no cost model without tiers. ``windowed`` (``WindowedTierBridge``): every
+    hit is loaded, as its plans would recompute a hit's head over blocks holding some layers
+    only."""
     prefill = PrefillModel()
     for num_tokens, seconds in warm_up:
         prefill.observe(num_tokens, PrefillModel.attention_work(num_tokens, 0), seconds)
     if store is None:
         return prefill, None
-    cost = CostModel(store.rates, prefill, copy=copy_rate, enabled=config.kv_load_policy == "cost")
+    enabled = config.kv_load_policy == "cost" and not windowed
+    cost = CostModel(store.rates, prefill, copy=copy_rate, enabled=enabled)
     return prefill, cost
 
 

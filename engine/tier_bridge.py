@@ -64,6 +64,8 @@ class Restored:
     copy_s: float
     # Why the record guard ended the run early (``record_guard.CAUSES``), ``None`` if it did not.
     guard_cut: str | None = None
+    # Leading blocks holding only some layers (``WindowedTierBridge``): not to be shared.
+    partial_blocks: int = 0
 
 
 class TierBridge:
@@ -196,6 +198,7 @@ class TierBridge:
         may_verify: bool = True,
         token_ids: Sequence[int] | None = None,
         first_record: int = 0,
+        sequence_tokens: Sequence[int] | None = None,
     ) -> PrefixHit:
         """Which leading pool blocks the store holds, and in which tier (no data is read).
 
@@ -206,6 +209,7 @@ class TierBridge:
             token_ids: the sequence's tokens: with them a miss of tokens held under another
                 namespace says ``namespace_mismatch`` and what differs.
             first_record: the index in the sequence of ``keys[0]``'s record.
+            sequence_tokens: the sequence's tokens (``WindowedTierBridge`` keys by them).
 
         Returns:
             The hit in whole pool blocks (a block counts where every record of it is held),
@@ -236,6 +240,7 @@ class TierBridge:
         hit: PrefixHit | None = None,
         token_ids: Sequence[int] | None = None,
         first_position: int = 0,
+        sequence_tokens: Sequence[int] | None = None,
     ) -> Restored:
         """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
 
@@ -253,6 +258,7 @@ class TierBridge:
                 record lies).
             token_ids: the tokens of these blocks, in order (``None``: no record check).
             first_position: the position in the sequence of their first token.
+            sequence_tokens: as ``lookup``'s.
 
         Returns:
             The source tier of each restored block (a prefix of ``keys``) and the time taken.

@@ -136,6 +136,7 @@ class TierLoads:
             may_verify=seq.guard_draw is None,
             token_ids=seq.token_ids if first else None,
             first_record=len(pool_ids) * self.records_per_block,
+            sequence_tokens=seq.token_ids,
         )
         if seq.guard_draw is None and (hit.num_blocks or hit.verified_blocks):
             seq.guard_draw = bool(hit.verified_blocks)  # decided once, at its first hit
@@ -254,14 +255,17 @@ class TierLoads:
         # Every key asked for is inside the hit just looked up: not looked up again.
         begin, bs = first_index * self.block_size, self.block_size
         tokens = seq.token_ids[begin : begin + len(keys) * bs]
-        restored = self.bridge.restore(records, block_ids, hit, tokens, begin)
+        restored = self.bridge.restore(
+            records, block_ids, hit, tokens, begin, sequence_tokens=seq.token_ids
+        )
         sources = restored.sources
         note_guard_cut(seq, restored, len(keys), self.block_size)
         if first:
             seq.add_time("restore_read_s", restored.read_s)
             seq.add_time("restore_copy_s", restored.copy_s)
         for i, (key, block_id) in enumerate(zip(keys, block_ids[: len(sources)])):
-            self._register(seq, first_index + i, block_id, key)
+            if i >= restored.partial_blocks:  # some layers only: this sequence's alone
+                self._register(seq, first_index + i, block_id, key)
         return sources, restored.read_s + restored.copy_s
 
     def finish(self, seq: Sequence) -> Restored | None:
@@ -284,7 +288,8 @@ class TierLoads:
         arrived = len(restored.sources)
         note_guard_cut(seq, restored, len(pending.keys), self.block_size)
         for i, (key, block_id) in enumerate(zip(pending.keys, pending.block_ids[:arrived])):
-            self._register(seq, pending.first_block_index + i, block_id, key)
+            if i >= restored.partial_blocks:
+                self._register(seq, pending.first_block_index + i, block_id, key)
         seq.skip = (seq.skip[0], seq.skip[0] + arrived * self.block_size)
         if pending.first:
             # What the TTFT paid for the restore is the wait from the head's end, not the read
