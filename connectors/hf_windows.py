@@ -16,12 +16,10 @@ import torch
 from cachetier.connectors.hf_layers import held_from
 from cachetier.kernels.staging import payload_tensor, payload_view
 from cachetier.primitives.keys import BlockHash, block_keys, torch_dtype
-from cachetier.primitives.layer_sets import LayerSet
+from cachetier.primitives.layer_sets import LayerSet, restorable_end, window_needs
 from cachetier.record import KVBlock
 from cachetier.store.record_guard import RecordGuard
 from cachetier.store.tiered import TieredStore
-
-MAX_ENDS_TRIED = 16  # as ``engine.windowed_bridge``'s
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +72,12 @@ class WindowedRecords:
             if layer_set.window is None:
                 found = self.store.lookup(layer_set.namespace.id, keys[s_index][:last])
                 full_end = min(full_end, found.num_blocks)
-        for end in range(full_end, max(0, full_end - MAX_ENDS_TRIED), -1):
-            if all(
-                self.store.lookup(s.namespace.id, keys[i][self._start(s, end) : end]).num_blocks
-                == end - self._start(s, end)
-                for i, s in enumerate(self.sets)
-                if s.window is not None
-            ):
-                return end
-        return 0
+
+        def holds(index: int, start: int, end: int) -> bool:
+            found = self.store.lookup(self.sets[index].namespace.id, keys[index][start:end])
+            return found.num_blocks >= end - start
+
+        return restorable_end(window_needs(self.sets, self.block_size), 0, full_end, holds)
 
     def restore(self, tokens: list[int]) -> WindowedHit | None:
         """The longest hit of ``tokens`` short of their last one, read and checked; ``None``

@@ -199,6 +199,7 @@ class TierBridge:
         token_ids: Sequence[int] | None = None,
         first_record: int = 0,
         sequence_tokens: Sequence[int] | None = None,
+        sequence_keys: Sequence[BlockHash] | None = None,
     ) -> PrefixHit:
         """Which leading pool blocks the store holds, and in which tier (no data is read).
 
@@ -209,7 +210,8 @@ class TierBridge:
             token_ids: the sequence's tokens: with them a miss of tokens held under another
                 namespace says ``namespace_mismatch`` and what differs.
             first_record: the index in the sequence of ``keys[0]``'s record.
-            sequence_tokens: the sequence's tokens (``WindowedTierBridge`` keys by them).
+            sequence_tokens, sequence_keys: the sequence's tokens and record keys
+                (``WindowedTierBridge`` keys its layer sets by them).
 
         Returns:
             The hit in whole pool blocks (a block counts where every record of it is held),
@@ -241,6 +243,7 @@ class TierBridge:
         token_ids: Sequence[int] | None = None,
         first_position: int = 0,
         sequence_tokens: Sequence[int] | None = None,
+        sequence_keys: Sequence[BlockHash] | None = None,
     ) -> Restored:
         """Read the blocks of ``keys`` and copy them into ``block_ids`` of the pool.
 
@@ -258,7 +261,7 @@ class TierBridge:
                 record lies).
             token_ids: the tokens of these blocks, in order (``None``: no record check).
             first_position: the position in the sequence of their first token.
-            sequence_tokens: as ``lookup``'s.
+            sequence_tokens, sequence_keys: as ``lookup``'s.
 
         Returns:
             The source tier of each restored block (a prefix of ``keys``) and the time taken.

@@ -137,6 +137,7 @@ class TierLoads:
             token_ids=seq.token_ids if first else None,
             first_record=len(pool_ids) * self.records_per_block,
             sequence_tokens=seq.token_ids,
+            sequence_keys=seq.record_keys,
         )
         if seq.guard_draw is None and (hit.num_blocks or hit.verified_blocks):
             seq.guard_draw = bool(hit.verified_blocks)  # decided once, at its first hit
@@ -256,7 +257,13 @@ class TierLoads:
         begin, bs = first_index * self.block_size, self.block_size
         tokens = seq.token_ids[begin : begin + len(keys) * bs]
         restored = self.bridge.restore(
-            records, block_ids, hit, tokens, begin, sequence_tokens=seq.token_ids
+            records,
+            block_ids,
+            hit,
+            tokens,
+            begin,
+            sequence_tokens=seq.token_ids,
+            sequence_keys=seq.record_keys,
         )
         sources = restored.sources
         note_guard_cut(seq, restored, len(keys), self.block_size)

@@ -27,15 +27,12 @@ from cachetier.guard import GuardSampler
 from cachetier.guard.record_check import RecordCheck
 from cachetier.kernels.staging import payload_tensor, payload_view
 from cachetier.primitives.keys import BlockHash, Namespace, block_keys, torch_dtype
-from cachetier.primitives.layer_sets import LayerSet
+from cachetier.primitives.layer_sets import LayerSet, restorable_end, window_needs
 from cachetier.record import KVBlock
 from cachetier.store.costmodel import CopyRate
 from cachetier.store.tiered import TieredStore
 from cachetier.tiers.prefix import PrefixHit, RestoredPrefix
 
-# Ends tried below the full-attention layers' hit before giving up (one lookup each); a
-# window's records are written whole, so the first end tried is the one that holds.
-MAX_ENDS_TRIED = 16
 MAX_KNOWN_KEYS = 1 << 16  # block key -> its layer sets' keys, for blocks saved on eviction
 
 
@@ -81,26 +78,42 @@ class WindowedTierBridge(TierBridge):
             for s in self.sets
         ]
         self.shadow = self.shadows[0]  # the engine's guard figures: the first set's
+        self._layer_index = [torch.as_tensor(s.layers, dtype=torch.int64) for s in self.sets]
         self._known: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
 
     # Keys -----------------------------------------------------------------------------------
 
     def _set_keys(
-        self, tokens: Sequence[int] | None, num_blocks: int
+        self,
+        tokens: Sequence[int] | None,
+        num_blocks: int,
+        base: Sequence[BlockHash] | None = None,
     ) -> list[list[BlockHash]] | None:
-        """Each set's keys of the first ``num_blocks`` blocks of ``tokens`` (the sequence's),
-        noted by block key for saves on eviction; ``None`` without tokens."""
+        """Each set's keys of the first ``num_blocks`` blocks of ``tokens`` (the sequence's);
+        ``None`` without tokens. ``base``: the sequence's keys under ``namespace``, where the
+        caller has them. Keys made once are kept by block key (a waiting sequence is looked
+        up at every step; saves on eviction have no tokens), so only new blocks are hashed."""
         if tokens is None:
             return None
-        prefix = list(tokens[: num_blocks * self.pool.layout.block_size])
-        base = block_keys(self.namespace, prefix)
-        out = [
-            base if s.namespace == self.namespace else block_keys(s.namespace, prefix)
-            for s in self.sets
-        ]
-        for i, key in enumerate(base):
-            self._known[key] = tuple(keys[i] for keys in out)
-            self._known.move_to_end(key)
+        bs = self.pool.layout.block_size
+        num_blocks = min(num_blocks, len(tokens) // bs)  # full blocks only have keys
+        if base is None or len(base) < num_blocks:
+            base = block_keys(self.namespace, list(tokens[: num_blocks * bs]))
+        base = list(base[:num_blocks])
+        known = 0
+        while known < num_blocks and base[known] in self._known:
+            known += 1
+        rest = list(tokens[known * bs : num_blocks * bs])
+        out = []
+        for index, layer_set in enumerate(self.sets):
+            if layer_set.namespace == self.namespace:
+                out.append(base)
+                continue
+            keys = [self._known[key][index] for key in base[:known]]
+            keys += block_keys(layer_set.namespace, rest, parent=keys[-1] if keys else None)
+            out.append(keys)
+        for i in range(known, num_blocks):
+            self._known[base[i]] = tuple(keys[i] for keys in out)
         while len(self._known) > MAX_KNOWN_KEYS:
             self._known.popitem(last=False)
         return out
@@ -139,7 +152,7 @@ class WindowedTierBridge(TierBridge):
                 key = self._key_of(s_index, index, block, set_keys)
                 if index < first or key is None:
                     continue
-                records.append(self._record(layer_set, key, payload))
+                records.append(self._record(s_index, key, payload))
                 generated.append(prompt is not None and (index + 1) * bs > prompt)
             if not records:
                 continue
@@ -168,11 +181,11 @@ class WindowedTierBridge(TierBridge):
             for buf in self.pool.read_blocks(block_ids)
         ]
 
-    def _record(self, layer_set: LayerSet, key: BlockHash, payload: torch.Tensor) -> KVBlock:
+    def _record(self, s_index: int, key: BlockHash, payload: torch.Tensor) -> KVBlock:
+        layer_set = self.sets[s_index]
         layout = layer_set.namespace.layout
         if layer_set.namespace.layers:
-            index = torch.as_tensor(layer_set.layers, dtype=torch.int64)
-            payload = payload.index_select(0, index).contiguous()
+            payload = payload.index_select(0, self._layer_index[s_index]).contiguous()
         return KVBlock(
             key,
             layer_set.namespace.fingerprint,
@@ -193,12 +206,13 @@ class WindowedTierBridge(TierBridge):
         token_ids: Sequence[int] | None = None,
         first_record: int = 0,
         sequence_tokens: Sequence[int] | None = None,
+        sequence_keys: Sequence[BlockHash] | None = None,
     ) -> PrefixHit:
         """``TierBridge.lookup``, where every set holds what a hit needs (module docstring);
         ``sequence_tokens`` (the sequence's, from its start) make the sets' keys: without
         them there is no hit."""
         first, last = first_record, first_record + len(keys)
-        set_keys = self._set_keys(sequence_tokens, last)
+        set_keys = self._set_keys(sequence_tokens, last, sequence_keys)
         names = tuple(t.name for t in self.store.tiers)
         if set_keys is None or not keys:
             return PrefixHit(0, (), names)
@@ -234,24 +248,18 @@ class WindowedTierBridge(TierBridge):
     def _window_end(
         self, set_keys: list[list[BlockHash]], first: int, full_end: int
     ) -> tuple[int, PrefixHit | None]:
-        """The last block (exclusive) a hit after ``first`` can end at, at most ``full_end``,
-        where every window's set holds the blocks it needs; ``first`` where none can. Also
-        the last window lookup made."""
+        """Where a hit after ``first`` can end, at most ``full_end``, every window's set
+        holding what it needs (``layer_sets.restorable_end``); also the last window lookup."""
         bs = self.pool.layout.block_size
-        found: PrefixHit | None = None
-        for end in range(full_end, max(first, full_end - MAX_ENDS_TRIED), -1):
-            held = True
-            for s_index, layer_set in enumerate(self.sets):
-                if layer_set.window is None:
-                    continue
-                start = max(first, layer_set.first_needed_block(end * bs, bs))
-                found = self.store.lookup(layer_set.namespace.id, set_keys[s_index][start:end])
-                if found.num_blocks < end - start:
-                    held = False
-                    break
-            if held:
-                return end, found
-        return first, found
+        found: list[PrefixHit] = []
+
+        def holds(index: int, start: int, end: int) -> bool:
+            namespace = self.sets[index].namespace
+            found.append(self.store.lookup(namespace.id, set_keys[index][start:end]))
+            return found[-1].num_blocks >= end - start
+
+        end = restorable_end(window_needs(self.sets, bs), first, full_end, holds)
+        return end, found[-1] if found else None
 
     def _draw(
         self, hit: PrefixHit, set_keys: list[list[BlockHash]], first: int, end: int
@@ -281,6 +289,7 @@ class WindowedTierBridge(TierBridge):
         token_ids: Sequence[int] | None = None,
         first_position: int = 0,
         sequence_tokens: Sequence[int] | None = None,
+        sequence_keys: Sequence[BlockHash] | None = None,
     ) -> Restored:
         """``TierBridge.restore`` of every set's records of the blocks of ``keys``, joined
         into pool blocks; ``partial_blocks`` of the result are those before a window's
@@ -288,7 +297,7 @@ class WindowedTierBridge(TierBridge):
         start_s = time.perf_counter()
         bs = self.pool.layout.block_size
         first, last = first_position // bs, first_position // bs + len(keys)
-        set_keys = self._set_keys(sequence_tokens, last)
+        set_keys = self._set_keys(sequence_tokens, last, sequence_keys)
         if set_keys is None or not keys:
             return Restored([], 0.0, 0.0)
         got = [
@@ -376,14 +385,13 @@ class WindowedTierBridge(TierBridge):
         for b in range(first, end):
             payload = torch.zeros(self.pool.block_shape, dtype=dtype)
             source = ""
-            for layer_set, (start, read, _) in zip(self.sets, got, strict=True):
+            for s_index, (start, read, _) in enumerate(got):
                 if b < start:
                     continue
                 record = read.blocks[b - start]
-                shape = layer_set.namespace.layout.payload_shape
+                shape = self.sets[s_index].namespace.layout.payload_shape
                 data = payload_tensor(record.data, dtype, shape)
-                index = torch.as_tensor(layer_set.layers, dtype=torch.int64)
-                payload.index_copy_(0, index, data)
+                payload.index_copy_(0, self._layer_index[s_index], data)
                 source = source or read.sources[b - start]
             blocks.append(
                 KVBlock(

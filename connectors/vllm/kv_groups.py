@@ -40,6 +40,8 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from cachetier.primitives.layer_sets import first_needed_block
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -127,9 +129,7 @@ class StoredGroup:
         """The first block a hit of ``num_tokens`` tokens needs in this group: 0 for full
         attention; for a window ``W``, the block of token ``num_tokens - W + 1`` (the first the
         next token attends to), as vLLM's ``SlidingWindowManager.get_num_skipped_tokens``."""
-        if self.window is None:
-            return 0
-        return max(0, num_tokens - self.window + 1) // self.spec.block_size
+        return first_needed_block(self.window, num_tokens, self.spec.block_size)
 
 
 def storable_groups(kv_cache_config: KVCacheConfig, model: str) -> list[StoredGroup]:

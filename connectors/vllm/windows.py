@@ -18,27 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cachetier.connectors.vllm.kv_groups import StoredGroup
+from cachetier.primitives import layer_sets
 from cachetier.primitives.keys import BlockHash
-
-# Ends tried below the longest full-attention hit before giving up: each costs one lookup of
-# a window's keys per sliding group. Records are written whole from a window's start on, so
-# the first end tried is the one that holds, short of an eviction inside the window.
-MAX_ENDS_TRIED = 16
 
 
 def first_saved_block(group: StoredGroup, num_prompt_tokens: int) -> int:
-    """The first block of a request that ``group`` stores: 0 for full attention; for a window,
-    the first block a hit ending at the prompt's last whole block before its last token needs.
+    """The first block of a request that ``group`` stores (``layer_sets.first_saved_block``).
 
     Args:
         group: the KV cache group.
         num_prompt_tokens: the request's prompt length.
     """
-    if group.window is None:
-        return 0
-    block_size = group.spec.block_size
-    hit_end = (num_prompt_tokens - 1) // block_size * block_size
-    return group.first_needed_block(hit_end)
+    return layer_sets.first_saved_block(group.window, num_prompt_tokens, group.spec.block_size)
 
 
 def restorable_end(
@@ -47,7 +38,8 @@ def restorable_end(
     full_end: int,
     holds: Callable[[int, int, int], bool],
 ) -> int:
-    """The last block a hit can end at (exclusive), ``first`` where none can.
+    """The last block a hit can end at (exclusive), ``first`` where none can
+    (``layer_sets.restorable_end``).
 
     Args:
         groups: every KV cache group.
@@ -57,16 +49,12 @@ def restorable_end(
         holds: ``holds(group_index, start, end)``: whether that group's tier holds every
             block in ``[start, end)``.
     """
-    sliding = [group for group in groups if group.window is not None]
-    for end in range(full_end, max(first, full_end - MAX_ENDS_TRIED), -1):
-        if all(
-            holds(
-                group.index, max(first, group.first_needed_block(end * group.spec.block_size)), end
-            )
-            for group in sliding
-        ):
-            return end
-    return first
+    needs = [
+        (group.index, lambda end, g=group: g.first_needed_block(end * g.spec.block_size))
+        for group in groups
+        if group.window is not None
+    ]
+    return layer_sets.restorable_end(needs, first, full_end, holds)
 
 
 class WindowedLookup:
