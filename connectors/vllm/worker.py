@@ -208,10 +208,8 @@ class CacheTierWorker:
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose async loads ended since the last call (their failed blocks were
-        handed to ``take_failed_block_ids`` first)."""
-        with self._lock:
-            finished, self._finished_loads = self._finished_loads, set()
-        return finished
+        handed to ``take_failed_block_ids`` first): ``take_load_results``' first part."""
+        return self.take_load_results()[0]
 
     def take_load_results(self) -> tuple[set[str], set[str]]:
         """The requests whose async loads ended since the last call, and those of them whose
