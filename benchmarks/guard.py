@@ -20,8 +20,9 @@ off, or verifying every hit for the honest restarts.
   random Llama in fp32): forgeries written by the benchmark, not the engine, under the id of
   an honest writer. ``mixed_folder_wrong_answers``: an honest first hit, then
   ``--record-requests`` (50) forged prompts, per forgery that changes the first layer (another
-  prompt's KV, K and V swapped, layer 0 zeroed, heads permuted), summed: answers that differ
-  from a cold engine's (target 0). ``after_check_wrong_answers``: the same with the records
+  prompt's KV, K and V swapped, layer 0 zeroed, heads permuted, every layer moved by noise of
+  half a full verification's fp32 tolerance), summed: answers that differ from a cold
+  engine's (target 0). ``after_check_wrong_answers``: the same with the records
   forged while the engine serves. ``deep_layer_forgery_wrong_answers_expected`` and
   ``_measured``: the last layer zeroed, which only the sampled draws catch.
   ``honest_restores_after_quarantine``: the share of an honest writer's tokens restored after

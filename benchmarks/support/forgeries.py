@@ -7,8 +7,10 @@ fingerprint, dtype and shape, freshly checksummed, holding KV that is wrong for 
 - ``another_arrangement``: ``[layers, tokens, K/V, heads, dim]`` bytes labelled canonical (a
   layout converter's bug);
 - ``other_tokens``: the right model's KV of another prompt under this prompt's keys;
-- ``noise_below_tolerance``: every layer moved by half the guard's fp32 tolerance, which no
-  check can tell from an honest record's rounding: what it costs in answers is measured;
+- ``noise_in_every_layer``: every layer moved by half a full verification's fp32 tolerance,
+  which only the per-record check's tighter first-layer tolerance refuses;
+- ``noise_below_tolerance``: every layer moved by a quarter of the per-record check's fp32
+  tolerance (a token's own share of it, drawn, stays below the whole), which no check can tell from an honest record's rounding: what it costs in answers is measured;
 - another model's KV under this model's fingerprint (a fingerprint set by hand): made by the
   caller, who stores the same prompt with the other model and passes its records' values.
 """
@@ -21,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from cachetier.guard.compare import REL_TOLERANCE
+from cachetier.guard.record_check import FIRST_LAYER_TOLERANCE
 from cachetier.primitives.keys import Namespace, block_keys
 from cachetier.record import KVBlock
 from cachetier.tiers.disk.tier import DiskTier, DiskTierConfig
@@ -113,30 +117,47 @@ FORGED_KINDS = (
     "first_layer_zeroed",
     "heads_permuted",
     "deep_layer",
+    "noise_in_every_layer",
     "noise_below_tolerance",
 )
 
-# The noise forgery's size: half the fp32 tolerance of the guard's comparison, per layer and
-# plane, so that neither the record check nor a full verification can see it.
-NOISE_SHARE = 0.005
+# The noise forgeries' sizes, per layer and plane: half a full verification's fp32 tolerance,
+# which a first-layer tolerance as loose as that let through; and a quarter of the per-record
+# check's, below what any check can tell from an honest record's rounding (each token's share
+# of a record's noise is drawn: at half, one token in a thousand passes the tolerance).
+NOISE_IN_EVERY_LAYER_SHARE = REL_TOLERANCE["float32"] / 2
+NOISE_SHARE = FIRST_LAYER_TOLERANCE["float32"] / 4
 
 
-def noise_below_tolerance(v: np.ndarray, seed: int = 0) -> np.ndarray:
-    """``v`` (``[layers, 2, tokens, heads, dim]``) plus Gaussian noise of ``NOISE_SHARE`` of
-    each layer's K and V plane's norm."""
+def noise(v: np.ndarray, share: float, seed: int = 0) -> np.ndarray:
+    """``v`` (``[layers, 2, tokens, heads, dim]``) plus Gaussian noise of ``share`` of each
+    layer's K and V plane's norm."""
     rng = np.random.default_rng(seed)
     out = v.astype(np.float32, copy=True)
     for layer in range(out.shape[0]):
         for plane in range(2):
-            noise = rng.standard_normal(out[layer, plane].shape).astype(np.float32)
-            size = float(np.linalg.norm(out[layer, plane])) * NOISE_SHARE
-            out[layer, plane] += noise * (size / max(float(np.linalg.norm(noise)), 1e-30))
+            drawn = rng.standard_normal(out[layer, plane].shape).astype(np.float32)
+            size = float(np.linalg.norm(out[layer, plane])) * share
+            out[layer, plane] += drawn * (size / max(float(np.linalg.norm(drawn)), 1e-30))
     return out.astype(v.dtype)
+
+
+def noise_below_tolerance(v: np.ndarray, seed: int = 0) -> np.ndarray:
+    """``v`` moved by ``NOISE_SHARE`` in every layer: passes every check by design."""
+    return noise(v, NOISE_SHARE, seed)
+
+
+def noise_in_every_layer(v: np.ndarray, seed: int = 0) -> np.ndarray:
+    """``v`` moved by ``NOISE_IN_EVERY_LAYER_SHARE`` in every layer: the first layer's share
+    is past the per-record check's tolerance."""
+    return noise(v, NOISE_IN_EVERY_LAYER_SHARE, seed)
 
 
 def _changed(kind: str, v: np.ndarray) -> np.ndarray:
     if kind == "noise_below_tolerance":
         return noise_below_tolerance(v)
+    if kind == "noise_in_every_layer":
+        return noise_in_every_layer(v)
     if kind == "k_and_v_swapped":
         return v[:, ::-1]
     if kind == "heads_permuted":

@@ -19,8 +19,10 @@ engine under test, with valid checksums, and named after the writer the case say
   (``_expected``), against those counted (``_measured``); ``1 / guard_fraction`` requests are
   expected before the first detection.
 - **Noise below the tolerance** (``noise_below_tolerance_*``): as after the check, every layer
-  moved by half the fp32 tolerance: no check refuses it by design (``_refused_records``
-  counts those it did); ``_wrong_answers`` counts what that tolerance lets through.
+  moved by a quarter of the per-record check's fp32 tolerance: no check refuses it by design
+  (``_refused_records`` counts those it did); ``_wrong_answers`` counts what that tolerance
+  lets through. (Noise of half a full verification's tolerance is a first-layer forgery: the
+  per-record check's own tolerance is tighter.)
 - **Quarantine** (``honest_restores_after_quarantine``): an honest and a buggy writer share the
   folder; the buggy one's records are forged. The engine serves the buggy writer's prompts
   (caught, its writer quarantined), then the honest one's: the share of their stored tokens
@@ -35,7 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.support.forgeries import Stored, noise_below_tolerance, values, values_of
+from benchmarks.support.forgeries import (
+    Stored,
+    noise_below_tolerance,
+    noise_in_every_layer,
+    values,
+    values_of,
+)
 from benchmarks.support.guard_engine import GREEDY, TINY_POOL, disk_store
 from cachetier.engine.llm import LLM
 from cachetier.primitives.keys import Namespace
@@ -66,7 +74,8 @@ def _zero(layer: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def first_layer_forgeries(model: Path, workdir: Path, targets: list[list[int]]) -> dict:
     """The forgeries that change the first layer, for ``targets``' records: another prompt's
-    KV (stored by the model itself), K and V swapped, the first layer zeroed, heads permuted."""
+    KV (stored by the model itself), K and V swapped, the first layer zeroed, heads permuted,
+    noise in every layer past the per-record check's tolerance."""
     others = [[(t + 1) % 250 for t in p] for p in targets]
     folder = workdir / "other-prompts"
     namespace = _store(model, folder, others)
@@ -77,6 +86,7 @@ def first_layer_forgeries(model: Path, workdir: Path, targets: list[list[int]]) 
         "k_and_v_swapped": _changed(lambda v: v[:, ::-1]),
         "first_layer_zeroed": _changed(_zero(0)),
         "heads_permuted": _changed(lambda v: v[:, :, :, ::-1]),
+        "noise_in_every_layer": _changed(noise_in_every_layer),
     }
 
 

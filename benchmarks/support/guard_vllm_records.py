@@ -21,7 +21,13 @@ from benchmarks.support.forgeries import Stored, forge_records, vllm_namespace
 
 SALT = "records"
 PROMPT_LEN = 100  # 6 records of 16
-FIRST_LAYER = ("other_tokens", "k_and_v_swapped", "first_layer_zeroed", "heads_permuted")
+FIRST_LAYER = (
+    "other_tokens",
+    "k_and_v_swapped",
+    "first_layer_zeroed",
+    "heads_permuted",
+    "noise_in_every_layer",
+)
 
 
 def _prompt(seed: int) -> list[int]:

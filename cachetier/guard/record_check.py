@@ -2,9 +2,11 @@
 K and V of a few of its tokens, recomputed (``FirstLayer``) and compared with the record's.
 
 Which tokens are drawn at random on each check, so a record cannot be made to pass by keeping
-fixed positions right. The comparison is the restore guard's (``compare``): the relative error
-per plane, against the tolerance of the record's dtype; an honest record differs only by the
-order of a few sums, a wrong one by about its own size.
+fixed positions right. The measure is the restore guard's (``compare``): the relative error per
+plane. The tolerance is the first layer's own (``FIRST_LAYER_TOLERANCE``), far tighter than a
+full verification's: an honest first layer differs from the recomputation only by the rounding
+of one projection, not by rounding grown through every layer, so noise that a full
+verification must let pass is refused here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,25 @@ from cachetier.record import KVBlock
 # every token (another prompt's KV, K and V swapped, heads permuted, layer 0 zeroed) is caught
 # by any of them, and the check stays near 2% of a long prompt's warm TTFT on two cores.
 DEFAULT_TOKENS_PER_RECORD = 1
+
+# The largest relative error of an honest record's first-layer K or V of one token, per dtype.
+# Honest means the rounding of one RMSNorm and one projection in another order or kernel, and
+# the record's own storage rounding: about 1e-6 in fp32, 1e-3 in fp16, 1e-2 in bf16 (whose
+# storage alone rounds by up to 2^-9). These allow about five times that, and fp32 the error
+# of a writer that multiplied in TF32 (fp16's mantissa). An fp8 record's quantization error
+# is all of its error: its full-verification tolerance.
+FIRST_LAYER_TOLERANCE: dict[str, float] = {
+    "float32": 0.002,
+    "float16": 0.01,
+    "bfloat16": 0.05,
+    "float8_e4m3fn": REL_TOLERANCE["float8_e4m3fn"],
+    "float8_e5m2": REL_TOLERANCE["float8_e5m2"],
+}
+# K is rotated by its position's angles, and writers compute those angles differently (in
+# fp64, or from inverse frequencies an ulp apart): the angle's error grows with the position,
+# about one fp32 ulp of it. So K's tolerance grows by this much per position (1.6e-2 more at
+# 131,072 tokens); V is never rotated.
+ROPE_DRIFT_PER_POSITION = 2.0**-23
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,24 +118,21 @@ class RecordCheck:
         expected = self.layer.kv(torch.from_numpy(ids), torch.from_numpy(positions)).numpy()
         stored = stored.reshape(expected.shape)
         errors = _relative_errors(stored, expected, spans, uniform=dtype is not None)  # [2, R]
-        if dtype is not None:  # one dtype and one draw for all: one tolerance
-            tolerances = np.full(len(spans), REL_TOLERANCE.get(dtype, 0.01))
-        else:
-            tolerances = np.array([REL_TOLERANCE.get(records[i].dtype, 0.01) for i, _, _ in spans])
+        tolerances = _tolerances(records, spans, dtype, positions)  # [2, R]
         past = (errors > tolerances).any(axis=0)
         self.checked_records += len(spans)
         if not past.any():
             return None
         self.failed_records += 1
         at = int(np.argmax(past))
-        index, tolerance = spans[at][0], float(tolerances[at])
+        index = spans[at][0]
         record = records[index]
         worst = tuple(
             sorted(
                 (
                     (0, PLANE_NAMES[p], float(errors[p, at]))
                     for p in range(2)
-                    if errors[p, at] > tolerance
+                    if errors[p, at] > tolerances[p, at]
                 ),
                 key=lambda x: -x[2],
             )
@@ -122,7 +140,7 @@ class RecordCheck:
         mismatch = BlockMismatch(
             record.key.hex(),
             record.dtype,
-            tolerance,
+            float(tolerances[:, at].min()),
             worst,
             float(errors[:, at].max()),
             "values",
@@ -227,6 +245,26 @@ def _first_layer(record: KVBlock, offsets: np.ndarray, row: int) -> np.ndarray |
         values[0] *= scales[0]
         values[1] *= scales[1]
     return values
+
+
+def _tolerances(
+    records: Sequence[KVBlock],
+    spans: Sequence[tuple[int, int, int]],
+    dtype: str | None,
+    positions: np.ndarray,
+) -> np.ndarray:
+    """Each checked record's tolerance for its K and V (``[2, records]``): its dtype's, and K's
+    grown by the furthest position drawn in it (``ROPE_DRIFT_PER_POSITION``)."""
+    if dtype is not None:  # one dtype for all
+        base = np.full(len(spans), FIRST_LAYER_TOLERANCE.get(dtype, 0.01))
+    else:
+        base = np.array([FIRST_LAYER_TOLERANCE.get(records[i].dtype, 0.01) for i, _, _ in spans])
+    if isinstance(spans, _EvenSpans):  # no tuple per record (see ``_gather_at_once``)
+        furthest = positions.reshape(spans.count, spans.k).max(axis=1)
+    else:
+        starts = np.array([begin for _, begin, _ in spans], dtype=np.int64)
+        furthest = np.maximum.reduceat(positions, starts)
+    return np.stack([base + furthest * ROPE_DRIFT_PER_POSITION, base])
 
 
 # Token ids and positions drawn, the records' first-layer K and V there, each record's span of

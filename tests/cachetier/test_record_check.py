@@ -3,14 +3,17 @@ model folder, against what transformers caches and against forged records."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.support.forgeries import noise
+from cachetier.guard.compare import REL_TOLERANCE
 from cachetier.guard.first_layer import FirstLayer, rope_inv_freq
-from cachetier.guard.record_check import RecordCheck
+from cachetier.guard.record_check import FIRST_LAYER_TOLERANCE, RecordCheck
 from tests.cachetier.guard_records import (
     BLOCK,
     DEEP_LAYER_FORGERY,
@@ -80,6 +83,44 @@ def test_a_deeper_layer_forgery_is_not_seen_here(check: RecordCheck, kv: np.ndar
     records = records_of(kv, TOKENS)
     records[0] = forged(records[0], DEEP_LAYER_FORGERY)
     assert check.first_failure(records, TOKENS, 0) is None
+
+
+def test_noise_a_full_verification_lets_pass_is_refused_here(
+    check: RecordCheck, kv: np.ndarray
+) -> None:
+    # Half a full verification's fp32 tolerance in every layer: within what rounding grown
+    # through every layer may do, but not what one projection's rounding does to layer 0.
+    records = records_of(kv, TOKENS)
+    loud = REL_TOLERANCE["float32"] / 2
+    records[1] = forged(records[1], lambda v: noise(v, loud))
+    failure = check.first_failure(records, TOKENS, 0)
+    assert failure is not None and failure.index == 1
+    assert failure.mismatch.tolerance == FIRST_LAYER_TOLERANCE["float32"]
+    quiet = FIRST_LAYER_TOLERANCE["float32"] / 4
+    records[1] = forged(records_of(kv, TOKENS)[1], lambda v: noise(v, quiet))
+    assert check.first_failure(records, TOKENS, 0) is None
+
+
+def test_k_may_drift_with_its_position_as_writers_rotary_angles_do(
+    tiny_model_dir: Path, check: RecordCheck
+) -> None:
+    # A writer whose inverse frequencies are an fp32 ulp off ours (another formula, fp64
+    # angles): far into a sequence its K differs by more than the fp32 tolerance, honestly.
+    ours = FirstLayer.from_folder(tiny_model_dir)
+    drifted = ours.inv_freq.clone()
+    drifted[1:] = torch.nextafter(drifted[1:], torch.full_like(drifted[1:], 2.0))
+    theirs = replace(ours, inv_freq=drifted, _table=[None])
+    far = 400_000
+    ids, positions = torch.tensor(TOKENS), torch.arange(len(TOKENS)) + far
+    kv = theirs.kv(ids, positions).numpy()[None]  # [1 layer, 2, tokens, heads, dim]
+    expected = ours.kv(ids, positions).numpy()
+    k_error = np.linalg.norm(kv[0, 0] - expected[0]) / np.linalg.norm(expected[0])
+    assert k_error > FIRST_LAYER_TOLERANCE["float32"]  # past the tolerance at position 0
+    records = records_of(kv, TOKENS)
+    assert check.first_failure(records, TOKENS, far) is None
+    # The drift grows K's tolerance, not V's: V is never rotated.
+    swapped = records_of(kv[:, ::-1].copy(), TOKENS)
+    assert check.first_failure(swapped, TOKENS, far) is not None
 
 
 def test_bfloat16_records_pass_within_their_tolerance(check: RecordCheck, kv: np.ndarray) -> None:

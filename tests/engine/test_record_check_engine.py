@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.support.forgeries import Stored, noise_below_tolerance, values
+from benchmarks.support.forgeries import Stored, noise_below_tolerance, noise_in_every_layer, values
 from cachetier.engine.llm import LLM
 from cachetier.engine.sampling import SamplingParams
 from cachetier.primitives.keys import Namespace
@@ -49,6 +49,9 @@ FIRST_LAYER: dict[str, Change] = {
     "k_and_v_swapped": lambda v: v[:, ::-1],
     "heads_permuted": lambda v: v[:, :, :, ::-1],
     "first_layer_zeroed": _zero(0),
+    # Half a full verification's tolerance in every layer: within it, but not within the
+    # per-record check's first-layer tolerance.
+    "noise_in_every_layer": noise_in_every_layer,
 }
 
 
@@ -174,8 +177,8 @@ def test_a_deeper_layer_forgery_of_a_trusted_writer_is_caught_only_when_drawn(
 def test_noise_below_the_tolerance_is_served_as_honest(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    # Half the fp32 tolerance in every layer: no check can tell it from an honest record's
-    # rounding, so it is served, and neither the record check nor a full verification of the
+    # A quarter of the per-record check's fp32 tolerance in every layer: no check can tell it
+    # from an honest record's rounding, so it is served, and neither the record check nor a full verification of the
     # writer's first hit quarantines it (``benchmarks.guard`` counts what it does to answers).
     folder = tmp_path / "disk"
     writer = start_new_writer()
