@@ -10,7 +10,8 @@ fingerprint, dtype and shape, freshly checksummed, holding KV that is wrong for 
 - ``noise_in_every_layer``: every layer moved by half a full verification's fp32 tolerance,
   which only the per-record check's tighter first-layer tolerance refuses;
 - ``noise_below_tolerance``: every layer moved by a quarter of the per-record check's fp32
-  tolerance (a token's own share of it, drawn, stays below the whole), which no check can tell from an honest record's rounding: what it costs in answers is measured;
+  tolerance (a token's own share of it, drawn, stays below the whole), which no check can tell
+  from an honest record's rounding: what it costs in answers is measured;
 - another model's KV under this model's fingerprint (a fingerprint set by hand): made by the
   caller, who stores the same prompt with the other model and passes its records' values.
 """

@@ -178,8 +178,9 @@ def test_noise_below_the_tolerance_is_served_as_honest(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     # A quarter of the per-record check's fp32 tolerance in every layer: no check can tell it
-    # from an honest record's rounding, so it is served, and neither the record check nor a full verification of the
-    # writer's first hit quarantines it (``benchmarks.guard`` counts what it does to answers).
+    # from an honest record's rounding, so it is served, and neither the record check nor a
+    # full verification of the writer's first hit quarantines it (``benchmarks.guard`` counts
+    # what it does to answers).
     folder = tmp_path / "disk"
     writer = start_new_writer()
     namespace = _store(tiny_model_dir, folder, [FIRST, PROMPT])
