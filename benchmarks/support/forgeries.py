@@ -136,7 +136,7 @@ def noise(v: np.ndarray, share: float, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     out = v.astype(np.float32, copy=True)
     for layer in range(out.shape[0]):
-        for plane in range(2):
+        for plane in range(out.shape[1]):
             drawn = rng.standard_normal(out[layer, plane].shape).astype(np.float32)
             size = float(np.linalg.norm(out[layer, plane])) * share
             out[layer, plane] += drawn * (size / max(float(np.linalg.norm(drawn)), 1e-30))

@@ -30,7 +30,7 @@ DEFAULT_TOKENS_PER_RECORD = 1
 # The largest relative error of an honest record's first-layer K or V of one token, per dtype.
 # Honest means the rounding of one RMSNorm and one projection in another order or kernel, and
 # the record's own storage rounding: about 1e-6 in fp32, 1e-3 in fp16, 1e-2 in bf16 (whose
-# storage alone rounds by up to 2^-9). These allow about five times that, and fp32 the error
+# storage alone rounds by up to 2^-8). These allow about five times that, and fp32 the error
 # of a writer that multiplied in TF32 (fp16's mantissa). An fp8 record's quantization error
 # is all of its error: its full-verification tolerance.
 FIRST_LAYER_TOLERANCE: dict[str, float] = {
