@@ -92,9 +92,7 @@ ABOUT = {
         "with its 95% interval. On two shared cores the intervals are wider than the 0.01 "
         "target, so the run cannot tell the steady-state cost from zero; read the batch times "
         "(`*_batch_s`) and the expected cost (`guard_overhead_expected*`) with it. The whole "
-        "run also gives the per-record figures of `guard_records` below; a test ran beside "
-        "its per-record overhead rounds, so the quiet run of that table is the one to read for "
-        "`record_check_overhead`."
+        "run also gives the per-record figures of `guard_records` below."
     ),
     "guard_records": (
         "Every restored record checked against its own tokens (`--records-only`), in our "
