@@ -377,6 +377,8 @@ def build_store(config: StoreConfig) -> TieredStore:
     registry = None if not config.pin_file else PinRegistry(config.pin_file, config.disk_file_mode)
     tiers = build_tiers(config)
     try:
+        for tier in tiers:
+            tier.probe()  # a Redis or sidecar that cannot be reached is said now, not at a request
         return TieredStore(
             tiers,
             write_queue_blocks=config.write_queue_blocks,

@@ -285,6 +285,12 @@ class Tier(ABC):
             more,
         )
 
+    def probe(self) -> None:
+        """Reach the tier's service once, as a store starts: one that cannot be reached is
+        said then (at ERROR, with its URL), not at the first request. A service that is down
+        is a counted error, as for any call, never an exception. A tier of this host has
+        nothing to reach."""
+
     def close(self) -> None:
         """Release resources; the tier must not be used afterwards."""
 

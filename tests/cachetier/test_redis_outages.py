@@ -12,6 +12,7 @@ import pytest
 
 from cachetier.primitives.keys import Namespace
 from cachetier.record import KVBlock
+from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.redis import RedisTier, RedisTierConfig
 from tests.support import (
     FAST_FAIL,
@@ -199,3 +200,22 @@ def test_an_unreachable_redis_is_said_at_error_once_then_warned_a_minute_apart(
         assert len(warnings) == 1 and "still cannot be reached" in warnings[0]
         assert "s3cret" not in caplog.text  # the password is masked everywhere
         tier.close()
+
+
+def test_a_store_says_an_unreachable_redis_as_it_starts(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before any request: a pod whose redis_url is wrong says so as it starts, not when
+    # traffic first comes, and one whose Redis answers says nothing.
+    with refusing_port() as port, caplog.at_level(logging.WARNING, logger="cachetier"):
+        url = f"redis://user:s3cret@127.0.0.1:{port}/0"
+        with build_store(StoreConfig(cpu_bytes=1 << 20, redis_url=url)) as store:
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert store.stats()["tiers"]["redis"]["errors"] == 1
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0]
+    assert "cannot be reached" in errors[0] and "s3cret" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cachetier"):
+        with build_store(StoreConfig(cpu_bytes=1 << 20, redis_url=redis_url)) as store:
+            assert store.stats()["tiers"]["redis"]["errors"] == 0
+    assert not caplog.records

@@ -23,6 +23,7 @@ from cachetier.connectors.sglang.storage import CacheTierStorage
 from tests.children import run_python
 from tests.connectors.sglang_pool import make_mha_pool, make_mla_pool
 from tests.server.live import TOKENS, ThreadServer, test_config
+from tests.support import refusing_port
 
 PAGE, PAGES, LAYERS, HEADS, DIM, LATENT = 4, 6, 3, 2, 8, 16
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -382,6 +383,17 @@ def test_a_bad_config_stops_sglang_loudly(
     assert len(ours) == 1 and ours[0].levelno == logging.ERROR
     assert "SGLang is not started" in ours[0].getMessage()
     assert "disk_pth" in ours[0].getMessage()
+
+
+def test_an_unreachable_redis_is_said_as_sglang_starts(
+    make_backend: Callable[..., CacheTierStorage], caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang starts (a tier that is down answers misses), and says so once, at ERROR.
+    with refusing_port() as port, caplog.at_level(logging.WARNING, logger="cachetier"):
+        backend = make_backend(mha_pool(), {"redis_url": f"redis://127.0.0.1:{port}/0"})
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert backend.running
+    assert len(errors) == 1 and f"redis://127.0.0.1:{port}/0 cannot be reached" in errors[0]
 
 
 def test_fail_on_start_error_false_serves_without_cachetier(

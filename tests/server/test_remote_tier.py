@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from cachetier.store.config import StoreConfig, build_store
 from cachetier.tiers.remote import RemoteTier, RemoteTierConfig
 from tests.server.batches import read_batch
 from tests.server.live import TOKENS, ThreadServer, call
-from tests.support import make_blocks
+from tests.support import make_blocks, refusing_port
 from tests.support import silent_port as hung_port
 
 MakeRemote = Callable[..., RemoteTier]
@@ -227,6 +228,19 @@ def test_store_config_stacks_the_remote_tier(
         )
         assert restored.sources == ("remote",) * 4
         assert [bytes(b.data) for b in restored.blocks] == [bytes(b.data) for b in blocks]
+
+
+def test_a_store_says_an_unreachable_server_as_it_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with refusing_port() as port, caplog.at_level(logging.WARNING, logger="cachetier"):
+        config = StoreConfig(
+            cpu_bytes=1 << 20, remote_url=f"http://127.0.0.1:{port}", remote_token="s3cret-t0ken"
+        )
+        with build_store(config):
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0]
+    assert "cannot be reached" in errors[0] and "s3cret" not in caplog.text
 
 
 def test_connector_config_names_the_server() -> None:

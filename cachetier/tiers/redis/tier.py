@@ -320,6 +320,10 @@ class RedisTier(Tier):
             )
         return self._pins
 
+    def probe(self) -> None:
+        """One EXISTS through the tier's breaker (a cluster reads its slot map for it)."""
+        self._transport.leading([f"{self._config.key_prefix}:_probe"])
+
     def _call_failed(self, exc: BaseException, fault: Fault) -> None:
         """Count a call that failed (the guard told the breaker)."""
         self._stats.add(errors=1)

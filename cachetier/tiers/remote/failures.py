@@ -144,6 +144,11 @@ class RequestFailures:
         outside the guard): as the guard's ``ANSWERED`` failure."""
         self._failed(exc, Fault.ANSWERED)
 
+    def probe_failed(self, exc: BaseException) -> None:
+        """Account for the start's one read of the server that failed (outside the guard): as
+        the guard's last failed attempt of a call."""
+        self._failed(exc, request_fault(exc) or Fault.TRANSIENT)
+
     def retrying(self, exc: BaseException) -> None:
         """Count a failed attempt that is tried again (``retries``)."""
         if isinstance(exc, _TLS_ERRORS):

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from cachetier.errors import CorruptBlockError, RequestRefusedError, TierUnavailableError
-from cachetier.primitives.keys import HASH_BYTES, BlockHash
+from cachetier.primitives.keys import BlockHash
 from cachetier.record import (
     KVBlock,
     decode_record,
@@ -52,6 +52,7 @@ from cachetier.tiers.base import Tier, check_namespace, land_in
 from cachetier.tiers.prefix import PrefixHit
 from cachetier.tiers.remote.batching import RequestLimits
 from cachetier.tiers.remote.busy import ServerBusyError
+from cachetier.tiers.remote.checks import check_blocks, check_keys
 from cachetier.tiers.remote.client import RemoteClient
 from cachetier.tiers.remote.config import RemoteTierConfig
 from cachetier.tiers.remote.failures import TRANSIENT, RequestFailures
@@ -115,7 +116,7 @@ class RemoteTier(Tier):
     # Blocking facade (the Tier interface).
 
     def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
-        _check_blocks(namespace, blocks)
+        check_blocks(namespace, blocks)
         if self._transfer_client() is not None:
             return self._put_transfer(namespace, blocks)
         return self._put_http(namespace, blocks)
@@ -125,7 +126,7 @@ class RemoteTier(Tier):
         return self._wait(self._put_many(namespace, blocks), 0, num_requests)
 
     def get_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         if self._transfer_client() is not None:
             return self._get_transfer(namespace, keys, None)
         return self._get_http(namespace, keys)
@@ -140,7 +141,7 @@ class RemoteTier(Tier):
     ) -> list[KVBlock | None]:
         if self._transfer_client() is None:
             return super().get_into(namespace, keys, dests)
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         if len(dests) != len(keys):
             raise ValueError(f"{len(dests)} destinations for {len(keys)} keys")
         targets = [normalize(d) for d in dests]
@@ -160,12 +161,12 @@ class RemoteTier(Tier):
         Returns:
             The run; empty when the server cannot be reached.
         """
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         num_requests = self._limits.num_requests(len(keys), self._limits.max_keys)
         return self._wait(self._lookup(namespace, keys), _NO_HIT, num_requests)
 
     def delete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         num_requests = self._limits.num_requests(len(keys), self._limits.max_keys)
         return self._wait(self._delete(namespace, keys), 0, num_requests)
 
@@ -186,17 +187,17 @@ class RemoteTier(Tier):
 
     async def aput_many(self, namespace: str, blocks: Sequence[KVBlock]) -> int:
         """``put_many`` for async callers."""
-        _check_blocks(namespace, blocks)
+        check_blocks(namespace, blocks)
         return await self._loop.run_async(self._put_many(namespace, blocks))
 
     async def aget_many(self, namespace: str, keys: Sequence[BlockHash]) -> list[KVBlock | None]:
         """``get_many`` for async callers."""
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         return await self._loop.run_async(self._get_many(namespace, keys))
 
     async def alookup(self, namespace: str, keys: Sequence[BlockHash]) -> PrefixHit:
         """``lookup`` for async callers."""
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         return await self._loop.run_async(self._lookup(namespace, keys))
 
     async def acontains_prefix(self, namespace: str, keys: Sequence[BlockHash]) -> int:
@@ -205,7 +206,7 @@ class RemoteTier(Tier):
 
     async def adelete(self, namespace: str, keys: Sequence[BlockHash]) -> int:
         """``delete`` for async callers."""
-        _check_keys(namespace, keys)
+        check_keys(namespace, keys)
         return await self._loop.run_async(self._delete(namespace, keys))
 
     async def aclear(self, namespace: str) -> int:
@@ -375,13 +376,15 @@ class RemoteTier(Tier):
             removed += await self._call(lambda c=chunk: self._client.delete(namespace, c), 0)
         return removed
 
-    async def _fetch_limits(self) -> RequestLimits:
+    async def _fetch_limits(self, probing: bool = False) -> RequestLimits:
         """The request limits, asking the server for its own on first use."""
         if not self._limits_known and not self._breaker.is_open:
             try:
                 server = await self._client.limits()
-            except (*TRANSIENT, RequestRefusedError):
-                return self._limits  # the call that follows counts the failure
+            except (*TRANSIENT, RequestRefusedError) as exc:
+                if probing:  # no call follows to count the failure
+                    self._failures.probe_failed(exc)
+                return self._limits
             self._limits = self._config.limits.narrowed(server)
             old = self._transfer
             self._transfer = pick_transfer(self._config, self._tls, server.get("transfer"), old)
@@ -389,6 +392,11 @@ class RemoteTier(Tier):
                 self._fallback.reset()
             self._limits_known = True
         return self._limits
+
+    def probe(self) -> None:
+        """Read the server's limits now, one attempt; a failure is counted and said as a
+        call's would be (``RequestFailures.probe_failed``), and the next call asks again."""
+        self._wait(self._fetch_limits(probing=True), self._limits, 1)
 
     def _transfer_client(self) -> TransferClient | None:
         """The transfer client, reading the server's limits first if they are not known."""
@@ -480,17 +488,3 @@ class RemoteTier(Tier):
 
 _NO_HIT = PrefixHit(0, (), ())
 _FALL_BACK: Any = object()  # a transfer's answer when the port failed: go over HTTP
-
-
-def _check_keys(namespace: str, keys: Sequence[BlockHash]) -> None:
-    check_namespace(namespace)
-    for key in keys:
-        if not isinstance(key, (bytes, bytearray)) or len(key) != HASH_BYTES:
-            raise ValueError(f"a key is {HASH_BYTES} bytes, got {key!r:.80}")
-
-
-def _check_blocks(namespace: str, blocks: Sequence[KVBlock]) -> None:
-    check_namespace(namespace)
-    for block in blocks:
-        if not isinstance(block, KVBlock):
-            raise TypeError(f"blocks must be KVBlock, got {type(block).__name__}")
