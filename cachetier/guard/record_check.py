@@ -255,10 +255,11 @@ def _tolerances(
 ) -> np.ndarray:
     """Each checked record's tolerance for its K and V (``[2, records]``): its dtype's, and K's
     grown by the furthest position drawn in it (``ROPE_DRIFT_PER_POSITION``)."""
+    # Only records of a dtype in the table are gathered (``_first_layer``, ``_FLOATS``).
     if dtype is not None:  # one dtype for all
-        base = np.full(len(spans), FIRST_LAYER_TOLERANCE.get(dtype, 0.01))
+        base = np.full(len(spans), FIRST_LAYER_TOLERANCE[dtype])
     else:
-        base = np.array([FIRST_LAYER_TOLERANCE.get(records[i].dtype, 0.01) for i, _, _ in spans])
+        base = np.array([FIRST_LAYER_TOLERANCE[records[i].dtype] for i, _, _ in spans])
     if isinstance(spans, _EvenSpans):  # no tuple per record (see ``_gather_at_once``)
         furthest = positions.reshape(spans.count, spans.k).max(axis=1)
     else:
