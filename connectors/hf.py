@@ -243,11 +243,7 @@ class HFCacheConnector:
         # layer counts every token and keeps its last window - 1 (``hf_layers``).
         for index, (k, v) in enumerate(layers):
             cache.update(k, v, index)
-        sources = tuple(found.sources[: len(blocks)])
-        self.stats.restored_blocks += len(blocks)
-        for name in sources:
-            self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
-        return _Restored(cache, len(blocks) * self.block_size, sources)
+        return self._counted(cache, tuple(found.sources[: len(blocks)]))
 
     def _restore_windowed(self, tokens: list[int]) -> _Restored:
         assert self.windowed is not None
@@ -263,10 +259,14 @@ class HFCacheConnector:
         cache = self._new_cache()
         for index, (k, v) in enumerate(hit.layers):
             cache.update(k, v, index)  # a sliding-window layer keeps its last window - 1
-        self.stats.restored_blocks += len(hit.sources)
-        for name in hit.sources:
+        return self._counted(cache, tuple(hit.sources))
+
+    def _counted(self, cache: DynamicCache, sources: tuple[str, ...]) -> _Restored:
+        """The restore of one block from each of ``sources``, counted in ``stats``."""
+        self.stats.restored_blocks += len(sources)
+        for name in sources:
             self.stats.restored_by_tier[name] = self.stats.restored_by_tier.get(name, 0) + 1
-        return _Restored(cache, len(hit.sources) * self.block_size, hit.sources)
+        return _Restored(cache, len(sources) * self.block_size, sources)
 
     def _usable(self, blocks: Sequence[KVBlock], keys: Sequence[BlockHash]) -> list[KVBlock]:
         # The store already checked key and namespace fingerprint; check what the payload claims.
